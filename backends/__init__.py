@@ -1,0 +1,1 @@
+"""Array backends: one module per framework implementing :class:`tome_core.ops.ArrayOps`."""

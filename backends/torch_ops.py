@@ -1,0 +1,70 @@
+"""torch implementation of the array-ops protocol. No host syncs; works under torch.compile."""
+
+from __future__ import annotations
+
+import torch
+
+
+class TorchOps:
+    name = "torch"
+
+    def shape(self, x):
+        return tuple(x.shape)
+
+    def arange(self, n, like):
+        return torch.arange(n, device=like.device)
+
+    def zeros(self, shape, like):
+        return torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+    def ones(self, shape, like):
+        return torch.ones(shape, dtype=like.dtype, device=like.device)
+
+    def as_index(self, x):
+        return (x.floor() if x.is_floating_point() else x).long()
+
+    def astype_like(self, x, like):
+        return x.to(like.dtype)
+
+    def reshape(self, x, shape):
+        return x.reshape(shape)
+
+    def broadcast_to(self, x, shape):
+        return x.expand(shape)
+
+    def concat(self, arrays, axis):
+        return torch.cat(arrays, dim=axis)
+
+    def where(self, condition, a, b):
+        return torch.where(condition, a, b)
+
+    def matmul(self, a, b):
+        return a @ b
+
+    def matrix_transpose(self, x):
+        return x.transpose(-1, -2)
+
+    def vector_norm(self, x):
+        return torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+
+    def max_argmax(self, x):
+        values, index = x.max(dim=-1)
+        return values, index
+
+    def argsort_desc(self, x):
+        return torch.sort(x, dim=-1, descending=True, stable=True).indices
+
+    def take(self, x, indices, axis):
+        return x.index_select(axis, indices)
+
+    def take_along_axis(self, x, indices, axis):
+        return torch.gather(x, axis, indices)
+
+    def scatter(self, target, indices, values, axis):
+        return target.scatter(axis, indices, values)
+
+    def scatter_add(self, target, indices, values, axis):
+        return target.scatter_add(axis, indices, values)
+
+
+OPS = TorchOps()

@@ -1,0 +1,162 @@
+"""Property tests of the core on every requested backend, with numpy brute force as the oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tome_core import bipartite_match, load_backend, merge, unmerge
+from tome_core.partition import random_offsets, split
+
+NUMPY = load_backend("numpy")
+
+
+@st.composite
+def cases(draw):
+    sx, sy = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    h, w = draw(st.integers(1, 11)), draw(st.integers(1, 11))
+    batch, channels = draw(st.integers(1, 3), label="batch"), draw(st.integers(1, 6), label="channels")
+    num_dst = (h // sy) * (w // sx)
+    merged = draw(st.integers(0, h * w - num_dst)) if num_dst else 0
+    use_rand = draw(st.booleans())
+    step = draw(st.integers(0, 1000))
+    seed = draw(st.integers(0, 2**31))
+    return dict(batch=batch, h=h, w=w, channels=channels, sx=sx, sy=sy, merged=merged, use_rand=use_rand, step=step, seed=seed)
+
+
+def make(case, xp, data_seed):
+    rng = np.random.default_rng(data_seed)
+    n = case["h"] * case["w"]
+    metric = rng.standard_normal((case["batch"], n, case["channels"])).astype(np.float32)
+    x = rng.standard_normal((case["batch"], n, 5)).astype(np.float32)
+    offsets = None
+    if case["use_rand"] and (case["h"] // case["sy"]) * (case["w"] // case["sx"]):
+        offsets = random_offsets(
+            xp.ops, xp.asarray(metric), case["h"], case["w"], case["sx"], case["sy"], case["seed"], case["step"], 3
+        )
+    match = bipartite_match(
+        xp.ops, xp.asarray(metric), case["h"], case["w"], case["sx"], case["sy"], case["merged"], offsets
+    )
+    return metric, x, offsets, match
+
+
+def numpy_partition(case, offsets):
+    """Brute-force partition: walk the cells and mark each destination."""
+    h, w, sx, sy = case["h"], case["w"], case["sx"], case["sy"]
+    is_dst = np.zeros((h, w), bool)
+    for i in range(h // sy):
+        for j in range(w // sx):
+            o = 0 if offsets is None else int(offsets[i, j])
+            is_dst[i * sy + o // sx, j * sx + o % sx] = True
+    return is_dst.reshape(-1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=cases(), data_seed=st.integers(0, 2**32 - 1))
+def test_match_properties_against_brute_force(xp, case, data_seed):
+    metric, x, offsets, match = make(case, xp, data_seed)
+    n, r = case["h"] * case["w"], case["merged"]
+    merged = xp.numpy(merge(xp.asarray(x), match))
+    restored = xp.numpy(unmerge(merge(xp.asarray(x), match), match))
+    assert merged.shape == (case["batch"], n - r, 5)
+    assert restored.shape == x.shape
+    if r == 0:
+        np.testing.assert_array_equal(merged, x)
+        np.testing.assert_array_equal(restored, x)
+        return
+    slot = xp.numpy(match.slot)
+    sizes = xp.numpy(match.sizes)[..., 0]
+    is_dst = numpy_partition(case, None if offsets is None else xp.numpy(offsets))
+    # Brute force cosine similarity and choice.
+    unit = metric / np.maximum(np.linalg.norm(metric, axis=-1, keepdims=True), 1e-30)
+    for b in range(case["batch"]):
+        src, dst = np.flatnonzero(~is_dst), np.flatnonzero(is_dst)
+        scores = unit[b, src] @ unit[b, dst].T
+        best = scores.max(axis=1)
+        # Each destination keeps its own slot; a source shares a slot only with a destination.
+        assert len(set(slot[b, dst])) == len(dst)
+        shared = np.isin(slot[b, src], slot[b, dst])
+        assert shared.sum() == r
+        if r < len(src):
+            assert best[shared].min() >= best[~shared].max() - 1e-5
+        # A merged source goes to (one of) its most similar destinations.
+        dst_of = {s: d for s, d in zip(slot[b, dst], dst)}
+        for s in np.flatnonzero(shared):
+            chosen = np.flatnonzero(dst == dst_of[slot[b, src[s]]])[0]
+            assert scores[s, chosen] >= best[s] - 1e-5
+        # Slots cover 0..N-r-1, sizes count them, and merging averages each slot's tokens.
+        np.testing.assert_array_equal(np.bincount(slot[b], minlength=n - r), sizes[b])
+        expected = np.zeros((n - r, 5))
+        np.add.at(expected, slot[b], x[b])
+        np.testing.assert_allclose(merged[b], expected / sizes[b][:, None], rtol=1e-5, atol=1e-5)
+        # Unmerge gives every token its slot's value; unmerged tokens come back exactly.
+        np.testing.assert_allclose(restored[b], merged[b][slot[b]], rtol=0, atol=0)
+        alone = sizes[b][slot[b]] == 1
+        np.testing.assert_allclose(restored[b][alone], x[b][alone], rtol=1e-6, atol=1e-6)
+    # Merge preserves the size-weighted sum of the tokens.
+    np.testing.assert_allclose((merged * sizes[..., None]).sum(1), x.sum(1), rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=cases(), data_seed=st.integers(0, 2**32 - 1))
+def test_backend_equals_numpy_reference(xp, case, data_seed):
+    _, x, offsets, match = make(case, xp, data_seed)
+    class NumpyConverter:
+        ops = NUMPY
+        asarray = staticmethod(lambda a: a)
+        numpy = staticmethod(np.asarray)
+    _, _, ref_offsets, ref = make(case, NumpyConverter, data_seed)
+    if offsets is not None:
+        np.testing.assert_array_equal(xp.numpy(offsets), ref_offsets)
+    assert match.merged == ref.merged
+    if ref.merged:
+        np.testing.assert_array_equal(xp.numpy(match.slot), ref.slot)
+    np.testing.assert_allclose(xp.numpy(merge(xp.asarray(x), match)), merge(x, ref), rtol=1e-5, atol=1e-6)
+    y = np.random.default_rng(data_seed).standard_normal((case["batch"], match.kept, 3)).astype(np.float32)
+    np.testing.assert_array_equal(xp.numpy(unmerge(xp.asarray(y), match)), unmerge(y, ref))
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=cases())
+def test_partition_is_a_permutation_with_one_destination_per_cell(xp, case):
+    h, w, sx, sy = case["h"], case["w"], case["sx"], case["sy"]
+    like = xp.asarray(np.zeros((1,), np.float32))
+    offsets = None
+    if case["use_rand"] and (h // sy) * (w // sx):
+        offsets = random_offsets(xp.ops, like, h, w, sx, sy, case["seed"], case["step"], 0)
+        assert xp.numpy(offsets).min() >= 0 and xp.numpy(offsets).max() < sx * sy
+    dst, src = (xp.numpy(a) for a in split(xp.ops, like, h, w, sx, sy, offsets))
+    np.testing.assert_array_equal(np.sort(np.concatenate([src, dst])), np.arange(h * w))
+    np.testing.assert_array_equal(
+        np.flatnonzero(numpy_partition(case, None if offsets is None else xp.numpy(offsets))), np.sort(dst)
+    )
+
+
+def test_random_offsets_are_spread_and_depend_on_every_key(xp):
+    like = xp.asarray(np.zeros((1,), np.float32))
+    draws = np.stack(
+        [xp.numpy(random_offsets(xp.ops, like, 64, 64, 2, 2, 0, step, 0)).ravel() for step in range(50)]
+    )
+    counts = np.bincount(draws.ravel(), minlength=4) / draws.size
+    assert np.all(np.abs(counts - 0.25) < 0.02), counts
+    # Consecutive cells and consecutive steps do not repeat one another.
+    assert np.mean(draws[:, 1:] == draws[:, :-1]) < 0.3
+    assert np.mean(draws[1:] == draws[:-1]) < 0.3
+    base = xp.numpy(random_offsets(xp.ops, like, 64, 64, 2, 2, 0, 7, 0))
+    for changed in ((1, 7, 0), (0, 8, 0), (0, 7, 1)):
+        other = xp.numpy(random_offsets(xp.ops, like, 64, 64, 2, 2, *changed))
+        assert np.mean(other == base) < 0.4, changed
+
+
+def test_zero_vectors_match_without_nan(xp):
+    metric = np.zeros((1, 16, 4), np.float32)
+    match = bipartite_match(xp.ops, xp.asarray(metric), 4, 4, 2, 2, 8, None)
+    out = xp.numpy(merge(xp.asarray(np.ones((1, 16, 2), np.float32)), match))
+    assert np.all(np.isfinite(out)) and out.shape == (1, 8, 2)
+
+
+def test_grid_must_hold_the_tokens(xp):
+    with pytest.raises(ValueError, match="grid 3x3 has 9 tokens but the metric has 16"):
+        bipartite_match(xp.ops, xp.asarray(np.zeros((1, 16, 4), np.float32)), 3, 3, 2, 2, 1, None)

@@ -1,0 +1,72 @@
+"""Framework-free core: importing it loads no framework, and options are validated with clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tome_core import ToMeConfig
+from tome_core.levels import block_grid, downsample_factor, level_grid
+
+
+def test_import_loads_no_framework():
+    code = (
+        "import sys, tome_core, tome_core.config, tome_core.state, tome_core.levels;"
+        "print(sorted(m for m in ('numpy', 'torch', 'paddle', 'jax', 'flax', 'diffusers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"ratio": 1.0}, ValueError, r"ratio must be in \[0, 1\), got 1.0"),
+        ({"ratio": -0.1}, ValueError, r"ratio must be in \[0, 1\), got -0.1"),
+        ({"ratio": float("nan")}, ValueError, "ratio must be in"),
+        ({"ratio": "0.5"}, TypeError, "ratio must be a float"),
+        ({"ratio": True}, TypeError, "ratio must be a float"),
+        ({"ratio": 0.8}, ValueError, r"ratio=0.8 cannot be reached with sx=2, sy=2.*at most 1 - 1/\(sx\*sy\) = 0.75"),
+        ({"ratio": 0.6, "sx": 1, "sy": 2}, ValueError, "at most 1 - 1/\\(sx\\*sy\\) = 0.5"),
+        ({"sx": 0}, ValueError, "sx must be an int >= 1, got 0"),
+        ({"sy": 2.0}, TypeError, "sy must be an int >= 1, got 2.0"),
+        ({"max_downsample": 3}, ValueError, "max_downsample must be one of None, 1, 2, 4, 8, got 3"),
+        ({"max_downsample": True}, ValueError, "max_downsample must be one of"),
+        ({"use_rand": 1}, TypeError, "use_rand must be True or False, got 1"),
+        ({"merge_mlp": "yes"}, TypeError, "merge_mlp must be True or False"),
+        ({"seed": -1}, ValueError, "seed must be an int >= 0, got -1"),
+        ({"ration": 0.5}, TypeError, "unknown ToMe option\\(s\\) ration; valid options are ratio, max_downsample"),
+    ],
+)
+def test_bad_options_raise_naming_argument_value_and_allowed(options, error, message):
+    with pytest.raises(error, match=message):
+        ToMeConfig.from_options(options)
+
+
+def test_defaults_follow_tomesd_except_max_downsample():
+    config = ToMeConfig()
+    assert (config.ratio, config.sx, config.sy, config.use_rand) == (0.5, 2, 2, True)
+    assert (config.merge_attn, config.merge_crossattn, config.merge_mlp) == (True, False, False)
+    assert config.max_downsample is None
+    assert ToMeConfig(ratio=0.75).ratio == 0.75  # the reachable maximum itself is allowed
+
+
+@pytest.mark.parametrize(
+    "latent, grid",
+    [((64, 64), (32, 32)), ((63, 65), (32, 33)), ((63, 65), (16, 17)), ((32, 128), (8, 32)), ((8, 64), (1, 8))],
+)
+def test_level_grid_matches_a_strided_unet(latent, grid):
+    tokens = grid[0] * grid[1]
+    factor = downsample_factor(latent, tokens)
+    assert level_grid(latent, factor) == grid
+    assert block_grid(latent, factor, None, tokens) == grid
+
+
+def test_block_grid_prefers_the_grid_seen_by_the_transformer():
+    # 5x40 latent at downsample 8 is 1x5; tomesd's formula says factor 7, which would give 1x6.
+    assert downsample_factor((5, 40), 5) == 7
+    assert block_grid((5, 40), 7, (1, 5), 5) == (1, 5)
+    with pytest.raises(ValueError, match="cannot place 5 tokens on a grid"):
+        block_grid((5, 40), 7, None, 5)

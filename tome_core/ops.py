@@ -1,0 +1,70 @@
+"""The array operations the merge algorithm needs, and nothing more.
+
+Each backend (numpy, torch, paddle, jax) implements this protocol with its framework's own functions.
+Names follow the Python Array API where the operation exists there. Every operation returns a new array
+(jax has no in-place update). Arithmetic and comparisons use the arrays' own operators (``+ - * // % >=``),
+which all four frameworks provide with the same meaning.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence, Tuple
+
+Array = Any
+
+
+class ArrayOps(Protocol):
+    """Array operations used by :mod:`tome_core.partition`, :mod:`tome_core.match` and :mod:`tome_core.merge`."""
+
+    name: str
+
+    def shape(self, x: Array) -> Tuple[int, ...]:
+        """Static shape as Python ints."""
+
+    def arange(self, n: int, like: Array) -> Array:
+        """``[0, 1, ..., n-1]`` as the backend's index dtype, on ``like``'s device."""
+
+    def zeros(self, shape: Sequence[int], like: Array) -> Array:
+        """Zeros of ``like``'s dtype and device."""
+
+    def ones(self, shape: Sequence[int], like: Array) -> Array:
+        """Ones of ``like``'s dtype and device."""
+
+    def as_index(self, x: Array) -> Array:
+        """``x`` converted (floored) to the backend's index dtype."""
+
+    def astype_like(self, x: Array, like: Array) -> Array:
+        """``x`` converted to ``like``'s dtype."""
+
+    def reshape(self, x: Array, shape: Sequence[int]) -> Array: ...
+
+    def broadcast_to(self, x: Array, shape: Sequence[int]) -> Array: ...
+
+    def concat(self, arrays: Sequence[Array], axis: int) -> Array: ...
+
+    def where(self, condition: Array, a: Array, b: Array) -> Array: ...
+
+    def matmul(self, a: Array, b: Array) -> Array: ...
+
+    def matrix_transpose(self, x: Array) -> Array:
+        """Swap the last two axes."""
+
+    def vector_norm(self, x: Array) -> Array:
+        """Euclidean norm over the last axis, kept as a size-1 axis."""
+
+    def max_argmax(self, x: Array) -> Tuple[Array, Array]:
+        """Maximum over the last axis and its (first) index."""
+
+    def argsort_desc(self, x: Array) -> Array:
+        """Indices sorting the last axis in descending order; stable, so ties keep their order."""
+
+    def take(self, x: Array, indices: Array, axis: int) -> Array:
+        """Select along ``axis`` with a 1-D index shared by all other axes."""
+
+    def take_along_axis(self, x: Array, indices: Array, axis: int) -> Array: ...
+
+    def scatter(self, target: Array, indices: Array, values: Array, axis: int) -> Array:
+        """Copy of ``target`` with ``values`` written at ``indices`` along ``axis`` (unique indices)."""
+
+    def scatter_add(self, target: Array, indices: Array, values: Array, axis: int) -> Array:
+        """Copy of ``target`` with ``values`` summed into ``indices`` along ``axis`` (repeats accumulate)."""
