@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+import warnings
+from typing import Optional, Sequence, Tuple
+
+from .config import ToMeConfig
 
 
 def downsample_factor(latent_hw: Tuple[int, int], tokens: int) -> int:
@@ -18,7 +21,9 @@ def level_grid(latent_hw: Tuple[int, int], factor: int) -> Tuple[int, int]:
     return math.ceil(height / factor), math.ceil(width / factor)
 
 
-def block_grid(latent_hw: Tuple[int, int], factor: int, seen_hw: Optional[Tuple[int, int]], tokens: int) -> Tuple[int, int]:
+def block_grid(
+    latent_hw: Tuple[int, int], factor: int, seen_hw: Optional[Tuple[int, int]], tokens: int
+) -> Tuple[int, int]:
     """The block's real grid: the one its transformer saw when known (exact for every shape), else derived."""
     if seen_hw is not None and seen_hw[0] * seen_hw[1] == tokens:
         return seen_hw
@@ -31,11 +36,28 @@ def block_grid(latent_hw: Tuple[int, int], factor: int, seen_hw: Optional[Tuple[
     return grid
 
 
-def levels_below(finest: int, max_downsample: int) -> Tuple[int, ...]:
-    """The power-of-two levels from ``finest`` up to ``max_downsample`` (empty when none qualify)."""
-    levels = []
-    factor = finest
-    while factor <= max_downsample:
-        levels.append(factor)
-        factor *= 2
-    return tuple(levels)
+def finest_attention_level(down_blocks_with_attention: Sequence[bool]) -> int:
+    """Downsample factor of the first UNet down block that has transformer blocks (2**index).
+
+    A model without attention in its down path (only in its middle) counts as its deepest level.
+    """
+    for index, has_attention in enumerate(down_blocks_with_attention):
+        if has_attention:
+            return 2**index
+    return 2 ** max(len(down_blocks_with_attention) - 1, 0)
+
+
+def warn_if_nothing_merges(config: ToMeConfig, finest_level: int, where: str) -> None:
+    """Say so when a patch would merge no token (level selection, ratio 0 or every sub-layer off)."""
+    reason = None
+    if config.max_downsample is not None and config.max_downsample < finest_level:
+        reason = (
+            f"max_downsample={config.max_downsample} but the finest level with attention is downsampled "
+            f"{finest_level}x; use max_downsample=None or >= {finest_level}"
+        )
+    elif config.ratio == 0:
+        reason = "ratio=0"
+    elif not (config.merge_attn or config.merge_crossattn or config.merge_mlp):
+        reason = "merge_attn, merge_crossattn and merge_mlp are all False"
+    if reason:
+        warnings.warn(f"ToMe patch on {where} merges no tokens: {reason}", UserWarning, stacklevel=4)

@@ -1,0 +1,61 @@
+"""Test matrix: one virtualenv per backend (their pins cannot share one environment; see README)."""
+
+import nox
+
+nox.options.sessions = ["tests-numpy", "tests-torch", "tests-paddle", "tests-jax"]
+nox.options.error_on_missing_interpreters = True
+
+TEST = ["pytest", "hypothesis", "numpy"]
+TORCH = ["torch==2.13.0", "diffusers==0.42.1", "transformers==5.23.0", "tomesd==0.1.3"]
+PADDLE = [
+    "paddlepaddle==3.3.1",
+    "huggingface_hub==0.25.2",
+    "aistudio-sdk==0.2.6",
+    "datasets",
+    "colorlog",
+    "jinja2",
+    "jieba",
+    "sentencepiece",
+    "scipy",
+    "regex",
+    "seqeval",
+    "fastapi",
+    "ftfy",
+]
+PADDLE_NO_DEPS = ["ppdiffusers==0.29.0", "paddlenlp==2.8.1"]
+JAX = ["jax==0.10.2", "jaxlib==0.10.2", "flax==0.12.8", "diffusers==0.39.0", "transformers==4.57.6", "torch==2.13.0"]
+
+
+def run_tests(session, backends, *folders):
+    session.run(
+        "pytest", "tests/core", *folders, *session.posargs, env={"TOME_TEST_BACKENDS": backends}
+    )
+
+
+@nox.session(name="tests-numpy")
+def tests_numpy(session):
+    session.install(*TEST)
+    session.install(".")
+    run_tests(session, "numpy")
+
+
+@nox.session(name="tests-torch")
+def tests_torch(session):
+    session.install(*TEST, *TORCH, "tqdm", "matplotlib")
+    session.install(".")
+    run_tests(session, "numpy,torch", "tests/torch")
+
+
+@nox.session(name="tests-paddle")
+def tests_paddle(session):
+    session.install(*TEST, *PADDLE)
+    session.install("--no-deps", *PADDLE_NO_DEPS)
+    session.install(".")
+    run_tests(session, "numpy,paddle", "tests/paddle")
+
+
+@nox.session(name="tests-jax")
+def tests_jax(session):
+    session.install(*TEST, *JAX)
+    session.install(".")
+    run_tests(session, "numpy,jax", "tests/jax")

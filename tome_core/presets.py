@@ -1,0 +1,144 @@
+"""Model architectures with random weights, for examples, benchmarks and tests: nothing is downloaded.
+
+Configs are plain dicts in diffusers' format, which ppdiffusers and diffusers' Flax models read too.
+Framework-free: each adapter's ``models`` module builds these with its own classes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict
+
+# UNet architectures. "sd15"/"sd21"/"sdxl" match the released models' shapes; "sd15-small" halves the
+# width of sd15 for quick runs; "tiny" and "tiny-xl" are the test-sized models (channels multiples of 32,
+# as Flax's GroupNorm needs).
+UNETS: Dict[str, Dict[str, Any]] = {
+    "sd15": dict(
+        block_out_channels=(320, 640, 1280, 1280),
+        down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+        layers_per_block=2,
+        cross_attention_dim=768,
+        attention_head_dim=8,
+        sample_size=64,
+    ),
+    "sd15-small": dict(
+        block_out_channels=(160, 320, 640, 640),
+        down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+        layers_per_block=1,
+        cross_attention_dim=768,
+        attention_head_dim=8,
+        sample_size=64,
+    ),
+    "sd21": dict(
+        block_out_channels=(320, 640, 1280, 1280),
+        down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+        layers_per_block=2,
+        cross_attention_dim=1024,
+        attention_head_dim=(5, 10, 20, 20),
+        use_linear_projection=True,
+        sample_size=96,
+    ),
+    "sdxl": dict(
+        block_out_channels=(320, 640, 1280),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        layers_per_block=2,
+        transformer_layers_per_block=(1, 2, 10),
+        cross_attention_dim=2048,
+        attention_head_dim=(5, 10, 20),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=256,
+        projection_class_embeddings_input_dim=2816,
+        sample_size=128,
+    ),
+    "tiny": dict(
+        block_out_channels=(32, 64, 64),
+        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        layers_per_block=1,
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        sample_size=16,
+    ),
+    "tiny-xl": dict(
+        block_out_channels=(32, 64, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        layers_per_block=1,
+        transformer_layers_per_block=(1, 2, 2),
+        cross_attention_dim=64,
+        attention_head_dim=8,
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=80,  # 6 time ids * 8 + pooled text embedding 32
+        sample_size=16,
+    ),
+}
+
+# Tiny VAE and CLIP text encoder for test pipelines.
+TINY_VAE: Dict[str, Any] = dict(
+    block_out_channels=(32, 64),
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+    up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+    latent_channels=4,
+    norm_num_groups=32,
+    sample_size=32,
+)
+TINY_TEXT_ENCODER: Dict[str, Any] = dict(
+    bos_token_id=0,
+    eos_token_id=2,
+    hidden_size=32,
+    intermediate_size=37,
+    layer_norm_eps=1e-05,
+    num_attention_heads=4,
+    num_hidden_layers=2,
+    pad_token_id=1,
+    vocab_size=1000,
+    max_position_embeddings=77,
+    projection_dim=32,
+)
+TINY_CONTROLNET_CONDITIONING: Dict[str, Any] = dict(conditioning_embedding_out_channels=(16, 32))
+
+
+def unet_config(preset: str, **overrides: Any) -> Dict[str, Any]:
+    """A copy of a preset's UNet config with ``overrides`` applied."""
+    if preset not in UNETS:
+        raise ValueError(f"preset must be one of {', '.join(UNETS)}, got {preset!r}")
+    return {**UNETS[preset], **overrides}
+
+
+def write_clip_tokenizer_files(folder: str) -> Dict[str, str]:
+    """Write a byte-level CLIP BPE vocabulary (no merges beyond a few) and return its file paths.
+
+    Enough for CLIPTokenizer (transformers or paddlenlp) to tokenize any prompt offline.
+    """
+    os.makedirs(folder, exist_ok=True)
+    # GPT-2's byte-to-unicode table: printable bytes map to themselves, the rest to 256 + n.
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = [], 0
+    for byte in range(256):
+        if byte in printable:
+            chars.append(chr(byte))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    merges = [("t", "h"), ("th", "e</w>"), ("a", "n"), ("o", "n</w>")]
+    tokens = chars + [c + "</w>" for c in chars] + ["".join(m) for m in merges]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    vocab_file = os.path.join(folder, "vocab.json")
+    merges_file = os.path.join(folder, "merges.txt")
+    with open(vocab_file, "w", encoding="utf-8") as f:
+        json.dump(vocab, f)
+    with open(merges_file, "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")
+    return {"vocab_file": vocab_file, "merges_file": merges_file}
