@@ -66,7 +66,10 @@ class ToMeState:
         tokens = ops.shape(metric)[1]
         latent = self.latent_hw or self.grid_hw
         if latent is None:
-            raise RuntimeError("a transformer block ran before its model or transformer gave the latent size")
+            raise RuntimeError(
+                "a transformer block ran before its model or transformer gave the latent size: ToMe needs the "
+                "blocks inside a UNet, a ControlNet or a 2-D transformer (Transformer2DModel) to know their grid"
+            )
         factor = downsample_factor(latent, tokens)
         if factor > self.max_downsample or self.config.ratio == 0:
             return identity_match(ops, tokens)

@@ -1,0 +1,149 @@
+"""The torch entry point: call styles, lifecycle, errors, randomness. The unpatched model is the oracle."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from diffusers.models.attention import BasicTransformerBlock
+
+import tome_core.torch as tome
+from tome_core.adapters.diffusers_models import build_unet
+
+
+@pytest.fixture(scope="module")
+def unet():
+    return build_unet("tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    generator = torch.Generator().manual_seed(3)
+    return torch.randn(2, 4, 16, 16, generator=generator), torch.tensor(500), torch.randn(2, 7, 32, generator=generator)
+
+
+def call(model, inputs, keywords=False):
+    sample, timestep, text = inputs
+    with torch.no_grad():
+        if keywords:
+            return model(sample=sample, timestep=timestep, encoder_hidden_states=text).sample
+        return model(sample, timestep, text).sample
+
+
+def test_keyword_only_call_equals_positional(unet, inputs):
+    model = tome.patch(copy.deepcopy(unet), ratio=0.5)
+    positional, keywords = call(model, inputs), call(model, inputs, keywords=True)
+    assert not torch.equal(positional, call(unet, inputs))
+    torch.testing.assert_close(keywords, positional, rtol=0, atol=0)
+
+
+def test_patch_twice_equals_patch_once_with_newer_options(unet, inputs):
+    twice = tome.patch(tome.patch(copy.deepcopy(unet), ratio=0.3, merge_mlp=True), ratio=0.6)
+    once = tome.patch(copy.deepcopy(unet), ratio=0.6)
+    torch.testing.assert_close(call(twice, inputs), call(once, inputs), rtol=0, atol=0)
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in twice.modules())
+    assert hooks == sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in once.modules())
+
+
+def test_remove_restores_classes_hooks_and_bit_identical_output(unet, inputs):
+    model = copy.deepcopy(unet)
+    plain = call(model, inputs)
+    classes = [type(m) for m in model.modules()]
+    tome.remove(model)  # removing an unpatched model is a no-op
+    tome.patch(model, ratio=0.5, merge_crossattn=True, merge_mlp=True)
+    assert [type(m) for m in model.modules()] == classes
+    assert tome.remove(model) is model
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    torch.testing.assert_close(call(model, inputs), plain, rtol=0, atol=0)
+
+
+def test_ratio_zero_is_exactly_unpatched_and_says_it_merges_nothing(unet, inputs):
+    model = copy.deepcopy(unet)
+    with pytest.warns(UserWarning, match="merges no tokens: ratio=0"):
+        tome.patch(model, ratio=0.0)
+    torch.testing.assert_close(call(model, inputs), call(unet, inputs), rtol=0, atol=0)
+
+
+def test_running_a_patched_model_leaves_the_global_rng_alone(unet, inputs):
+    model = tome.patch(copy.deepcopy(unet), ratio=0.5, use_rand=True)
+    before = torch.get_rng_state()
+    first = call(model, inputs)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.testing.assert_close(call(model, inputs), first, rtol=0, atol=0)
+
+
+def test_seed_and_timestep_choose_the_partition(unet, inputs):
+    sample, _, text = inputs
+    model = tome.patch(copy.deepcopy(unet), ratio=0.5, seed=1)
+    other_seed = tome.patch(copy.deepcopy(unet), ratio=0.5, seed=2)
+    fixed = tome.patch(copy.deepcopy(unet), ratio=0.5, use_rand=False)
+    a, b = call(model, inputs), call(other_seed, inputs)
+    assert not torch.equal(a, b)
+    assert not torch.equal(a, call(model, (sample, torch.tensor(499), text)))
+    assert not torch.equal(a, call(fixed, inputs))
+
+
+def test_tomesd_drop_in_names_use_tomesd_defaults(unet, inputs):
+    model = tome.apply_patch(copy.deepcopy(unet), use_rand=False)
+    reference = tome.patch(copy.deepcopy(unet), ratio=0.5, max_downsample=1, use_rand=False)
+    torch.testing.assert_close(call(model, inputs), call(reference, inputs), rtol=0, atol=0)
+    tome.remove_patch(model)
+    torch.testing.assert_close(call(model, inputs), call(unet, inputs), rtol=0, atol=0)
+    assert tome.apply_tome is tome.patch and tome.remove_tome is tome.remove
+
+
+def test_deepcopy_of_a_patched_model_stays_patched_independently(unet, inputs):
+    model = tome.patch(copy.deepcopy(unet), ratio=0.5)
+    clone = copy.deepcopy(model)
+    patched = call(model, inputs)
+    torch.testing.assert_close(call(clone, inputs), patched, rtol=0, atol=0)
+    tome.remove(model)
+    torch.testing.assert_close(call(clone, inputs), patched, rtol=0, atol=0)
+    torch.testing.assert_close(call(model, inputs), call(unet, inputs), rtol=0, atol=0)
+
+
+def test_blocks_outside_a_2d_transformer_raise_a_clear_error():
+    torch.manual_seed(0)
+    block = BasicTransformerBlock(32, 4, 8, cross_attention_dim=16).eval()
+    wrapper = torch.nn.Sequential(block)
+    with pytest.raises(RuntimeError, match="before its model or transformer gave the latent size"):
+        tome.patch(copy.deepcopy(wrapper), ratio=0.5)(torch.randn(1, 64, 32))
+
+
+@pytest.mark.parametrize(
+    "obj, error, message",
+    [
+        ("a pipeline", TypeError, "ToMe can patch a diffusers DiffusionPipeline.*got builtins.str"),
+        (torch.nn.Linear(2, 2), ValueError, "nothing to patch: Linear contains no diffusers BasicTransformerBlock"),
+    ],
+)
+def test_objects_that_cannot_be_patched_raise(obj, error, message):
+    with pytest.raises(error, match=message):
+        tome.patch(obj)
+
+
+def test_bad_options_raise_through_every_entry_point(unet):
+    model = copy.deepcopy(unet)
+    with pytest.raises(ValueError, match="ratio=0.9 cannot be reached"):
+        tome.patch(model, ratio=0.9)
+    with pytest.raises(TypeError, match="unknown ToMe option\\(s\\) rato"):
+        model.apply_tome(rato=0.5)
+    with pytest.raises(ValueError, match="max_downsample must be one of"):
+        tome.apply_patch(model, max_downsample=3)
+    assert not hasattr(model, "_tome_patch")
+
+
+def test_merge_mlp_with_forward_chunking_is_refused(unet, inputs):
+    model = copy.deepcopy(unet)
+    for module in model.modules():
+        if isinstance(module, BasicTransformerBlock):
+            module.set_chunk_feed_forward(chunk_size=64, dim=1)
+    tome.patch(model, merge_mlp=True)
+    with pytest.raises(ValueError, match="merge_mlp=True cannot be combined with feed-forward chunking"):
+        call(model, inputs)
+    tome.patch(model)  # merge_mlp off: chunking and merging coexist
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.isfinite(call(model, inputs)).all()
