@@ -92,6 +92,13 @@ TINY_VAE: Dict[str, Any] = dict(
     norm_num_groups=32,
     sample_size=32,
 )
+# A narrow VAE with the real 8x downsampling, for pipelines at real image sizes.
+SMALL_VAE: Dict[str, Any] = dict(
+    TINY_VAE,
+    block_out_channels=(32, 32, 64, 64),
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+)
 TINY_TEXT_ENCODER: Dict[str, Any] = dict(
     bos_token_id=0,
     eos_token_id=2,

@@ -44,6 +44,15 @@ class ToMeState:
     def max_downsample(self) -> int:
         return self.config.max_downsample if self.config.max_downsample is not None else self.finest_level
 
+    def summary(self) -> str:
+        """One line per level of the last call: blocks merged and tokens before and after."""
+        lines = [
+            f"  level 1/{factor}: {level.blocks} blocks, {level.tokens} -> {level.kept} tokens"
+            f" ({1 - level.kept / level.tokens:.0%} merged)"
+            for factor, level in sorted(self.stats.items())
+        ]
+        return "\n".join(lines) if lines else "  no block merged"
+
     def merges(self, sublayer: str) -> bool:
         """Whether ``sublayer`` ("attn", "crossattn" or "mlp") is wrapped in merge/unmerge."""
         return getattr(self.config, SUBLAYER_OPTION[sublayer])
