@@ -140,12 +140,36 @@ class _UnmergeOutput:
         return unmerge(output, match)
 
 
+class _Handle:
+    """Removes one hook from the layer it was registered on.
+
+    paddle's own handle holds a weak reference to the hook table of the layer it came from, so on a deep
+    copy of a patched model it would remove the original's hook; this one is copied along with its layer.
+    """
+
+    def __init__(self, layer: Layer, table: str, helper: Any):
+        self.layer = layer
+        self.table = table
+        self.hook_id = helper._hook_id
+
+    def remove(self) -> None:
+        getattr(self.layer, self.table).pop(self.hook_id, None)
+
+
+def _pre_hook(layer: Layer, hook: Any) -> _Handle:
+    return _Handle(layer, "_forward_pre_hooks", layer.register_forward_pre_hook(hook))
+
+
+def _post_hook(layer: Layer, hook: Any) -> _Handle:
+    return _Handle(layer, "_forward_post_hooks", layer.register_forward_post_hook(hook))
+
+
 class _Patch:
     """Everything one patched model holds: its state and the handles of its hooks."""
 
     def __init__(self, state: ToMeState):
         self.state = state
-        self.handles: List[Any] = []
+        self.handles: List[_Handle] = []
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -179,25 +203,25 @@ def _attach(model: Layer, config: ToMeConfig) -> None:
     if _is_latent_model(model):
         call = _LatentCall(state, getattr(model, "data_format", "NCHW"))
         if isinstance(getattr(model, "time_proj", None), Layer):
-            add(model.time_proj.register_forward_pre_hook(call.on_time_proj))
-        add(model.conv_in.register_forward_pre_hook(call.on_conv_in))
+            add(_pre_hook(model.time_proj, call.on_time_proj))
+        add(_pre_hook(model.conv_in, call.on_conv_in))
     else:
-        add(model.register_forward_pre_hook(_PlainCall(state)))
+        add(_pre_hook(model, _PlainCall(state)))
     stream = 0
     for layer in _layers(model):
         if isinstance(layer, Transformer2DModel) and isinstance(getattr(layer, "norm", None), Layer):
-            add(layer.norm.register_forward_pre_hook(_GridHook(state, getattr(layer, "data_format", "NCHW"))))
+            add(_pre_hook(layer.norm, _GridHook(state, getattr(layer, "data_format", "NCHW"))))
         if not isinstance(layer, BasicTransformerBlock):
             continue
         block = _BlockMatch(state, stream, layer)
         stream += 1
-        add(layer.norm1.register_forward_pre_hook(block.begin))
-        add(layer.register_forward_post_hook(block.end))
+        add(_pre_hook(layer.norm1, block.begin))
+        add(_post_hook(layer, block.end))
         for name, sublayer in SUBLAYERS:
             target = getattr(layer, name, None)
             if target is not None and state.merges(sublayer):
-                add(target.register_forward_pre_hook(_MergeInput(block)))
-                add(target.register_forward_post_hook(_UnmergeOutput(block)))
+                add(_pre_hook(target, _MergeInput(block)))
+                add(_post_hook(target, _UnmergeOutput(block)))
     model._tome_patch = patch
 
 
@@ -211,8 +235,11 @@ def _undo_ppdiffusers_port(layer: Layer) -> None:
     """Undo ppdiffusers' own ``apply_tome`` on one layer: its size hook, its info, its swapped block class."""
     info = layer.__dict__.pop("_tome_info", None)
     if isinstance(info, dict):
+        own_hooks = getattr(layer, "_forward_pre_hooks", {})
         for hook in info.get("hooks", ()):
-            hook.remove()
+            # Its hooks sit on the layer holding the info; removing by id also works on a deep copy.
+            if own_hooks.pop(getattr(hook, "_hook_id", None), None) is None:
+                hook.remove()
         info.get("hooks", []).clear()
     cls = type(layer)
     if cls.__name__.startswith("ToMe") and "_parent" in cls.__dict__:
