@@ -2,7 +2,8 @@
 
 The result is a :class:`Match`, computed once per transformer block and used by every merge/unmerge in it:
 ``slot[b, i]`` is the position in the merged sequence that original token ``i`` goes to, and ``sizes[b, k]``
-how many original tokens slot ``k`` stands for. The merged sequence holds the unmerged sources (most
+how many original tokens slot ``k`` stands for. ``rows`` is the same map over the batch flattened into rows
+(``b * (N - r) + slot[b, i]``), so merge and unmerge are single row scatters and gathers. The merged sequence holds the unmerged sources (most
 similar first, as tomesd orders them), then the destinations in grid order.
 """
 
@@ -21,7 +22,9 @@ class Match:
 
     ops: ArrayOps
     slot: Optional[Array]  # [B, N] index into the merged sequence; None when nothing merges
+    rows: Optional[Array]  # [B * N] row of each token in the merged batch flattened to [B * (N - r), C]
     sizes: Optional[Array]  # [B, N - r, 1] tokens per slot, in the metric's dtype
+    inverse_sizes: Optional[Array]  # 1 / sizes
     tokens: int  # N
     merged: int  # r
 
@@ -33,7 +36,7 @@ class Match:
 
 def identity_match(ops: ArrayOps, tokens: int) -> Match:
     """A match that merges nothing: merge and unmerge return their input unchanged."""
-    return Match(ops=ops, slot=None, sizes=None, tokens=tokens, merged=0)
+    return Match(ops=ops, slot=None, rows=None, sizes=None, inverse_sizes=None, tokens=tokens, merged=0)
 
 
 def cosine_scores(ops: ArrayOps, metric: Array, src: Array, dst: Array) -> Array:
@@ -61,7 +64,7 @@ def choose(ops: ArrayOps, scores: Array, merged: int) -> Tuple[Array, Array]:
     rank = ops.reshape(ops.arange(num_src, scores), (1, num_src))
     dst_of_ranked = ops.take_along_axis(best_dst, order, axis=1)
     slot_of_ranked = ops.where(rank >= merged, rank - merged, dst_of_ranked + kept_src)
-    src_slot = ops.scatter(ops.as_index(ops.zeros((batch, num_src), best)), order, slot_of_ranked, axis=1)
+    src_slot = ops.scatter(ops.zeros((batch, num_src), order), order, slot_of_ranked, axis=1)
     return src_slot, kept_src
 
 
@@ -86,9 +89,11 @@ def bipartite_match(
     src_slot, kept_src = choose(ops, cosine_scores(ops, metric, src, dst), merged)
     dst_slot = ops.broadcast_to(ops.reshape(ops.arange(num_dst, metric) + kept_src, (1, num_dst)), (batch, num_dst))
     position = ops.broadcast_to(ops.reshape(ops.concat([src, dst], axis=0), (1, tokens)), (batch, tokens))
-    slot = ops.scatter(
-        ops.as_index(ops.zeros((batch, tokens), metric)), position, ops.concat([src_slot, dst_slot], axis=1), axis=1
-    )
+    slot = ops.scatter(ops.zeros((batch, tokens), src_slot), position, ops.concat([src_slot, dst_slot], axis=1), axis=1)
     kept = tokens - merged
     sizes = ops.scatter_add(ops.zeros((batch, kept), metric), slot, ops.ones((batch, tokens), metric), axis=1)
-    return Match(ops=ops, slot=slot, sizes=ops.reshape(sizes, (batch, kept, 1)), tokens=tokens, merged=merged)
+    sizes = ops.reshape(sizes, (batch, kept, 1))
+    rows = ops.reshape(slot + ops.reshape(ops.arange(batch, metric) * kept, (batch, 1)), (batch * tokens,))
+    return Match(
+        ops=ops, slot=slot, rows=rows, sizes=sizes, inverse_sizes=1 / sizes, tokens=tokens, merged=merged
+    )

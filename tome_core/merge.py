@@ -1,7 +1,8 @@
 """Merge and unmerge: move a ``[B, N, C]`` sequence to the ``N - r`` slots of a :class:`Match` and back.
 
-Merge is one segment sum over slots divided by the slot sizes (each destination becomes the mean of
-itself and the sources merged into it); unmerge is one gather (every token takes its slot's value).
+Merge is one row scatter-add over slots times the inverse slot sizes (each destination becomes the mean of
+itself and the sources merged into it); unmerge is one row gather (every token takes its slot's value).
+Both work on the batch flattened into rows, which is several times faster than gathering along axis 1.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ def merge(x: Array, match: Match) -> Array:
         return x
     ops = match.ops
     batch, tokens, channels = ops.shape(x)
-    index = ops.broadcast_to(ops.reshape(match.slot, (batch, tokens, 1)), (batch, tokens, channels))
-    summed = ops.scatter_add(ops.zeros((batch, match.kept, channels), x), index, x, axis=1)
-    return summed / ops.astype_like(match.sizes, x)
+    index = ops.broadcast_to(ops.reshape(match.rows, (batch * tokens, 1)), (batch * tokens, channels))
+    rows = ops.reshape(x, (batch * tokens, channels))
+    summed = ops.scatter_add(ops.zeros((batch * match.kept, channels), x), index, rows, axis=0)
+    return ops.reshape(summed, (batch, match.kept, channels)) * ops.astype_like(match.inverse_sizes, x)
 
 
 def unmerge(x: Array, match: Match) -> Array:
@@ -26,6 +28,6 @@ def unmerge(x: Array, match: Match) -> Array:
     if match.merged == 0:
         return x
     ops = match.ops
-    batch, _, channels = ops.shape(x)
-    index = ops.broadcast_to(ops.reshape(match.slot, (batch, match.tokens, 1)), (batch, match.tokens, channels))
-    return ops.take_along_axis(x, index, axis=1)
+    batch, kept, channels = ops.shape(x)
+    rows = ops.take(ops.reshape(x, (batch * kept, channels)), match.rows, axis=0)
+    return ops.reshape(rows, (batch, match.tokens, channels))

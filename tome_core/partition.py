@@ -57,7 +57,7 @@ def split(
     cols = ops.reshape(ops.arange(wsx, like) * sx, (1, wsx))
     corner = ops.reshape(rows + cols, (hsy, wsx, 1))
     if offsets is None:
-        offsets = ops.as_index(ops.zeros((hsy, wsx), like))
+        offsets = ops.zeros((hsy, wsx), corner)
     offsets = ops.reshape(offsets, (hsy, wsx, 1))
     dst = corner + (offsets // sx) * w + offsets % sx
 

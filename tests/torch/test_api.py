@@ -139,7 +139,7 @@ def test_merge_mlp_with_forward_chunking_is_refused(unet, inputs):
     model = copy.deepcopy(unet)
     for module in model.modules():
         if isinstance(module, BasicTransformerBlock):
-            module.set_chunk_feed_forward(chunk_size=64, dim=1)
+            module.set_chunk_feed_forward(chunk_size=16, dim=1)
     tome.patch(model, merge_mlp=True)
     with pytest.raises(ValueError, match="merge_mlp=True cannot be combined with feed-forward chunking"):
         call(model, inputs)
