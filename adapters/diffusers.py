@@ -143,14 +143,14 @@ def _has_blocks(module: torch.nn.Module) -> bool:
     return any(isinstance(m, BasicTransformerBlock) for m in module.modules())
 
 
-def _finest_level(model: torch.nn.Module) -> int:
+def finest_level(model: torch.nn.Module) -> int:
     if not _is_latent_model(model):
         return 1
     return finest_attention_level([_has_blocks(block) for block in model.down_blocks])
 
 
 def _attach(model: torch.nn.Module, config: ToMeConfig) -> None:
-    state = ToMeState(config=config, finest_level=_finest_level(model))
+    state = ToMeState(config=config, finest_level=finest_level(model))
     patch = _Patch(state)
     add = patch.handles.append
     add(model.register_forward_pre_hook(_ModelHook(state, _is_latent_model(model)), with_kwargs=True))
@@ -204,7 +204,7 @@ def patch(obj: Any, **options: Any) -> Any:
         raise ValueError(f"nothing to patch: {type(obj).__qualname__} contains no diffusers BasicTransformerBlock")
     for model in models:
         _detach(model)
-        warn_if_nothing_merges(config, _finest_level(model), type(model).__qualname__)
+        warn_if_nothing_merges(config, finest_level(model), type(model).__qualname__)
         _attach(model, config)
     return obj
 

@@ -13,6 +13,9 @@ class PaddleOps:
     def shape(self, x):
         return tuple(int(n) for n in x.shape)
 
+    def cache_key(self, like):
+        return None  # no reuse of shape-only index arrays yet
+
     def arange(self, n, like):
         return paddle.arange(n, dtype=INDEX)
 

@@ -11,6 +11,9 @@ class TorchOps:
     def shape(self, x):
         return tuple(x.shape)
 
+    def cache_key(self, like):
+        return None if torch.compiler.is_compiling() else like.device
+
     def arange(self, n, like):
         return torch.arange(n, device=like.device)
 
@@ -39,7 +42,7 @@ class TorchOps:
         return torch.where(condition, a, b)
 
     def matmul(self, a, b):
-        return a @ b
+        return torch.bmm(a, b)
 
     def matrix_transpose(self, x):
         return x.transpose(-1, -2)

@@ -8,7 +8,7 @@ which all four frameworks provide with the same meaning.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, Tuple
+from typing import Any, Hashable, Optional, Protocol, Sequence, Tuple
 
 Array = Any
 
@@ -20,6 +20,10 @@ class ArrayOps(Protocol):
 
     def shape(self, x: Array) -> Tuple[int, ...]:
         """Static shape as Python ints."""
+
+    def cache_key(self, like: Array) -> Optional[Hashable]:
+        """Where arrays like ``like`` live (e.g. its device), so shape-only index arrays can be reused there;
+        ``None`` disables reuse (e.g. while tracing, where arrays must not outlive the trace)."""
 
     def arange(self, n: int, like: Array) -> Array:
         """``[0, 1, ..., n-1]`` as the backend's index dtype, on ``like``'s device."""
@@ -42,9 +46,11 @@ class ArrayOps(Protocol):
 
     def concat(self, arrays: Sequence[Array], axis: int) -> Array: ...
 
-    def where(self, condition: Array, a: Array, b: Array) -> Array: ...
+    def where(self, condition: Array, a: Any, b: Any) -> Array:
+        """Elementwise choice; ``a`` or ``b`` may be a Python scalar."""
 
-    def matmul(self, a: Array, b: Array) -> Array: ...
+    def matmul(self, a: Array, b: Array) -> Array:
+        """Batched matrix product of two 3-D arrays."""
 
     def matrix_transpose(self, x: Array) -> Array:
         """Swap the last two axes."""

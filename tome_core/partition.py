@@ -7,13 +7,16 @@ always sources.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from collections import OrderedDict
+from typing import Any, Callable, Optional, Tuple, Union
 
 from .ops import Array, ArrayOps
 
 # A small prime keeps every product below 2**31, so the hash is identical in int32 (jax) and int64.
 _PRIME = 32749
-_MIX = (1103, 2713, 9007, 17393)
+_MIX = (1103, 2713, 9007, 17393)  # key mixing; the last two also scramble each cell
+_CACHE: "OrderedDict[Tuple, Any]" = OrderedDict()
+_CACHE_SIZE = 64
 
 
 def num_cells(h: int, w: int, sx: int, sy: int) -> int:
@@ -37,9 +40,45 @@ def random_offsets(
     step = step % _PRIME if isinstance(step, int) else ops.as_index(step) % _PRIME
     x = (step + key) * _MIX[2] % _PRIME
     x = (x + cell) % _PRIME
-    for mix in _MIX:
+    for mix in _MIX[2:]:
         x = (x * x % _PRIME + mix) * mix % _PRIME
     return ops.reshape(x % (sx * sy), (hsy, wsx))
+
+
+def cell_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int) -> Tuple[Array, Optional[Array]]:
+    """Token index of every position of every cell ``[cells, sx*sy]`` (row-major inside the cell), and the
+    leftover tokens outside the full cells (``None`` when the grid is tiled exactly). Depends on shapes only."""
+    hsy, wsx = h // sy, w // sx
+    per_cell = sx * sy
+    rows = ops.reshape(ops.arange(hsy, like) * (sy * w), (hsy, 1, 1))
+    cols = ops.reshape(ops.arange(wsx, like) * sx, (1, wsx, 1))
+    position = ops.arange(per_cell, like)
+    inside = ops.reshape((position // sx) * w + position % sx, (1, 1, per_cell))
+    cells = ops.reshape(rows + cols + inside, (hsy * wsx, per_cell))
+    pieces = []
+    if wsx * sx < w:
+        right = ops.reshape(ops.arange(hsy * sy, like) * w, (hsy * sy, 1)) + ops.reshape(
+            ops.arange(w - wsx * sx, like) + wsx * sx, (1, w - wsx * sx)
+        )
+        pieces.append(ops.reshape(right, ((hsy * sy) * (w - wsx * sx),)))
+    if hsy * sy < h:
+        pieces.append(ops.arange((h - hsy * sy) * w, like) + hsy * sy * w)
+    leftover = None if not pieces else pieces[0] if len(pieces) == 1 else ops.concat(pieces, axis=0)
+    return cells, leftover
+
+
+def _cached(ops: ArrayOps, like: Array, key: Tuple, build: Callable[[], Any]) -> Any:
+    """Shape-only index arrays, kept per backend and device where the backend allows it."""
+    device = ops.cache_key(like)
+    if device is None:
+        return build()
+    key = (ops.name, device) + key
+    value = _CACHE.get(key)
+    if value is None:
+        value = _CACHE[key] = build()
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return value
 
 
 def split(
@@ -51,27 +90,18 @@ def split(
     cell's first position. Destinations come out in cell order (row-major over cells); sources cell by
     cell, then the leftover columns and rows.
     """
-    hsy, wsx = h // sy, w // sx
-    cells = sx * sy
-    rows = ops.reshape(ops.arange(hsy, like) * (sy * w), (hsy, 1))
-    cols = ops.reshape(ops.arange(wsx, like) * sx, (1, wsx))
-    corner = ops.reshape(rows + cols, (hsy, wsx, 1))
+    cells, leftover = _cached(ops, like, ("cells", h, w, sx, sy), lambda: cell_table(ops, like, h, w, sx, sy))
+    num_cells, per_cell = ops.shape(cells)
     if offsets is None:
-        offsets = ops.zeros((hsy, wsx), corner)
-    offsets = ops.reshape(offsets, (hsy, wsx, 1))
-    dst = corner + (offsets // sx) * w + offsets % sx
+        return _cached(ops, like, ("fixed", h, w, sx, sy), lambda: _split(ops, cells, leftover, None))
+    return _split(ops, cells, leftover, ops.reshape(offsets, (num_cells, 1)))
 
-    k = ops.reshape(ops.arange(cells - 1, like), (1, 1, cells - 1))
-    local = k + ops.as_index(k >= offsets)
-    src_cells = corner + (local // sx) * w + local % sx
 
-    pieces = [ops.reshape(src_cells, (hsy * wsx * (cells - 1),))]
-    if wsx * sx < w:
-        right = ops.reshape(ops.arange(hsy * sy, like) * w, (hsy * sy, 1)) + ops.reshape(
-            ops.arange(w - wsx * sx, like) + wsx * sx, (1, w - wsx * sx)
-        )
-        pieces.append(ops.reshape(right, ((hsy * sy) * (w - wsx * sx),)))
-    if hsy * sy < h:
-        pieces.append(ops.arange((h - hsy * sy) * w, like) + hsy * sy * w)
-    src = pieces[0] if len(pieces) == 1 else ops.concat(pieces, axis=0)
-    return ops.reshape(dst, (hsy * wsx,)), src
+def _split(ops: ArrayOps, cells: Array, leftover: Optional[Array], offsets: Optional[Array]) -> Tuple[Array, Array]:
+    num_cells, per_cell = ops.shape(cells)
+    if offsets is None:
+        offsets = ops.zeros((num_cells, 1), cells)
+    dst = ops.reshape(ops.take_along_axis(cells, offsets, axis=1), (num_cells,))
+    k = ops.reshape(ops.arange(per_cell - 1, cells), (1, per_cell - 1))
+    src = ops.reshape(ops.take_along_axis(cells, k + ops.as_index(k >= offsets), axis=1), (num_cells * (per_cell - 1),))
+    return dst, src if leftover is None else ops.concat([src, leftover], axis=0)

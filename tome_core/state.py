@@ -81,7 +81,7 @@ class ToMeState:
             )
         factor = downsample_factor(latent, tokens)
         if factor > self.max_downsample or self.config.ratio == 0:
-            return identity_match(ops, tokens)
+            return identity_match(ops, ops.shape(metric)[0], tokens)
         config = self.config
         h, w = block_grid(latent, factor, self.grid_hw, tokens)
         offsets = (

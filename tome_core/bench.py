@@ -1,0 +1,248 @@
+"""``python -m tome_core.bench``: how much faster, and how different, ToMe makes a UNet call.
+
+For each ratio it times one UNet call per method, alternating the methods (A B C A B C ...) after a warm-up,
+and reports medians:
+
+* ``unpatched``: the model as it is;
+* ``ours``: tome_core with the options given;
+* ``peer``: the other implementation in the same framework (tomesd for torch, ppdiffusers' built-in ToMe for
+  paddle), when installed;
+* ``oracle``: the same token counts removed and restored with free slicing instead of matching; its time is
+  the limit of what token reduction can save, and ``oracle share`` is the part of that saving a method gets.
+
+Fidelity is the relative L2 distance of a method's output to the unpatched output, on image-like latents
+(smooth structure plus noise, fixed seed) at a mid timestep, and after a short sampling loop. Peak memory is
+the extra resident memory of one call, measured in a fresh process per method (``--memory``).
+
+The framework side lives in ``tome_core.adapters.<framework>_bench``; this module is framework-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+RUNNERS = {"torch": "diffusers_bench", "paddle": "ppdiffusers_bench", "jax": "flax_bench"}
+METHODS = ("unpatched", "ours", "peer", "oracle")
+
+
+def image_like_latents(batch: int, channels: int, height: int, width: int, seed: int = 0):
+    """Latents with image-like structure: a smooth random field (bilinear upsampling of a coarse grid) plus
+    fine detail, scaled like SD latents (unit variance). numpy, shape ``[batch, channels, height, width]``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    coarse_h, coarse_w = max(2, height // 8), max(2, width // 8)
+    coarse = rng.standard_normal((batch, channels, coarse_h, coarse_w))
+    ys = np.linspace(0, coarse_h - 1, height)
+    xs = np.linspace(0, coarse_w - 1, width)
+    y0, x0 = np.floor(ys).astype(int), np.floor(xs).astype(int)
+    y1, x1 = np.minimum(y0 + 1, coarse_h - 1), np.minimum(x0 + 1, coarse_w - 1)
+    wy, wx = (ys - y0)[:, None], (xs - x0)[None, :]
+    smooth = (
+        coarse[..., y0[:, None], x0[None, :]] * (1 - wy) * (1 - wx)
+        + coarse[..., y1[:, None], x0[None, :]] * wy * (1 - wx)
+        + coarse[..., y0[:, None], x1[None, :]] * (1 - wy) * wx
+        + coarse[..., y1[:, None], x1[None, :]] * wy * wx
+    )
+    detail = 0.3 * rng.standard_normal((batch, channels, height, width))
+    x = smooth + detail
+    return ((x - x.mean()) / x.std()).astype("float32")
+
+
+def noised(latents, noise, alpha_bar: float):
+    """``x_t = sqrt(a) x_0 + sqrt(1 - a) noise``: the forward diffusion at cumulative alpha ``a``."""
+    return (math.sqrt(alpha_bar) * latents + math.sqrt(1 - alpha_bar) * noise).astype("float32")
+
+
+def relative_l2(a, b) -> float:
+    """``||a - b|| / ||b||`` in float64."""
+    import numpy as np
+
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def oracle_share(unpatched: float, method: float, oracle: float) -> float:
+    """The fraction of the oracle's saving a method achieves (1 = as fast as free token reduction)."""
+    saving = unpatched - oracle
+    return float("nan") if saving <= 0 else (unpatched - method) / saving
+
+
+@dataclass
+class Row:
+    """One method at one ratio."""
+
+    ratio: float
+    method: str
+    median_s: float
+    speedup: float
+    oracle_share: float
+    fidelity_step: float
+    fidelity_sampled: float
+    peak_mb: Optional[float] = None
+    note: str = ""
+    times_s: List[float] = field(default_factory=list)
+
+
+def measure(runner: Any, ratio: float, methods: Sequence[str], repeats: int, warmup: int, progress) -> Dict[str, List[float]]:
+    """Alternate the methods ``repeats`` times after ``warmup`` rounds; per-method call times in seconds."""
+    times: Dict[str, List[float]] = {m: [] for m in methods}
+    for round_index in range(warmup + repeats):
+        for method in methods:
+            with runner.method(method, ratio):
+                start = time.perf_counter()
+                runner.call()
+                elapsed = time.perf_counter() - start
+            if round_index >= warmup:
+                times[method].append(elapsed)
+            progress.update(1)
+    return times
+
+
+def run(args: argparse.Namespace) -> List[Row]:
+    from tqdm import tqdm
+
+    runner = importlib.import_module(f"tome_core.adapters.{RUNNERS[args.backend]}").Runner(args)
+    methods = [m for m in args.methods if m != "peer" or runner.has_peer]
+    rows: List[Row] = []
+    total = len(args.ratio) * len(methods) * (args.warmup + args.repeats)
+    with tqdm(total=total, desc=f"{args.backend} {runner.description}", unit="call") as progress:
+        reference_step = runner.output("unpatched", 0.0)
+        reference_sampled = runner.sample("unpatched", 0.0, args.steps) if args.steps else None
+        for ratio in args.ratio:
+            times = measure(runner, ratio, methods, args.repeats, args.warmup, progress)
+            medians = {m: statistics.median(t) for m, t in times.items()}
+            for method in methods:
+                fidelity_sampled = float("nan")
+                if args.steps and method != "unpatched":
+                    fidelity_sampled = relative_l2(runner.sample(method, ratio, args.steps), reference_sampled)
+                rows.append(
+                    Row(
+                        ratio=ratio,
+                        method=method,
+                        median_s=medians[method],
+                        speedup=medians["unpatched"] / medians[method] if "unpatched" in medians else float("nan"),
+                        oracle_share=(
+                            oracle_share(medians["unpatched"], medians[method], medians["oracle"])
+                            if "oracle" in medians and "unpatched" in medians
+                            else float("nan")
+                        ),
+                        fidelity_step=0.0
+                        if method == "unpatched"
+                        else relative_l2(runner.output(method, ratio), reference_step),
+                        fidelity_sampled=0.0 if method == "unpatched" and args.steps else fidelity_sampled,
+                        peak_mb=runner.peak_memory_mb(method, ratio) if args.memory else None,
+                        note=runner.note(method),
+                        times_s=times[method],
+                    )
+                )
+    if "peer" in args.methods and not runner.has_peer:
+        print(f"peer skipped: {runner.note('peer')}")
+    return rows
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    header = f"{'ratio':>5}  {'method':<10} {'median':>9} {'speedup':>8} {'oracle share':>12} {'fid@t':>8} {'fid@loop':>9} {'peak MB':>8}"
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        peak = "" if row.peak_mb is None else f"{row.peak_mb:8.0f}"
+        lines.append(
+            f"{row.ratio:>5.2f}  {row.method:<10} {row.median_s * 1000:7.0f}ms {row.speedup:7.2f}x "
+            f"{row.oracle_share:12.2f} {row.fidelity_step:8.4f} {row.fidelity_sampled:9.4f} {peak:>8}"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[Row], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for method in dict.fromkeys(r.method for r in rows):
+        mine = [r for r in rows if r.method == method]
+        ratios = [r.ratio for r in mine]
+        left.plot(ratios, [r.speedup for r in mine], marker="o", label=method)
+        right.plot(ratios, [r.fidelity_step for r in mine], marker="o", label=method)
+    left.set(xlabel="ratio", ylabel="speedup vs unpatched (x)", title="speed")
+    right.set(xlabel="ratio", ylabel="relative L2 vs unpatched", title="fidelity (lower is better)")
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+        axis.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tome_core.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", choices=sorted(RUNNERS), default="torch")
+    p.add_argument("--preset", default="sd15-small", help="UNet architecture with random weights (tome_core.presets)")
+    p.add_argument("--model", help="local diffusers/ppdiffusers pipeline or UNet folder (from_pretrained)")
+    p.add_argument("--resolution", type=int, default=512, help="image size in pixels (latent = resolution / 8)")
+    p.add_argument("--batch", type=int, default=2, help="UNet batch (2 = one image with classifier-free guidance)")
+    p.add_argument("--ratio", type=float, nargs="+", default=[0.5])
+    p.add_argument("--steps", type=int, default=4, help="sampling-loop steps for the fidelity after a loop (0: skip)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per method")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--memory", action="store_true", help="measure peak memory (one fresh process per method)")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: the framework's)")
+    p.add_argument("--json", help="write the rows to this JSON file")
+    p.add_argument("--plot", help="write speedup and fidelity against ratio to this PNG file")
+    p.add_argument("--micro", action="store_true",
+                   help="instead: one block's match+merge+unmerge (B=2, N=4096, C=320), ours vs the peer: time and ops")
+    p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                   help="a ToMe option for 'ours' (repeatable), e.g. --option use_rand=False")
+    return p
+
+
+def parse_options(items: Sequence[str]) -> Dict[str, Any]:
+    """``["use_rand=False", "sx=3"]`` -> ``{"use_rand": False, "sx": 3}`` (values read as Python literals)."""
+    import ast
+
+    options = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--option must look like NAME=VALUE, got {item!r}")
+        try:
+            options[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[name] = value
+    return options
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
+    args = parser().parse_args(argv)
+    args.options = parse_options(args.option)
+    if args.micro:
+        result = importlib.import_module(f"tome_core.adapters.{RUNNERS[args.backend]}").micro()
+        print(json.dumps(result, indent=1))
+        return result
+    rows = run(args)
+    title = (
+        f"{args.backend} {args.model or args.preset} {args.resolution}px batch {args.batch} "
+        f"on {platform.processor() or platform.machine()}"
+    )
+    print(title)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"title": title, "args": {k: v for k, v in vars(args).items()}, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot, title)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
