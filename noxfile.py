@@ -51,7 +51,20 @@ def tests_paddle(session):
     session.install(*TEST, *PADDLE)
     session.install("--no-deps", *PADDLE_NO_DEPS)
     session.install(".")
+    # tests/paddle/test_torch_parity.py skips itself here (no torch): it runs in tests-paddle-torch.
     run_tests(session, "numpy,paddle", "tests/paddle")
+
+
+@nox.session(name="tests-paddle-torch")
+def tests_paddle_torch(session):
+    """Cross-framework parity: the same UNet weights patched on torch and on paddle give the same output.
+
+    diffusers 0.32.2 is the newest torch diffusers that installs beside ppdiffusers' huggingface_hub pin.
+    """
+    session.install(*TEST, *PADDLE, "torch==2.13.0", "diffusers==0.32.2")
+    session.install("--no-deps", *PADDLE_NO_DEPS)
+    session.install(".")
+    run_tests(session, "numpy,paddle,torch", "tests/paddle/test_torch_parity.py")
 
 
 @nox.session(name="tests-jax")

@@ -1,0 +1,129 @@
+"""Cross-framework parity: one UNet's weights in torch diffusers and in ppdiffusers, patched by each adapter.
+
+The partition is a hash of (seed, timestep, block) computed by the shared core, so the patched outputs agree
+with use_rand=True as well as with use_rand=False. Needs torch + diffusers beside paddle + ppdiffusers: runs
+when TOME_TEST_BACKENDS names torch (``nox -s tests-paddle-torch``); a requested torch that cannot be imported
+is a failure, not a skip.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import paddle
+import pytest
+
+import tome_core.paddle as tome_paddle
+from tome_core.adapters.ppdiffusers_models import build_unet as build_paddle_unet
+from tome_core.presets import unet_config
+
+if "torch" not in os.environ.get("TOME_TEST_BACKENDS", "").split(","):
+    pytest.skip("torch not in TOME_TEST_BACKENDS (run nox -s tests-paddle-torch)", allow_module_level=True)
+
+import diffusers  # noqa: E402
+import torch  # noqa: E402
+
+import tome_core.torch as tome_torch  # noqa: E402
+
+
+def torch_to_paddle(torch_model: torch.nn.Module, paddle_model: paddle.nn.Layer) -> None:
+    """Copy weights across: the state-dict keys match; paddle stores every Linear weight transposed."""
+    source = {k: v.detach().cpu().numpy() for k, v in torch_model.state_dict().items()}
+    target = paddle_model.state_dict()
+    assert source.keys() == target.keys()
+    linear = {f"{name}.weight" for name, layer in paddle_model.named_sublayers() if isinstance(layer, paddle.nn.Linear)}
+    for key, value in source.items():
+        value = value.T if key in linear else value
+        assert list(value.shape) == list(target[key].shape), key
+        target[key].set_value(np.ascontiguousarray(value))
+
+
+def relative_error(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+class Pair:
+    """The same UNet and inputs in both frameworks."""
+
+    def __init__(self, preset: str):
+        torch.manual_seed(0)
+        self.torch_unet = diffusers.UNet2DConditionModel(**unet_config(preset)).eval()
+        self.paddle_unet = build_paddle_unet(preset)
+        torch_to_paddle(self.torch_unet, self.paddle_unet)
+        rng = np.random.default_rng(0)
+        config = unet_config(preset)
+        self.arrays = dict(
+            sample=rng.standard_normal((2, 4, 16, 16)).astype(np.float32),
+            encoder_hidden_states=rng.standard_normal((2, 7, config["cross_attention_dim"])).astype(np.float32),
+        )
+        self.added = {}
+        if config.get("addition_embed_type") == "text_time":
+            self.added = dict(
+                text_embeds=rng.standard_normal((2, 32)).astype(np.float32),
+                time_ids=np.tile(np.array([64, 64, 0, 0, 64, 64], np.float32), (2, 1)),
+            )
+
+    def run_torch(self, timestep: int) -> np.ndarray:
+        kwargs = {k: torch.from_numpy(v) for k, v in self.arrays.items()}
+        added = {k: torch.from_numpy(v) for k, v in self.added.items()} or None
+        with torch.no_grad():
+            return self.torch_unet(timestep=torch.tensor(timestep), added_cond_kwargs=added, **kwargs).sample.numpy()
+
+    def run_paddle(self, timestep: int) -> np.ndarray:
+        kwargs = {k: paddle.to_tensor(v) for k, v in self.arrays.items()}
+        added = {k: paddle.to_tensor(v) for k, v in self.added.items()} or None
+        with paddle.no_grad():
+            output = self.paddle_unet(timestep=paddle.to_tensor(timestep), added_cond_kwargs=added, **kwargs)
+        return output.sample.numpy()
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-xl"])
+def pair(request):
+    return Pair(request.param)
+
+
+CASES = [
+    dict(),
+    dict(merge_crossattn=True, merge_mlp=True),
+    dict(max_downsample=4, ratio=0.6),
+    dict(sx=3, sy=1, merge_attn=False, merge_mlp=True),
+]
+
+
+def test_unpatched_models_agree(pair):
+    assert relative_error(pair.run_paddle(500), pair.run_torch(500)) < 1e-5
+
+
+@pytest.mark.parametrize("use_rand", [False, True])
+@pytest.mark.parametrize("options", CASES, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "defaults")
+def test_patched_models_agree(pair, options, use_rand):
+    plain = pair.run_torch(500)
+    options = {"ratio": 0.5, **options, "use_rand": use_rand}
+    tome_torch.patch(pair.torch_unet, **options)
+    tome_paddle.patch(pair.paddle_unet, **options)
+    try:
+        for timestep in (500, 37):
+            ours_torch, ours_paddle = pair.run_torch(timestep), pair.run_paddle(timestep)
+            if timestep == 500:
+                assert relative_error(ours_torch, plain) > 1e-3  # merging really changed the output
+            assert relative_error(ours_paddle, ours_torch) < 1e-5
+        # The same tokens merged at every level in both frameworks.
+        (_, torch_state), (_, paddle_state) = tome_torch.patched_models(pair.torch_unet)[0], tome_paddle.patched_models(pair.paddle_unet)[0]
+        assert torch_state.stats == paddle_state.stats and torch_state.stats
+    finally:
+        tome_torch.remove(pair.torch_unet)
+        tome_paddle.remove(pair.paddle_unet)
+
+
+def test_random_partition_depends_on_the_timestep_in_both(pair):
+    tome_torch.patch(pair.torch_unet, ratio=0.5)
+    tome_paddle.patch(pair.paddle_unet, ratio=0.5)
+    try:
+        torch_a, torch_b = pair.run_torch(500), pair.run_torch(499)
+        paddle_a, paddle_b = pair.run_paddle(500), pair.run_paddle(499)
+        assert relative_error(torch_a, torch_b) > 1e-4  # a different step, a different partition ...
+        assert relative_error(paddle_b, torch_b) < 1e-5 and relative_error(paddle_a, torch_a) < 1e-5  # ... the same in both
+    finally:
+        tome_torch.remove(pair.torch_unet)
+        tome_paddle.remove(pair.paddle_unet)
