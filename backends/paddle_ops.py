@@ -14,7 +14,8 @@ class PaddleOps:
         return tuple(int(n) for n in x.shape)
 
     def cache_key(self, like):
-        return None  # no reuse of shape-only index arrays yet
+        # Shape-only index arrays are reused per device; not while paddle.jit traces a static graph.
+        return str(like.place) if paddle.in_dynamic_mode() else None
 
     def arange(self, n, like):
         return paddle.arange(n, dtype=INDEX)
