@@ -119,7 +119,7 @@ class Runner:
             tokens = module.__dict__.pop("_oracle_tokens", None)
             if tokens is None:
                 return None
-            return torch.cat([output, output[:, : tokens - output.shape[1]]], dim=1)
+            return output[:, torch.arange(tokens) % output.shape[1]]
 
         for block in self.unet.modules():
             if isinstance(block, BasicTransformerBlock):

@@ -1,0 +1,99 @@
+"""The benchmark: its numbers are computed correctly (independent recomputation), and it runs on a small preset."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tome_core import bench
+from tome_core.adapters.diffusers_bench import Runner, count_ops, micro
+
+
+def test_relative_l2_and_oracle_share_formulas():
+    a, b = np.array([3.0, 4.0]), np.array([0.0, 8.0])
+    assert bench.relative_l2(a, b) == pytest.approx(5.0 / 8.0)
+    assert bench.oracle_share(10.0, 7.0, 4.0) == pytest.approx(0.5)  # saved 3 of the oracle's 6
+    assert np.isnan(bench.oracle_share(10.0, 7.0, 11.0))  # the oracle saved nothing: no share to speak of
+
+
+def test_image_like_latents_are_normalised_and_spatially_smooth():
+    x = bench.image_like_latents(2, 4, 32, 48, seed=0)
+    assert x.shape == (2, 4, 32, 48) and x.dtype == np.float32
+    assert abs(x.mean()) < 1e-5 and abs(x.std() - 1) < 1e-4
+    neighbour = np.corrcoef(x[..., :, 1:].ravel(), x[..., :, :-1].ravel())[0, 1]
+    white = np.random.default_rng(0).standard_normal(x.shape)
+    assert neighbour > 0.7 > abs(np.corrcoef(white[..., 1:].ravel(), white[..., :-1].ravel())[0, 1])
+    np.testing.assert_array_equal(x, bench.image_like_latents(2, 4, 32, 48, seed=0))
+
+
+def test_parse_options_reads_python_literals():
+    assert bench.parse_options(["use_rand=False", "sx=3", "ratio=0.25"]) == {"use_rand": False, "sx": 3, "ratio": 0.25}
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        bench.parse_options(["use_rand"])
+
+
+@pytest.fixture(scope="module")
+def runner():
+    args = bench.parser().parse_args(["--preset", "tiny", "--resolution", "128"])
+    args.options = {}
+    return Runner(args)
+
+
+def test_oracle_runs_attention_on_the_same_token_counts_as_tome(runner):
+    seen = {}
+    for name in ("ours", "oracle"):
+        counts = []
+        with runner.method(name, 0.5):  # hooks added after the method's run after it: they see its tokens
+            handles = [
+                m.register_forward_pre_hook(lambda m, args, kw: counts.append(args[0].shape[1]), with_kwargs=True)
+                for n, m in runner.unet.named_modules()
+                if n.endswith("attn1")
+            ]
+            runner.call()
+        for h in handles:
+            h.remove()
+        seen[name] = counts
+    assert seen["ours"] == seen["oracle"] and 128 in seen["ours"]  # 16x16 latent: 256 tokens -> 128
+
+
+def test_methods_leave_the_model_unpatched_and_fidelity_matches_recomputation(runner):
+    plain = runner.call().numpy()
+    ours = runner.output("ours", 0.5)
+    np.testing.assert_array_equal(runner.output("unpatched", 0.0), plain)
+    np.testing.assert_array_equal(runner.call().numpy(), plain)  # nothing left attached
+    assert bench.relative_l2(ours, plain) == pytest.approx(
+        float(np.linalg.norm(ours.astype(np.float64) - plain) / np.linalg.norm(plain.astype(np.float64)))
+    )
+    assert bench.relative_l2(ours, plain) > 0
+
+
+def test_micro_counts_ops_and_reports_identical_outputs():
+    result = micro(height=16, width=16, channels=32, repeats=2)
+    assert result["identical_outputs"] is True
+    assert result["ops"]["ours"] < result["ops"]["tomesd"]
+    assert count_ops(lambda: torch.ones(3) + 1) == 2
+
+
+def test_main_on_the_tiny_preset_writes_table_json_and_plot(tmp_path, capsys):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rows = bench.main(
+        ["--preset", "tiny", "--resolution", "64", "--repeats", "1", "--warmup", "0", "--steps", "1",
+         "--ratio", "0.3", "0.6", "--json", str(out_json), "--plot", str(out_png)]
+    )
+    text = capsys.readouterr().out
+    assert {r.method for r in rows} == {"unpatched", "ours", "peer", "oracle"} and len(rows) == 8
+    for row in rows:
+        if row.method == "unpatched":
+            assert row.speedup == 1.0 and row.fidelity_step == 0.0
+        if row.method == "oracle":  # by definition, unless timing noise made the oracle no faster (NaN)
+            assert np.isnan(row.oracle_share) or row.oracle_share == pytest.approx(1.0)
+        if row.method in ("ours", "peer"):
+            assert row.fidelity_step > 0 and row.fidelity_sampled > 0
+    assert "oracle share" in text and "ours" in text
+    saved = json.loads(out_json.read_text())
+    assert len(saved["rows"]) == 8 and saved["rows"][1]["method"] == "ours"
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
