@@ -24,7 +24,14 @@ from ppdiffusers import (
 )
 from ppdiffusers.transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-from tome_core.presets import TINY_CONTROLNET_CONDITIONING, TINY_TEXT_ENCODER, TINY_VAE, unet_config, write_clip_tokenizer_files
+from tome_core.presets import (
+    SMALL_VAE,
+    TINY_CONTROLNET_CONDITIONING,
+    TINY_TEXT_ENCODER,
+    TINY_VAE,
+    unet_config,
+    write_clip_tokenizer_files,
+)
 
 PIPELINES = ("sd", "img2img", "inpaint", "sdxl", "controlnet")
 
@@ -51,9 +58,10 @@ def randomize_zero_outputs(controlnet: ControlNetModel, seed: int = 0) -> Contro
     return controlnet
 
 
-def build_controlnet(unet: UNet2DConditionModel, seed: int = 0) -> ControlNetModel:
+def build_controlnet(unet: UNet2DConditionModel, seed: int = 0, tiny: bool = True) -> ControlNetModel:
+    """A ControlNet shaped like ``unet``; ``tiny`` matches the 2x tiny VAE, else the real 8x conditioning."""
     paddle.seed(seed)
-    controlnet = ControlNetModel.from_unet(unet, **TINY_CONTROLNET_CONDITIONING)
+    controlnet = ControlNetModel.from_unet(unet, **(TINY_CONTROLNET_CONDITIONING if tiny else {}))
     controlnet.eval()
     return randomize_zero_outputs(controlnet, seed)
 
@@ -64,20 +72,24 @@ def build_tokenizer() -> CLIPTokenizer:
     return CLIPTokenizer(files["vocab_file"], files["merges_file"], model_max_length=77)
 
 
-def _text_parts(seed: int, with_projection: bool = False) -> Dict[str, Any]:
+def _text_parts(seed: int, with_projection: bool = False, width: int = 32) -> Dict[str, Any]:
     paddle.seed(seed)
-    config = CLIPTextConfig(**TINY_TEXT_ENCODER)
+    config = CLIPTextConfig(**{**TINY_TEXT_ENCODER, "hidden_size": width})
     encoder = (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(config)
     encoder.eval()
     return {"text_encoder": encoder, "tokenizer": build_tokenizer()}
 
 
-def build_pipeline(kind: str = "sd", seed: int = 0) -> Any:
-    """A tiny pipeline of ``kind`` (one of :data:`PIPELINES`) with random weights."""
+def build_pipeline(kind: str = "sd", seed: int = 0, preset: str = "tiny") -> Any:
+    """A pipeline of ``kind`` (one of :data:`PIPELINES`) with random weights.
+
+    ``preset`` names the UNet architecture (:data:`tome_core.presets.UNETS`; SDXL always uses "tiny-xl").
+    The "tiny" preset gets a VAE that downsamples 2x; every other preset a narrow VAE with the real 8x.
+    """
     if kind not in PIPELINES:
         raise ValueError(f"kind must be one of {', '.join(PIPELINES)}, got {kind!r}")
     paddle.seed(seed)
-    vae = AutoencoderKL(**TINY_VAE)
+    vae = AutoencoderKL(**(TINY_VAE if preset == "tiny" else SMALL_VAE))
     vae.eval()
     scheduler = DDIMScheduler(
         beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False, steps_offset=1
@@ -93,11 +105,13 @@ def build_pipeline(kind: str = "sd", seed: int = 0) -> Any:
             tokenizer_2=second["tokenizer"],
             **common,
         )
-    common.update(_text_parts(seed + 1), safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    text = _text_parts(seed + 1, width=unet_config(preset)["cross_attention_dim"])
+    common.update(text, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     if kind == "inpaint":
-        return StableDiffusionInpaintPipeline(unet=build_unet("tiny", seed, in_channels=9), **common)
-    unet = build_unet("tiny", seed)
+        return StableDiffusionInpaintPipeline(unet=build_unet(preset, seed, in_channels=9), **common)
+    unet = build_unet(preset, seed)
     if kind == "controlnet":
-        return StableDiffusionControlNetPipeline(unet=unet, controlnet=build_controlnet(unet, seed + 3), **common)
+        controlnet = build_controlnet(unet, seed + 3, tiny=preset == "tiny")
+        return StableDiffusionControlNetPipeline(unet=unet, controlnet=controlnet, **common)
     cls = StableDiffusionImg2ImgPipeline if kind == "img2img" else StableDiffusionPipeline
     return cls(unet=unet, **common)

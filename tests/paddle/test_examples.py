@@ -1,0 +1,25 @@
+"""The paddle example runs as documented and reports what ToMe did (checked against its own outputs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quickstart_reports_merged_tokens_and_a_real_change(capsys):
+    result = load("paddle_quickstart").main(["--preset", "tiny", "--size", "64", "--steps", "1", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "UNet2DConditionModel: 7 transformer blocks patched" in out
+    assert "level 1/1: 3 blocks, 1024 -> 512 tokens (50% merged)" in out
+    assert 0 < result["change"] < 1 and result["speedup"] > 0
+    [(model, state)] = result["models"]
+    assert state.stats[1].kept == 512 and state.stats[1].blocks == 3
