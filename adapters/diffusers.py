@@ -27,7 +27,7 @@ from diffusers.models.transformers.transformer_2d import Transformer2DModel
 from tome_core.config import ToMeConfig
 from tome_core.levels import finest_attention_level, warn_if_nothing_merges
 from tome_core.match import Match
-from tome_core.merge import merge, unmerge
+from tome_core.merge import merge, size_bias, unmerge
 from tome_core.state import ToMeState
 
 SUBLAYERS = (("attn1", "attn"), ("attn2", "crossattn"), ("ff", "mlp"))
@@ -78,12 +78,12 @@ class _GridHook:
 
 
 class _BlockMatch:
-    """The match of one transformer block while it runs, shared by the block's sub-layer hooks."""
+    """The matches of one transformer block while it runs, shared by the block's sub-layer hooks."""
 
     def __init__(self, state: ToMeState, stream: int):
         self.state = state
         self.stream = stream
-        self.match: Optional[Match] = None
+        self.matches: Dict[str, Match] = {}
 
     def begin(self, block, args, kwargs):
         if self.state.merges("mlp") and getattr(block, "_chunk_size", None) is not None:
@@ -91,31 +91,48 @@ class _BlockMatch:
                 "merge_mlp=True cannot be combined with feed-forward chunking (enable_forward_chunking): the "
                 "feed-forward runs on chunks of the merged tokens; disable one of them"
             )
-        self.match = self.state.block_match(_first(args, kwargs, "hidden_states"), self.stream)
+        self.matches = self.state.block_matches(_first(args, kwargs, "hidden_states"), self.stream)
 
     def end(self, block, args, kwargs, output):
-        self.match = None
+        self.matches = {}
 
 
 class _MergeInput:
-    def __init__(self, block: _BlockMatch):
+    """Pre-hook on a sub-layer: merge its input tokens; for size-aware self-attention, also pass each
+    merged key's log size as an additive attention bias ``[B, 1, N - r]``."""
+
+    def __init__(self, block: _BlockMatch, sublayer: str, proportional: bool):
         self.block = block
+        self.sublayer = sublayer
+        self.proportional = proportional
 
     def __call__(self, module, args, kwargs):
-        match = self.block.match
+        match = self.block.matches.get(self.sublayer)
         if match is None or match.merged == 0:
             return None
         if "hidden_states" in kwargs:
-            return args, {**kwargs, "hidden_states": merge(kwargs["hidden_states"], match)}
-        return (merge(args[0], match),) + tuple(args[1:]), kwargs
+            hidden_states = merge(kwargs["hidden_states"], match)
+            args, kwargs = args, {**kwargs, "hidden_states": hidden_states}
+        else:
+            hidden_states = merge(args[0], match)
+            args = (hidden_states,) + tuple(args[1:])
+        if self.proportional:
+            if kwargs.get("attention_mask") is not None:
+                raise ValueError(
+                    "proportional_attn=True cannot be combined with an attention_mask on self-attention "
+                    "(the mask covers the unmerged tokens)"
+                )
+            kwargs = {**kwargs, "attention_mask": size_bias(match, hidden_states)}
+        return args, kwargs
 
 
 class _UnmergeOutput:
-    def __init__(self, block: _BlockMatch):
+    def __init__(self, block: _BlockMatch, sublayer: str):
         self.block = block
+        self.sublayer = sublayer
 
     def __call__(self, module, args, kwargs, output):
-        match = self.block.match
+        match = self.block.matches.get(self.sublayer)
         if match is None or match.merged == 0:
             return None
         return unmerge(output, match)
@@ -167,8 +184,9 @@ def _attach(model: torch.nn.Module, config: ToMeConfig) -> None:
         for name, sublayer in SUBLAYERS:
             target = getattr(module, name, None)
             if target is not None and state.merges(sublayer):
-                add(target.register_forward_pre_hook(_MergeInput(block), with_kwargs=True))
-                add(target.register_forward_hook(_UnmergeOutput(block), with_kwargs=True))
+                proportional = sublayer == "attn" and config.proportional_attn
+                add(target.register_forward_pre_hook(_MergeInput(block, sublayer, proportional), with_kwargs=True))
+                add(target.register_forward_hook(_UnmergeOutput(block, sublayer), with_kwargs=True))
     model._tome_patch = patch
 
 

@@ -48,6 +48,9 @@ class NumpyOps:
     def matrix_transpose(self, x):
         return np.swapaxes(x, -1, -2)
 
+    def log(self, x):
+        return np.log(x)
+
     def vector_norm(self, x):
         return np.sqrt(np.sum(x * x, axis=-1, keepdims=True))
 

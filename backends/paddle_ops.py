@@ -52,6 +52,9 @@ class PaddleOps:
         perm[-1], perm[-2] = perm[-2], perm[-1]
         return paddle.transpose(x, perm)
 
+    def log(self, x):
+        return paddle.log(x)
+
     def vector_norm(self, x):
         return paddle.linalg.vector_norm(x, p=2, axis=-1, keepdim=True)
 

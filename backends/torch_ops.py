@@ -47,6 +47,9 @@ class TorchOps:
     def matrix_transpose(self, x):
         return x.transpose(-1, -2)
 
+    def log(self, x):
+        return torch.log(x)
+
     def vector_norm(self, x):
         return torch.linalg.vector_norm(x, dim=-1, keepdim=True)
 

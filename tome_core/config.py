@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 MAX_DOWNSAMPLE_CHOICES = (None, 1, 2, 4, 8)
+LEVELS = (1, 2, 4, 8)
+SUBLAYERS = ("attn", "crossattn", "mlp")
 
 
 def _check_bool(name: str, value: Any) -> None:
@@ -32,6 +34,18 @@ class ToMeConfig:
     use_rand: place each cell's destination at a pseudo-random position (else the cell's first).
     merge_attn, merge_crossattn, merge_mlp: merge around self-attention, cross-attention, feed-forward.
     seed: seeds the destination placement; with the timestep it fully determines the partition.
+
+    Beyond tomesd (all off by default, so results equal tomesd's reference configuration):
+    attn_ratio, crossattn_ratio, mlp_ratio: a ratio for one sub-layer only (``None``: the level's ratio).
+    level_ratios: ``{downsample factor: ratio}`` replacing ``ratio`` at those levels (a sub-layer ratio wins).
+    reuse_level: compute one match per level per model call (from the level's first block) instead of one
+        per block.
+    reuse_steps: keep matches for this many consecutive model calls (denoising steps); 1 = recompute
+        every call.
+    local_window: compare each source only with destinations within this many cells (Chebyshev distance);
+        0 compares with all destinations, as tomesd does.
+    proportional_attn: size-aware self-attention: each merged key's attention logit gets ``log(size)``, as if
+        every token it stands for were still there.
     """
 
     ratio: float = 0.5
@@ -43,35 +57,68 @@ class ToMeConfig:
     merge_crossattn: bool = False
     merge_mlp: bool = False
     seed: int = 0
+    attn_ratio: Optional[float] = None
+    crossattn_ratio: Optional[float] = None
+    mlp_ratio: Optional[float] = None
+    level_ratios: Optional[Mapping[int, float]] = None
+    reuse_level: bool = False
+    reuse_steps: int = 1
+    local_window: int = 0
+    proportional_attn: bool = False
 
     def __post_init__(self) -> None:
         _check_int("sx", self.sx, 1)
         _check_int("sy", self.sy, 1)
-        for flag in ("use_rand", "merge_attn", "merge_crossattn", "merge_mlp"):
+        for flag in ("use_rand", "merge_attn", "merge_crossattn", "merge_mlp", "reuse_level", "proportional_attn"):
             _check_bool(flag, getattr(self, flag))
         _check_int("seed", self.seed, 0)
+        _check_int("reuse_steps", self.reuse_steps, 1)
+        _check_int("local_window", self.local_window, 0)
         if self.max_downsample not in MAX_DOWNSAMPLE_CHOICES or isinstance(self.max_downsample, bool):
             raise ValueError(f"max_downsample must be one of None, 1, 2, 4, 8, got {self.max_downsample!r}")
-        ratio = self.ratio
+        self._check_ratio("ratio", self.ratio)
+        for sublayer in SUBLAYERS:
+            if getattr(self, f"{sublayer}_ratio") is not None:
+                self._check_ratio(f"{sublayer}_ratio", getattr(self, f"{sublayer}_ratio"))
+        if self.level_ratios is not None:
+            if not isinstance(self.level_ratios, Mapping):
+                raise TypeError(f"level_ratios must be a dict {{level: ratio}}, got {self.level_ratios!r}")
+            for level, value in self.level_ratios.items():
+                if level not in LEVELS or isinstance(level, bool):
+                    raise ValueError(f"level_ratios keys must be levels 1, 2, 4 or 8, got {level!r}")
+                self._check_ratio(f"level_ratios[{level}]", value)
+            object.__setattr__(self, "level_ratios", dict(self.level_ratios))
+
+    def _check_ratio(self, name: str, ratio: Any) -> None:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-            raise TypeError(f"ratio must be a float in [0, 1), got {ratio!r} ({type(ratio).__name__})")
+            raise TypeError(f"{name} must be a float in [0, 1), got {ratio!r} ({type(ratio).__name__})")
         if not (math.isfinite(ratio) and 0 <= ratio < 1):
-            raise ValueError(f"ratio must be in [0, 1), got {ratio!r}")
+            raise ValueError(f"{name} must be in [0, 1), got {ratio!r}")
         reachable = self.max_ratio
         if ratio > reachable:
             raise ValueError(
-                f"ratio={ratio!r} cannot be reached with sx={self.sx}, sy={self.sy}: one token per "
-                f"{self.sx}x{self.sy} cell is kept, so ratio must be at most 1 - 1/(sx*sy) = {reachable:g}"
+                f"{name}={ratio!r} cannot be reached with sx={self.sx}, sy={self.sy}: one token per "
+                f"{self.sx}x{self.sy} cell is kept, so {name} must be at most 1 - 1/(sx*sy) = {reachable:g}"
             )
+
+    def ratio_for(self, sublayer: str, level: int) -> float:
+        """The ratio of ``sublayer`` ("attn", "crossattn", "mlp") at downsample ``level``."""
+        own = getattr(self, f"{sublayer}_ratio")
+        if own is not None:
+            return own
+        if self.level_ratios is not None and level in self.level_ratios:
+            return self.level_ratios[level]
+        return self.ratio
+
+    @property
+    def sublayers(self) -> Dict[str, bool]:
+        """Which sub-layers are wrapped in merge/unmerge."""
+        return {"attn": self.merge_attn, "crossattn": self.merge_crossattn, "mlp": self.merge_mlp}
 
     @property
     def max_ratio(self) -> float:
         """The largest ratio the cell size allows: every source merged, one destination per cell kept."""
         return 1 - 1 / (self.sx * self.sy)
-
-    @property
-    def merges_anything(self) -> bool:
-        return self.ratio > 0 and (self.merge_attn or self.merge_crossattn or self.merge_mlp)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> "ToMeConfig":

@@ -6,7 +6,7 @@ import math
 import warnings
 from typing import Optional, Sequence, Tuple
 
-from .config import ToMeConfig
+from .config import LEVELS, ToMeConfig
 
 
 def downsample_factor(latent_hw: Tuple[int, int], tokens: int) -> int:
@@ -55,9 +55,15 @@ def warn_if_nothing_merges(config: ToMeConfig, finest_level: int, where: str) ->
             f"max_downsample={config.max_downsample} but the finest level with attention is downsampled "
             f"{finest_level}x; use max_downsample=None or >= {finest_level}"
         )
-    elif config.ratio == 0:
-        reason = "ratio=0"
-    elif not (config.merge_attn or config.merge_crossattn or config.merge_mlp):
+    elif not any(config.sublayers.values()):
         reason = "merge_attn, merge_crossattn and merge_mlp are all False"
+    elif not any(
+        config.ratio_for(sublayer, level) > 0
+        for sublayer, on in config.sublayers.items()
+        if on
+        for level in LEVELS
+        if level >= finest_level and (config.max_downsample is None or level <= config.max_downsample)
+    ):
+        reason = f"ratio={config.ratio} (and no sub-layer or level ratio above 0)"
     if reason:
         warnings.warn(f"ToMe patch on {where} merges no tokens: {reason}", UserWarning, stacklevel=4)

@@ -10,10 +10,10 @@ similar first, as tomesd orders them), then the destinations in grid order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .ops import Array, ArrayOps
-from .partition import split
+from .partition import neighbour_table, split
 
 
 @dataclass(frozen=True)
@@ -48,62 +48,111 @@ def identity_match(ops: ArrayOps, batch: int, tokens: int) -> Match:
     return Match(ops=ops, rows=None, sizes=None, inverse_sizes=None, batch=batch, tokens=tokens, merged=0)
 
 
-def cosine_scores(ops: ArrayOps, metric: Array, src: Array, dst: Array) -> Array:
-    """Cosine similarity of every source token to every destination token: ``[B, S, D]``.
+def best_destinations(
+    ops: ArrayOps, metric: Array, src: Array, dst: Array, neighbours: Optional[Array] = None
+) -> Tuple[Array, Array]:
+    """Each source's highest cosine similarity to a destination and that destination: ``[B, S]`` twice.
 
-    A zero vector has similarity 0 to everything (tomesd would produce NaN there).
+    ``neighbours [S, W]`` (destination indices) restricts each source to those candidates (local matching);
+    ``None`` compares it with every destination. A zero vector has similarity 0 to everything (tomesd would
+    produce NaN there).
     """
     norm = ops.vector_norm(metric)
     unit = metric / ops.where(norm == 0, 1.0, norm)
     a = ops.take(unit, src, axis=1)
     b = ops.take(unit, dst, axis=1)
-    return ops.matmul(a, ops.matrix_transpose(b))
+    if neighbours is None:
+        return ops.max_argmax(ops.matmul(a, ops.matrix_transpose(b)))
+    batch, num_src, channels = ops.shape(a)
+    width = ops.shape(neighbours)[1]
+    near = ops.reshape(ops.take(b, ops.reshape(neighbours, (num_src * width,)), axis=1), (batch * num_src, width, channels))
+    scores = ops.matmul(ops.reshape(a, (batch * num_src, 1, channels)), ops.matrix_transpose(near))
+    best, which = ops.max_argmax(ops.reshape(scores, (batch, num_src, width)))
+    flat = ops.reshape(ops.arange(num_src, which) * width, (1, num_src)) + which
+    return best, ops.reshape(ops.take(ops.reshape(neighbours, (num_src * width,)), ops.reshape(flat, (batch * num_src,)), axis=0), (batch, num_src))
 
 
-def choose(ops: ArrayOps, scores: Array, merged: int) -> Tuple[Array, Array]:
-    """Rank the sources by their best score and give each its slot.
+def rank_sources(ops: ArrayOps, best: Array) -> Array:
+    """Source indices ``[B, S]``, best matched first; a stable sort, so ties break by source order
+    identically on every backend."""
+    return ops.argsort_desc(best)
 
-    Returns ``order [B, S]`` (source indices, best matched first; a stable sort, so ties break by source
-    order identically on every backend) and ``slot [B, S]`` of each ranked source: the first ``merged`` go
-    to their best destination's slot, the rest keep slots of their own, in rank order.
+
+def assign(
+    ops: ArrayOps, order: Array, best_dst: Array, src: Array, dst: Array, merged: int, like: Array
+) -> Match:
+    """The match that merges the first ``merged`` ranked sources into their best destinations.
+
+    Slots: kept sources in rank order, then the destinations in cell order.
     """
-    _, num_src, _ = ops.shape(scores)
-    kept_src = num_src - merged
-    best, best_dst = ops.max_argmax(scores)
-    order = ops.argsort_desc(best)
+    batch, num_src = ops.shape(order)
+    num_dst = ops.shape(dst)[0]
+    tokens = num_src + num_dst
+    kept = tokens - merged
     rank = ops.reshape(ops.arange(num_src, order), (1, num_src))
     dst_of_ranked = ops.take_along_axis(best_dst, order, axis=1)
-    return order, ops.where(rank >= merged, rank - merged, dst_of_ranked + kept_src)
-
-
-def bipartite_match(
-    ops: ArrayOps, metric: Array, h: int, w: int, sx: int, sy: int, merged: int, offsets: Optional[Array]
-) -> Match:
-    """Match the ``h*w`` tokens of ``metric`` ``[B, N, C]``, merging ``merged`` sources into destinations.
-
-    ``offsets`` places the destination in each cell (see :func:`tome_core.partition.split`).
-    ``merged`` must not exceed the number of sources; a grid with no full cell merges nothing.
-    """
-    batch, tokens, _ = ops.shape(metric)
-    if h * w != tokens:
-        raise ValueError(f"grid {h}x{w} has {h * w} tokens but the metric has {tokens}")
-    if merged == 0 or (h // sy) * (w // sx) == 0:
-        return identity_match(ops, batch, tokens)
-    dst, src = split(ops, metric, h, w, sx, sy, offsets)
-    num_dst, num_src = ops.shape(dst)[0], ops.shape(src)[0]
-    if merged > num_src:
-        raise ValueError(f"cannot merge {merged} of {num_src} source tokens")
-    kept = tokens - merged
-
-    order, ranked_slot = choose(ops, cosine_scores(ops, metric, src, dst), merged)
+    ranked_slot = ops.where(rank >= merged, rank - merged, dst_of_ranked + (num_src - merged))
     ranked_token = ops.reshape(ops.take(src, ops.reshape(order, (batch * num_src,)), axis=0), (batch, num_src))
     dst_slot = ops.arange(num_dst, order) + (num_src - merged)
     token = ops.concat([ranked_token, ops.broadcast_to(ops.reshape(dst, (1, num_dst)), (batch, num_dst))], axis=1)
     row = ops.concat([ranked_slot, ops.broadcast_to(ops.reshape(dst_slot, (1, num_dst)), (batch, num_dst))], axis=1)
     row = row + ops.reshape(ops.arange(batch, order) * kept, (batch, 1))
     rows = ops.reshape(ops.scatter(ops.zeros((batch, tokens), order), token, row, axis=1), (batch * tokens,))
-    sizes = ops.scatter_add(ops.zeros((batch * kept,), metric), rows, ops.ones((batch * tokens,), metric), axis=0)
+    sizes = ops.scatter_add(ops.zeros((batch * kept,), like), rows, ops.ones((batch * tokens,), like), axis=0)
     sizes = ops.reshape(sizes, (batch, kept, 1))
-    return Match(
-        ops=ops, rows=rows, sizes=sizes, inverse_sizes=1 / sizes, batch=batch, tokens=tokens, merged=merged
-    )
+    return Match(ops=ops, rows=rows, sizes=sizes, inverse_sizes=1 / sizes, batch=batch, tokens=tokens, merged=merged)
+
+
+def bipartite_matches(
+    ops: ArrayOps,
+    metric: Array,
+    h: int,
+    w: int,
+    sx: int,
+    sy: int,
+    merged: Sequence[int],
+    offsets: Optional[Array],
+    window: int = 0,
+) -> List[Match]:
+    """Match the ``h*w`` tokens of ``metric`` ``[B, N, C]`` once, and return one :class:`Match` per entry
+    of ``merged`` (how many sources each merges into destinations): the similarity and the ranking are
+    shared, only the cut differs.
+
+    ``offsets`` places the destination in each cell (see :func:`tome_core.partition.split`); ``window > 0``
+    compares each source only with destinations within ``window`` cells. A count must not exceed the
+    number of sources; a grid with no full cell merges nothing.
+    """
+    batch, tokens, _ = ops.shape(metric)
+    if h * w != tokens:
+        raise ValueError(f"grid {h}x{w} has {h * w} tokens but the metric has {tokens}")
+    if not any(merged) or (h // sy) * (w // sx) == 0:
+        return [identity_match(ops, batch, tokens) for _ in merged]
+    dst, src = split(ops, metric, h, w, sx, sy, offsets)
+    num_src = ops.shape(src)[0]
+    if max(merged) > num_src:
+        raise ValueError(f"cannot merge {max(merged)} of {num_src} source tokens")
+    neighbours = neighbour_table(ops, metric, h, w, sx, sy, window) if window else None
+    best, best_dst = best_destinations(ops, metric, src, dst, neighbours)
+    order = rank_sources(ops, best)
+    matches: Dict[int, Match] = {}
+    for count in merged:
+        if count not in matches:
+            matches[count] = (
+                identity_match(ops, batch, tokens) if count == 0 else assign(ops, order, best_dst, src, dst, count, metric)
+            )
+    return [matches[count] for count in merged]
+
+
+def bipartite_match(
+    ops: ArrayOps,
+    metric: Array,
+    h: int,
+    w: int,
+    sx: int,
+    sy: int,
+    merged: int,
+    offsets: Optional[Array],
+    window: int = 0,
+) -> Match:
+    """:func:`bipartite_matches` for a single count ``merged``."""
+    return bipartite_matches(ops, metric, h, w, sx, sy, [merged], offsets, window)[0]

@@ -31,3 +31,13 @@ def unmerge(x: Array, match: Match) -> Array:
     batch, kept, channels = ops.shape(x)
     rows = ops.take(ops.reshape(x, (batch * kept, channels)), match.rows, axis=0)
     return ops.reshape(rows, (batch, match.tokens, channels))
+
+
+def size_bias(match: Match, like: Array) -> Array:
+    """``[B, 1, N - r]``: log of how many tokens each merged key stands for, in ``like``'s dtype.
+
+    Added to attention logits it makes attention over the merged keys equal attention over all N keys with
+    each merged token repeated once per token it stands for (proportional attention, ToMe paper eq. 1).
+    """
+    ops = match.ops
+    return ops.reshape(ops.log(ops.astype_like(match.sizes, like)), (match.batch, 1, match.kept))

@@ -55,6 +55,9 @@ class ArrayOps(Protocol):
     def matrix_transpose(self, x: Array) -> Array:
         """Swap the last two axes."""
 
+    def log(self, x: Array) -> Array:
+        """Natural logarithm, elementwise."""
+
     def vector_norm(self, x: Array) -> Array:
         """Euclidean norm over the last axis, kept as a size-1 axis."""
 

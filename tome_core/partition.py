@@ -105,3 +105,33 @@ def _split(ops: ArrayOps, cells: Array, leftover: Optional[Array], offsets: Opti
     k = ops.reshape(ops.arange(per_cell - 1, cells), (1, per_cell - 1))
     src = ops.reshape(ops.take_along_axis(cells, k + ops.as_index(k >= offsets), axis=1), (num_cells * (per_cell - 1),))
     return dst, src if leftover is None else ops.concat([src, leftover], axis=0)
+
+
+def neighbour_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, window: int) -> Array:
+    """For local matching: ``[S, (2*window+1)**2]`` indices of the destinations whose cells lie within
+    ``window`` cells of each source's cell (clamped at the borders, so some repeat), in :func:`split`'s
+    source order. A leftover token counts as being in its nearest cell. Depends on shapes only."""
+    return _cached(ops, like, ("neighbours", h, w, sx, sy, window), lambda: _neighbours(ops, like, h, w, sx, sy, window))
+
+
+def _neighbours(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, window: int) -> Array:
+    hsy, wsx = h // sy, w // sx
+    per_cell = sx * sy - 1
+    cell = ops.arange(hsy * wsx * per_cell, like) // per_cell
+    rows, cols = [cell // wsx], [cell % wsx]
+    _, leftover = cell_table(ops, like, h, w, sx, sy)
+    if leftover is not None:
+        rows.append(_clamp(ops, leftover // w // sy, hsy - 1))
+        cols.append(_clamp(ops, leftover % w // sx, wsx - 1))
+    row = ops.concat(rows, axis=0) if len(rows) > 1 else rows[0]
+    col = ops.concat(cols, axis=0) if len(cols) > 1 else cols[0]
+    num_src = ops.shape(row)[0]
+    side = 2 * window + 1
+    step = ops.arange(side, like) - window
+    near_row = _clamp(ops, ops.reshape(row, (num_src, 1, 1)) + ops.reshape(step, (1, side, 1)), hsy - 1)
+    near_col = _clamp(ops, ops.reshape(col, (num_src, 1, 1)) + ops.reshape(step, (1, 1, side)), wsx - 1)
+    return ops.reshape(near_row * wsx + near_col, (num_src, side * side))
+
+
+def _clamp(ops: ArrayOps, x: Array, high: int) -> Array:
+    return ops.where(x < 0, 0, ops.where(x > high, high, x))

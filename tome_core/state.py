@@ -8,10 +8,8 @@ from typing import Any, Dict, Optional, Tuple
 from .backend import get_ops
 from .config import ToMeConfig
 from .levels import block_grid, downsample_factor
-from .match import Match, bipartite_match, identity_match
+from .match import Match, bipartite_matches, identity_match
 from .partition import random_offsets
-
-SUBLAYER_OPTION = {"attn": "merge_attn", "crossattn": "merge_crossattn", "mlp": "merge_mlp"}
 
 
 @dataclass
@@ -28,7 +26,7 @@ class ToMeState:
     """What one patched model (a UNet or a ControlNet) knows while it runs.
 
     The adapter calls :meth:`begin_call` when the model is entered, :meth:`enter_grid` when a transformer
-    sees its 2-D token grid, and :meth:`block_match` with each transformer block's input.
+    sees its 2-D token grid, and :meth:`block_matches` with each transformer block's input.
     ``finest_level`` is the downsample factor of the model's finest level with attention; it resolves
     ``max_downsample=None``.
     """
@@ -39,6 +37,8 @@ class ToMeState:
     grid_hw: Optional[Tuple[int, int]] = None
     step: Any = 0
     stats: Dict[int, LevelStats] = field(default_factory=dict)
+    calls: int = 0
+    cache: Dict[Any, Dict[str, Match]] = field(default_factory=dict)
 
     @property
     def max_downsample(self) -> int:
@@ -55,10 +55,13 @@ class ToMeState:
 
     def merges(self, sublayer: str) -> bool:
         """Whether ``sublayer`` ("attn", "crossattn" or "mlp") is wrapped in merge/unmerge."""
-        return getattr(self.config, SUBLAYER_OPTION[sublayer])
+        return self.config.sublayers[sublayer]
 
     def begin_call(self, latent_hw: Optional[Tuple[int, int]], step: Any) -> None:
         """Start a model call on a latent of ``latent_hw`` (None: the first grid seen) at ``step``."""
+        if self.calls % self.config.reuse_steps == 0:
+            self.cache = {}
+        self.calls += 1
         self.latent_hw = latent_hw
         self.grid_hw = None
         self.step = step
@@ -70,18 +73,51 @@ class ToMeState:
             self.latent_hw = grid_hw
 
     def block_match(self, metric: Any, stream: int) -> Match:
-        """The match for one block's input ``metric`` ``[B, N, C]``; ``stream`` tells blocks apart."""
+        """The self-attention match of :meth:`block_matches` (the one every sub-layer uses by default)."""
+        matches = self.block_matches(metric, stream)
+        return matches["attn"] if "attn" in matches else next(iter(matches.values()))
+
+    def block_matches(self, metric: Any, stream: int) -> Dict[str, Match]:
+        """One match per merged sub-layer for a block's input ``metric`` ``[B, N, C]``.
+
+        ``stream`` tells blocks apart (it keys their partition and, without ``reuse_level``, their reuse).
+        Sub-layers share the similarity and ranking; only their ratios may differ.
+        """
         ops = get_ops(metric)
-        tokens = ops.shape(metric)[1]
+        batch, tokens = ops.shape(metric)[:2]
         latent = self.latent_hw or self.grid_hw
         if latent is None:
             raise RuntimeError(
                 "a transformer block ran before its model or transformer gave the latent size: ToMe needs the "
                 "blocks inside a UNet, a ControlNet or a 2-D transformer (Transformer2DModel) to know their grid"
             )
+        config = self.config
         factor = downsample_factor(latent, tokens)
-        if factor > self.max_downsample or self.config.ratio == 0:
-            return identity_match(ops, ops.shape(metric)[0], tokens)
+        merged = {
+            sublayer: int(tokens * config.ratio_for(sublayer, factor)) if factor <= self.max_downsample else 0
+            for sublayer, on in config.sublayers.items()
+            if on
+        }
+        reuse = config.reuse_level or config.reuse_steps > 1
+        key = (factor if config.reuse_level else ("block", stream), batch, tokens)
+        matches = self.cache.get(key) if reuse else None
+        if matches is None:
+            matches = self._match(ops, metric, latent, factor, merged, stream)
+            if reuse:
+                self.cache[key] = matches
+        if merged and any(merged.values()):
+            shown = matches["attn"] if "attn" in matches else next(iter(matches.values()))
+            level = self.stats.setdefault(factor, LevelStats())
+            level.blocks += 1
+            level.tokens = tokens
+            level.kept = shown.kept
+        return matches
+
+    def _match(self, ops: Any, metric: Any, latent: Tuple[int, int], factor: int, merged: Dict[str, int], stream: int) -> Dict[str, Match]:
+        tokens = ops.shape(metric)[1]
+        if not any(merged.values()):
+            identity = identity_match(ops, ops.shape(metric)[0], tokens)
+            return {sublayer: identity for sublayer in merged}
         config = self.config
         h, w = block_grid(latent, factor, self.grid_hw, tokens)
         offsets = (
@@ -89,9 +125,7 @@ class ToMeState:
             if config.use_rand and (h // config.sy) * (w // config.sx) > 0
             else None
         )
-        match = bipartite_match(ops, metric, h, w, config.sx, config.sy, int(tokens * config.ratio), offsets)
-        level = self.stats.setdefault(factor, LevelStats())
-        level.blocks += 1
-        level.tokens = tokens
-        level.kept = match.kept
-        return match
+        found = bipartite_matches(
+            ops, metric, h, w, config.sx, config.sy, list(merged.values()), offsets, config.local_window
+        )
+        return dict(zip(merged, found))

@@ -1,0 +1,149 @@
+"""Options beyond tomesd: per-sub-layer and per-level ratios, match reuse, local matching, size-aware attention.
+Oracles: the unpatched model, the reference configuration, token counts seen inside, diffusers' own Attention."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tome_core.torch as tome
+from tome_core import bipartite_match, get_ops, merge, unmerge
+from tome_core.adapters.diffusers_models import build_unet
+from tome_core.merge import size_bias
+
+
+@pytest.fixture(scope="module")
+def unet():
+    return build_unet("tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    generator = torch.Generator().manual_seed(5)
+    return torch.randn(2, 4, 16, 16, generator=generator), torch.tensor(700), torch.randn(2, 7, 32, generator=generator)
+
+
+def call(model, inputs, timestep=None):
+    sample, t, text = inputs
+    with torch.no_grad():
+        return model(sample, t if timestep is None else timestep, text).sample
+
+
+def token_counts(model, names=("attn1", "attn2", "ff")):
+    """Tokens each sub-layer receives, by sub-layer name (hooks added after ToMe's see merged inputs)."""
+    seen = {name: [] for name in names}
+    for path, module in model.named_modules():
+        leaf = path.rsplit(".", 1)[-1]
+        if leaf in seen and "transformer_blocks" in path:
+            module.register_forward_pre_hook(lambda m, a, k, leaf=leaf: seen[leaf].append(a[0].shape[1]), with_kwargs=True)
+    return seen
+
+
+def test_sublayer_and_level_ratios_set_the_token_counts(unet, inputs):
+    model = tome.patch(
+        copy.deepcopy(unet), ratio=0.5, max_downsample=2, merge_crossattn=True, merge_mlp=True,
+        crossattn_ratio=0.25, level_ratios={2: 0.75},
+    )
+    seen = token_counts(model)
+    call(model, inputs)
+    # 16x16 latent: level 1 has 256 tokens, level 2 has 64; the mid block (level 4) is not merged.
+    assert set(seen["attn1"]) == {128, 16}  # 256 * (1 - 0.5) and 64 * (1 - 0.75); mid block 16 unmerged
+    assert set(seen["attn2"]) == {192, 48, 16}  # crossattn_ratio 0.25 wins at every merged level
+    assert set(seen["ff"]) == {128, 16}
+
+
+def test_reuse_level_computes_one_match_per_level(unet, inputs):
+    model = tome.patch(copy.deepcopy(unet), ratio=0.5, max_downsample=2, reuse_level=True)
+    [(_, state)] = tome.patched_models(model)
+    computed = []
+    original = state._match
+    state._match = lambda *args: computed.append(args[3]) or original(*args)
+    call(model, inputs)
+    assert sorted(computed) == [1, 2, 4]  # one per level (4: the unmerged mid block), not one per block
+    assert state.stats[1].blocks == 3 and state.stats[2].blocks == 3
+    assert not torch.equal(call(model, inputs), call(tome.patch(copy.deepcopy(unet), ratio=0.5, max_downsample=2), inputs))
+
+
+def test_reuse_steps_keeps_matches_for_k_calls(unet, inputs):
+    model = tome.patch(copy.deepcopy(unet), ratio=0.5, reuse_steps=2)
+    fresh = tome.patch(copy.deepcopy(unet), ratio=0.5)
+    first = call(model, inputs, torch.tensor(700))
+    torch.testing.assert_close(first, call(fresh, inputs, torch.tensor(700)), rtol=0, atol=0)
+    # The second call reuses the timestep-700 partition: equal to a fresh model only at timestep 700.
+    reused = call(model, inputs, torch.tensor(300))
+    assert not torch.equal(reused, call(fresh, inputs, torch.tensor(300)))
+    fixed = tome.patch(copy.deepcopy(unet), ratio=0.5, use_rand=False, reuse_steps=3)
+    fixed_fresh = tome.patch(copy.deepcopy(unet), ratio=0.5, use_rand=False)
+    call(fixed, inputs)
+    shifted = (inputs[0] * 1.5, inputs[1], inputs[2])
+    # Reused matches come from the first call's tokens, so a different input merges differently than fresh.
+    assert not torch.equal(call(fixed, shifted), call(fixed_fresh, shifted))
+
+
+def test_local_window_covering_the_grid_equals_global_matching():
+    torch.manual_seed(0)
+    x = torch.randn(2, 12 * 10, 16)
+    ops = get_ops(x)
+    everywhere = bipartite_match(ops, x, 12, 10, 2, 2, 50, None)
+    local = bipartite_match(ops, x, 12, 10, 2, 2, 50, None, window=6)  # 6 cells reach across the 6x5 cell grid
+    torch.testing.assert_close(local.rows, everywhere.rows, rtol=0, atol=0)
+    narrow = bipartite_match(ops, x, 12, 10, 2, 2, 50, None, window=1)
+    # Merged sources go to a destination at most one cell away.
+    slot = narrow.slot[0]
+    cell_of = lambda token: ((token // 10) // 2, (token % 10) // 2)
+    dst_slots = {int(slot[t]): t for t in range(120) if (t // 10) % 2 == 0 and (t % 10) % 2 == 0}
+    for token in range(120):
+        target = dst_slots.get(int(slot[token]))
+        if target is not None and target != token:
+            (a, b), (c, d) = cell_of(token), cell_of(target)
+            assert max(abs(a - c), abs(b - d)) <= 1
+
+
+def test_local_window_patch_runs_on_the_same_token_counts(unet, inputs):
+    model = tome.patch(copy.deepcopy(unet), ratio=0.5, local_window=1)
+    seen = token_counts(model, ("attn1",))
+    out = call(model, inputs)
+    assert 128 in seen["attn1"] and torch.isfinite(out).all()
+    assert not torch.equal(out, call(tome.patch(copy.deepcopy(unet), ratio=0.5), inputs))
+
+
+def test_size_bias_through_diffusers_attention_equals_repeated_keys(unet):
+    attn = next(m for n, m in unet.named_modules() if n.endswith("transformer_blocks.0.attn1"))
+    torch.manual_seed(1)
+    x = torch.randn(2, 256, attn.to_q.in_features)
+    match = bipartite_match(get_ops(x), x, 16, 16, 2, 2, 128, None)
+    merged = merge(x, match)
+    with torch.no_grad():
+        sized = attn(merged, attention_mask=size_bias(match, merged))
+        repeated = attn(merged, encoder_hidden_states=unmerge(merged, match))
+        plain = attn(merged)
+    torch.testing.assert_close(sized, repeated, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(plain, repeated, atol=1e-4)
+
+
+def test_proportional_attn_changes_the_output_and_is_exact_at_ratio_zero(unet, inputs):
+    plain = call(unet, inputs)
+    with pytest.warns(UserWarning, match="merges no tokens"):
+        zero = tome.patch(copy.deepcopy(unet), ratio=0.0, proportional_attn=True)
+    torch.testing.assert_close(call(zero, inputs), plain, rtol=0, atol=0)
+    sized = call(tome.patch(copy.deepcopy(unet), ratio=0.5, proportional_attn=True), inputs)
+    flat = call(tome.patch(copy.deepcopy(unet), ratio=0.5), inputs)
+    assert torch.isfinite(sized).all() and not torch.equal(sized, flat)
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"attn_ratio": 0.9}, ValueError, "attn_ratio=0.9 cannot be reached"),
+        ({"level_ratios": {3: 0.5}}, ValueError, "level_ratios keys must be levels 1, 2, 4 or 8, got 3"),
+        ({"level_ratios": [0.5]}, TypeError, "level_ratios must be a dict"),
+        ({"reuse_steps": 0}, ValueError, "reuse_steps must be an int >= 1, got 0"),
+        ({"local_window": -1}, ValueError, "local_window must be an int >= 0, got -1"),
+        ({"proportional_attn": 1}, TypeError, "proportional_attn must be True or False"),
+    ],
+)
+def test_extension_options_are_validated(unet, options, error, message):
+    with pytest.raises(error, match=message):
+        tome.patch(copy.deepcopy(unet), **options)
