@@ -48,14 +48,19 @@ class Runner:
             torch.set_num_threads(args.threads)
         self.args = args
         self.options = dict(getattr(args, "options", {}))
+        args.variants = getattr(args, "variants", {})
         self.unet = load_unet(args)
         config = self.unet.config
         latent = args.resolution // 8
         self.latent_hw = (latent, latent)
         self.scheduler = DDIMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
         alpha_bar = float(self.scheduler.alphas_cumprod[MID_TIMESTEP])
-        clean = image_like_latents(args.batch, config.in_channels, latent, latent, seed=0)
-        noise = np.random.default_rng(1).standard_normal(clean.shape).astype("float32")
+        shape = (args.batch, config.in_channels, latent, latent)
+        if getattr(args, "latents", "image") == "image":
+            clean = image_like_latents(*shape, seed=0)
+        else:
+            clean = np.random.default_rng(0).standard_normal(shape).astype("float32")
+        noise = np.random.default_rng(1).standard_normal(shape).astype("float32")
         self.sample_in = torch.from_numpy(noised(clean, noise, alpha_bar))
         self.noise = torch.from_numpy(noise)
         generator = torch.Generator().manual_seed(2)
@@ -79,8 +84,8 @@ class Runner:
     @contextlib.contextmanager
     def method(self, name: str, ratio: float) -> Iterator[None]:
         handles: List[Any] = []
-        if name == "ours":
-            tome.patch(self.unet, **{"ratio": ratio, **self.options})
+        if name.startswith("ours"):
+            tome.patch(self.unet, **self.options_for(name, ratio))
         elif name == "peer":
             tomesd.apply_patch(self.unet, ratio=ratio, max_downsample=self._max_downsample(), **self._peer_options())
         elif name == "oracle":
@@ -88,12 +93,17 @@ class Runner:
         try:
             yield
         finally:
-            if name == "ours":
+            if name.startswith("ours"):
                 tome.remove(self.unet)
             elif name == "peer":
                 tomesd.remove_patch(self.unet)
             for handle in handles:
                 handle.remove()
+
+    def options_for(self, name: str, ratio: float) -> Dict[str, Any]:
+        """ToMe options of method ``ours`` or ``ours:VARIANT``."""
+        variant = name.partition(":")[2]
+        return {"ratio": ratio, **self.options, **(self.args.variants[variant] if variant else {})}
 
     def _peer_options(self) -> Dict[str, Any]:
         names = ("sx", "sy", "use_rand", "merge_attn", "merge_crossattn", "merge_mlp")

@@ -112,6 +112,8 @@ def run(args: argparse.Namespace) -> List[Row]:
 
     runner = importlib.import_module(f"tome_core.adapters.{RUNNERS[args.backend]}").Runner(args)
     methods = [m for m in args.methods if m != "peer" or runner.has_peer]
+    at = methods.index("ours") + 1 if "ours" in methods else len(methods)
+    methods[at:at] = [f"ours:{name}" for name in args.variants]
     rows: List[Row] = []
     total = len(args.ratio) * len(methods) * (args.warmup + args.repeats)
     with tqdm(total=total, desc=f"{args.backend} {runner.description}", unit="call") as progress:
@@ -150,12 +152,12 @@ def run(args: argparse.Namespace) -> List[Row]:
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    header = f"{'ratio':>5}  {'method':<10} {'median':>9} {'speedup':>8} {'oracle share':>12} {'fid@t':>8} {'fid@loop':>9} {'peak MB':>8}"
+    header = f"{'ratio':>5}  {'method':<14} {'median':>9} {'speedup':>8} {'oracle share':>12} {'fid@t':>8} {'fid@loop':>9} {'peak MB':>8}"
     lines = [header, "-" * len(header)]
     for row in rows:
         peak = "" if row.peak_mb is None else f"{row.peak_mb:8.0f}"
         lines.append(
-            f"{row.ratio:>5.2f}  {row.method:<10} {row.median_s * 1000:7.0f}ms {row.speedup:7.2f}x "
+            f"{row.ratio:>5.2f}  {row.method:<14} {row.median_s * 1000:7.0f}ms {row.speedup:7.2f}x "
             f"{row.oracle_share:12.2f} {row.fidelity_step:8.4f} {row.fidelity_sampled:9.4f} {peak:>8}"
         )
     return "\n".join(lines)
@@ -191,6 +193,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--resolution", type=int, default=512, help="image size in pixels (latent = resolution / 8)")
     p.add_argument("--batch", type=int, default=2, help="UNet batch (2 = one image with classifier-free guidance)")
     p.add_argument("--ratio", type=float, nargs="+", default=[0.5])
+    p.add_argument("--latents", choices=("image", "noise"), default="image",
+                   help="input latents at the mid timestep: image-like structure, or pure Gaussian noise")
     p.add_argument("--steps", type=int, default=4, help="sampling-loop steps for the fidelity after a loop (0: skip)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per method")
     p.add_argument("--warmup", type=int, default=1)
@@ -203,7 +207,21 @@ def parser() -> argparse.ArgumentParser:
                    help="instead: one block's match+merge+unmerge (B=2, N=4096, C=320), ours vs the peer: time and ops")
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="a ToMe option for 'ours' (repeatable), e.g. --option use_rand=False")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:OPT=VAL[,OPT=VAL]",
+                   help="also measure 'ours' with these extra options, as method ours:NAME (repeatable), "
+                   "e.g. --variant prop:proportional_attn=True")
     return p
+
+
+def variant_options(variants: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+    """``["prop:proportional_attn=True"]`` -> ``{"prop": {"proportional_attn": True}}``."""
+    parsed = {}
+    for variant in variants:
+        name, sep, options = variant.partition(":")
+        if not sep or not name:
+            raise ValueError(f"--variant must look like NAME:OPT=VAL[,OPT=VAL], got {variant!r}")
+        parsed[name] = parse_options([o for o in options.split(",") if o])
+    return parsed
 
 
 def parse_options(items: Sequence[str]) -> Dict[str, Any]:
@@ -225,6 +243,7 @@ def parse_options(items: Sequence[str]) -> Dict[str, Any]:
 def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
     args = parser().parse_args(argv)
     args.options = parse_options(args.option)
+    args.variants = variant_options(args.variant)
     if args.micro:
         result = importlib.import_module(f"tome_core.adapters.{RUNNERS[args.backend]}").micro()
         print(json.dumps(result, indent=1))

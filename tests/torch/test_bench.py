@@ -30,6 +30,14 @@ def test_image_like_latents_are_normalised_and_spatially_smooth():
     np.testing.assert_array_equal(x, bench.image_like_latents(2, 4, 32, 48, seed=0))
 
 
+def test_variant_options_parse_into_named_option_sets():
+    assert bench.variant_options(["prop:proportional_attn=True,ratio=0.3"]) == {
+        "prop": {"proportional_attn": True, "ratio": 0.3}
+    }
+    with pytest.raises(ValueError, match="NAME:OPT=VAL"):
+        bench.variant_options(["proportional_attn=True"])
+
+
 def test_parse_options_reads_python_literals():
     assert bench.parse_options(["use_rand=False", "sx=3", "ratio=0.25"]) == {"use_rand": False, "sx": 3, "ratio": 0.25}
     with pytest.raises(ValueError, match="NAME=VALUE"):
@@ -82,18 +90,22 @@ def test_main_on_the_tiny_preset_writes_table_json_and_plot(tmp_path, capsys):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     rows = bench.main(
         ["--preset", "tiny", "--resolution", "64", "--repeats", "1", "--warmup", "0", "--steps", "1",
-         "--ratio", "0.3", "0.6", "--json", str(out_json), "--plot", str(out_png)]
+         "--ratio", "0.3", "0.6", "--json", str(out_json), "--plot", str(out_png),
+         "--variant", "prop:proportional_attn=True"]
     )
     text = capsys.readouterr().out
-    assert {r.method for r in rows} == {"unpatched", "ours", "peer", "oracle"} and len(rows) == 8
+    assert [r.method for r in rows[:5]] == ["unpatched", "ours", "ours:prop", "peer", "oracle"] and len(rows) == 10
     for row in rows:
         if row.method == "unpatched":
             assert row.speedup == 1.0 and row.fidelity_step == 0.0
         if row.method == "oracle":  # by definition, unless timing noise made the oracle no faster (NaN)
             assert np.isnan(row.oracle_share) or row.oracle_share == pytest.approx(1.0)
-        if row.method in ("ours", "peer"):
+        if row.method in ("ours", "ours:prop", "peer"):
             assert row.fidelity_step > 0 and row.fidelity_sampled > 0
     assert "oracle share" in text and "ours" in text
     saved = json.loads(out_json.read_text())
-    assert len(saved["rows"]) == 8 and saved["rows"][1]["method"] == "ours"
+    assert len(saved["rows"]) == 10 and saved["rows"][2]["method"] == "ours:prop"
+    prop = [r for r in rows if r.method == "ours:prop"]
+    plain = [r for r in rows if r.method == "ours"]
+    assert all(p.fidelity_step != q.fidelity_step for p, q in zip(prop, plain))  # the variant really differs
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
