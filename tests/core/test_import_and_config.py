@@ -70,3 +70,13 @@ def test_block_grid_prefers_the_grid_seen_by_the_transformer():
     assert block_grid((5, 40), 7, (1, 5), 5) == (1, 5)
     with pytest.raises(ValueError, match="cannot place 5 tokens on a grid"):
         block_grid((5, 40), 7, None, 5)
+
+
+def test_installed_names_keep_backends_and_adapters_inside_tome_core(tmp_path):
+    code = (
+        "import importlib.util as u;"
+        "print([n for n in ('tome_core', 'tome_core.backends', 'tome_core.adapters', 'backends', 'adapters')"
+        " if u.find_spec(n) is not None])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+    assert out.strip() == "['tome_core', 'tome_core.backends', 'tome_core.adapters']"
