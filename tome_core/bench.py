@@ -115,12 +115,12 @@ def run(args: argparse.Namespace) -> List[Row]:
     at = methods.index("ours") + 1 if "ours" in methods else len(methods)
     methods[at:at] = [f"ours:{name}" for name in args.variants]
     rows: List[Row] = []
-    total = len(args.ratio) * len(methods) * (args.warmup + args.repeats)
+    total = len(args.ratio) * len(methods) * (args.warmup + args.repeats) if args.repeats else 0
     with tqdm(total=total, desc=f"{args.backend} {runner.description}", unit="call") as progress:
         reference_step = runner.output("unpatched", 0.0)
         reference_sampled = runner.sample("unpatched", 0.0, args.steps) if args.steps else None
         for ratio in args.ratio:
-            times = measure(runner, ratio, methods, args.repeats, args.warmup, progress)
+            times = measure(runner, ratio, methods, args.repeats, args.warmup, progress) if args.repeats else {}
             medians = {m: statistics.median(t) for m, t in times.items()}
             for method in methods:
                 fidelity_sampled = float("nan")
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> List[Row]:
                     Row(
                         ratio=ratio,
                         method=method,
-                        median_s=medians[method],
+                        median_s=medians.get(method, float("nan")),
                         speedup=medians["unpatched"] / medians[method] if "unpatched" in medians else float("nan"),
                         oracle_share=(
                             oracle_share(medians["unpatched"], medians[method], medians["oracle"])
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> List[Row]:
                         fidelity_sampled=0.0 if method == "unpatched" and args.steps else fidelity_sampled,
                         peak_mb=runner.peak_memory_mb(method, ratio) if args.memory else None,
                         note=runner.note(method),
-                        times_s=times[method],
+                        times_s=times.get(method, []),
                     )
                 )
     if "peer" in args.methods and not runner.has_peer:
@@ -196,7 +196,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--latents", choices=("image", "noise"), default="image",
                    help="input latents at the mid timestep: image-like structure, or pure Gaussian noise")
     p.add_argument("--steps", type=int, default=4, help="sampling-loop steps for the fidelity after a loop (0: skip)")
-    p.add_argument("--repeats", type=int, default=5, help="timed rounds per method")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per method (0: fidelity only)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--memory", action="store_true", help="measure peak memory (one fresh process per method)")
