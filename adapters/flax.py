@@ -1,0 +1,337 @@
+"""Patch diffusers' Flax models and pipelines (diffusers 0.39.0, the last release with Flax).
+
+Flax modules are immutable, so patching a model returns a new module: an instance of a subclass of the
+model's class (same fields, same ``config``, same parameter tree) whose ``__call__`` runs the original one
+inside :func:`flax.linen.intercept_methods`. The interceptor mirrors the torch adapter's hooks:
+
+* the model call gives the latent size (``sample`` is NCHW) and the timestep (the partition's ``step``);
+* each ``FlaxTransformer2DModel`` gives its real 2-D token grid (its input is NHWC);
+* each ``FlaxBasicTransformerBlock`` computes one match from its input;
+* its ``attn1`` / ``attn2`` / ``ff`` (as selected) merge their input and unmerge their output, before the
+  block adds its residual.
+
+Everything happens while jax traces the call: shapes (N, r, grid) are Python ints, the timestep may be a
+tracer, and a fresh :class:`~tome_core.state.ToMeState` is used per call, so nothing traced outlives the
+trace. The patched module works under ``jax.jit``, ``pmap`` and the pipelines' ``jit=True`` path.
+
+Pipelines are patched in place (their ``unet`` and ``controlnet`` are swapped for patched modules), and the
+pipeline's hash changes with its ToMe options: the pipelines pass ``self`` to ``jax.pmap`` as a static
+argument, so a pipeline compiled before patching recompiles instead of silently reusing the unpatched UNet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import flax.linen as nn
+import jax.numpy as jnp
+from diffusers.configuration_utils import flax_register_to_config
+from diffusers.models.attention_flax import FlaxBasicTransformerBlock, FlaxTransformer2DModel
+from diffusers.models.controlnets.controlnet_flax import FlaxControlNetModel
+from diffusers.models.unets.unet_2d_condition_flax import FlaxUNet2DConditionModel
+from diffusers.pipelines.pipeline_flax_utils import FlaxDiffusionPipeline
+
+from tome_core.config import ToMeConfig
+from tome_core.levels import finest_attention_level, warn_if_nothing_merges
+from tome_core.match import Match
+from tome_core.merge import merge, unmerge
+from tome_core.state import ToMeState
+
+LATENT_MODELS = (FlaxUNet2DConditionModel, FlaxControlNetModel)
+PIPELINE_MODELS = ("unet", "controlnet")
+SUBLAYERS = {"attn1": "attn", "attn2": "crossattn", "ff": "mlp"}
+ACCEPTED = (
+    "a diffusers Flax pipeline with a FlaxUNet2DConditionModel `unet` (e.g. FlaxStableDiffusionPipeline, "
+    "FlaxStableDiffusionControlNetPipeline), a FlaxUNet2DConditionModel or a FlaxControlNetModel"
+)
+# Order of a UNet's parts in the torch model's module list: the partition stream of a block is its index in
+# that order, so the same seed and timestep give the same partition in torch and in Flax.
+_TORCH_PART_ORDER = {"down_blocks": 0, "up_blocks": 1, "mid_block": 2}
+
+
+# --------------------------------------------------------------------------------------------------------
+# The run of one patched model call (lives only while jax traces it)
+
+
+def _argument(args: Sequence[Any], kwargs: Dict[str, Any], name: str, position: int) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[position] if len(args) > position else None
+
+
+def _step(timesteps: Any) -> Any:
+    """The partition's ``step``: the first timestep, a Python int or a (traced) 0-d array, never synced."""
+    if timesteps is None:
+        return 0
+    if isinstance(timesteps, (int, float)):
+        return int(timesteps)
+    return jnp.reshape(jnp.asarray(timesteps), (-1,))[0]
+
+
+def _part_key(path: Tuple[str, ...]) -> Tuple[Any, ...]:
+    """Sort key putting a block path (``down_blocks_1/attentions_0/transformer_blocks_1``) in torch order."""
+    key: List[Any] = []
+    for part in path:
+        name, _, index = part.rpartition("_")
+        if index.isdigit():
+            key.append((_TORCH_PART_ORDER.get(name, 3), name, int(index)))
+        else:
+            key.append((_TORCH_PART_ORDER.get(part, 3), part, -1))
+    return tuple(key)
+
+
+def _block_paths(params: Any) -> List[Tuple[str, ...]]:
+    """Paths of every transformer block in a parameter tree, in torch module order."""
+    found = set()
+
+    def walk(tree: Any, path: Tuple[str, ...]) -> None:
+        if not hasattr(tree, "items"):
+            return
+        for name, sub in tree.items():
+            if name.startswith("transformer_blocks_"):
+                found.add(path + (name,))
+            else:
+                walk(sub, path + (name,))
+
+    walk(params, ())
+    return sorted(found, key=_part_key)
+
+
+class _Run:
+    """One traced call of a patched model: its state, its block streams and the block being run."""
+
+    def __init__(self, state: ToMeState, root: Tuple[str, ...], block_paths: List[Tuple[str, ...]]):
+        self.state = state
+        self.root = root  # the patched model's own path, when it runs inside a larger module
+        self.streams = {path: index for index, path in enumerate(block_paths)}
+        self.block_path: Optional[Tuple[str, ...]] = None
+        self.matches: Dict[str, Match] = {}
+
+    def stream(self, path: Tuple[str, ...]) -> int:
+        # Without parameters (inside ``init``) streams follow the call order; the output is not used there.
+        return self.streams.setdefault(path, len(self.streams))
+
+    def intercept(self, next_fun, args, kwargs, context):
+        if context.method_name != "__call__":
+            return next_fun(*args, **kwargs)
+        module = context.module
+        if isinstance(module, FlaxTransformer2DModel):
+            hidden_states = _argument(args, kwargs, "hidden_states", 0)
+            if hidden_states.ndim == 4:
+                self.state.enter_grid(tuple(int(n) for n in hidden_states.shape[1:3]))
+            return next_fun(*args, **kwargs)
+        if isinstance(module, FlaxBasicTransformerBlock):
+            path = tuple(module.path)[len(self.root) :]
+            outer = (self.block_path, self.matches)
+            self.block_path = path
+            self.matches = self.state.block_matches(_argument(args, kwargs, "hidden_states", 0), self.stream(path))
+            try:
+                return next_fun(*args, **kwargs)
+            finally:
+                self.block_path, self.matches = outer
+        match = self.matches.get(SUBLAYERS.get(module.name, ""))
+        if match is None or match.merged == 0 or tuple(module.path)[len(self.root) : -1] != self.block_path:
+            return next_fun(*args, **kwargs)
+        if "hidden_states" in kwargs:
+            kwargs = {**kwargs, "hidden_states": merge(kwargs["hidden_states"], match)}
+        else:
+            args = (merge(args[0], match),) + tuple(args[1:])
+        return unmerge(next_fun(*args, **kwargs), match)
+
+
+class _Recorder(threading.local):
+    """States of the patched calls traced while :func:`record` is active (for stats and tests)."""
+
+    def __init__(self):
+        self.stack: List[List[Tuple[str, ToMeState]]] = []
+
+
+_recorder = _Recorder()
+
+
+class record:
+    """Context manager collecting ``(class name, ToMeState)`` for every patched model call traced inside it.
+
+    A state's ``stats`` tell, per downsample level, how many blocks merged and their token counts. Under
+    ``jax.jit`` a call is traced once per input shape, so stats appear only when tracing happens.
+    """
+
+    def __enter__(self) -> List[Tuple[str, ToMeState]]:
+        self.states: List[Tuple[str, ToMeState]] = []
+        _recorder.stack.append(self.states)
+        return self.states
+
+    def __exit__(self, *exc: Any) -> None:
+        _recorder.stack.remove(self.states)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Patched model classes
+
+
+def config_key(config: Optional[ToMeConfig]) -> Any:
+    """A hashable stand-in for a config (``level_ratios`` is a dict)."""
+    if config is None:
+        return None
+    return tuple(
+        (f.name, tuple(sorted(v.items())) if isinstance(v, dict) else v)
+        for f in dataclasses.fields(config)
+        for v in [getattr(config, f.name)]
+    )
+
+
+def _check_supported(config: ToMeConfig) -> None:
+    if config.reuse_steps != 1:
+        raise ValueError(
+            f"reuse_steps={config.reuse_steps} is not supported on jax: a match is computed inside a traced model "
+            "call and cannot outlive it (the pipelines trace each denoising step in one loop); use reuse_steps=1 "
+            "(reuse_level=True works)"
+        )
+    if config.proportional_attn:
+        raise ValueError(
+            "proportional_attn=True is not supported on jax: diffusers' FlaxAttention takes no attention bias "
+            "to add the merged tokens' sizes to; use proportional_attn=False"
+        )
+
+
+def _finest_level(model: nn.Module) -> int:
+    return finest_attention_level(["CrossAttn" in block_type for block_type in model.down_block_types])
+
+
+def _patched_call(self, *args, **kwargs):
+    config: Optional[ToMeConfig] = self.tome
+    if config is None:
+        return super(type(self), self).__call__(*args, **kwargs)
+    sample = _argument(args, kwargs, "sample", 0)
+    state = ToMeState(config=config, finest_level=_finest_level(self))
+    state.begin_call(tuple(int(n) for n in sample.shape[-2:]), _step(_argument(args, kwargs, "timesteps", 1)))
+    run = _Run(state, tuple(self.path), _block_paths(self.variables.get("params", {})))
+    with nn.intercept_methods(run.intercept):
+        out = super(type(self), self).__call__(*args, **kwargs)
+    for states in _recorder.stack:
+        states.append((type(self).__name__, state))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _patched_class(base: type) -> type:
+    """A subclass of a Flax model class with a ``tome`` field (not part of its diffusers config)."""
+
+    def __hash__(self):
+        return hash((base.__hash__(self), config_key(self.tome)))
+
+    namespace = {
+        "__hash__": __hash__,
+        "__module__": __name__,
+        "__qualname__": f"ToMe[{base.__qualname__}]",
+        "__annotations__": {"tome": Optional[ToMeConfig]},
+        "tome": None,
+        "_flax_internal_args": [*getattr(base, "_flax_internal_args", ()), "tome"],
+        "__call__": _patched_call,
+        "__doc__": f"{base.__name__} with Token Merging (see tome_core.jax).",
+    }
+    # Same __name__ as the base: diffusers records class names in configs and model_index.json.
+    cls = type(base.__name__, (base,), namespace)
+    return flax_register_to_config(cls)
+
+
+def _original(model: nn.Module) -> nn.Module:
+    return model.__dict__.get("_tome_original", model)
+
+
+def is_patched(model: Any) -> bool:
+    return isinstance(model, nn.Module) and "_tome_original" in model.__dict__
+
+
+def _patch_model(model: nn.Module, config: ToMeConfig) -> nn.Module:
+    _check_supported(config)
+    model = _original(model)
+    warn_if_nothing_merges(config, _finest_level(model), type(model).__name__)
+    cls = _patched_class(type(model))
+    values = {
+        f.name: getattr(model, f.name)
+        for f in dataclasses.fields(model)
+        if f.init and f.name not in ("parent", "name")
+    }
+    patched = cls(**values, tome=config)
+    # The same diffusers config (it may hold entries that are not fields, e.g. _diffusers_version).
+    object.__setattr__(patched, "_internal_dict", model._internal_dict)
+    object.__setattr__(patched, "_tome_original", model)
+    return patched
+
+
+# --------------------------------------------------------------------------------------------------------
+# Pipelines
+
+
+@functools.lru_cache(maxsize=None)
+def _pipeline_class(base: type) -> type:
+    """A subclass whose hash follows the ToMe options of the pipeline's models (see the module doc)."""
+
+    def __hash__(self):
+        return hash((object.__hash__(self), self.__dict__.get("_tome_key")))
+
+    namespace = {"__module__": __name__, "__qualname__": f"ToMe[{base.__qualname__}]", "__hash__": __hash__}
+    return type(base.__name__, (base,), namespace)
+
+
+def _pipeline_base(pipe: FlaxDiffusionPipeline) -> type:
+    cls = type(pipe)
+    return cls.__bases__[0] if cls.__module__ == __name__ else cls
+
+
+def _pipeline_models(pipe: FlaxDiffusionPipeline) -> Dict[str, nn.Module]:
+    return {
+        name: getattr(pipe, name)
+        for name in PIPELINE_MODELS
+        if isinstance(getattr(pipe, name, None), LATENT_MODELS)
+    }
+
+
+def _check(obj: Any) -> None:
+    if isinstance(obj, FlaxDiffusionPipeline):
+        if not _pipeline_models(obj):
+            raise ValueError(
+                f"nothing to patch: {type(obj).__name__} has no FlaxUNet2DConditionModel `unet` or "
+                f"FlaxControlNetModel `controlnet`; ToMe can patch {ACCEPTED}"
+            )
+    elif not isinstance(obj, LATENT_MODELS):
+        raise TypeError(f"ToMe can patch {ACCEPTED}; got {type(obj).__module__}.{type(obj).__qualname__}")
+
+
+def patch(obj: Any, **options: Any) -> Any:
+    """Apply ToMe. A model: returns a patched copy (same parameter tree); a pipeline: patched in place."""
+    config = ToMeConfig.from_options(options)
+    _check_supported(config)
+    _check(obj)
+    if not isinstance(obj, FlaxDiffusionPipeline):
+        return _patch_model(obj, config)
+    key = []
+    for name, model in _pipeline_models(obj).items():
+        setattr(obj, name, _patch_model(model, config))
+        key.append((name, config_key(config)))
+    object.__setattr__(obj, "__class__", _pipeline_class(_pipeline_base(obj)))
+    obj._tome_key = tuple(key)
+    return obj
+
+
+def remove(obj: Any) -> Any:
+    """Undo :func:`patch`: a model gives back the original module, a pipeline is restored in place."""
+    _check(obj)
+    if not isinstance(obj, FlaxDiffusionPipeline):
+        return _original(obj)
+    for name, model in _pipeline_models(obj).items():
+        setattr(obj, name, _original(model))
+    object.__setattr__(obj, "__class__", _pipeline_base(obj))
+    obj.__dict__.pop("_tome_key", None)
+    return obj
+
+
+def patched_models(obj: Any) -> List[Tuple[str, nn.Module]]:
+    """The patched models of ``obj`` (a pipeline or a model) as ``(name, module)`` pairs."""
+    if isinstance(obj, FlaxDiffusionPipeline):
+        return [(name, m) for name, m in _pipeline_models(obj).items() if is_patched(m)]
+    return [(type(obj).__name__, obj)] if is_patched(obj) else []

@@ -1,0 +1,154 @@
+"""Patched Flax UNets and ControlNets: what runs, on how many tokens, and what stays as it was.
+
+Oracles: the unpatched module (exact equality where nothing may change), token counts computed from the
+grid (N - int(N * ratio) at merged levels, N elsewhere), the eager call (for jit), the parameter tree.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tome_core.jax as tome
+from tome_core.adapters.flax_models import build_unet, param_shapes
+
+
+def expected_tokens(latent, levels_blocks, merged_levels, ratio=0.5):
+    """``Counter`` of attn1 token counts: ``levels_blocks`` maps downsample factor -> number of blocks."""
+    counts = Counter()
+    for factor, blocks in levels_blocks.items():
+        tokens = (latent[0] // factor) * (latent[1] // factor)
+        counts[tokens - int(tokens * ratio) if factor in merged_levels else tokens] += blocks
+    return counts
+
+
+# The tiny preset: 3 blocks at 1/1 (down 0 and up 2 x2), 3 at 1/2 (down 1, up 1 x2), 1 at 1/4 (middle).
+TINY_BLOCKS = {1: 3, 2: 3, 4: 1}
+
+
+def seen_counts(attn1_tokens, model, params, sample, context):
+    return Counter(n for _, n in attn1_tokens(model.apply, {"params": params}, sample, jnp.ones((2,)), context))
+
+
+@pytest.mark.parametrize(
+    "options, latent, merged_levels",
+    [
+        ({}, (16, 16), {1}),  # max_downsample=None: the finest level with attention (1 on SD)
+        ({"max_downsample": 2}, (16, 24), {1, 2}),
+        ({"max_downsample": 4, "ratio": 0.6}, (20, 28), {1, 2, 4}),  # 5x7 middle grid: leftover row and column
+    ],
+)
+def test_merged_blocks_run_attention_on_fewer_tokens(tiny, attn1_tokens, options, latent, merged_levels):
+    unet, params = tiny
+    sample = jnp.zeros((2, 4) + latent)
+    context = jnp.zeros((2, 7, 32))
+    patched = tome.patch(unet, **options)
+    expected = expected_tokens(latent, TINY_BLOCKS, merged_levels, options.get("ratio", 0.5))
+    assert seen_counts(attn1_tokens, patched, params, sample, context) == expected
+    assert seen_counts(attn1_tokens, unet, params, sample, context) == expected_tokens(latent, TINY_BLOCKS, set())
+
+
+def test_sdxl_config_merges_its_finest_attention_level_by_default(attn1_tokens):
+    unet, params = build_unet("tiny-xl", seed=1)
+    added = {"text_embeds": jnp.zeros((2, 32)), "time_ids": jnp.zeros((2, 6))}
+    sample, context = jnp.zeros((2, 4, 16, 16)), jnp.zeros((2, 7, 64))
+    seen = attn1_tokens(tome.patch(unet).apply, {"params": params}, sample, jnp.ones((2,)), context, added)
+    # No attention at 1/1; two blocks per transformer at 1/2 (down 1, up 1 x2) and 1/4 (down 2, up 0 x2, middle).
+    assert Counter(n for _, n in seen) == Counter({32: 6, 16: 8})
+    with pytest.warns(UserWarning, match="max_downsample=1 but the finest level with attention is downsampled 2x"):
+        tome.patch(unet, max_downsample=1)
+
+
+def test_patched_module_shares_params_config_and_class_name_and_remove_gives_the_original(tiny):
+    unet, params = tiny
+    patched = tome.patch(unet, ratio=0.4, merge_mlp=True)
+    assert isinstance(patched, type(unet)) and type(patched).__name__ == type(unet).__name__
+    assert patched.config == unet.config and dict(patched.config) == dict(unet.config)
+    assert jax.tree_util.tree_structure(param_shapes(patched)) == jax.tree_util.tree_structure(params)
+    assert jax.tree_util.tree_map(lambda a, b: a.shape == b.shape, param_shapes(patched), params)
+    assert tome.is_patched(patched) and not tome.is_patched(unet)
+    assert tome.remove(patched) is unet and tome.remove(unet) is unet
+    # Patching a patched module starts from the original: equal to patching once with the newer options.
+    twice = tome.patch(tome.patch(unet, ratio=0.3, merge_mlp=True), ratio=0.6)
+    assert twice == tome.patch(unet, ratio=0.6) and tome.remove(twice) is unet
+
+
+def test_jit_equals_eager_and_does_not_retrace(tiny, inputs, apply, rel):
+    unet, params = tiny
+    patched = tome.patch(unet, ratio=0.5, seed=1)
+    first = apply(patched, params, *inputs)
+    size = apply._cache_size()
+    second = apply(tome.patch(unet, ratio=0.5, seed=1), params, inputs[0] + 1, jnp.array([20, 20], jnp.int32), inputs[2])
+    assert apply._cache_size() == size  # an equal patched module, new values, same shapes: no retrace
+    assert rel(second, first) > 1e-3
+    eager = patched.apply({"params": params}, *inputs).sample
+    assert rel(first, eager) < 1e-5
+    assert rel(first, apply(unet, params, *inputs)) > 1e-3  # and ToMe changed something
+
+
+def test_ratio_zero_equals_unpatched_exactly_and_the_original_stays_unpatched(tiny, inputs, apply):
+    unet, params = tiny
+    plain = np.asarray(apply(unet, params, *inputs))
+    with pytest.warns(UserWarning, match="merges no tokens: ratio=0"):
+        zero = tome.patch(unet, ratio=0.0)
+    np.testing.assert_array_equal(np.asarray(apply(zero, params, *inputs)), plain)
+    # The original module is untouched by patching: still the unpatched output, bit for bit.
+    tome.patch(unet, ratio=0.5)
+    np.testing.assert_array_equal(np.asarray(apply(tome.remove(zero), params, *inputs)), plain)
+
+
+def test_same_seed_gives_the_same_output_and_another_seed_another_partition(tiny, inputs, apply, rel):
+    unet, params = tiny
+    first = np.asarray(apply(tome.patch(unet, ratio=0.5, seed=1), params, *inputs))
+    again = tome.patch(unet, ratio=0.5, seed=1)
+    np.testing.assert_array_equal(np.asarray(apply(again, params, *inputs)), first)
+    assert rel(apply(tome.patch(unet, ratio=0.5, seed=2), params, *inputs), first) > 1e-4
+
+
+def test_controlnet_blocks_are_merged_and_change_its_residuals(tiny_controlnet, inputs, attn1_tokens, rel):
+    controlnet, params = tiny_controlnet
+    sample, timesteps, context = inputs
+    cond = jnp.asarray(np.random.default_rng(5).random((2, 3, 32, 32)), jnp.float32)
+    patched = tome.patch(controlnet, ratio=0.5)
+    seen = attn1_tokens(patched.apply, {"params": params}, sample, timesteps, context, cond)
+    # ControlNet blocks: down 0 (1/1), down 1 (1/2), middle (1/4).
+    assert Counter(n for _, n in seen) == Counter({128: 1, 64: 1, 16: 1})
+
+    run = jax.jit(lambda model, p: model.apply({"params": p}, sample, timesteps, context, cond, return_dict=False),
+                  static_argnums=0)
+    (down_plain, mid_plain), (down_tome, mid_tome) = run(controlnet, params), run(patched, params)
+    np.testing.assert_array_equal(np.asarray(down_tome[0]), np.asarray(down_plain[0]))  # before any block
+    assert rel(down_tome[1], down_plain[1]) > 1e-3  # after the first (merged) transformer block
+    assert all(np.isfinite(np.asarray(d)).all() for d in down_tome)
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"ratio": 0.9}, ValueError, "at most 1 - 1/\\(sx\\*sy\\)"),
+        ({"max_downsample": 3}, ValueError, "max_downsample must be one of"),
+        ({"use_rand": 1}, TypeError, "use_rand must be True or False"),
+        ({"ration": 0.5}, TypeError, "unknown ToMe option"),
+        ({"reuse_steps": 2}, ValueError, "reuse_steps=2 is not supported on jax"),
+        ({"proportional_attn": True}, ValueError, "proportional_attn=True is not supported on jax"),
+    ],
+)
+def test_bad_options_raise_clear_errors(tiny, options, error, message):
+    with pytest.raises(error, match=message):
+        tome.patch(tiny[0], **options)
+
+
+def test_objects_without_a_unet_raise_naming_what_is_accepted(tiny):
+    import flax.linen as nn
+
+    with pytest.raises(TypeError, match="ToMe can patch a diffusers Flax pipeline .* got builtins.str"):
+        tome.patch("unet")
+    with pytest.raises(TypeError, match="FlaxUNet2DConditionModel or a FlaxControlNetModel; got flax.linen"):
+        tome.patch(nn.Dense(3))
+    with pytest.raises(TypeError, match="ToMe can patch"):
+        tome.remove(42)

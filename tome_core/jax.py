@@ -1,0 +1,22 @@
+"""ToMe for jax / diffusers' Flax models: ``unet = tome_core.jax.patch(unet, ratio=0.5)``.
+
+Flax modules are immutable: :func:`patch` on a ``FlaxUNet2DConditionModel`` or ``FlaxControlNetModel``
+returns a patched module that takes the same parameter tree, and :func:`remove` returns the original.
+A Flax pipeline (``FlaxStableDiffusionPipeline``, ``FlaxStableDiffusionControlNetPipeline``) is patched in
+place and returned; it recompiles on its next ``jit=True`` call.
+
+    pipe = tome_core.jax.patch(pipe, ratio=0.5, seed=0)
+    images = pipe(prompt_ids, params, rng, jit=True).images
+    tome_core.jax.remove(pipe)
+
+Options, defaults and errors are those of :class:`tome_core.ToMeConfig`.
+"""
+
+from __future__ import annotations
+
+from tome_core.adapters.flax import is_patched, patch, patched_models, record, remove
+
+apply_tome = patch
+remove_tome = remove
+
+__all__ = ["patch", "remove", "apply_tome", "remove_tome", "patched_models", "is_patched", "record"]
