@@ -26,6 +26,10 @@ import torch  # noqa: E402
 
 import tome_core.torch as tome_torch  # noqa: E402
 
+# torch's and paddle's OpenMP pools in one process contend for the cores: torch's default pool makes each tiny
+# UNet call ~20x slower here. One torch thread is plenty for these sizes.
+torch.set_num_threads(1)
+
 
 def torch_to_paddle(torch_model: torch.nn.Module, paddle_model: paddle.nn.Layer) -> None:
     """Copy weights across: the state-dict keys match; paddle stores every Linear weight transposed."""
