@@ -144,11 +144,14 @@ def build_vae(seed: int = 0) -> Tuple[FlaxAutoencoderKL, Dict]:
     return vae, random_params(shapes, seed)
 
 
-def build_pipeline(kind: str = "sd", seed: int = 0) -> Tuple[Any, Dict[str, Any]]:
-    """A tiny Flax pipeline of ``kind`` (one of :data:`PIPELINES`) and its parameters (unreplicated)."""
+def build_pipeline(kind: str = "sd", seed: int = 0, preset: str = "tiny", **unet_overrides: Any) -> Tuple[Any, Dict[str, Any]]:
+    """A tiny Flax pipeline of ``kind`` (one of :data:`PIPELINES`) and its parameters (unreplicated).
+
+    The UNet is ``preset`` with ``unet_overrides``; the VAE (2x downsampling) and text encoder are tiny.
+    """
     if kind not in PIPELINES:
         raise ValueError(f"kind must be one of {', '.join(PIPELINES)}, got {kind!r}")
-    unet, unet_params = build_unet("tiny", seed)
+    unet, unet_params = build_unet(preset, seed, **unet_overrides)
     vae, vae_params = build_vae(seed + 1)
     text_encoder, tokenizer, text_params = build_text_parts(seed + 2)
     scheduler = FlaxDDIMScheduler(

@@ -48,18 +48,21 @@ def inputs():
     return sample, jnp.array([500, 500], jnp.int32), context
 
 
-def _attn1_tokens(fn, *args, **kwargs) -> List[Tuple[Tuple[str, ...], int]]:
+def _attn1_tokens(fn, *args, **kwargs) -> List[Tuple[str, Tuple[str, ...], int]]:
     """Trace ``fn(*args, **kwargs)`` abstractly (``jax.eval_shape``: no compilation, no compute) and return,
-    for each self-attention run, ``(path of its transformer block, number of query tokens it saw)``.
+    for each self-attention run, ``(model class, path of its transformer block, query tokens it saw)``.
 
     The spy sits on attn1's query projection (``to_q``), inside attn1, so it sees what attn1 really ran on.
     """
-    seen: List[Tuple[Tuple[str, ...], int]] = []
+    seen: List[Tuple[str, Tuple[str, ...], int]] = []
 
     def spy(next_fun, call_args, call_kwargs, context):
         module = context.module
         if context.method_name == "__call__" and module.name == "to_q" and module.parent.name == "attn1":
-            seen.append((tuple(module.path[:-2]), int(call_args[0].shape[1])))
+            root = module
+            while isinstance(root.parent, nn.Module):
+                root = root.parent
+            seen.append((type(root).__name__, tuple(module.path[:-2]), int(call_args[0].shape[1])))
         return next_fun(*call_args, **call_kwargs)
 
     with nn.intercept_methods(spy):

@@ -32,7 +32,7 @@ TINY_BLOCKS = {1: 3, 2: 3, 4: 1}
 
 
 def seen_counts(attn1_tokens, model, params, sample, context):
-    return Counter(n for _, n in attn1_tokens(model.apply, {"params": params}, sample, jnp.ones((2,)), context))
+    return Counter(n for _, _, n in attn1_tokens(model.apply, {"params": params}, sample, jnp.ones((2,)), context))
 
 
 @pytest.mark.parametrize(
@@ -59,7 +59,7 @@ def test_sdxl_config_merges_its_finest_attention_level_by_default(attn1_tokens):
     sample, context = jnp.zeros((2, 4, 16, 16)), jnp.zeros((2, 7, 64))
     seen = attn1_tokens(tome.patch(unet).apply, {"params": params}, sample, jnp.ones((2,)), context, added)
     # No attention at 1/1; two blocks per transformer at 1/2 (down 1, up 1 x2) and 1/4 (down 2, up 0 x2, middle).
-    assert Counter(n for _, n in seen) == Counter({32: 6, 16: 8})
+    assert Counter(n for _, _, n in seen) == Counter({32: 6, 16: 8})
     with pytest.warns(UserWarning, match="max_downsample=1 but the finest level with attention is downsampled 2x"):
         tome.patch(unet, max_downsample=1)
 
@@ -117,7 +117,7 @@ def test_controlnet_blocks_are_merged_and_change_its_residuals(tiny_controlnet, 
     patched = tome.patch(controlnet, ratio=0.5)
     seen = attn1_tokens(patched.apply, {"params": params}, sample, timesteps, context, cond)
     # ControlNet blocks: down 0 (1/1), down 1 (1/2), middle (1/4).
-    assert Counter(n for _, n in seen) == Counter({128: 1, 64: 1, 16: 1})
+    assert Counter(n for _, _, n in seen) == Counter({128: 1, 64: 1, 16: 1})
 
     run = jax.jit(lambda model, p: model.apply({"params": p}, sample, timesteps, context, cond, return_dict=False),
                   static_argnums=0)

@@ -1,0 +1,132 @@
+"""Cross-framework parity: the same tiny UNet weights in torch diffusers and in Flax, patched with the same
+options, give the same output (relative L2 < 1e-4), with the fixed partition and with the hashed one (the
+partition depends only on seed, timestep and the block's position, not on the framework).
+
+The torch model is the oracle (diffusers 0.39.0 torch models + tome_core.torch in this environment); weights
+move by diffusers' own ``convert_pytorch_state_dict_to_flax``. Cross-framework float noise (~1e-6) could flip a
+choice that is a near-tie, so the test first checks that every merge decision of the torch run has a margin
+well above that noise: a failure there means the test data are unsuitable, not that the code is wrong.
+"""
+
+from __future__ import annotations
+
+import diffusers
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import tome_core.jax as tome_jax  # noqa: E402
+import tome_core.torch as tome_torch  # noqa: E402
+from diffusers.models.attention import BasicTransformerBlock  # noqa: E402
+from tome_core import load_backend  # noqa: E402
+from tome_core.adapters.diffusers_models import build_unet as build_torch_unet  # noqa: E402
+from tome_core.adapters.flax_models import params_from_torch  # noqa: E402
+from tome_core.levels import downsample_factor, level_grid  # noqa: E402
+from tome_core.partition import random_offsets, split  # noqa: E402
+from tome_core.presets import unet_config  # noqa: E402
+
+NUMPY = load_backend("numpy")
+TIMESTEP = 500
+
+
+def margin(metric, h, w, merged, offsets):
+    """Smallest score gap deciding a merge: between a merged source's best and second-best destination, and
+    between the last merged and the first kept source (float64, on the torch model's block input)."""
+    metric = metric.astype(np.float64)
+    dst, src = split(NUMPY, metric, h, w, 2, 2, offsets)
+    unit = metric / np.linalg.norm(metric, axis=-1, keepdims=True)
+    scores = unit[:, src] @ np.swapaxes(unit[:, dst], 1, 2)
+    top = np.sort(scores, axis=-1)
+    best = top[..., -1]
+    ranked = np.sort(best, axis=-1)[:, ::-1]
+    gaps = [ranked[:, merged - 1] - ranked[:, merged]] if merged < len(src) else []
+    merged_sources = np.argsort(-best, axis=-1, kind="stable")[:, :merged]
+    gaps.append(np.take_along_axis(top[..., -1] - top[..., -2], merged_sources, axis=1))
+    return min(float(np.min(g)) for g in gaps)
+
+
+@pytest.fixture(scope="module")
+def models():
+    """``{preset: (torch UNet, Flax UNet, converted Flax params)}``."""
+    out = {}
+    for preset in ("tiny", "tiny-xl"):
+        torch_unet = build_torch_unet(preset, seed=0)
+        flax_unet = diffusers.FlaxUNet2DConditionModel(**unet_config(preset))
+        out[preset] = (torch_unet, flax_unet, params_from_torch(torch_unet, flax_unet))
+    return out
+
+
+def make_inputs(preset, seed):
+    rng = np.random.default_rng(seed)
+    width = unet_config(preset)["cross_attention_dim"]
+    sample = rng.standard_normal((2, 4, 16, 16)).astype(np.float32)
+    context = rng.standard_normal((2, 7, width)).astype(np.float32)
+    added = None
+    if preset == "tiny-xl":
+        added = {"text_embeds": rng.standard_normal((2, 32)).astype(np.float32),
+                 "time_ids": (rng.random((2, 6)) * 1024).astype(np.float32)}
+    return sample, context, added
+
+
+def run_torch(unet, sample, context, added, capture=None):
+    hooks = []
+    if capture is not None:
+        blocks = [m for m in unet.modules() if isinstance(m, BasicTransformerBlock)]
+        for stream, block in enumerate(blocks):
+            def hook(module, args, kwargs, stream=stream):
+                capture.append((stream, (args[0] if args else kwargs["hidden_states"]).numpy().copy()))
+            hooks.append(block.register_forward_pre_hook(hook, with_kwargs=True))
+    kwargs = {}
+    if added is not None:
+        kwargs["added_cond_kwargs"] = {k: torch.from_numpy(v) for k, v in added.items()}
+    with torch.no_grad():
+        out = unet(torch.from_numpy(sample), torch.tensor([TIMESTEP] * 2), torch.from_numpy(context), **kwargs).sample
+    for hook in hooks:
+        hook.remove()
+    return out.numpy()
+
+
+def run_flax(apply, unet, params, sample, context, added):
+    added = None if added is None else {k: jnp.asarray(v) for k, v in added.items()}
+    timesteps = jnp.array([TIMESTEP] * 2, jnp.int32)
+    return np.asarray(apply(unet, params, jnp.asarray(sample), timesteps, jnp.asarray(context), added))
+
+
+@pytest.mark.parametrize(
+    "preset, options, max_downsample",
+    [
+        ("tiny", dict(use_rand=False), 1),
+        ("tiny", dict(use_rand=True, seed=1), 1),
+        ("tiny-xl", dict(use_rand=True, seed=1), 2),  # SDXL config: level 1/2 merged by default
+    ],
+)
+def test_patched_flax_unet_equals_patched_torch_unet(models, apply, rel, preset, options, max_downsample):
+    torch_unet, flax_unet, params = models[preset]
+    sample, context, added = make_inputs(preset, seed=3)
+    plain_torch = run_torch(torch_unet, sample, context, added)
+    assert rel(run_flax(apply, flax_unet, params, sample, context, added), plain_torch) < 1e-4
+
+    config = dict(ratio=0.5, **options)
+    captured = []
+    tome_torch.patch(torch_unet, **config)
+    try:
+        expected = run_torch(torch_unet, sample, context, added, capture=captured)
+    finally:
+        tome_torch.remove(torch_unet)
+    decided = 0
+    for stream, metric in captured:
+        tokens = metric.shape[1]
+        factor = downsample_factor((16, 16), tokens)
+        if factor > max_downsample:
+            continue
+        h, w = level_grid((16, 16), factor)
+        offsets = random_offsets(NUMPY, metric, h, w, 2, 2, options.get("seed", 0), TIMESTEP, stream) if options["use_rand"] else None
+        assert margin(metric, h, w, int(tokens * 0.5), offsets) > 2e-5, f"near-tie in block {stream}: pick other data"
+        decided += 1
+    assert decided >= 3
+
+    got = run_flax(apply, tome_jax.patch(flax_unet, **config), params, sample, context, added)
+    assert rel(expected, plain_torch) > 1e-3  # merging changed the output
+    assert rel(got, expected) < 1e-4
