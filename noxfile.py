@@ -6,7 +6,14 @@ nox.options.sessions = ["tests-numpy", "tests-torch", "tests-paddle", "tests-jax
 nox.options.error_on_missing_interpreters = True
 
 TEST = ["pytest", "hypothesis", "numpy"]
-TORCH = ["torch==2.13.0", "diffusers==0.42.1", "transformers==5.23.0", "tomesd==0.1.3"]
+TORCH = [
+    "torch==2.13.0",
+    "diffusers==0.42.1",
+    "transformers==5.23.0",
+    "tomesd==0.1.3",
+    "peft==0.21.2",  # LoRA-after-patch test
+    "accelerate==1.15.0",  # CPU-offload test
+]
 PADDLE = [
     "paddlepaddle==3.3.1",
     "huggingface_hub==0.25.2",

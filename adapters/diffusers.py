@@ -24,6 +24,7 @@ import torch
 from diffusers.models.attention import BasicTransformerBlock
 from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
+from tome_core.backend import get_ops
 from tome_core.config import ToMeConfig
 from tome_core.levels import finest_attention_level, warn_if_nothing_merges
 from tome_core.match import Match
@@ -167,6 +168,7 @@ def finest_level(model: torch.nn.Module) -> int:
 
 
 def _attach(model: torch.nn.Module, config: ToMeConfig) -> None:
+    get_ops(torch.empty(0))  # resolve the backend now: its import cannot be traced by torch.compile later
     state = ToMeState(config=config, finest_level=finest_level(model))
     patch = _Patch(state)
     add = patch.handles.append

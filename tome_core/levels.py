@@ -9,9 +9,17 @@ from typing import Optional, Sequence, Tuple
 from .config import LEVELS, ToMeConfig
 
 
-def downsample_factor(latent_hw: Tuple[int, int], tokens: int) -> int:
-    """tomesd's level measure: ``ceil(sqrt((H*W) // N))`` for a block of ``N`` tokens."""
+def downsample_factor(latent_hw: Tuple[int, int], tokens: int, seen_hw: Optional[Tuple[int, int]] = None) -> int:
+    """A block's level: how many times its grid was halved from the latent ``H x W``.
+
+    With the grid ``h x w`` its transformer saw, the smallest power of two ``>= max(ceil(H/h), ceil(W/w))``
+    (exact for every shape, e.g. a 1x2 grid under a 1x3 latent is level 2); otherwise tomesd's estimate
+    ``ceil(sqrt((H*W) // N))`` for ``N`` tokens. Both agree wherever the estimate is exact.
+    """
     height, width = latent_hw
+    if seen_hw is not None and seen_hw[0] * seen_hw[1] == tokens:
+        stride = max(math.ceil(height / seen_hw[0]), math.ceil(width / seen_hw[1]))
+        return 1 << max(stride - 1, 0).bit_length()
     return max(1, math.ceil(math.sqrt((height * width) // tokens)))
 
 

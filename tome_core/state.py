@@ -59,9 +59,12 @@ class ToMeState:
 
     def begin_call(self, latent_hw: Optional[Tuple[int, int]], step: Any) -> None:
         """Start a model call on a latent of ``latent_hw`` (None: the first grid seen) at ``step``."""
-        if self.calls % self.config.reuse_steps == 0:
+        if self.config.reuse_steps == 1:
             self.cache = {}
-        self.calls += 1
+        else:  # the call counter is read only here, so compiled models do not specialise on it otherwise
+            if self.calls % self.config.reuse_steps == 0:
+                self.cache = {}
+            self.calls += 1
         self.latent_hw = latent_hw
         self.grid_hw = None
         self.step = step
@@ -92,7 +95,7 @@ class ToMeState:
                 "blocks inside a UNet, a ControlNet or a 2-D transformer (Transformer2DModel) to know their grid"
             )
         config = self.config
-        factor = downsample_factor(latent, tokens)
+        factor = downsample_factor(latent, tokens, self.grid_hw)
         merged = {
             sublayer: int(tokens * config.ratio_for(sublayer, factor)) if factor <= self.max_downsample else 0
             for sublayer, on in config.sublayers.items()

@@ -64,6 +64,14 @@ def test_level_grid_matches_a_strided_unet(latent, grid):
     assert block_grid(latent, factor, None, tokens) == grid
 
 
+@pytest.mark.parametrize(
+    "latent, grid, factor",
+    [((64, 64), (32, 32), 2), ((63, 65), (16, 17), 4), ((1, 3), (1, 2), 2), ((5, 40), (1, 5), 8), ((8, 8), (8, 8), 1)],
+)
+def test_level_from_the_seen_grid_is_the_real_downsampling(latent, grid, factor):
+    assert downsample_factor(latent, grid[0] * grid[1], grid) == factor
+
+
 def test_block_grid_prefers_the_grid_seen_by_the_transformer():
     # 5x40 latent at downsample 8 is 1x5; tomesd's formula says factor 7, which would give 1x6.
     assert downsample_factor((5, 40), 5) == 7

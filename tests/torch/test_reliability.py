@@ -158,15 +158,6 @@ def test_any_small_latent_gives_the_unpatched_shape_and_exact_token_counts(unet,
         assert all(tokens == grid[0] * grid[1] for grid, tokens, _ in blocks)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "levels.downsample_factor uses tomesd's ceil(sqrt((H*W)//N)): on a 1x3 latent the level-2 grid is 1x2 "
-        "(N=2), 3//2=1 gives factor 1, so with max_downsample=1 and sx=2, sy=1 (a 1x2 cell fits) the "
-        "downsampled blocks merge. The adapter knows each block's real grid (state.grid_hw) and could derive "
-        "the factor from it, e.g. the smallest power of 2 >= max(ceil(H/h), ceil(W/w))."
-    ),
-)
 def test_max_downsample_1_never_merges_a_downsampled_grid_even_when_it_is_one_token_high(unet):
     inputs = make_inputs(1, 1, 3)
     model = patched_copy(unet, ratio=0.5, max_downsample=1, sx=2, sy=1)
@@ -383,16 +374,6 @@ def test_torch_compile_equals_eager_without_graph_breaks_or_per_step_recompiles(
         torch._dynamo.reset()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=torch._dynamo.exc.Unsupported,
-    reason=(
-        "backend.get_ops calls importlib.import_module on its first call for a tensor type; when that first "
-        "call is inside torch.compile (a fresh process: patch, compile, run) dynamo cannot trace "
-        "import_module: a graph break, or torch._dynamo.exc.Unsupported with fullgraph=True. Resolve the ops "
-        "outside the traced path, e.g. call get_ops(torch.empty(0)) in the torch adapter's patch/_attach."
-    ),
-)
 def test_compiling_a_freshly_patched_model_in_a_fresh_process_has_no_graph_break(monkeypatch):
     import tome_core.backend
 
