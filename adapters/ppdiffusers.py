@@ -1,18 +1,19 @@
 """Patch ppdiffusers (paddle) models and pipelines with layer hooks; no forward is copied or replaced.
 
-The paddle twin of :mod:`tome_core.adapters.diffusers`. Every hook reads only positional inputs, which
-paddle passes to hooks on every version, and every input used is positional in ppdiffusers' own calls
-whatever way the user called the model. For every patched model (a UNet2DConditionModel, a ControlNetModel,
+The paddle twin of :mod:`tome_core.adapters.diffusers`. The hooks read positional inputs only (paddle's
+hooks see keyword arguments only from 3.0 on), and every input they use is positional in ppdiffusers' own
+calls however the user called the model. For every patched model (a UNet2DConditionModel, a ControlNetModel,
 or any layer holding ppdiffusers ``BasicTransformerBlock``s) the hooks are:
 
 * on a latent model's ``time_proj`` and ``conv_in``: pre-hooks reading the call's timestep and latent size
   (their inputs are the model's ``timesteps`` and ``sample``, so keyword-only model calls work); on any other
   model, a pre-hook starting the call;
 * on each ``Transformer2DModel``'s input ``norm``: a pre-hook reading the real 2-D token grid;
-* on each ``BasicTransformerBlock``'s ``norm1``: a pre-hook computing one match from its input, which is the
-  block's input; a hook on the block dropping the match when it returns;
+* on each ``BasicTransformerBlock``'s ``norm1``: a pre-hook computing the block's matches (one per merged
+  sub-layer) from its input, which is the block's input; a hook on the block dropping them when it returns;
 * on ``attn1`` / ``attn2`` / ``ff`` (as selected): a pre-hook merging their first input and a hook unmerging
-  their output, before the block adds its residual.
+  their output, before the block adds its residual. With ``proportional_attn`` the ``attn1`` pre-hook also
+  passes the merged keys' log sizes as ``attention_mask`` (a keyword argument: paddle >= 3.0).
 
 ppdiffusers installs its own ToMe port (``apply_tome``, which swaps block classes); :func:`patch` and
 :func:`remove` also undo that port wherever they find it, so the two never stack.
@@ -20,7 +21,7 @@ ppdiffusers installs its own ToMe port (``apply_tome``, which swaps block classe
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import paddle
 from ppdiffusers.models.attention import BasicTransformerBlock
@@ -29,7 +30,7 @@ from ppdiffusers.models.transformer_2d import Transformer2DModel
 from tome_core.config import ToMeConfig
 from tome_core.levels import finest_attention_level, warn_if_nothing_merges
 from tome_core.match import Match
-from tome_core.merge import merge, unmerge
+from tome_core.merge import merge, size_bias, unmerge
 from tome_core.state import ToMeState
 
 Layer = paddle.nn.Layer
@@ -98,13 +99,13 @@ class _GridHook:
 
 
 class _BlockMatch:
-    """The match of one transformer block while it runs, shared by the block's sub-layer hooks."""
+    """The matches of one transformer block while it runs (one per merged sub-layer), shared by its hooks."""
 
     def __init__(self, state: ToMeState, stream: int, block: Layer):
         self.state = state
         self.stream = stream
         self.block = block
-        self.match: Optional[Match] = None
+        self.matches: Dict[str, Match] = {}
 
     def begin(self, norm1, inputs):
         if self.state.merges("mlp") and getattr(self.block, "_chunk_size", None) is not None:
@@ -112,29 +113,50 @@ class _BlockMatch:
                 "merge_mlp=True cannot be combined with feed-forward chunking (enable_forward_chunking): the "
                 "feed-forward runs on chunks of the merged tokens; disable one of them"
             )
-        self.match = self.state.block_match(inputs[0], self.stream)
+        self.matches = self.state.block_matches(inputs[0], self.stream)
 
     def end(self, block, inputs, output):
-        self.match = None
+        self.matches = {}
 
 
 class _MergeInput:
-    def __init__(self, block: _BlockMatch):
+    """Pre-hook on a sub-layer: merge its first input's tokens."""
+
+    def __init__(self, block: _BlockMatch, sublayer: str):
         self.block = block
+        self.sublayer = sublayer
 
     def __call__(self, layer, inputs):
-        match = self.block.match
+        match = self.block.matches.get(self.sublayer)
         if match is None or match.merged == 0:
             return None
         return (merge(inputs[0], match),) + tuple(inputs[1:])
 
 
+class _MergeInputWithSizes(_MergeInput):
+    """Pre-hook (with keyword arguments) on self-attention for size-aware attention: merge the tokens and
+    pass each merged key's log size as the additive ``attention_mask`` ``[B, 1, N - r]``."""
+
+    def __call__(self, layer, inputs, kwargs):
+        match = self.block.matches.get(self.sublayer)
+        if match is None or match.merged == 0:
+            return None
+        if kwargs.get("attention_mask") is not None:
+            raise ValueError(
+                "proportional_attn=True cannot be combined with an attention_mask on self-attention "
+                "(the mask covers the unmerged tokens)"
+            )
+        hidden_states = merge(inputs[0], match)
+        return (hidden_states,) + tuple(inputs[1:]), {**kwargs, "attention_mask": size_bias(match, hidden_states)}
+
+
 class _UnmergeOutput:
-    def __init__(self, block: _BlockMatch):
+    def __init__(self, block: _BlockMatch, sublayer: str):
         self.block = block
+        self.sublayer = sublayer
 
     def __call__(self, layer, inputs, output):
-        match = self.block.match
+        match = self.block.matches.get(self.sublayer)
         if match is None or match.merged == 0:
             return None
         return unmerge(output, match)
@@ -154,10 +176,17 @@ class _Handle:
 
     def remove(self) -> None:
         getattr(self.layer, self.table).pop(self.hook_id, None)
+        getattr(self.layer, self.table + "_with_kwargs_flag", {}).pop(self.hook_id, None)
 
 
-def _pre_hook(layer: Layer, hook: Any) -> _Handle:
-    return _Handle(layer, "_forward_pre_hooks", layer.register_forward_pre_hook(hook))
+def _pre_hook(layer: Layer, hook: Any, with_kwargs: bool = False) -> _Handle:
+    if not with_kwargs:
+        return _Handle(layer, "_forward_pre_hooks", layer.register_forward_pre_hook(hook))
+    try:
+        helper = layer.register_forward_pre_hook(hook, with_kwargs=True)
+    except TypeError as error:  # paddle before 3.0
+        raise RuntimeError(f"proportional_attn=True needs paddle >= 3.0 (hooks with keyword arguments): {error}")
+    return _Handle(layer, "_forward_pre_hooks", helper)
 
 
 def _post_hook(layer: Layer, hook: Any) -> _Handle:
@@ -219,9 +248,13 @@ def _attach(model: Layer, config: ToMeConfig) -> None:
         add(_post_hook(layer, block.end))
         for name, sublayer in SUBLAYERS:
             target = getattr(layer, name, None)
-            if target is not None and state.merges(sublayer):
-                add(_pre_hook(target, _MergeInput(block)))
-                add(_post_hook(target, _UnmergeOutput(block)))
+            if target is None or not state.merges(sublayer):
+                continue
+            if sublayer == "attn" and config.proportional_attn:
+                add(_pre_hook(target, _MergeInputWithSizes(block, sublayer), with_kwargs=True))
+            else:
+                add(_pre_hook(target, _MergeInput(block, sublayer)))
+            add(_post_hook(target, _UnmergeOutput(block, sublayer)))
     model._tome_patch = patch
 
 

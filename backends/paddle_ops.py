@@ -56,11 +56,14 @@ class PaddleOps:
         return paddle.log(x)
 
     def vector_norm(self, x):
+        # Not sqrt(sum(x * x)): paddle's vectorised sqrt is off by an ulp from numpy's, which changes which
+        # of two tied similarities wins; p_norm matches numpy bit for bit.
         return paddle.linalg.vector_norm(x, p=2, axis=-1, keepdim=True)
 
     def max_argmax(self, x):
-        # paddle.argmax returns the first maximal index, like numpy.
-        return paddle.max(x, axis=-1), paddle.argmax(x, axis=-1)
+        # One pass: paddle.argmax returns the first maximal index (like numpy); the value is gathered from it.
+        index = paddle.argmax(x, axis=-1, keepdim=True)
+        return paddle.take_along_axis(x, index, axis=-1, broadcast=False)[..., 0], index[..., 0]
 
     def argsort_desc(self, x):
         return paddle.argsort(x, axis=-1, descending=True, stable=True)

@@ -92,6 +92,9 @@ CASES = [
     dict(merge_crossattn=True, merge_mlp=True),
     dict(max_downsample=4, ratio=0.6),
     dict(sx=3, sy=1, merge_attn=False, merge_mlp=True),
+    # Options beyond tomesd: the adapters pass per-sub-layer matches, reuse and size-aware attention alike.
+    dict(merge_crossattn=True, crossattn_ratio=0.25, max_downsample=2, level_ratios={2: 0.7}, proportional_attn=True),
+    dict(max_downsample=2, reuse_level=True, reuse_steps=2, local_window=1),
 ]
 
 

@@ -1,0 +1,124 @@
+"""Options beyond tomesd on paddle: per-sub-layer and per-level ratios, match reuse, local matching, size-aware
+attention. Oracles: the unpatched model, a fresh patch, token counts seen inside, ppdiffusers' own Attention."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import paddle
+import pytest
+
+import tome_core.paddle as tome
+from tome_core import bipartite_match, get_ops, merge, unmerge
+from tome_core.merge import size_bias
+
+
+def token_counts(model, names=("attn1", "attn2", "ff")):
+    """Tokens each sub-layer receives, by sub-layer name (hooks added after ToMe's see merged inputs)."""
+    seen = {name: [] for name in names}
+    for path, layer in model.named_sublayers():
+        leaf = path.rsplit(".", 1)[-1]
+        if leaf in seen and "transformer_blocks" in path:
+            layer.register_forward_pre_hook(lambda m, a, leaf=leaf: seen[leaf].append(a[0].shape[1]))
+    return seen
+
+
+def at(inputs, timestep):
+    return inputs[0], paddle.to_tensor(timestep), inputs[2]
+
+
+def test_sublayer_and_level_ratios_set_the_token_counts(unet, inputs, call):
+    tome.patch(
+        unet, ratio=0.5, max_downsample=2, merge_crossattn=True, merge_mlp=True,
+        crossattn_ratio=0.25, level_ratios={2: 0.75},
+    )  # fmt: skip
+    seen = token_counts(unet)
+    call(unet, inputs)
+    # 16x16 latent: level 1 has 256 tokens, level 2 has 64; the mid block (level 4) is not merged.
+    assert set(seen["attn1"]) == {128, 16}  # 256 * (1 - 0.5) and 64 * (1 - 0.75); mid block 16 unmerged
+    assert set(seen["attn2"]) == {192, 48, 16}  # crossattn_ratio 0.25 wins at every merged level
+    assert set(seen["ff"]) == {128, 16}
+
+
+def test_reuse_level_computes_one_match_per_level(unet, tiny_unet, inputs, call):
+    tome.patch(unet, ratio=0.5, max_downsample=2, reuse_level=True)
+    [(_, state)] = tome.patched_models(unet)
+    computed = []
+    original = state._match
+    state._match = lambda *args: computed.append(args[3]) or original(*args)
+    reused = call(unet, inputs)
+    assert sorted(computed) == [1, 2, 4]  # one per level (4: the unmerged mid block), not one per block
+    assert state.stats[1].blocks == 3 and state.stats[2].blocks == 3
+    fresh = call(tome.patch(copy.deepcopy(tiny_unet), ratio=0.5, max_downsample=2), inputs)
+    assert np.abs(reused - fresh).max() > 1e-6
+
+
+def test_reuse_steps_keeps_matches_for_k_calls(tiny_unet, inputs, call):
+    model = tome.patch(copy.deepcopy(tiny_unet), ratio=0.5, reuse_steps=2)
+    fresh = tome.patch(copy.deepcopy(tiny_unet), ratio=0.5)
+    np.testing.assert_array_equal(call(model, at(inputs, 700)), call(fresh, at(inputs, 700)))
+    # The second call reuses the timestep-700 partition: equal to a fresh model only at timestep 700.
+    reused = call(model, at(inputs, 300))
+    assert np.abs(reused - call(fresh, at(inputs, 300))).max() > 1e-6
+    # The third call starts a new window: a fresh match again.
+    np.testing.assert_array_equal(call(model, at(inputs, 300)), call(fresh, at(inputs, 300)))
+
+
+def test_local_window_covering_the_grid_equals_global_matching_and_a_narrow_one_stays_local():
+    x = paddle.to_tensor(np.random.default_rng(0).standard_normal((2, 12 * 10, 16)).astype(np.float32))
+    ops = get_ops(x)
+    everywhere = bipartite_match(ops, x, 12, 10, 2, 2, 50, None)
+    local = bipartite_match(ops, x, 12, 10, 2, 2, 50, None, window=6)  # 6 cells reach across the 6x5 cell grid
+    np.testing.assert_array_equal(local.rows.numpy(), everywhere.rows.numpy())
+    slot = bipartite_match(ops, x, 12, 10, 2, 2, 50, None, window=1).slot.numpy()[0]
+    cell_of = lambda token: ((token // 10) // 2, (token % 10) // 2)  # noqa: E731
+    dst_slots = {int(slot[t]): t for t in range(120) if (t // 10) % 2 == 0 and (t % 10) % 2 == 0}
+    for token in range(120):
+        target = dst_slots.get(int(slot[token]))
+        if target is not None and target != token:
+            (a, b), (c, d) = cell_of(token), cell_of(target)
+            assert max(abs(a - c), abs(b - d)) <= 1
+
+
+def test_size_bias_through_ppdiffusers_attention_equals_repeated_keys(tiny_unet):
+    attn = next(m for n, m in tiny_unet.named_sublayers() if n.endswith("transformer_blocks.0.attn1"))
+    x = paddle.to_tensor(np.random.default_rng(1).standard_normal((2, 256, attn.to_q.weight.shape[0])).astype(np.float32))
+    match = bipartite_match(get_ops(x), x, 16, 16, 2, 2, 128, None)
+    merged = merge(x, match)
+    with paddle.no_grad():
+        sized = attn(merged, attention_mask=size_bias(match, merged)).numpy()
+        repeated = attn(merged, encoder_hidden_states=unmerge(merged, match)).numpy()
+        plain = attn(merged).numpy()
+    np.testing.assert_allclose(sized, repeated, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(plain, repeated, atol=1e-4)
+
+
+def test_proportional_attn_changes_the_output_is_exact_at_ratio_zero_and_removes_cleanly(unet, tiny_unet, inputs, call):
+    plain = call(tiny_unet, inputs)
+    with pytest.warns(UserWarning, match="merges no tokens"):
+        tome.patch(unet, ratio=0.0, proportional_attn=True)
+    np.testing.assert_array_equal(call(unet, inputs), plain)
+    sized = call(tome.patch(unet, ratio=0.5, proportional_attn=True), inputs)
+    flat = call(tome.patch(copy.deepcopy(tiny_unet), ratio=0.5), inputs)
+    assert np.isfinite(sized).all() and np.abs(sized - flat).max() > 1e-6
+    tome.remove(unet)
+    assert not any(getattr(m, "_forward_pre_hooks_with_kwargs_flag", None) for m in unet.sublayers(True))
+    np.testing.assert_array_equal(call(unet, inputs), plain)
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"attn_ratio": 0.9}, ValueError, "attn_ratio=0.9 cannot be reached"),
+        ({"level_ratios": {3: 0.5}}, ValueError, "level_ratios keys must be levels 1, 2, 4 or 8, got 3"),
+        ({"level_ratios": [0.5]}, TypeError, "level_ratios must be a dict"),
+        ({"reuse_steps": 0}, ValueError, "reuse_steps must be an int >= 1, got 0"),
+        ({"local_window": -1}, ValueError, "local_window must be an int >= 0, got -1"),
+        ({"proportional_attn": 1}, TypeError, "proportional_attn must be True or False"),
+    ],
+)
+def test_extension_options_are_validated(unet, options, error, message):
+    with pytest.raises(error, match=message):
+        unet.apply_tome(**options)
+    assert tome.patched_models(unet) == []
