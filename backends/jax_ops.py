@@ -132,6 +132,9 @@ class JaxOps:
     def log(self, x):
         return jnp.log(x)
 
+    def log(self, x):
+        return jnp.log(x)
+
     def vector_norm(self, x):
         return _vector_norm(x)
 
