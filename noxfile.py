@@ -76,6 +76,14 @@ def tests_paddle_torch(session):
 
 @nox.session(name="tests-jax")
 def tests_jax(session):
-    session.install(*TEST, *JAX)
+    """jax + Flax diffusers (0.39.0, the last with Flax); torch for the torch<->Flax parity test.
+
+    XLA compilation dominates (every traced model, and eagerly every op per new shape), so the tests run on
+    two workers, a file per worker at a time (files share compiled models through their fixtures).
+    """
+    session.install(*TEST, "pytest-xdist", *JAX)
     session.install(".")
-    run_tests(session, "numpy,jax", "tests/jax")
+    session.run(
+        "pytest", "-n", "2", "--dist", "loadfile", "tests/core", "tests/jax", *session.posargs,
+        env={"TOME_TEST_BACKENDS": "numpy,jax"},
+    )

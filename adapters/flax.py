@@ -83,8 +83,9 @@ def _part_key(path: Tuple[str, ...]) -> Tuple[Any, ...]:
     return tuple(key)
 
 
-def _block_paths(params: Any) -> List[Tuple[str, ...]]:
-    """Paths of every transformer block in a parameter tree, in torch module order."""
+def block_paths(params: Any) -> List[Tuple[str, ...]]:
+    """Paths of every transformer block in a UNet's or ControlNet's parameter tree, in torch module order
+    (a block's index in this list is its partition stream, as in the torch adapter)."""
     found = set()
 
     def walk(tree: Any, path: Tuple[str, ...]) -> None:
@@ -208,7 +209,7 @@ def _patched_call(self, *args, **kwargs):
     sample = _argument(args, kwargs, "sample", 0)
     state = ToMeState(config=config, finest_level=_finest_level(self))
     state.begin_call(tuple(int(n) for n in sample.shape[-2:]), _step(_argument(args, kwargs, "timesteps", 1)))
-    run = _Run(state, tuple(self.path), _block_paths(self.variables.get("params", {})))
+    run = _Run(state, tuple(self.path), block_paths(self.variables.get("params", {})))
     with nn.intercept_methods(run.intercept):
         out = super(type(self), self).__call__(*args, **kwargs)
     for states in _recorder.stack:

@@ -30,6 +30,20 @@ from transformers import CLIPTextConfig, CLIPTokenizer, FlaxCLIPTextModel
 from tome_core.presets import TINY_CONTROLNET_CONDITIONING, TINY_TEXT_ENCODER, TINY_VAE, unet_config, write_clip_tokenizer_files
 
 PIPELINES = ("sd", "controlnet")
+# Overrides making the "tiny" preset a 2-level UNet (attention at 1/1 and in the middle): half the XLA
+# compilation time, for tests that compile many variants.
+TWO_LEVELS: Dict[str, Any] = dict(
+    block_out_channels=(32, 64),
+    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+)
+# The same for "tiny-xl": attention (two layers per transformer) only at 1/2, the finest level with attention.
+TWO_LEVELS_XL: Dict[str, Any] = dict(
+    block_out_channels=(32, 64),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+    transformer_layers_per_block=(1, 2),
+)
 # UNet config keys diffusers' Flax UNet does not have (it always uses 32 norm groups).
 _TORCH_ONLY_KEYS = ("norm_num_groups",)
 

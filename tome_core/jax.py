@@ -14,9 +14,9 @@ Options, defaults and errors are those of :class:`tome_core.ToMeConfig`.
 
 from __future__ import annotations
 
-from tome_core.adapters.flax import is_patched, patch, patched_models, record, remove
+from tome_core.adapters.flax import block_paths, is_patched, patch, patched_models, record, remove
 
 apply_tome = patch
 remove_tome = remove
 
-__all__ = ["patch", "remove", "apply_tome", "remove_tome", "patched_models", "is_patched", "record"]
+__all__ = ["patch", "remove", "apply_tome", "remove_tome", "patched_models", "is_patched", "record", "block_paths"]

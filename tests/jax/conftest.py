@@ -19,7 +19,7 @@ import transformers
 diffusers.utils.logging.set_verbosity_error()
 transformers.utils.logging.set_verbosity_error()
 
-from tome_core.adapters.flax_models import build_controlnet, build_unet  # noqa: E402
+from tome_core.adapters.flax_models import TWO_LEVELS, build_controlnet, build_unet  # noqa: E402
 
 
 @partial(jax.jit, static_argnums=0)
@@ -35,8 +35,15 @@ def tiny():
 
 
 @pytest.fixture(scope="session")
-def tiny_controlnet(tiny):
-    return build_controlnet(tiny[0], seed=3)
+def small():
+    """``(FlaxUNet2DConditionModel, params)`` of "tiny" cut to two levels: for tests that compile it."""
+    return build_unet("tiny", seed=0, **TWO_LEVELS)
+
+
+@pytest.fixture(scope="session")
+def small_controlnet(small):
+    """A FlaxControlNetModel for ``small`` (every weight random, including the zero-initialised outputs)."""
+    return build_controlnet(small[0], seed=3)
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,7 @@
 Oracles: the unpatched pipeline's images (the patched ones must differ, and must come back bit for bit after
 ``remove``), the non-jit patched images for the jit ones (the pmap path must have taken the patch, even when
 the pipeline was compiled before patching), and token counts from the grid for what each model's
-self-attention ran on. A 2-level UNet keeps compilation short; images are 32x32 (16x16 latents), 2 steps.
+self-attention ran on. A 2-level UNet keeps compilation short; images are 64x64 (32x32 latents), 2 steps.
 """
 
 from __future__ import annotations
@@ -18,15 +18,10 @@ from flax.jax_utils import replicate
 from flax.training.common_utils import shard
 
 import tome_core.jax as tome
-from tome_core.adapters.flax_models import build_pipeline
+from tome_core.adapters.flax_models import TWO_LEVELS, build_pipeline
 
-TWO_LEVELS = dict(
-    block_out_channels=(32, 64),
-    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-)
 STEPS = 2
-SIZE = {"sd": 32, "controlnet": 64}  # the Flax ControlNet pipeline wants multiples of 64
+SIZE = 64  # the Flax ControlNet pipeline wants multiples of 64; both share the VAE and text encoder shapes
 
 
 class Runner:
@@ -34,7 +29,7 @@ class Runner:
 
     def __init__(self, kind):
         self.kind = kind
-        self.size = SIZE[kind]
+        self.size = SIZE
         self.pipe, self.params = build_pipeline(kind, seed=0, **TWO_LEVELS)
         prepare = self.pipe.prepare_inputs if kind == "sd" else self.pipe.prepare_text_inputs
         self.ids = prepare(["a tiny test"])

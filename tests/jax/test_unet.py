@@ -78,21 +78,25 @@ def test_patched_module_shares_params_config_and_class_name_and_remove_gives_the
     assert twice == tome.patch(unet, ratio=0.6) and tome.remove(twice) is unet
 
 
-def test_jit_equals_eager_and_does_not_retrace(tiny, inputs, apply, rel):
-    unet, params = tiny
+def test_jit_equals_eager_and_does_not_retrace(small, inputs, apply, rel):
+    unet, params = small
     patched = tome.patch(unet, ratio=0.5, seed=1)
     first = apply(patched, params, *inputs)
     size = apply._cache_size()
-    second = apply(tome.patch(unet, ratio=0.5, seed=1), params, inputs[0] + 1, jnp.array([20, 20], jnp.int32), inputs[2])
-    assert apply._cache_size() == size  # an equal patched module, new values, same shapes: no retrace
+    # An equal patched module (same options), new values, same shapes: no retrace, and the same seed gives
+    # the same output (nothing is carried from call to call).
+    again = tome.patch(unet, ratio=0.5, seed=1)
+    np.testing.assert_array_equal(np.asarray(apply(again, params, *inputs)), np.asarray(first))
+    second = apply(again, params, inputs[0] + 1, jnp.array([20, 20], jnp.int32), inputs[2])
+    assert apply._cache_size() == size
     assert rel(second, first) > 1e-3
     eager = patched.apply({"params": params}, *inputs).sample
     assert rel(first, eager) < 1e-5
     assert rel(first, apply(unet, params, *inputs)) > 1e-3  # and ToMe changed something
 
 
-def test_ratio_zero_equals_unpatched_exactly_and_the_original_stays_unpatched(tiny, inputs, apply):
-    unet, params = tiny
+def test_ratio_zero_equals_unpatched_exactly_and_the_original_stays_unpatched(small, inputs, apply):
+    unet, params = small
     plain = np.asarray(apply(unet, params, *inputs))
     with pytest.warns(UserWarning, match="merges no tokens: ratio=0"):
         zero = tome.patch(unet, ratio=0.0)
@@ -102,22 +106,14 @@ def test_ratio_zero_equals_unpatched_exactly_and_the_original_stays_unpatched(ti
     np.testing.assert_array_equal(np.asarray(apply(tome.remove(zero), params, *inputs)), plain)
 
 
-def test_same_seed_gives_the_same_output_and_another_seed_another_partition(tiny, inputs, apply, rel):
-    unet, params = tiny
-    first = np.asarray(apply(tome.patch(unet, ratio=0.5, seed=1), params, *inputs))
-    again = tome.patch(unet, ratio=0.5, seed=1)
-    np.testing.assert_array_equal(np.asarray(apply(again, params, *inputs)), first)
-    assert rel(apply(tome.patch(unet, ratio=0.5, seed=2), params, *inputs), first) > 1e-4
-
-
-def test_controlnet_blocks_are_merged_and_change_its_residuals(tiny_controlnet, inputs, attn1_tokens, rel):
-    controlnet, params = tiny_controlnet
+def test_controlnet_blocks_are_merged_and_change_its_residuals(small_controlnet, inputs, attn1_tokens, rel):
+    controlnet, params = small_controlnet
     sample, timesteps, context = inputs
     cond = jnp.asarray(np.random.default_rng(5).random((2, 3, 32, 32)), jnp.float32)
     patched = tome.patch(controlnet, ratio=0.5)
     seen = attn1_tokens(patched.apply, {"params": params}, sample, timesteps, context, cond)
-    # ControlNet blocks: down 0 (1/1), down 1 (1/2), middle (1/4).
-    assert Counter(n for _, _, n in seen) == Counter({128: 1, 64: 1, 16: 1})
+    # ControlNet blocks: down 0 (1/1, merged) and the middle (1/2).
+    assert Counter(n for _, _, n in seen) == Counter({128: 1, 64: 1})
 
     run = jax.jit(lambda model, p: model.apply({"params": p}, sample, timesteps, context, cond, return_dict=False),
                   static_argnums=0)
