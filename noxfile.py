@@ -2,7 +2,7 @@
 
 import nox
 
-nox.options.sessions = ["tests-numpy", "tests-torch", "tests-paddle", "tests-jax"]
+nox.options.sessions = ["tests-numpy", "tests-torch", "tests-paddle", "tests-paddle-torch", "tests-jax"]
 nox.options.error_on_missing_interpreters = True
 
 TEST = ["pytest", "hypothesis", "numpy"]

@@ -6,44 +6,14 @@ Importing this module also gives every diffusers ``DiffusionPipeline`` and ``Mod
 
 from __future__ import annotations
 
-from typing import Any
-
 from diffusers import DiffusionPipeline, ModelMixin
 
 from tome_core.adapters.diffusers import patch, patched_models, remove
+from tome_core.dropin import tomesd_functions
 
 apply_tome = patch
 remove_tome = remove
-
-
-def apply_patch(
-    model: Any,
-    ratio: float = 0.5,
-    max_downsample: int = 1,
-    sx: int = 2,
-    sy: int = 2,
-    use_rand: bool = True,
-    merge_attn: bool = True,
-    merge_crossattn: bool = False,
-    merge_mlp: bool = False,
-) -> Any:
-    """Drop-in for ``tomesd.apply_patch``: the same signature and defaults (``max_downsample=1``)."""
-    return patch(
-        model,
-        ratio=ratio,
-        max_downsample=max_downsample,
-        sx=sx,
-        sy=sy,
-        use_rand=use_rand,
-        merge_attn=merge_attn,
-        merge_crossattn=merge_crossattn,
-        merge_mlp=merge_mlp,
-    )
-
-
-def remove_patch(model: Any) -> Any:
-    """Drop-in for ``tomesd.remove_patch``."""
-    return remove(model)
+apply_patch, remove_patch = tomesd_functions(patch, remove)
 
 
 def _apply_tome_method(self, **options):

@@ -1,0 +1,39 @@
+"""tomesd's function names and defaults on top of any framework's ``patch``/``remove`` (framework-free)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Tuple
+
+
+def tomesd_functions(patch: Callable[..., Any], remove: Callable[[Any], Any]) -> Tuple[Callable[..., Any], Callable[[Any], Any]]:
+    """``(apply_patch, remove_patch)`` with ``tomesd``'s signature and defaults (``max_downsample=1``)."""
+
+    def apply_patch(
+        model: Any,
+        ratio: float = 0.5,
+        max_downsample: int = 1,
+        sx: int = 2,
+        sy: int = 2,
+        use_rand: bool = True,
+        merge_attn: bool = True,
+        merge_crossattn: bool = False,
+        merge_mlp: bool = False,
+    ) -> Any:
+        """Drop-in for ``tomesd.apply_patch``: the same signature and defaults (``max_downsample=1``)."""
+        return patch(
+            model,
+            ratio=ratio,
+            max_downsample=max_downsample,
+            sx=sx,
+            sy=sy,
+            use_rand=use_rand,
+            merge_attn=merge_attn,
+            merge_crossattn=merge_crossattn,
+            merge_mlp=merge_mlp,
+        )
+
+    def remove_patch(model: Any) -> Any:
+        """Drop-in for ``tomesd.remove_patch``."""
+        return remove(model)
+
+    return apply_patch, remove_patch
