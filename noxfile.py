@@ -55,7 +55,7 @@ def tests_torch(session):
 
 @nox.session(name="tests-paddle")
 def tests_paddle(session):
-    session.install(*TEST, *PADDLE)
+    session.install(*TEST, *PADDLE, "tqdm")
     session.install("--no-deps", *PADDLE_NO_DEPS)
     session.install(".")
     # tests/paddle/test_torch_parity.py skips itself here (no torch): it runs in tests-paddle-torch.
