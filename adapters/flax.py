@@ -166,7 +166,8 @@ class record:
         return self.states
 
     def __exit__(self, *exc: Any) -> None:
-        _recorder.stack.remove(self.states)
+        stack = _recorder.stack
+        del stack[next(i for i, states in enumerate(stack) if states is self.states)]
 
 
 # --------------------------------------------------------------------------------------------------------
