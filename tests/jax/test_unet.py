@@ -32,7 +32,8 @@ TINY_BLOCKS = {1: 3, 2: 3, 4: 1}
 
 
 def seen_counts(attn1_tokens, model, params, sample, context):
-    return Counter(n for _, _, n in attn1_tokens(model.apply, {"params": params}, sample, jnp.ones((2,)), context))
+    timesteps = jnp.ones((sample.shape[0],))
+    return Counter(n for _, _, n in attn1_tokens(model.apply, {"params": params}, sample, timesteps, context))
 
 
 @pytest.mark.parametrize(
@@ -148,3 +149,43 @@ def test_objects_without_a_unet_raise_naming_what_is_accepted(tiny):
         tome.patch(nn.Dense(3))
     with pytest.raises(TypeError, match="ToMe can patch"):
         tome.remove(42)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_batch_one_and_odd_batches_merge_like_a_cfg_batch(tiny, attn1_tokens, batch):
+    unet, params = tiny
+    sample, context = jnp.zeros((batch, 4, 16, 16)), jnp.zeros((batch, 7, 32))
+    assert seen_counts(attn1_tokens, tome.patch(unet), params, sample, context) == expected_tokens((16, 16), TINY_BLOCKS, {1})
+
+
+def test_two_patched_models_traced_from_two_threads_keep_their_own_options(tiny, attn1_tokens):
+    import threading
+
+    unet, params = tiny
+    sample, context = jnp.zeros((2, 4, 16, 16)), jnp.zeros((2, 7, 32))
+    results = {}
+
+    def trace(name, model):
+        results[name] = [seen_counts(attn1_tokens, model, params, sample, context) for _ in range(3)]
+
+    threads = [
+        threading.Thread(target=trace, args=("half", tome.patch(unet, ratio=0.5))),
+        threading.Thread(target=trace, args=("quarter", tome.patch(unet, ratio=0.25, max_downsample=2))),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results["half"] == [expected_tokens((16, 16), TINY_BLOCKS, {1})] * 3
+    assert results["quarter"] == [expected_tokens((16, 16), TINY_BLOCKS, {1, 2}, 0.25)] * 3
+
+
+def test_bfloat16_model_runs_merged_and_finite_in_its_dtype(small, inputs, attn1_tokens):
+    unet, params = small
+    half = type(unet)(**{**{k: v for k, v in dict(unet.config).items() if not k.startswith("_")}, "dtype": jnp.bfloat16})
+    patched = tome.patch(half)
+    sample, timesteps, context = (x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x for x in inputs)
+    seen = attn1_tokens(patched.apply, {"params": params}, sample, timesteps, context)
+    assert Counter(n for _, _, n in seen) == Counter({128: 3, 64: 1})
+    out = jax.jit(lambda p: patched.apply({"params": p}, sample, timesteps, context).sample)(params)
+    assert out.dtype == jnp.bfloat16 and np.isfinite(np.asarray(out, np.float32)).all()
