@@ -27,6 +27,7 @@ import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from diffusers.configuration_utils import flax_register_to_config
 from diffusers.models.attention_flax import FlaxBasicTransformerBlock, FlaxTransformer2DModel
@@ -304,8 +305,22 @@ def _check(obj: Any) -> None:
         raise TypeError(f"ToMe can patch {ACCEPTED}; got {type(obj).__module__}.{type(obj).__qualname__}")
 
 
+def _seed_from_key(seed: Any) -> Any:
+    """``seed=`` may be a ``jax.random`` key: it draws the integer seed of the partition hash."""
+    if isinstance(seed, jax.Array) and (jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) or seed.shape == (2,)):
+        if isinstance(seed, jax.core.Tracer):
+            raise TypeError("seed= must be an int or a concrete jax.random key, not a traced value: patch outside jit")
+        return int(jax.random.randint(seed, (), 0, 2**31 - 1))
+    return seed
+
+
 def patch(obj: Any, **options: Any) -> Any:
-    """Apply ToMe. A model: returns a patched copy (same parameter tree); a pipeline: patched in place."""
+    """Apply ToMe. A model: returns a patched copy (same parameter tree); a pipeline: patched in place.
+
+    ``seed`` may be an int or a ``jax.random`` key (which draws the int).
+    """
+    if "seed" in options:
+        options = {**options, "seed": _seed_from_key(options["seed"])}
     config = ToMeConfig.from_options(options)
     _check_supported(config)
     _check(obj)

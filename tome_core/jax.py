@@ -9,7 +9,10 @@ place and returned; it recompiles on its next ``jit=True`` call.
     images = pipe(prompt_ids, params, rng, jit=True).images
     tome_core.jax.remove(pipe)
 
-Options, defaults and errors are those of :class:`tome_core.ToMeConfig`.
+Options, defaults and errors are those of :class:`tome_core.ToMeConfig`; ``seed`` may also be a
+``jax.random`` key. The partition is a hash of (seed, timestep, block), so no key is threaded through the
+model and the same seed gives the same output on every run. ``with tome_core.jax.record() as calls:``
+collects what each patched call merged while jax traced it.
 """
 
 from __future__ import annotations

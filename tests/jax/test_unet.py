@@ -189,3 +189,13 @@ def test_bfloat16_model_runs_merged_and_finite_in_its_dtype(small, inputs, attn1
     assert Counter(n for _, _, n in seen) == Counter({128: 3, 64: 1})
     out = jax.jit(lambda p: patched.apply({"params": p}, sample, timesteps, context).sample)(params)
     assert out.dtype == jnp.bfloat16 and np.isfinite(np.asarray(out, np.float32)).all()
+
+
+def test_seed_may_be_a_jax_random_key(tiny):
+    unet, _ = tiny
+    key = jax.random.key(7)
+    expected = int(jax.random.randint(key, (), 0, 2**31 - 1))
+    assert tome.patch(unet, seed=key).tome.seed == expected == tome.patch(unet, seed=jax.random.PRNGKey(7)).tome.seed
+    assert tome.patch(unet, seed=jax.random.key(8)).tome.seed != expected
+    with pytest.raises(TypeError, match="seed must be an int >= 0"):
+        tome.patch(unet, seed=1.5)
