@@ -1,0 +1,26 @@
+"""The README's JAX snippet runs as written and does what its comments say."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def section_code(title: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+    return "\n".join(re.findall(r"```python\n(.*?)```", section, flags=re.S))
+
+
+def test_quick_start_snippet_patches_a_module_with_the_same_params():
+    namespace: dict = {}
+    exec(compile(section_code("Quick start: JAX / Flax diffusers"), "README.md", "exec"), namespace)
+    unet, params, out = namespace["unet"], namespace["params"], namespace["out"]
+    sample, context = namespace["sample"], namespace["context"]
+    plain = unet.apply({"params": params}, sample, namespace["jnp"].array([500, 500]), context).sample
+    assert out.shape == plain.shape == (2, 4, 16, 16)
+    assert np.isfinite(np.asarray(out)).all() and not np.allclose(np.asarray(out), np.asarray(plain))
