@@ -18,7 +18,7 @@ every hook.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 from diffusers.models.attention import BasicTransformerBlock

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import resource
 import statistics
-import subprocess
-import sys
 import time
 from typing import Any, Dict, Iterator, List
 
@@ -19,7 +15,7 @@ from diffusers.models.attention import BasicTransformerBlock
 import tome_core.torch as tome
 from tome_core.adapters.diffusers import finest_level
 from tome_core.adapters.diffusers_models import build_unet
-from tome_core.bench import image_like_latents, noised
+from tome_core.bench import image_like_latents, noised, peak_memory_in_fresh_process, serve_peak_request
 from tome_core.config import ToMeConfig
 from tome_core.levels import downsample_factor
 
@@ -168,23 +164,7 @@ class Runner:
 
     def peak_memory_mb(self, name: str, ratio: float) -> float:
         """Extra peak resident memory of one call, measured in a fresh process."""
-        payload = json.dumps({"args": {k: v for k, v in vars(self.args).items()}, "method": name, "ratio": ratio})
-        out = subprocess.run(
-            [sys.executable, "-m", "tome_core.adapters.diffusers_bench"], input=payload, capture_output=True, text=True, check=True
-        )
-        return float(out.stdout.strip().splitlines()[-1])
-
-
-def _peak_in_this_process() -> None:
-    import argparse
-
-    request = json.loads(sys.stdin.read())
-    runner = Runner(argparse.Namespace(**request["args"]))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with runner.method(request["method"], request["ratio"]):
-        runner.call()
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print((after - before) / 1024)
+        return peak_memory_in_fresh_process("tome_core.adapters.diffusers_bench", self.args, name, ratio)
 
 
 # -- per-block microbenchmark ------------------------------------------------------------------------
@@ -242,4 +222,4 @@ def micro(batch: int = 2, height: int = 64, width: int = 64, channels: int = 320
 
 
 if __name__ == "__main__":
-    _peak_in_this_process()
+    serve_peak_request(Runner)

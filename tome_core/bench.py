@@ -76,6 +76,30 @@ def oracle_share(unpatched: float, method: float, oracle: float) -> float:
     return float("nan") if saving <= 0 else (unpatched - method) / saving
 
 
+def peak_memory_in_fresh_process(module: str, args: argparse.Namespace, method: str, ratio: float) -> float:
+    """Extra peak resident memory (MB) of one call of ``method``, measured by ``python -m module`` in a fresh
+    process (see :func:`serve_peak_request`), so earlier calls' high-water marks do not count."""
+    import subprocess
+    import sys
+
+    payload = json.dumps({"args": vars(args), "method": method, "ratio": ratio})
+    out = subprocess.run([sys.executable, "-m", module], input=payload, capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def serve_peak_request(runner_class: Any) -> None:
+    """The fresh process's side: build the runner from stdin's request, run one call, print the MB added."""
+    import resource
+    import sys
+
+    request = json.loads(sys.stdin.read())
+    runner = runner_class(argparse.Namespace(**request["args"]))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with runner.method(request["method"], request["ratio"]):
+        runner.call()
+    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+
+
 @dataclass
 class Row:
     """One method at one ratio."""
