@@ -75,11 +75,6 @@ class ToMeState:
         if self.latent_hw is None:
             self.latent_hw = grid_hw
 
-    def block_match(self, metric: Any, stream: int) -> Match:
-        """The self-attention match of :meth:`block_matches` (the one every sub-layer uses by default)."""
-        matches = self.block_matches(metric, stream)
-        return matches["attn"] if "attn" in matches else next(iter(matches.values()))
-
     def block_matches(self, metric: Any, stream: int) -> Dict[str, Match]:
         """One match per merged sub-layer for a block's input ``metric`` ``[B, N, C]``.
 
