@@ -9,6 +9,10 @@ inside :func:`flax.linen.intercept_methods`. The interceptor mirrors the torch a
 * each ``FlaxBasicTransformerBlock`` computes one match from its input;
 * its ``attn1`` / ``attn2`` / ``ff`` (as selected) merge their input and unmerge their output, before the
   block adds its residual.
+* with ``proportional_attn``, a merged ``attn1`` runs as size-aware attention instead of its own
+  ``__call__``: ``FlaxAttention`` has no bias argument, so :func:`_size_aware_attention` uses the module's own
+  ``query``/``key``/``value``/``proj_attn`` layers and ``jax.nn.dot_product_attention`` with the merged keys'
+  log sizes as the bias. Its parameters and outputs are those of the module; only the softmax changes.
 
 Everything happens while jax traces the call: shapes (N, r, grid) are Python ints, the timestep may be a
 tracer, and a fresh :class:`~tome_core.state.ToMeState` is used per call, so nothing traced outlives the
@@ -30,7 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from diffusers.configuration_utils import flax_register_to_config
-from diffusers.models.attention_flax import FlaxBasicTransformerBlock, FlaxTransformer2DModel
+from diffusers.models.attention_flax import FlaxAttention, FlaxBasicTransformerBlock, FlaxTransformer2DModel
 from diffusers.models.controlnets.controlnet_flax import FlaxControlNetModel
 from diffusers.models.unets.unet_2d_condition_flax import FlaxUNet2DConditionModel
 from diffusers.pipelines.pipeline_flax_utils import FlaxDiffusionPipeline
@@ -38,7 +42,7 @@ from diffusers.pipelines.pipeline_flax_utils import FlaxDiffusionPipeline
 from tome_core.config import ToMeConfig
 from tome_core.levels import finest_attention_level, warn_if_nothing_merges
 from tome_core.match import Match
-from tome_core.merge import merge, unmerge
+from tome_core.merge import merge, size_bias, unmerge
 from tome_core.state import ToMeState
 
 LATENT_MODELS = (FlaxUNet2DConditionModel, FlaxControlNetModel)
@@ -102,6 +106,24 @@ def block_paths(params: Any) -> List[Tuple[str, ...]]:
     return sorted(found, key=_part_key)
 
 
+def _size_aware_attention(attention: FlaxAttention, hidden_states: jax.Array, match: Match, deterministic: bool) -> jax.Array:
+    """``attention``'s self-attention over merged tokens, each key's logit raised by log(its size).
+
+    Equals the module's own attention over all tokens with every merged token repeated once per token it
+    stands for. The full ``[B, heads, N - r, N - r]`` logits are formed even when the module was built with
+    ``use_memory_efficient_attention`` (diffusers' chunked kernel takes no bias).
+    """
+    batch, tokens, _ = hidden_states.shape
+    query, key, value = (
+        jnp.reshape(layer(hidden_states), (batch, tokens, attention.heads, -1))
+        for layer in (attention.query, attention.key, attention.value)
+    )
+    bias = size_bias(match, query)[:, None]  # [B, 1, 1, N - r]: every head and query
+    out = jax.nn.dot_product_attention(query, key, value, bias=bias, scale=attention.scale)
+    out = attention.proj_attn(jnp.reshape(out, (batch, tokens, -1)))
+    return attention.dropout_layer(out, deterministic=deterministic)
+
+
 class _Run:
     """One traced call of a patched model: its state, its block streams and the block being run."""
 
@@ -141,6 +163,12 @@ class _Run:
             kwargs = {**kwargs, "hidden_states": merge(kwargs["hidden_states"], match)}
         else:
             args = (merge(args[0], match),) + tuple(args[1:])
+        self_attention = module.name == "attn1" and _argument(args, kwargs, "context", 1) is None
+        if self.state.config.proportional_attn and self_attention:
+            deterministic = _argument(args, kwargs, "deterministic", 2)
+            hidden_states = _argument(args, kwargs, "hidden_states", 0)
+            out = _size_aware_attention(module, hidden_states, match, True if deterministic is None else deterministic)
+            return unmerge(out, match)
         return unmerge(next_fun(*args, **kwargs), match)
 
 
@@ -192,11 +220,6 @@ def _check_supported(config: ToMeConfig) -> None:
             f"reuse_steps={config.reuse_steps} is not supported on jax: a match is computed inside a traced model "
             "call and cannot outlive it (the pipelines trace each denoising step in one loop); use reuse_steps=1 "
             "(reuse_level=True works)"
-        )
-    if config.proportional_attn:
-        raise ValueError(
-            "proportional_attn=True is not supported on jax: diffusers' FlaxAttention takes no attention bias "
-            "to add the merged tokens' sizes to; use proportional_attn=False"
         )
 
 

@@ -99,6 +99,7 @@ def run_flax(apply, unet, params, sample, context, added):
     [
         ("tiny", dict(use_rand=False), 1),
         ("tiny", dict(use_rand=True, seed=1), 1),
+        ("tiny", dict(use_rand=True, seed=1, proportional_attn=True), 1),  # size-aware attention: same bias
         ("tiny-xl", dict(use_rand=True, seed=1), 2),  # SDXL config: 1/2, its finest attention level, by default
     ],
 )

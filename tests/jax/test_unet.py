@@ -132,7 +132,6 @@ def test_controlnet_blocks_are_merged_and_change_its_residuals(small_controlnet,
         ({"use_rand": 1}, TypeError, "use_rand must be True or False"),
         ({"ration": 0.5}, TypeError, "unknown ToMe option"),
         ({"reuse_steps": 2}, ValueError, "reuse_steps=2 is not supported on jax"),
-        ({"proportional_attn": True}, ValueError, "proportional_attn=True is not supported on jax"),
     ],
 )
 def test_bad_options_raise_clear_errors(tiny, options, error, message):
