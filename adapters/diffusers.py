@@ -117,7 +117,8 @@ class _MergeInput:
         else:
             hidden_states = merge(args[0], match)
             args = (hidden_states,) + tuple(args[1:])
-        if self.proportional:
+        # With only_cross_attention, attn1 attends to text: its keys are not merged and get no size.
+        if self.proportional and kwargs.get("encoder_hidden_states") is None:
             if kwargs.get("attention_mask") is not None:
                 raise ValueError(
                     "proportional_attn=True cannot be combined with an attention_mask on self-attention "

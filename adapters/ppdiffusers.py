@@ -141,6 +141,8 @@ class _MergeInputWithSizes(_MergeInput):
         match = self.block.matches.get(self.sublayer)
         if match is None or match.merged == 0:
             return None
+        if kwargs.get("encoder_hidden_states") is not None:  # only_cross_attention: the keys are text tokens
+            return (merge(inputs[0], match),) + tuple(inputs[1:]), kwargs
         if kwargs.get("attention_mask") is not None:
             raise ValueError(
                 "proportional_attn=True cannot be combined with an attention_mask on self-attention "

@@ -59,3 +59,16 @@ def test_size_aware_differs_from_plain_and_is_closer_to_unpatched(apply, rel, sm
     sized = np.asarray(apply(tome.patch(unet, ratio=0.5, proportional_attn=True), params, sample, timesteps, context))
     assert rel(sized, merged) > 1e-4
     assert rel(sized, plain) < rel(merged, plain)
+
+
+def test_size_aware_leaves_text_keys_unsized_under_only_cross_attention(apply, inputs):
+    """With only_cross_attention, attn1 attends to the text: its keys are not merged, so size-aware equals plain."""
+    from tome_core.adapters.flax_models import TWO_LEVELS
+
+    unet, params = build_unet("tiny", seed=0, only_cross_attention=True, **TWO_LEVELS)
+    sample, timesteps, context = inputs
+    plain = np.asarray(apply(unet, params, sample, timesteps, context))
+    sized = np.asarray(apply(tome.patch(unet, ratio=0.5, proportional_attn=True), params, sample, timesteps, context))
+    flat = np.asarray(apply(tome.patch(unet, ratio=0.5), params, sample, timesteps, context))
+    np.testing.assert_array_equal(sized, flat)
+    assert np.abs(sized - plain).max() > 1e-5  # the queries were merged

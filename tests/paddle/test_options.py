@@ -122,3 +122,15 @@ def test_extension_options_are_validated(unet, options, error, message):
     with pytest.raises(error, match=message):
         unet.apply_tome(**options)
     assert tome.patched_models(unet) == []
+
+
+def test_proportional_attn_leaves_text_keys_unsized_under_only_cross_attention(inputs, call):
+    """With only_cross_attention, attn1 attends to the text: its keys are not merged, so size-aware equals plain."""
+    from tome_core.adapters.ppdiffusers_models import build_unet
+
+    unet = build_unet("tiny", seed=0, only_cross_attention=True)
+    plain = call(unet, inputs)
+    sized = call(tome.patch(copy.deepcopy(unet), ratio=0.5, proportional_attn=True), inputs)
+    flat = call(tome.patch(copy.deepcopy(unet), ratio=0.5), inputs)
+    np.testing.assert_array_equal(sized, flat)
+    assert np.abs(sized - plain).max() > 1e-5  # the queries were merged

@@ -147,3 +147,13 @@ def test_proportional_attn_changes_the_output_and_is_exact_at_ratio_zero(unet, i
 def test_extension_options_are_validated(unet, options, error, message):
     with pytest.raises(error, match=message):
         tome.patch(copy.deepcopy(unet), **options)
+
+
+def test_proportional_attn_leaves_text_keys_unsized_under_only_cross_attention(inputs):
+    """With only_cross_attention, attn1 attends to the text: its keys are not merged, so size-aware equals plain."""
+    unet = build_unet("tiny", seed=0, only_cross_attention=True)
+    plain = call(unet, inputs)
+    sized = call(tome.patch(copy.deepcopy(unet), ratio=0.5, proportional_attn=True), inputs)
+    flat = call(tome.patch(copy.deepcopy(unet), ratio=0.5), inputs)
+    torch.testing.assert_close(sized, flat, rtol=0, atol=0)
+    assert not torch.allclose(sized, plain, atol=1e-5)  # the queries were merged
