@@ -1,11 +1,14 @@
-"""The torch side of ``python -m tome_core.bench``: a diffusers UNet, its inputs, and each method's patch."""
+"""The torch side of ``python -m tome_core.bench``: a diffusers UNet and each method's patch.
+
+Inputs, method dispatch and the sampling loop are :class:`tome_core.bench_runner.BenchRunner`'s; the peer is
+tomesd (when installed).
+"""
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
-from typing import Any, Dict, Iterator, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 import torch
@@ -15,111 +18,68 @@ from diffusers.models.attention import BasicTransformerBlock
 import tome_core.torch as tome
 from tome_core.adapters.diffusers import finest_level
 from tome_core.adapters.diffusers_models import build_unet
-from tome_core.bench import image_like_latents, noised, peak_memory_in_fresh_process, serve_peak_request
-from tome_core.config import ToMeConfig
-from tome_core.levels import downsample_factor
+from tome_core.bench import serve_peak_request
+from tome_core.bench_runner import BenchRunner, Undo, oracle_kept, remover
 
 try:
     import tomesd
 except ImportError:  # the peer is optional
     tomesd = None
 
-MID_TIMESTEP = 500
 
+class Runner(BenchRunner):
+    """A diffusers UNet; the peer is tomesd (when installed), the oracle slices through forward hooks."""
 
-def load_unet(args: Any) -> UNet2DConditionModel:
-    if not args.model:
-        return build_unet(args.preset)
-    try:
-        return UNet2DConditionModel.from_pretrained(args.model, subfolder="unet", local_files_only=True).eval()
-    except (OSError, EnvironmentError):
-        return UNet2DConditionModel.from_pretrained(args.model, local_files_only=True).eval()
+    has_peer = tomesd is not None
+    scheduler_class = DDIMScheduler
 
+    def set_threads(self, threads: int) -> None:
+        torch.set_num_threads(threads)
 
-class Runner:
-    """One UNet and fixed inputs; ``method(name, ratio)`` patches it for one of the bench's methods."""
-
-    def __init__(self, args: Any):
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        self.args = args
-        self.options = dict(getattr(args, "options", {}))
-        args.variants = getattr(args, "variants", {})
-        self.unet = load_unet(args)
-        config = self.unet.config
-        latent = args.resolution // 8
-        self.latent_hw = (latent, latent)
-        self.scheduler = DDIMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
-        alpha_bar = float(self.scheduler.alphas_cumprod[MID_TIMESTEP])
-        shape = (args.batch, config.in_channels, latent, latent)
-        if getattr(args, "latents", "image") == "image":
-            clean = image_like_latents(*shape, seed=0)
-        else:
-            clean = np.random.default_rng(0).standard_normal(shape).astype("float32")
-        noise = np.random.default_rng(1).standard_normal(shape).astype("float32")
-        self.sample_in = torch.from_numpy(noised(clean, noise, alpha_bar))
-        self.noise = torch.from_numpy(noise)
-        generator = torch.Generator().manual_seed(2)
-        self.text = torch.randn(args.batch, 77, config.cross_attention_dim, generator=generator)
-        self.added = None
-        if config.addition_embed_type == "text_time":
-            pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
-            self.added = {
-                "text_embeds": torch.randn(args.batch, pooled, generator=generator),
-                "time_ids": torch.tensor([[latent * 8, latent * 8, 0, 0, latent * 8, latent * 8]] * args.batch, dtype=torch.float32),
-            }
-        self.has_peer = tomesd is not None
-        self.description = f"{args.model or args.preset} {args.resolution}px batch {args.batch}"
-
-    # -- methods ---------------------------------------------------------------------------------------
-    def _max_downsample(self) -> int:
-        """The level bound 'ours' resolves to; the peer and the oracle merge the same levels."""
-        chosen = self.options.get("max_downsample")
-        return chosen if chosen is not None else finest_level(self.unet)
-
-    @contextlib.contextmanager
-    def method(self, name: str, ratio: float) -> Iterator[None]:
-        handles: List[Any] = []
-        if name.startswith("ours"):
-            tome.patch(self.unet, **self.options_for(name, ratio))
-        elif name == "peer":
-            tomesd.apply_patch(self.unet, ratio=ratio, max_downsample=self._max_downsample(), **self._peer_options())
-        elif name == "oracle":
-            handles = self._oracle(ratio)
+    def load_unet(self) -> UNet2DConditionModel:
+        model = self.args.model
+        if not model:
+            return build_unet(self.args.preset)
         try:
-            yield
-        finally:
-            if name.startswith("ours"):
-                tome.remove(self.unet)
-            elif name == "peer":
-                tomesd.remove_patch(self.unet)
-            for handle in handles:
-                handle.remove()
+            return UNet2DConditionModel.from_pretrained(model, subfolder="unet", local_files_only=True).eval()
+        except (OSError, EnvironmentError):
+            return UNet2DConditionModel.from_pretrained(model, local_files_only=True).eval()
 
-    def options_for(self, name: str, ratio: float) -> Dict[str, Any]:
-        """ToMe options of method ``ours`` or ``ours:VARIANT``."""
-        variant = name.partition(":")[2]
-        return {"ratio": ratio, **self.options, **(self.args.variants[variant] if variant else {})}
+    def finest_level(self) -> int:
+        return finest_level(self.unet)
 
-    def _peer_options(self) -> Dict[str, Any]:
-        names = ("sx", "sy", "use_rand", "merge_attn", "merge_crossattn", "merge_mlp")
-        return {k: v for k, v in self.options.items() if k in names}
+    def to_tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array)
 
-    def _oracle(self, ratio: float) -> List[Any]:
-        """Hooks that drop and restore the same token counts as ToMe by slicing: free token reduction."""
-        config = ToMeConfig.from_options(self.options)
-        max_downsample = self._max_downsample()
-        sublayers = [name for name, on in (("attn1", config.merge_attn), ("attn2", config.merge_crossattn), ("ff", config.merge_mlp)) if on]
-        handles = []
+    def normal_draws(self, seed: int) -> Callable[[Tuple[int, ...]], torch.Tensor]:
+        """Drawn by torch's generator (the inputs the README's measured tables came from)."""
+        generator = torch.Generator().manual_seed(seed)
+        return lambda shape: torch.randn(*shape, generator=generator)
+
+    def unet_call(self, sample: torch.Tensor, timestep: Any) -> torch.Tensor:
+        with torch.no_grad():
+            return self.unet(sample, timestep, self.text, added_cond_kwargs=self.added).sample
+
+    def patch_ours(self, options: Dict[str, Any]) -> Undo:
+        tome.patch(self.unet, **options)
+        return lambda: tome.remove(self.unet)
+
+    def patch_peer(self, ratio: float, max_downsample: int, options: Dict[str, Any]) -> Undo:
+        tomesd.apply_patch(self.unet, ratio=ratio, max_downsample=max_downsample, **options)
+        return lambda: tomesd.remove_patch(self.unet)
+
+    def install_oracle(self, ratio: float, max_downsample: int, sublayers: List[str]) -> Undo:
+        """Forward hooks (keyword-aware) on each block's sub-layers: slice the input, index the output."""
 
         def drop(module, args, kwargs):
             x = args[0] if args else kwargs["hidden_states"]
-            tokens = x.shape[1]
-            if downsample_factor(self.latent_hw, tokens) > max_downsample:
+            kept = oracle_kept(self.latent_hw, x.shape[1], ratio, max_downsample)
+            if kept is None:
                 return None
-            module._oracle_tokens = tokens
-            kept = x[:, : tokens - int(tokens * ratio)]
-            return ((kept,) + tuple(args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": kept})
+            module._oracle_tokens = x.shape[1]
+            if args:
+                return (x[:, :kept],) + tuple(args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": x[:, :kept]}
 
         def restore(module, args, kwargs, output):
             tokens = module.__dict__.pop("_oracle_tokens", None)
@@ -127,6 +87,7 @@ class Runner:
                 return None
             return output[:, torch.arange(tokens) % output.shape[1]]
 
+        handles = []
         for block in self.unet.modules():
             if isinstance(block, BasicTransformerBlock):
                 for name in sublayers:
@@ -134,37 +95,10 @@ class Runner:
                     if target is not None:
                         handles.append(target.register_forward_pre_hook(drop, with_kwargs=True))
                         handles.append(target.register_forward_hook(restore, with_kwargs=True))
-        return handles
+        return remover(handles)
 
-    def note(self, name: str) -> str:
-        if name == "peer":
-            return f"tomesd {getattr(tomesd, '__version__', '0.1.3')}" if self.has_peer else "tomesd is not installed"
-        return ""
-
-    # -- calls -----------------------------------------------------------------------------------------
-    def _unet(self, sample: torch.Tensor, timestep: Any) -> torch.Tensor:
-        with torch.no_grad():
-            return self.unet(sample, timestep, self.text, added_cond_kwargs=self.added).sample
-
-    def call(self) -> torch.Tensor:
-        return self._unet(self.sample_in, MID_TIMESTEP)
-
-    def output(self, name: str, ratio: float) -> np.ndarray:
-        with self.method(name, ratio):
-            return self.call().numpy()
-
-    def sample(self, name: str, ratio: float, steps: int) -> np.ndarray:
-        """A short DDIM loop from fixed noise; the final latents."""
-        self.scheduler.set_timesteps(steps)
-        latents = self.noise.clone()
-        with self.method(name, ratio):
-            for t in self.scheduler.timesteps:
-                latents = self.scheduler.step(self._unet(latents, t), t, latents).prev_sample
-        return latents.numpy()
-
-    def peak_memory_mb(self, name: str, ratio: float) -> float:
-        """Extra peak resident memory of one call, measured in a fresh process."""
-        return peak_memory_in_fresh_process("tome_core.adapters.diffusers_bench", self.args, name, ratio)
+    def peer_note(self) -> str:
+        return f"tomesd {getattr(tomesd, '__version__', '0.1.3')}" if self.has_peer else "tomesd is not installed"
 
 
 # -- per-block microbenchmark ------------------------------------------------------------------------

@@ -14,7 +14,9 @@ Fidelity is the relative L2 distance of a method's output to the unpatched outpu
 (smooth structure plus noise, fixed seed) at a mid timestep, and after a short sampling loop. Peak memory is
 the extra resident memory of one call, measured in a fresh process per method (``--memory``).
 
-The framework side lives in ``tome_core.adapters.<framework>_bench``; this module is framework-free.
+This module is framework-free, and so is :class:`tome_core.bench_runner.BenchRunner`, which holds what every
+framework's runner shares (inputs, methods, sampling loop); ``tome_core.adapters.<framework>_bench`` adds the
+framework.
 """
 
 from __future__ import annotations
