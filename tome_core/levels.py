@@ -58,6 +58,8 @@ def finest_attention_level(down_blocks_with_attention: Sequence[bool]) -> int:
 def warn_if_nothing_merges(config: ToMeConfig, finest_level: int, where: str) -> None:
     """Say so when a patch would merge no token (level selection, ratio 0 or every sub-layer off)."""
     reason = None
+    # max_downsample=None merges the finest attention level only (see ToMeState.max_downsample).
+    deepest = finest_level if config.max_downsample is None else config.max_downsample
     if config.max_downsample is not None and config.max_downsample < finest_level:
         reason = (
             f"max_downsample={config.max_downsample} but the finest level with attention is downsampled "
@@ -70,7 +72,7 @@ def warn_if_nothing_merges(config: ToMeConfig, finest_level: int, where: str) ->
         for sublayer, on in config.sublayers.items()
         if on
         for level in LEVELS
-        if level >= finest_level and (config.max_downsample is None or level <= config.max_downsample)
+        if finest_level <= level <= deepest
     ):
         reason = f"ratio={config.ratio} (and no sub-layer or level ratio above 0)"
     if reason:
