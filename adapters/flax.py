@@ -249,8 +249,16 @@ def _patched_class(base: type) -> type:
     def __hash__(self):
         return hash((base.__hash__(self), config_key(self.tome)))
 
+    @nn.nowrap
+    def register_to_config(self, **kwargs):
+        # ``Module.clone()`` re-runs ``__init__`` with every field; ``tome`` must not enter the diffusers config
+        # (``save_pretrained`` would write it, or fail to).
+        kwargs.pop("tome", None)
+        return base.register_to_config(self, **kwargs)
+
     namespace = {
         "__hash__": __hash__,
+        "register_to_config": register_to_config,
         "__module__": __name__,
         "__qualname__": f"ToMe[{base.__qualname__}]",
         "__annotations__": {"tome": Optional[ToMeConfig]},
@@ -260,16 +268,36 @@ def _patched_class(base: type) -> type:
         "__doc__": f"{base.__name__} with Token Merging (see tome_core.jax).",
     }
     # Same __name__ as the base: diffusers records class names in configs and model_index.json.
-    cls = type(base.__name__, (base,), namespace)
-    return flax_register_to_config(cls)
+    cls = flax_register_to_config(type(base.__name__, (base,), namespace))
+    _PATCHED_BASES[cls] = base
+    return cls
+
+
+_PATCHED_BASES: Dict[type, type] = {}  # patched class -> the model class it extends
+
+
+def _fields(model: nn.Module) -> Dict[str, Any]:
+    return {
+        f.name: getattr(model, f.name)
+        for f in dataclasses.fields(model)
+        if f.init and f.name not in ("parent", "name", "tome")
+    }
 
 
 def _original(model: nn.Module) -> nn.Module:
-    return model.__dict__.get("_tome_original", model)
+    if "_tome_original" in model.__dict__:
+        return model.__dict__["_tome_original"]
+    base = _PATCHED_BASES.get(type(model))
+    if base is None:
+        return model
+    # A copy that kept the patched class but not our attribute (``Module.clone()``): rebuild the original.
+    original = base(**_fields(model))
+    object.__setattr__(original, "_internal_dict", model._internal_dict)
+    return original
 
 
 def is_patched(model: Any) -> bool:
-    return isinstance(model, nn.Module) and "_tome_original" in model.__dict__
+    return type(model) in _PATCHED_BASES
 
 
 def _patch_model(model: nn.Module, config: ToMeConfig) -> nn.Module:
@@ -277,12 +305,7 @@ def _patch_model(model: nn.Module, config: ToMeConfig) -> nn.Module:
     model = _original(model)
     warn_if_nothing_merges(config, _finest_level(model), type(model).__name__)
     cls = _patched_class(type(model))
-    values = {
-        f.name: getattr(model, f.name)
-        for f in dataclasses.fields(model)
-        if f.init and f.name not in ("parent", "name")
-    }
-    patched = cls(**values, tome=config)
+    patched = cls(**_fields(model), tome=config)
     # The same diffusers config (it may hold entries that are not fields, e.g. _diffusers_version).
     object.__setattr__(patched, "_internal_dict", model._internal_dict)
     object.__setattr__(patched, "_tome_original", model)
