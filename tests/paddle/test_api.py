@@ -1,4 +1,4 @@
-"""The paddle entry point: call styles, lifecycle, errors, randomness, the installed methods.
+"""The paddle entry point: call styles, lifecycle, errors and warnings, randomness, the installed methods.
 
 Oracles: the unpatched model (exact equality), ppdiffusers' own ToMe port, and paddle's global RNG stream.
 """
@@ -185,3 +185,74 @@ def test_merge_mlp_with_forward_chunking_is_refused(unet, inputs, call):
         call(unet, inputs)
     tome.patch(unet)  # merge_mlp off: chunking and merging coexist
     assert np.isfinite(call(unet, inputs)).all()
+
+
+TOMESD_NAMES = {"ratio", "max_downsample", "sx", "sy", "use_rand", "merge_attn", "merge_crossattn", "merge_mlp"}
+
+
+@pytest.fixture(scope="module")
+def sd_pipe():
+    return build_pipeline("sd")
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"ratio": 1.0}, ValueError, r"ratio must be in \[0, 1\), got 1.0"),
+        ({"ratio": -0.1}, ValueError, r"ratio must be in \[0, 1\), got -0.1"),
+        ({"ratio": "0.5"}, TypeError, r"ratio must be a float in \[0, 1\), got '0.5'"),
+        ({"ratio": 0.6, "sx": 1, "sy": 2}, ValueError, r"ratio=0.6 cannot be reached with sx=1, sy=2.* = 0.5"),
+        ({"sx": 0}, ValueError, "sx must be an int >= 1, got 0"),
+        ({"sy": 2.0}, TypeError, "sy must be an int >= 1, got 2.0"),
+        ({"max_downsample": 16}, ValueError, "max_downsample must be one of None, 1, 2, 4, 8, got 16"),
+        ({"max_downsample": True}, ValueError, "max_downsample must be one of None, 1, 2, 4, 8, got True"),
+        ({"merge_mlp": "yes"}, TypeError, "merge_mlp must be True or False, got 'yes'"),
+        ({"seed": -1}, ValueError, "seed must be an int >= 0, got -1"),
+        ({"ratoi": 0.5}, TypeError, r"unknown ToMe option\(s\) ratoi; valid options are ratio, max_downsample"),
+    ],
+)
+def test_every_bad_option_raises_through_every_entry_point_and_keeps_the_earlier_patch(unet, sd_pipe, options,
+                                                                                         error, message):
+    tome.patch(unet, ratio=0.4)
+    hooks = hook_count(unet)
+    entries = [lambda: tome.patch(unet, **options), lambda: unet.apply_tome(**options),
+               lambda: sd_pipe.apply_tome(**options)]
+    if set(options) <= TOMESD_NAMES:
+        entries.append(lambda: tome.apply_patch(unet, **options))
+    for entry in entries:
+        with pytest.raises(error, match=message):
+            entry()
+    assert hook_count(unet) == hooks and [s.config.ratio for _, s in tome.patched_models(unet)] == [0.4]
+    assert tome.patched_models(sd_pipe) == []
+
+
+@pytest.mark.parametrize(
+    "options, reason",
+    [
+        ({"merge_attn": False}, "merge_attn, merge_crossattn and merge_mlp are all False"),
+        ({"attn_ratio": 0.0}, r"ratio=0.5 \(and no sub-layer or level ratio above 0\)"),
+        # max_downsample=None merges only the finest attention level (1 here): other levels' ratios are moot.
+        ({"level_ratios": {1: 0.0}}, r"ratio=0.5 \(and no sub-layer or level ratio above 0\)"),
+        ({"ratio": 0.0, "level_ratios": {2: 0.5}}, r"ratio=0.0 \(and no sub-layer or level ratio above 0\)"),
+    ],
+)
+def test_a_patch_that_merges_nothing_warns_and_equals_unpatched(unet, tiny_unet, inputs, call, options, reason):
+    with pytest.warns(UserWarning, match=f"ToMe patch on UNet2DConditionModel merges no tokens: {reason}"):
+        tome.patch(unet, **options)
+    np.testing.assert_array_equal(call(unet, inputs), call(tiny_unet, inputs))
+
+
+def test_patches_that_merge_something_do_not_warn(unet, tiny_unet, inputs, call):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for options in ({}, {"level_ratios": {2: 0.0}}, {"ratio": 0.0, "max_downsample": 2, "level_ratios": {2: 0.5}}):
+            tome.patch(unet, **options)
+            assert np.abs(call(unet, inputs) - call(tiny_unet, inputs)).max() > 1e-6
+
+
+def test_proportional_attn_refuses_an_attention_mask_on_self_attention(unet, inputs):
+    sample, timestep, text = inputs
+    tome.patch(unet, ratio=0.5, proportional_attn=True)
+    with pytest.raises(ValueError, match="proportional_attn=True cannot be combined with an attention_mask on self-att"):
+        with paddle.no_grad():
+            unet(sample, timestep, text, attention_mask=paddle.ones([2, 256]))

@@ -1,25 +1,32 @@
-"""Reliability of the paddle adapter (issue 6): odd shapes and batches, saving and loading, threads.
+"""Reliability of the paddle adapter (issue 6): odd shapes and batches (also property-based), saving and
+loading, threads (models and pipelines), global RNG states.
 
 Oracles: the unpatched model, the token counts the merge must produce on the grid each transformer really
-sees, and the files an unpatched model saves. (paddle has no float16/bfloat16 matmul on CPU, so the
-unpatched UNet itself cannot run in half precision here; dtypes are covered on torch.)
+sees, the files an unpatched model saves, each pipeline run alone, and the RNG states before the call.
+(paddle has no float16/bfloat16 matmul on CPU, so the unpatched UNet itself cannot run in half precision
+here; dtypes are covered on torch and jax. Option errors, patch twice, remove, deepcopy and the paddle RNG
+stream: test_api.py.)
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import random
 import threading
 import warnings
 
 import numpy as np
 import paddle
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from ppdiffusers import UNet2DConditionModel
 from ppdiffusers.models.attention import BasicTransformerBlock
 from ppdiffusers.models.transformer_2d import Transformer2DModel
 
 import tome_core.paddle as tome
+from tome_core.adapters.ppdiffusers_models import build_pipeline
 
 
 def make_inputs(batch, h, w, seed=0, timestep=500):
@@ -62,6 +69,26 @@ def expected_tokens(grid, ratio, sx=2, sy=2):
     return h * w if (h // sy) * (w // sx) == 0 else h * w - int(h * w * ratio)
 
 
+def check_shape_case(tiny_unet, call, batch, h, w, seed=0, **options):
+    """Patched at every level (max_downsample=8) against unpatched; returns the grids that merged."""
+    inputs = make_inputs(batch, h, w, seed=seed)
+    plain = call(tiny_unet, inputs)
+    model = patched_copy(tiny_unet, max_downsample=8, **options)
+    observer = Observer(model)
+    out = call(model, inputs)
+    assert out.shape == plain.shape and out.dtype == plain.dtype and np.isfinite(out).all()
+    assert len(observer.blocks) == 7  # tiny UNet: 1 + 1 down, 1 mid, 2 + 2 up transformer blocks
+    config = tome.patched_models(model)[0][1].config
+    for grid, tokens in observer.blocks:
+        assert tokens == expected_tokens(grid, config.ratio, config.sx, config.sy), (grid, tokens)
+    merged = {grid for grid, tokens in observer.blocks if tokens < grid[0] * grid[1]}
+    if merged:
+        assert np.abs(out - plain).max() > 1e-6
+    else:  # nothing merged anywhere: the hooks are exact no-ops
+        np.testing.assert_array_equal(out, plain)
+    return merged, inputs, plain
+
+
 @pytest.mark.parametrize(
     "batch, h, w, merged_grids",
     [
@@ -74,21 +101,26 @@ def expected_tokens(grid, ratio, sx=2, sy=2):
     ],
 )
 def test_shapes_match_unpatched_and_merge_every_level_that_has_a_cell(tiny_unet, call, batch, h, w, merged_grids):
-    inputs = make_inputs(batch, h, w)
-    plain = call(tiny_unet, inputs)
-    model = patched_copy(tiny_unet, ratio=0.5, max_downsample=8)
-    observer = Observer(model)
-    out = call(model, inputs)
-    assert out.shape == plain.shape and np.isfinite(out).all()
-    assert len(observer.blocks) == 7  # tiny UNet: 1 + 1 down, 1 mid, 2 + 2 up transformer blocks
-    for grid, tokens in observer.blocks:
-        assert tokens == expected_tokens(grid, 0.5), (grid, tokens)
-    assert {grid for grid, tokens in observer.blocks if tokens < grid[0] * grid[1]} == merged_grids
-    if merged_grids:
-        assert np.abs(out - plain).max() > 1e-6
-    else:  # nothing merged anywhere: the hooks are exact no-ops
-        np.testing.assert_array_equal(out, plain)
+    merged, inputs, plain = check_shape_case(tiny_unet, call, batch, h, w, ratio=0.5)
+    assert merged == merged_grids
     np.testing.assert_array_equal(call(patched_copy(tiny_unet, ratio=0.0, max_downsample=8), inputs), plain)
+
+
+@settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(
+    batch=st.integers(1, 3),
+    h=st.integers(1, 22),
+    w=st.integers(1, 22),
+    cells=st.sampled_from([(2, 2), (1, 2), (3, 2), (2, 3), (1, 1)]),
+    fraction=st.sampled_from([0.0, 0.3, 0.5, 1.0]),
+    use_rand=st.booleans(),
+)
+def test_any_small_latent_and_cell_size_give_the_unpatched_shape_and_exact_token_counts(
+    tiny_unet, call, batch, h, w, cells, fraction, use_rand
+):
+    sx, sy = cells
+    ratio = fraction * (1 - 1 / (sx * sy))  # up to the reachable maximum itself
+    check_shape_case(tiny_unet, call, batch, h, w, seed=h * 100 + w, ratio=ratio, sx=sx, sy=sy, use_rand=use_rand)
 
 
 def test_cfg_halves_share_one_partition_and_odd_batches_keep_randomness(tiny_unet, call):
@@ -141,3 +173,55 @@ def test_two_models_patched_differently_run_from_two_threads(tiny_unet, inputs, 
         for out in results[index]:
             np.testing.assert_array_equal(out, expected[index])
     assert np.abs(expected[0] - expected[1]).max() > 1e-6
+
+
+def test_two_pipelines_patched_differently_run_from_two_threads():
+    """Each pipeline run alone is the oracle. Latents are passed in and DDIM (eta 0) draws no noise, so
+    nothing in the runs depends on paddle's global generator, which two threads would share."""
+    pipes = [build_pipeline("sd", seed=0), build_pipeline("sd", seed=0)]
+    tome.patch(pipes[0], ratio=0.5)
+    tome.patch(pipes[1], ratio=0.3, max_downsample=2, merge_mlp=True, seed=4)
+    latents = paddle.to_tensor(np.random.default_rng(2).standard_normal((1, 4, 16, 16)).astype(np.float32))
+    kwargs = dict(prompt="a photo of a cat", num_inference_steps=2, guidance_scale=5.0, output_type="np",
+                  height=32, width=32, latents=latents)
+    for pipe in pipes:
+        pipe.set_progress_bar_config(disable=True)
+    expected = [pipe(**kwargs).images for pipe in pipes]
+    assert np.abs(expected[0] - expected[1]).max() > 1e-4
+    results, errors = {}, []
+    barrier = threading.Barrier(2)
+
+    def work(index):
+        try:
+            barrier.wait()
+            results[index] = [pipes[index](**kwargs).images for _ in range(2)]
+        except Exception as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for index in range(2):
+        for images in results[index]:
+            np.testing.assert_array_equal(images, expected[index])
+    assert [s.config.ratio for _, s in tome.patched_models(pipes[1])] == [0.3]
+
+
+def test_a_patched_model_leaves_numpy_python_and_paddle_rng_states_alone(tiny_unet, inputs, call):
+    model = patched_copy(tiny_unet, ratio=0.5, use_rand=True, max_downsample=8, merge_crossattn=True, merge_mlp=True)
+    np.random.seed(5)
+    random.seed(5)
+    paddle.seed(5)
+    numpy_state, python_state = np.random.get_state(), random.getstate()
+    first = call(model, inputs)
+    after = np.random.get_state()
+    assert after[0] == numpy_state[0] and np.array_equal(after[1], numpy_state[1]) and after[2:] == numpy_state[2:]
+    assert random.getstate() == python_state
+    drawn = paddle.rand([8]).numpy()
+    paddle.seed(5)
+    np.testing.assert_array_equal(paddle.rand([8]).numpy(), drawn)  # paddle's stream: nothing drew from it
+    np.testing.assert_array_equal(call(model, inputs), first)  # and the same seed gives the same output
+    assert np.abs(first - call(tiny_unet, inputs)).max() > 1e-4
