@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 
 import numpy as np
 import pytest
@@ -28,6 +28,19 @@ def test_image_like_latents_are_normalised_and_spatially_smooth():
     white = np.random.default_rng(0).standard_normal(x.shape)
     assert neighbour > 0.7 > abs(np.corrcoef(white[..., 1:].ravel(), white[..., :-1].ravel())[0, 1])
     np.testing.assert_array_equal(x, bench.image_like_latents(2, 4, 32, 48, seed=0))
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's resettable high-water mark")
+def test_peak_memory_restarts_at_the_current_size_and_sees_what_the_call_adds():
+    """The fresh-process memory helper's arithmetic: an earlier, larger peak is forgotten (it would hide the
+    call's peak under it), a new allocation counts."""
+    earlier = np.ones(160 * 2**20 // 8)  # 160 MB, written (resident), then returned to the system
+    del earlier
+    before = bench._restart_peak_kb()
+    call = np.ones(40 * 2**20 // 8)  # 40 MB
+    added_mb = (bench._peak_kb() - before) / 1024
+    del call
+    assert 35 < added_mb < 150
 
 
 def test_variant_options_parse_into_named_option_sets():
