@@ -157,7 +157,7 @@ class BenchRunner:
 
     def patch_peer(self, ratio: float, max_downsample: int, options: Dict[str, Any]) -> Undo:
         """Patch the UNet with the peer implementation; returns what unpatches it."""
-        raise NotImplementedError
+        raise ValueError(f"no peer to run: {self.peer_note()}")
 
     def install_oracle(self, ratio: float, max_downsample: int, sublayers: List[str]) -> Undo:
         """Make ``sublayers`` of every transformer block at levels ``<= max_downsample`` run on the first

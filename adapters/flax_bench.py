@@ -1,0 +1,231 @@
+"""The jax side of ``python -m tome_core.bench``: a Flax diffusers UNet (diffusers 0.39) and each method's patch.
+
+Every UNet call is compiled by ``jax.jit`` ahead of time, when a method is entered, so a timed call never
+includes a compilation, whatever ``--warmup`` says; a call is timed until ``block_until_ready``. Flax
+modules are immutable: 'ours' runs the module ``tome_core.jax.patch`` returns, and the oracle is a
+:func:`flax.linen.intercept_methods` interceptor entered inside the traced call. No other ToMe
+implementation exists for Flax, so there is no peer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import statistics
+import time
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import diffusers
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from diffusers import FlaxDDIMScheduler, FlaxUNet2DConditionModel
+from diffusers.models.attention_flax import FlaxBasicTransformerBlock
+
+import tome_core.jax as tome
+from tome_core.adapters.flax import _finest_level
+from tome_core.adapters.flax_models import build_unet
+from tome_core.bench import serve_peak_request
+from tome_core.bench_runner import BenchRunner, Undo, oracle_kept
+
+diffusers.utils.logging.set_verbosity_error()  # diffusers 0.39 warns from every Flax module setup
+
+
+def set_xla_threads(threads: int) -> None:
+    """Make XLA's CPU client use ``threads`` threads (``--threads``).
+
+    The client sizes its thread pools from ``PJRT_NPROC`` when jax creates it (at the first array or
+    computation); ``XLA_FLAGS``' ``intra_op_parallelism_threads`` no longer changes them. So this works only
+    before jax has run anything, and says so otherwise.
+    """
+    from jax._src import xla_bridge  # jax has no public way to ask whether its backend exists
+
+    wanted = str(threads)
+    if xla_bridge.backends_are_initialized() and os.environ.get("PJRT_NPROC") != wanted:
+        raise RuntimeError(
+            f"--threads {threads}: jax's CPU backend is already running, with its thread count fixed at start-up; "
+            f"set PJRT_NPROC={threads} in the environment before Python starts instead"
+        )
+    os.environ["PJRT_NPROC"] = wanted
+
+
+@dataclasses.dataclass(frozen=True)
+class Oracle:
+    """A Flax interceptor making the chosen sub-layers of every transformer block at levels ``<=
+    max_downsample`` run on the first :func:`~tome_core.bench_runner.oracle_kept` tokens, the rest restored
+    by index. Frozen (hashable), as a static argument of the jitted call must be."""
+
+    latent_hw: Tuple[int, int]
+    ratio: float
+    max_downsample: int
+    sublayers: Tuple[str, ...]
+
+    def __call__(self, next_fun: Callable, args: Tuple, kwargs: Dict[str, Any], context: Any) -> Any:
+        module = context.module
+        chosen = module.name in self.sublayers and isinstance(module.parent, FlaxBasicTransformerBlock)
+        if context.method_name != "__call__" or not chosen:
+            return next_fun(*args, **kwargs)
+        hidden_states = args[0]  # FlaxBasicTransformerBlock passes it positionally
+        tokens = hidden_states.shape[1]
+        kept = oracle_kept(self.latent_hw, tokens, self.ratio, self.max_downsample)
+        if kept is None:
+            return next_fun(*args, **kwargs)
+        out = next_fun(hidden_states[:, :kept], *args[1:], **kwargs)
+        return jnp.take(out, jnp.arange(tokens) % kept, axis=1)
+
+
+def unet_output(model: nn.Module, interceptor: Optional[Oracle], params: Any, sample: jax.Array,
+                timestep: jax.Array, text: jax.Array, added: Optional[Dict[str, jax.Array]]) -> jax.Array:
+    """``model``'s output (``.sample``), with ``interceptor`` active while the call is traced."""
+    intercepting = nn.intercept_methods(interceptor) if interceptor is not None else contextlib.nullcontext()
+    with intercepting:
+        return model.apply({"params": params}, sample, timestep, text, added).sample
+
+
+_jitted_unet = jax.jit(unet_output, static_argnums=(0, 1))
+
+
+def hashable(model: nn.Module) -> nn.Module:
+    """``model`` rebuilt with its list fields as tuples. ``from_pretrained`` reads a config's sequences from
+    JSON as lists, and a module with a list field cannot hash, as a static argument of ``jax.jit`` must."""
+    values = {
+        f.name: tuple(value) if isinstance(value, list) else value
+        for f in dataclasses.fields(model)
+        if f.init and f.name not in ("parent", "name")
+        for value in [getattr(model, f.name)]
+    }
+    return type(model)(**values)
+
+
+class Runner(BenchRunner):
+    """A FlaxUNet2DConditionModel and its parameters; ``model`` and ``interceptor`` are what the current
+    method runs (``unet`` and ``None`` outside a method)."""
+
+    scheduler_class = FlaxDDIMScheduler
+
+    def __init__(self, args: Any):
+        super().__init__(args)
+        self._use(self.unet, None)
+
+    def _use(self, model: nn.Module, interceptor: Optional[Oracle]) -> None:
+        """Run ``model`` with ``interceptor`` from now on, compiled now (jax keeps the trace and the
+        executable per model, interceptor and shapes, so entering a method again takes milliseconds)."""
+        self.model, self.interceptor = model, interceptor
+        inputs = (self.params, self.sample_in, self.timestep, self.text, self.added)
+        self._compiled = _jitted_unet.lower(model, interceptor, *inputs).compile()
+
+    def set_threads(self, threads: int) -> None:
+        set_xla_threads(threads)
+
+    def load_unet(self) -> FlaxUNet2DConditionModel:
+        """Also sets ``params``."""
+        model = self.args.model
+        if not model:
+            unet, self.params = build_unet(self.args.preset)
+            return unet
+        try:
+            unet, self.params = FlaxUNet2DConditionModel.from_pretrained(model, subfolder="unet", local_files_only=True)
+        except (OSError, EnvironmentError):
+            unet, self.params = FlaxUNet2DConditionModel.from_pretrained(model, local_files_only=True)
+        return hashable(unet)
+
+    def finest_level(self) -> int:
+        return _finest_level(self.unet)
+
+    def to_tensor(self, array: np.ndarray) -> jax.Array:
+        return jnp.asarray(array)
+
+    def as_timestep(self, timestep: Any) -> jax.Array:
+        return jnp.asarray(timestep, jnp.int32)
+
+    def unet_call(self, sample: jax.Array, timestep: Any) -> jax.Array:
+        return self._compiled(self.params, sample, self.as_timestep(timestep), self.text, self.added)
+
+    def done(self, output: jax.Array) -> jax.Array:
+        return output.block_until_ready()
+
+    @functools.cached_property
+    def scheduler_state(self) -> Any:
+        return self.scheduler.create_state()
+
+    def alpha_bar(self, timestep: int) -> float:
+        return float(self.scheduler_state.common.alphas_cumprod[timestep])
+
+    def timesteps(self, steps: int) -> Iterable[jax.Array]:
+        """Also keeps the loop's scheduler state for :meth:`scheduler_step`."""
+        self._loop_state = self.scheduler.set_timesteps(self.scheduler_state, steps)
+        return self._loop_state.timesteps
+
+    def scheduler_step(self, model_output: jax.Array, timestep: Any, latents: jax.Array) -> jax.Array:
+        return self.scheduler.step(self._loop_state, model_output, timestep, latents).prev_sample
+
+    def patch_ours(self, options: Dict[str, Any]) -> Undo:
+        self._use(tome.patch(self.unet, **options), None)
+        return lambda: self._use(tome.remove(self.model), None)
+
+    def install_oracle(self, ratio: float, max_downsample: int, sublayers: List[str]) -> Undo:
+        self._use(self.unet, Oracle(self.latent_hw, ratio, max_downsample, tuple(sublayers)))
+        return lambda: self._use(self.unet, None)
+
+    def peer_note(self) -> str:
+        return "no other ToMe implementation exists for Flax"
+
+
+# -- per-block microbenchmark ------------------------------------------------------------------------
+def count_ops(fn: Callable, *args: Any) -> int:
+    """Number of jax primitives ``fn(*args)`` traces to (the equations of its jaxpr, with calls of nested
+    jaxprs such as ``pjit`` counted by their contents)."""
+
+    def count(jaxpr: Any) -> int:
+        total = 0
+        for eqn in jaxpr.eqns:
+            inner = list(_sub_jaxprs(eqn.params))
+            total += sum(count(sub) for sub in inner) if inner else 1
+        return total
+
+    return count(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def _sub_jaxprs(params: Dict[str, Any]) -> Iterator[Any]:
+    for value in params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(item, "eqns"):
+                yield getattr(item, "jaxpr", item)
+
+
+def micro(batch: int = 2, height: int = 64, width: int = 64, channels: int = 320, ratio: float = 0.5, repeats: int = 20) -> Dict[str, Any]:
+    """One block's match + merge + unmerge (use_rand=False), jitted: median time, primitive count, and
+    whether it equals the numpy backend's result. No peer exists for Flax ("time_ratio": null)."""
+    from tome_core import bipartite_match, get_ops, merge, unmerge
+
+    x = np.random.default_rng(0).standard_normal((batch, height * width, channels)).astype("float32")
+    r = int(height * width * ratio)
+
+    def ours(tokens: Any) -> Any:
+        match = bipartite_match(get_ops(tokens), tokens, height, width, 2, 2, r, None)
+        return unmerge(merge(tokens, match), match)
+
+    x_jax = jnp.asarray(x)
+    compiled = jax.jit(ours).lower(x_jax).compile()
+    compiled(x_jax).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        compiled(x_jax).block_until_ready()
+        times.append(time.perf_counter() - start)
+    same = np.allclose(np.asarray(compiled(x_jax)), ours(x), rtol=1e-5, atol=1e-6)
+    return {
+        "shape": [batch, height * width, channels],
+        "median_ms": {"ours": statistics.median(times) * 1000},
+        "time_ratio": None,
+        "ops": {"ours": count_ops(ours, x_jax)},
+        "identical_outputs": bool(same),
+        "compared_with": "tome_core's numpy backend (no other ToMe implementation exists for Flax)",
+    }
+
+
+if __name__ == "__main__":
+    serve_peak_request(Runner)
