@@ -6,8 +6,6 @@ tomesd (when installed).
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
@@ -19,7 +17,7 @@ import tome_core.torch as tome
 from tome_core.adapters.diffusers import finest_level
 from tome_core.adapters.diffusers_models import build_unet
 from tome_core.bench import serve_peak_request
-from tome_core.bench_runner import BenchRunner, Undo, oracle_kept, remover
+from tome_core.bench_runner import BenchRunner, Undo, median_ms, oracle_kept, remover
 
 try:
     import tomesd
@@ -135,20 +133,12 @@ def micro(batch: int = 2, height: int = 64, width: int = 64, channels: int = 320
         m, u = tomesd.merge.bipartite_soft_matching_random2d(x, width, height, 2, 2, r, no_rand=True)
         return u(m(x))
 
-    times: Dict[str, List[float]] = {"ours": [], "tomesd": []}
     with torch.no_grad():
-        for fn in (ours, theirs, ours, theirs):
-            fn()
-        for _ in range(repeats):
-            for name, fn in (("ours", ours), ("tomesd", theirs)):
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
+        medians = median_ms({"ours": ours, "tomesd": theirs}, repeats)
         same = torch.allclose(ours(), theirs(), rtol=1e-5, atol=1e-6)
-    medians = {k: statistics.median(v) for k, v in times.items()}
     return {
         "shape": [batch, height * width, channels],
-        "median_ms": {k: v * 1000 for k, v in medians.items()},
+        "median_ms": medians,
         "time_ratio": medians["ours"] / medians["tomesd"],
         "ops": {"ours": count_ops(ours), "tomesd": count_ops(theirs)},
         "identical_outputs": bool(same),

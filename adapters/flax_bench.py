@@ -13,8 +13,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import statistics
-import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import diffusers
@@ -29,7 +27,7 @@ import tome_core.jax as tome
 from tome_core.adapters.flax import _finest_level
 from tome_core.adapters.flax_models import build_unet
 from tome_core.bench import serve_peak_request
-from tome_core.bench_runner import BenchRunner, Undo, oracle_kept
+from tome_core.bench_runner import BenchRunner, Undo, median_ms, oracle_kept
 
 diffusers.utils.logging.set_verbosity_error()  # diffusers 0.39 warns from every Flax module setup
 
@@ -210,16 +208,11 @@ def micro(batch: int = 2, height: int = 64, width: int = 64, channels: int = 320
 
     x_jax = jnp.asarray(x)
     compiled = jax.jit(ours).lower(x_jax).compile()
-    compiled(x_jax).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        compiled(x_jax).block_until_ready()
-        times.append(time.perf_counter() - start)
+    medians = median_ms({"ours": lambda: compiled(x_jax).block_until_ready()}, repeats)
     same = np.allclose(np.asarray(compiled(x_jax)), ours(x), rtol=1e-5, atol=1e-6)
     return {
         "shape": [batch, height * width, channels],
-        "median_ms": {"ours": statistics.median(times) * 1000},
+        "median_ms": medians,
         "time_ratio": None,
         "ops": {"ours": count_ops(ours, x_jax)},
         "identical_outputs": bool(same),

@@ -6,8 +6,6 @@ ppdiffusers' built-in ToMe (its port of tomesd, kept reachable as :data:`tome_co
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any, Dict, List
 
 import numpy as np
@@ -20,7 +18,7 @@ import tome_core.paddle as tome
 from tome_core.adapters.ppdiffusers import _finest_level
 from tome_core.adapters.ppdiffusers_models import build_unet
 from tome_core.bench import serve_peak_request
-from tome_core.bench_runner import BenchRunner, Undo, oracle_kept, remover
+from tome_core.bench_runner import BenchRunner, Undo, median_ms, oracle_kept, remover
 
 
 class Runner(BenchRunner):
@@ -139,20 +137,12 @@ def micro(batch: int = 2, height: int = 64, width: int = 64, channels: int = 320
         m, u = tomesd_patch_utils.bipartite_soft_matching_random2d(x, width, height, 2, 2, r, no_rand=True)
         return u(m(x)).numpy()
 
-    times: Dict[str, List[float]] = {"ours": [], "ppdiffusers": []}
     with paddle.no_grad():
-        for fn in (ours, theirs, ours, theirs):
-            fn()
-        for _ in range(repeats):
-            for name, fn in (("ours", ours), ("ppdiffusers", theirs)):
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
+        medians = median_ms({"ours": ours, "ppdiffusers": theirs}, repeats)
         same = np.allclose(ours(), theirs(), rtol=1e-5, atol=1e-6)
-    medians = {k: statistics.median(v) for k, v in times.items()}
     return {
         "shape": [batch, height * width, channels],
-        "median_ms": {k: v * 1000 for k, v in medians.items()},
+        "median_ms": medians,
         "time_ratio": medians["ours"] / medians["ppdiffusers"],
         "ops": None,
         "identical_outputs": bool(same),

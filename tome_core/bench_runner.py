@@ -11,6 +11,8 @@ patching and unpatching each method. No framework is imported here (numpy only).
 from __future__ import annotations
 
 import contextlib
+import statistics
+import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -43,6 +45,19 @@ def oracle_kept(latent_hw: Tuple[int, int], tokens: int, ratio: float, max_downs
     if downsample_factor(latent_hw, tokens) > max_downsample:
         return None
     return tokens - int(tokens * ratio)
+
+
+def median_ms(functions: Dict[str, Callable[[], Any]], repeats: int, warmup: int = 2) -> Dict[str, float]:
+    """Median milliseconds of each function, called in turn (A B A B ...) ``repeats`` times after ``warmup``
+    untimed rounds (the micro benchmarks' timing)."""
+    times: Dict[str, List[float]] = {name: [] for name in functions}
+    for round_index in range(warmup + repeats):
+        for name, function in functions.items():
+            start = time.perf_counter()
+            function()
+            if round_index >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1000 for name, t in times.items()}
 
 
 def remover(handles: List[Any]) -> Undo:
