@@ -83,7 +83,7 @@ def tests_jax(session):
     same operations, only less optimised machine code).
     """
     # --no-compile: no .pyc for the thousands of torch/transformers files the tests never import.
-    session.install("--no-compile", *TEST, "pytest-xdist", *JAX)
+    session.install("--no-compile", *TEST, "pytest-xdist", *JAX, "tqdm", "matplotlib")
     session.install("--no-compile", ".")
     session.run(
         "pytest", "-n", "2", "--dist", "worksteal", "tests/core", "tests/jax", *session.posargs,
