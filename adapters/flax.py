@@ -276,11 +276,14 @@ def _patched_class(base: type) -> type:
 _PATCHED_BASES: Dict[type, type] = {}  # patched class -> the model class it extends
 
 
-def _fields(model: nn.Module) -> Dict[str, Any]:
+def module_fields(model: nn.Module) -> Dict[str, Any]:
+    """A model's constructor arguments, with lists as tuples: ``from_pretrained`` reads a config's sequences
+    from JSON as lists, and a module with a list field cannot hash, as a static argument of ``jax.jit`` must."""
     return {
-        f.name: getattr(model, f.name)
+        f.name: tuple(value) if isinstance(value, list) else value
         for f in dataclasses.fields(model)
         if f.init and f.name not in ("parent", "name", "tome")
+        for value in [getattr(model, f.name)]
     }
 
 
@@ -291,7 +294,7 @@ def _original(model: nn.Module) -> nn.Module:
     if base is None:
         return model
     # A copy that kept the patched class but not our attribute (``Module.clone()``): rebuild the original.
-    original = base(**_fields(model))
+    original = base(**module_fields(model))
     object.__setattr__(original, "_internal_dict", model._internal_dict)
     return original
 
@@ -305,7 +308,7 @@ def _patch_model(model: nn.Module, config: ToMeConfig) -> nn.Module:
     model = _original(model)
     warn_if_nothing_merges(config, _finest_level(model), type(model).__name__)
     cls = _patched_class(type(model))
-    patched = cls(**_fields(model), tome=config)
+    patched = cls(**module_fields(model), tome=config)
     # The same diffusers config (it may hold entries that are not fields, e.g. _diffusers_version).
     object.__setattr__(patched, "_internal_dict", model._internal_dict)
     object.__setattr__(patched, "_tome_original", model)

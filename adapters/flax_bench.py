@@ -24,7 +24,7 @@ from diffusers import FlaxDDIMScheduler, FlaxUNet2DConditionModel
 from diffusers.models.attention_flax import FlaxBasicTransformerBlock
 
 import tome_core.jax as tome
-from tome_core.adapters.flax import _finest_level
+from tome_core.adapters.flax import _finest_level, module_fields
 from tome_core.adapters.flax_models import build_unet
 from tome_core.bench import serve_peak_request
 from tome_core.bench_runner import BenchRunner, Undo, median_ms, oracle_kept
@@ -87,15 +87,8 @@ _jitted_unet = jax.jit(unet_output, static_argnums=(0, 1))
 
 
 def hashable(model: nn.Module) -> nn.Module:
-    """``model`` rebuilt with its list fields as tuples. ``from_pretrained`` reads a config's sequences from
-    JSON as lists, and a module with a list field cannot hash, as a static argument of ``jax.jit`` must."""
-    values = {
-        f.name: tuple(value) if isinstance(value, list) else value
-        for f in dataclasses.fields(model)
-        if f.init and f.name not in ("parent", "name")
-        for value in [getattr(model, f.name)]
-    }
-    return type(model)(**values)
+    """``model`` rebuilt with its list fields as tuples (see :func:`tome_core.adapters.flax.module_fields`)."""
+    return type(model)(**module_fields(model))
 
 
 class Runner(BenchRunner):

@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import tome_core.jax as tome
+from tome_core.adapters import flax as tome_flax
 from tome_core.adapters.flax_models import param_shapes
 from tome_core.presets import TINY_VAE
 
@@ -433,3 +434,14 @@ def test_an_independent_trace_of_an_odd_batch_needs_no_key_touches_no_global_rng
     np.testing.assert_array_equal(out[2], out[0])
     # Same seed, independent trace, another batch size: the CFG batch's partition (float batching noise only).
     assert rel(out[:1], cfg[:1]) < 1e-5
+
+
+def test_a_patched_model_with_list_fields_hashes_and_jits_as_a_static_argument(apply, small, inputs, rel):
+    """``from_pretrained`` gives list-valued fields (config JSON); the patched module still hashes."""
+    unet, params = small
+    listed = type(unet)(**{k: list(v) if isinstance(v, tuple) else v for k, v in tome_flax.module_fields(unet).items()})
+    patched = tome.patch(listed, ratio=0.5)
+    assert hash(patched) == hash(tome.patch(unet, ratio=0.5))
+    sample, timesteps, context = inputs
+    expected = np.asarray(apply(tome.patch(unet, ratio=0.5), params, sample, timesteps, context))
+    np.testing.assert_array_equal(np.asarray(apply(patched, params, sample, timesteps, context)), expected)
