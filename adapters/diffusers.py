@@ -122,7 +122,7 @@ class _MergeInput:
             if kwargs.get("attention_mask") is not None:
                 raise ValueError(
                     "proportional_attn=True cannot be combined with an attention_mask on self-attention "
-                    "(the mask covers the unmerged tokens)"
+                    "(the mask covers the unmerged tokens); pass proportional_attn=False to use the mask"
                 )
             kwargs = {**kwargs, "attention_mask": size_bias(match, hidden_states)}
         return args, kwargs

@@ -146,7 +146,7 @@ class _MergeInputWithSizes(_MergeInput):
         if kwargs.get("attention_mask") is not None:
             raise ValueError(
                 "proportional_attn=True cannot be combined with an attention_mask on self-attention "
-                "(the mask covers the unmerged tokens)"
+                "(the mask covers the unmerged tokens); pass proportional_attn=False to use the mask"
             )
         hidden_states = merge(inputs[0], match)
         return (hidden_states,) + tuple(inputs[1:]), {**kwargs, "attention_mask": size_bias(match, hidden_states)}
@@ -187,7 +187,10 @@ def _pre_hook(layer: Layer, hook: Any, with_kwargs: bool = False) -> _Handle:
     try:
         helper = layer.register_forward_pre_hook(hook, with_kwargs=True)
     except TypeError as error:  # paddle before 3.0
-        raise RuntimeError(f"proportional_attn=True needs paddle >= 3.0 (hooks with keyword arguments): {error}")
+        raise RuntimeError(
+            "proportional_attn=True (the default) needs paddle >= 3.0 (hooks with keyword arguments); on older "
+            f"paddle pass proportional_attn=False: {error}"
+        )
     return _Handle(layer, "_forward_pre_hooks", helper)
 
 

@@ -38,10 +38,11 @@ def main(argv=None) -> dict:
     text = paddle.to_tensor(rng.standard_normal((args.batch, 77, width)).astype(np.float32))
     timestep = paddle.to_tensor(500)
 
-    # Both ToMe variants at tomesd's defaults: ratio, max_downsample=1, sx=sy=2, use_rand=True, attention only.
+    # Both ToMe variants in tomesd's configuration: max_downsample=1, sx=sy=2, use_rand=True, attention only,
+    # plain softmax (proportional_attn=False).
     variants = {
         "unpatched": lambda: tome.remove(unet),
-        "tome_core": lambda: tome.patch(unet, ratio=args.ratio, max_downsample=1),
+        "tome_core": lambda: tome.patch(unet, ratio=args.ratio, max_downsample=1, proportional_attn=False),
         "ppdiffusers": lambda: (tome.remove(unet), tome.PPDIFFUSERS_APPLY_TOME(unet, ratio=args.ratio)),
     }
     names = list(variants)

@@ -222,22 +222,31 @@ def format_table(rows: Sequence[Row]) -> str:
 
 
 def plot(rows: Sequence[Row], path: str, title: str) -> None:
+    """Speedup (when timed), fidelity at the mid timestep and after the loop (when run) against ratio, one
+    line per method."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for method in dict.fromkeys(r.method for r in rows):
-        mine = [r for r in rows if r.method == method]
-        ratios = [r.ratio for r in mine]
-        left.plot(ratios, [r.speedup for r in mine], marker="o", label=method)
-        right.plot(ratios, [r.fidelity_step for r in mine], marker="o", label=method)
-    left.set(xlabel="ratio", ylabel="speedup vs unpatched (x)", title="speed")
-    right.set(xlabel="ratio", ylabel="relative L2 vs unpatched", title="fidelity (lower is better)")
-    for axis in (left, right):
+    panels = [
+        (attribute, label, heading)
+        for attribute, label, heading in (
+            ("speedup", "speedup vs unpatched (x)", "speed"),
+            ("fidelity_step", "relative L2 vs unpatched", "fidelity at t=500 (lower is better)"),
+            ("fidelity_sampled", "relative L2 vs unpatched", "fidelity after the loop (lower is better)"),
+        )
+        if any(math.isfinite(getattr(r, attribute)) for r in rows if r.method != "unpatched")
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for axis, (attribute, label, heading) in zip(axes[0], panels):
+        for method in dict.fromkeys(r.method for r in rows):
+            mine = [r for r in rows if r.method == method]
+            axis.plot([r.ratio for r in mine], [getattr(r, attribute) for r in mine], marker="o", label=method)
+        axis.set(xlabel="ratio", ylabel=label, title=heading)
+        axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
-        axis.legend()
+        axis.legend(fontsize="small")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

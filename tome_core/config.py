@@ -45,7 +45,8 @@ class ToMeConfig:
     local_window: compare each source only with destinations within this many cells (Chebyshev distance);
         0 compares with all destinations, as tomesd does.
     proportional_attn: size-aware self-attention: each merged key's attention logit gets ``log(size)``, as if
-        every token it stands for were still there.
+        every token it stands for were still there. On by default: it is 2-3x closer to the unpatched model at
+        every ratio for ~5% of the call time (README, "Size-aware attention"); ``False`` is tomesd's arithmetic.
     """
 
     ratio: float = 0.5
@@ -64,7 +65,7 @@ class ToMeConfig:
     reuse_level: bool = False
     reuse_steps: int = 1
     local_window: int = 0
-    proportional_attn: bool = False
+    proportional_attn: bool = True
 
     def __post_init__(self) -> None:
         _check_int("sx", self.sx, 1)

@@ -19,7 +19,8 @@ def tomesd_functions(patch: Callable[..., Any], remove: Callable[[Any], Any]) ->
         merge_crossattn: bool = False,
         merge_mlp: bool = False,
     ) -> Any:
-        """Drop-in for ``tomesd.apply_patch``: the same signature and defaults (``max_downsample=1``)."""
+        """Drop-in for ``tomesd.apply_patch``: the same signature, defaults and arithmetic (``max_downsample=1``,
+        ``proportional_attn=False``)."""
         return patch(
             model,
             ratio=ratio,
@@ -30,6 +31,7 @@ def tomesd_functions(patch: Callable[..., Any], remove: Callable[[Any], Any]) ->
             merge_attn=merge_attn,
             merge_crossattn=merge_crossattn,
             merge_mlp=merge_mlp,
+            proportional_attn=False,  # tomesd's arithmetic
         )
 
     def remove_patch(model: Any) -> Any:

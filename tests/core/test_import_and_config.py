@@ -45,8 +45,9 @@ def test_bad_options_raise_naming_argument_value_and_allowed(options, error, mes
         ToMeConfig.from_options(options)
 
 
-def test_defaults_follow_tomesd_except_max_downsample():
+def test_defaults_follow_tomesd_except_max_downsample_and_size_aware_attention():
     config = ToMeConfig()
+    assert config.proportional_attn is True  # the README's fidelity table; False is tomesd's arithmetic
     assert (config.ratio, config.sx, config.sy, config.use_rand) == (0.5, 2, 2, True)
     assert (config.merge_attn, config.merge_crossattn, config.merge_mlp) == (True, False, False)
     assert config.max_downsample is None

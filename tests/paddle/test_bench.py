@@ -69,24 +69,24 @@ def test_main_on_the_tiny_preset_writes_table_and_json(tmp_path, capsys):
     out_json = tmp_path / "bench.json"
     rows = bench.main(
         ["--backend", "paddle", "--preset", "tiny", "--resolution", "64", "--repeats", "1", "--warmup", "0",
-         "--steps", "1", "--ratio", "0.3", "0.6", "--json", str(out_json), "--variant", "prop:proportional_attn=True"]
+         "--steps", "1", "--ratio", "0.3", "0.6", "--json", str(out_json), "--variant", "plain:proportional_attn=False"]
     )
     text = capsys.readouterr().out
-    assert [r.method for r in rows[:5]] == ["unpatched", "ours", "ours:prop", "peer", "oracle"] and len(rows) == 10
+    assert [r.method for r in rows[:5]] == ["unpatched", "ours", "ours:plain", "peer", "oracle"] and len(rows) == 10
     for row in rows:
         assert len(row.times_s) == 1 and row.median_s == row.times_s[0]
         if row.method == "unpatched":
             assert row.speedup == 1.0 and row.fidelity_step == 0.0
         if row.method == "oracle":  # by definition, unless timing noise made the oracle no faster (NaN)
             assert np.isnan(row.oracle_share) or row.oracle_share == pytest.approx(1.0)
-        if row.method in ("ours", "ours:prop", "peer"):
+        if row.method in ("ours", "ours:plain", "peer"):
             assert row.fidelity_step > 0 and row.fidelity_sampled > 0
         unpatched = next(r for r in rows if r.ratio == row.ratio and r.method == "unpatched")
         assert row.speedup == pytest.approx(unpatched.median_s / row.median_s)
-    assert "oracle share" in text and "ours:prop" in text and "paddle tiny 64px" in text
+    assert "oracle share" in text and "ours:plain" in text and "paddle tiny 64px" in text
     saved = json.loads(out_json.read_text())
-    assert len(saved["rows"]) == 10 and saved["rows"][2]["method"] == "ours:prop"
+    assert len(saved["rows"]) == 10 and saved["rows"][2]["method"] == "ours:plain"
     assert saved["args"]["backend"] == "paddle"
-    prop = [r for r in rows if r.method == "ours:prop"]
-    plain = [r for r in rows if r.method == "ours"]
-    assert all(p.fidelity_step != q.fidelity_step for p, q in zip(prop, plain))  # the variant really differs
+    variant = [r for r in rows if r.method == "ours:plain"]
+    default = [r for r in rows if r.method == "ours"]
+    assert all(p.fidelity_step != q.fidelity_step for p, q in zip(variant, default))  # the variant really differs

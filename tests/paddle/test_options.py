@@ -100,7 +100,7 @@ def test_proportional_attn_changes_the_output_is_exact_at_ratio_zero_and_removes
         tome.patch(unet, ratio=0.0, proportional_attn=True)
     np.testing.assert_array_equal(call(unet, inputs), plain)
     sized = call(tome.patch(unet, ratio=0.5, proportional_attn=True), inputs)
-    flat = call(tome.patch(copy.deepcopy(tiny_unet), ratio=0.5), inputs)
+    flat = call(tome.patch(copy.deepcopy(tiny_unet), ratio=0.5, proportional_attn=False), inputs)
     assert np.isfinite(sized).all() and np.abs(sized - flat).max() > 1e-6
     tome.remove(unet)
     assert not any(getattr(m, "_forward_pre_hooks_with_kwargs_flag", None) for m in unet.sublayers(True))
@@ -131,6 +131,6 @@ def test_proportional_attn_leaves_text_keys_unsized_under_only_cross_attention(i
     unet = build_unet("tiny", seed=0, only_cross_attention=True)
     plain = call(unet, inputs)
     sized = call(tome.patch(copy.deepcopy(unet), ratio=0.5, proportional_attn=True), inputs)
-    flat = call(tome.patch(copy.deepcopy(unet), ratio=0.5), inputs)
+    flat = call(tome.patch(copy.deepcopy(unet), ratio=0.5, proportional_attn=False), inputs)
     np.testing.assert_array_equal(sized, flat)
     assert np.abs(sized - plain).max() > 1e-5  # the queries were merged

@@ -54,7 +54,7 @@ def test_patched_unet_equals_ppdiffusers(unet, tiny_unet, inputs, call, options)
     tome.PPDIFFUSERS_APPLY_TOME(unet, ratio=0.5, use_rand=False, **options)
     reference = call(unet, inputs)
     assert np.abs(reference - call(tiny_unet, inputs)).max() > 1e-4  # the port really merged something here
-    tome.patch(unet, ratio=0.5, use_rand=False, **options)
+    tome.patch(unet, ratio=0.5, use_rand=False, proportional_attn=False, **options)
     np.testing.assert_allclose(call(unet, inputs), reference, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(call(unet, inputs, keywords=True), reference, rtol=1e-4, atol=1e-5)
 
@@ -75,6 +75,6 @@ def test_controlnet_pipeline_equals_ppdiffusers():
     tome.PPDIFFUSERS_APPLY_TOME(pipe, ratio=0.5, use_rand=False)
     reference = run()
     assert np.abs(reference - plain).max() > 1e-4
-    tome.patch(pipe, ratio=0.5, max_downsample=1, use_rand=False)
+    tome.patch(pipe, ratio=0.5, max_downsample=1, use_rand=False, proportional_attn=False)
     assert len(tome.patched_models(pipe)) == 2  # UNet and ControlNet, like the port
     np.testing.assert_allclose(run(), reference, rtol=1e-4, atol=1e-5)

@@ -87,7 +87,7 @@ def test_seed_and_timestep_choose_the_partition(unet, inputs):
 
 def test_tomesd_drop_in_names_use_tomesd_defaults(unet, inputs):
     model = tome.apply_patch(copy.deepcopy(unet), use_rand=False)
-    reference = tome.patch(copy.deepcopy(unet), ratio=0.5, max_downsample=1, use_rand=False)
+    reference = tome.patch(copy.deepcopy(unet), ratio=0.5, max_downsample=1, use_rand=False, proportional_attn=False)
     torch.testing.assert_close(call(model, inputs), call(reference, inputs), rtol=0, atol=0)
     tome.remove_patch(model)
     torch.testing.assert_close(call(model, inputs), call(unet, inputs), rtol=0, atol=0)

@@ -129,7 +129,7 @@ def test_proportional_attn_changes_the_output_and_is_exact_at_ratio_zero(unet, i
         zero = tome.patch(copy.deepcopy(unet), ratio=0.0, proportional_attn=True)
     torch.testing.assert_close(call(zero, inputs), plain, rtol=0, atol=0)
     sized = call(tome.patch(copy.deepcopy(unet), ratio=0.5, proportional_attn=True), inputs)
-    flat = call(tome.patch(copy.deepcopy(unet), ratio=0.5), inputs)
+    flat = call(tome.patch(copy.deepcopy(unet), ratio=0.5, proportional_attn=False), inputs)
     assert torch.isfinite(sized).all() and not torch.equal(sized, flat)
 
 
@@ -154,6 +154,6 @@ def test_proportional_attn_leaves_text_keys_unsized_under_only_cross_attention(i
     unet = build_unet("tiny", seed=0, only_cross_attention=True)
     plain = call(unet, inputs)
     sized = call(tome.patch(copy.deepcopy(unet), ratio=0.5, proportional_attn=True), inputs)
-    flat = call(tome.patch(copy.deepcopy(unet), ratio=0.5), inputs)
+    flat = call(tome.patch(copy.deepcopy(unet), ratio=0.5, proportional_attn=False), inputs)
     torch.testing.assert_close(sized, flat, rtol=0, atol=0)
     assert not torch.allclose(sized, plain, atol=1e-5)  # the queries were merged

@@ -56,7 +56,7 @@ def test_patched_unet_equals_tomesd(unet, options):
     text = torch.randn(2, 7, 32, generator=generator)
     reference_model, our_model = copy.deepcopy(unet), copy.deepcopy(unet)
     tomesd.apply_patch(reference_model, ratio=0.5, use_rand=False, **options)
-    tome.patch(our_model, ratio=0.5, use_rand=False, **options)
+    tome.patch(our_model, ratio=0.5, use_rand=False, proportional_attn=False, **options)
     with torch.no_grad():
         plain = unet(sample, 10, text).sample
         reference = reference_model(sample, 10, text).sample
