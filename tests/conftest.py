@@ -44,3 +44,26 @@ class Converter:
 @pytest.fixture(params=BACKENDS, scope="session")
 def xp(request) -> Converter:
     return Converter(request.param)
+
+
+# Bad options and the error every entry point of every backend must raise (argument, value, what is allowed).
+BAD_OPTIONS = [
+    ({"ratio": 1.0}, ValueError, r"ratio must be in \[0, 1\), got 1.0"),
+    ({"ratio": -0.1}, ValueError, r"ratio must be in \[0, 1\), got -0.1"),
+    ({"ratio": "0.5"}, TypeError, r"ratio must be a float in \[0, 1\), got '0.5'"),
+    ({"ratio": 0.6, "sx": 1, "sy": 2}, ValueError, r"ratio=0.6 cannot be reached with sx=1, sy=2.* = 0.5"),
+    ({"sx": 0}, ValueError, "sx must be an int >= 1, got 0"),
+    ({"sy": 2.0}, TypeError, "sy must be an int >= 1, got 2.0"),
+    ({"max_downsample": 16}, ValueError, "max_downsample must be one of None, 1, 2, 4, 8, got 16"),
+    ({"max_downsample": True}, ValueError, "max_downsample must be one of None, 1, 2, 4, 8, got True"),
+    ({"merge_mlp": "yes"}, TypeError, "merge_mlp must be True or False, got 'yes'"),
+    ({"proportional_attn": 1}, TypeError, "proportional_attn must be True or False, got 1"),
+    ({"seed": -1}, ValueError, "seed must be an int >= 0, got -1"),
+    ({"rato": 0.5}, TypeError, r"unknown ToMe option\(s\) rato; valid options are ratio, max_downsample"),
+]
+
+
+@pytest.fixture(params=BAD_OPTIONS, ids=lambda case: ",".join(f"{k}={v!r}" for k, v in case[0].items()))
+def bad_option(request):
+    """``(options, error class, message pattern)`` of one bad option set."""
+    return request.param

@@ -135,6 +135,21 @@ def test_bad_options_raise_through_every_entry_point(unet):
     assert not hasattr(model, "_tome_patch")
 
 
+TOMESD_NAMES = {"ratio", "max_downsample", "sx", "sy", "use_rand", "merge_attn", "merge_crossattn", "merge_mlp"}
+
+
+def test_every_bad_option_raises_through_every_entry_point_and_patches_nothing(unet, bad_option):
+    options, error, message = bad_option
+    model = copy.deepcopy(unet)
+    entries = [lambda: tome.patch(model, **options), lambda: model.apply_tome(**options)]
+    if set(options) <= TOMESD_NAMES:
+        entries.append(lambda: tome.apply_patch(model, **options))
+    for entry in entries:
+        with pytest.raises(error, match=message):
+            entry()
+    assert tome.patched_models(model) == []
+
+
 def test_merge_mlp_with_forward_chunking_is_refused(unet, inputs):
     model = copy.deepcopy(unet)
     for module in model.modules():
