@@ -67,3 +67,19 @@ BAD_OPTIONS = [
 def bad_option(request):
     """``(options, error class, message pattern)`` of one bad option set."""
     return request.param
+
+
+# Options that merge nothing on an SD-shaped UNet, and the reason the warning must give.
+NOTHING_MERGES = [
+    ({"merge_attn": False}, "merge_attn, merge_crossattn and merge_mlp are all False"),
+    ({"attn_ratio": 0.0}, r"ratio=0.5 \(and no sub-layer or level ratio above 0\)"),
+    # max_downsample=None merges only the finest attention level (1 here): other levels' ratios are moot.
+    ({"level_ratios": {1: 0.0}}, r"ratio=0.5 \(and no sub-layer or level ratio above 0\)"),
+    ({"ratio": 0.0, "level_ratios": {2: 0.5}}, r"ratio=0.0 \(and no sub-layer or level ratio above 0\)"),
+]
+
+
+@pytest.fixture(params=NOTHING_MERGES, ids=lambda case: ",".join(f"{k}={v!r}" for k, v in case[0].items()))
+def nothing_merges(request):
+    """``(options, reason pattern)`` of a patch that merges no token on an SD-shaped UNet."""
+    return request.param

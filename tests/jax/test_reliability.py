@@ -103,17 +103,8 @@ def test_a_traced_key_as_seed_and_models_without_attention_are_refused(small):
         tome.patch(FlaxAutoencoderKL(**TINY_VAE))
 
 
-@pytest.mark.parametrize(
-    "options, reason",
-    [
-        ({"merge_attn": False}, "merge_attn, merge_crossattn and merge_mlp are all False"),
-        ({"attn_ratio": 0.0}, r"ratio=0.5 \(and no sub-layer or level ratio above 0\)"),
-        # max_downsample=None merges only the finest attention level (1 here): other levels' ratios are moot.
-        ({"level_ratios": {1: 0.0}}, r"ratio=0.5 \(and no sub-layer or level ratio above 0\)"),
-        ({"ratio": 0.0, "level_ratios": {2: 0.5}}, r"ratio=0.0 \(and no sub-layer or level ratio above 0\)"),
-    ],
-)
-def test_a_patch_that_merges_nothing_warns_and_indeed_merges_nothing(small, attn1_tokens, options, reason):
+def test_a_patch_that_merges_nothing_warns_and_indeed_merges_nothing(small, attn1_tokens, nothing_merges):
+    options, reason = nothing_merges
     unet, params = small
     with pytest.warns(UserWarning, match=f"ToMe patch on FlaxUNet2DConditionModel merges no tokens: {reason}"):
         patched = tome.patch(unet, **options)

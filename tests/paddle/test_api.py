@@ -210,17 +210,8 @@ def test_every_bad_option_raises_through_every_entry_point_and_keeps_the_earlier
     assert tome.patched_models(sd_pipe) == []
 
 
-@pytest.mark.parametrize(
-    "options, reason",
-    [
-        ({"merge_attn": False}, "merge_attn, merge_crossattn and merge_mlp are all False"),
-        ({"attn_ratio": 0.0}, r"ratio=0.5 \(and no sub-layer or level ratio above 0\)"),
-        # max_downsample=None merges only the finest attention level (1 here): other levels' ratios are moot.
-        ({"level_ratios": {1: 0.0}}, r"ratio=0.5 \(and no sub-layer or level ratio above 0\)"),
-        ({"ratio": 0.0, "level_ratios": {2: 0.5}}, r"ratio=0.0 \(and no sub-layer or level ratio above 0\)"),
-    ],
-)
-def test_a_patch_that_merges_nothing_warns_and_equals_unpatched(unet, tiny_unet, inputs, call, options, reason):
+def test_a_patch_that_merges_nothing_warns_and_equals_unpatched(unet, tiny_unet, inputs, call, nothing_merges):
+    options, reason = nothing_merges
     with pytest.warns(UserWarning, match=f"ToMe patch on UNet2DConditionModel merges no tokens: {reason}"):
         tome.patch(unet, **options)
     np.testing.assert_array_equal(call(unet, inputs), call(tiny_unet, inputs))
