@@ -151,15 +151,15 @@ def test_save_pretrained_writes_the_unpatched_files_and_loads_unpatched(unet, ti
     np.testing.assert_array_equal(call(unet, inputs), patched_out)  # saving left the patch in place
 
 
-def test_two_models_patched_differently_run_from_two_threads(tiny_unet, inputs, call):
-    options = [dict(ratio=0.5), dict(ratio=0.3, merge_mlp=True, seed=4)]
-    models = [patched_copy(tiny_unet, **o) for o in options]
-    expected = [call(m, inputs) for m in models]
+def run_in_two_threads(runs):
+    """``[runs[0](), runs[1]()]`` run at the same time from two threads (started together at a barrier)."""
     results, errors = {}, []
+    barrier = threading.Barrier(2)
 
     def work(index):
         try:
-            results[index] = [call(models[index], inputs) for _ in range(3)]
+            barrier.wait()
+            results[index] = runs[index]()
         except Exception as error:  # pragma: no cover - reported below
             errors.append(error)
 
@@ -168,7 +168,15 @@ def test_two_models_patched_differently_run_from_two_threads(tiny_unet, inputs, 
         thread.start()
     for thread in threads:
         thread.join()
-    assert not errors
+    assert not errors, errors
+    return [results[0], results[1]]
+
+
+def test_two_models_patched_differently_run_from_two_threads(tiny_unet, inputs, call):
+    options = [dict(ratio=0.5), dict(ratio=0.3, merge_mlp=True, seed=4)]
+    models = [patched_copy(tiny_unet, **o) for o in options]
+    expected = [call(m, inputs) for m in models]
+    results = run_in_two_threads([lambda m=m: [call(m, inputs) for _ in range(3)] for m in models])
     for index in range(2):
         for out in results[index]:
             np.testing.assert_array_equal(out, expected[index])
@@ -188,22 +196,7 @@ def test_two_pipelines_patched_differently_run_from_two_threads():
         pipe.set_progress_bar_config(disable=True)
     expected = [pipe(**kwargs).images for pipe in pipes]
     assert np.abs(expected[0] - expected[1]).max() > 1e-4
-    results, errors = {}, []
-    barrier = threading.Barrier(2)
-
-    def work(index):
-        try:
-            barrier.wait()
-            results[index] = [pipes[index](**kwargs).images for _ in range(2)]
-        except Exception as error:  # pragma: no cover - reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    results = run_in_two_threads([lambda p=p: [p(**kwargs).images for _ in range(2)] for p in pipes])
     for index in range(2):
         for images in results[index]:
             np.testing.assert_array_equal(images, expected[index])
