@@ -133,10 +133,11 @@ def test_remove_undoes_ppdiffusers_own_port(unet, inputs, call, tiny_unet):
     np.testing.assert_array_equal(call(unet, inputs), plain)
     # Either implementation applied over the other replaces it (no double merging).
     tome.PPDIFFUSERS_APPLY_TOME(unet, ratio=0.5, use_rand=False)
-    tome.patch(unet, ratio=0.5, max_downsample=1, use_rand=False)
+    reference = dict(ratio=0.5, max_downsample=1, use_rand=False, proportional_attn=False)  # ppdiffusers' arithmetic
+    tome.patch(unet, **reference)
     ours = call(unet, inputs)
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
-    np.testing.assert_array_equal(ours, call(tome.patch(copy.deepcopy(tiny_unet), ratio=0.5, max_downsample=1, use_rand=False), inputs))
+    np.testing.assert_array_equal(ours, call(tome.patch(copy.deepcopy(tiny_unet), **reference), inputs))
     tome.PPDIFFUSERS_APPLY_TOME(unet, ratio=0.5, use_rand=False)
     assert tome.patched_models(unet) == []
     np.testing.assert_array_equal(call(unet, inputs), theirs)
