@@ -10,9 +10,9 @@ inside :func:`flax.linen.intercept_methods`. The interceptor mirrors the torch a
 * its ``attn1`` / ``attn2`` / ``ff`` (as selected) merge their input and unmerge their output, before the
   block adds its residual.
 * with ``proportional_attn``, a merged ``attn1`` runs as size-aware attention instead of its own
-  ``__call__``: ``FlaxAttention`` has no bias argument, so :func:`_size_aware_attention` uses the module's own
-  ``query``/``key``/``value``/``proj_attn`` layers and ``jax.nn.dot_product_attention`` with the merged keys'
-  log sizes as the bias. Its parameters and outputs are those of the module; only the softmax changes.
+  ``__call__``: ``FlaxAttention`` has no bias argument, so :func:`_size_aware_attention` runs attention over
+  the module's own ``query``/``key``/``value``/``proj_attn`` layers with the merged keys' log sizes added to
+  the logits. Its parameters and outputs are those of the module; only the softmax changes.
 
 Everything happens while jax traces the call: shapes (N, r, grid) are Python ints, the timestep may be a
 tracer, and a fresh :class:`~tome_core.state.ToMeState` is used per call, so nothing traced outlives the
@@ -118,8 +118,11 @@ def _size_aware_attention(attention: FlaxAttention, hidden_states: jax.Array, ma
         jnp.reshape(layer(hidden_states), (batch, tokens, attention.heads, -1))
         for layer in (attention.query, attention.key, attention.value)
     )
-    bias = size_bias(match, query)[:, None]  # [B, 1, 1, N - r]: every head and query
-    out = jax.nn.dot_product_attention(query, key, value, bias=bias, scale=attention.scale)
+    # Plain einsums in the module's dtype, as FlaxAttention computes: jax.nn.dot_product_attention asks for
+    # float32 accumulation, which XLA's CPU dot does not offer for float16 inputs.
+    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key) * attention.scale
+    logits = logits + size_bias(match, logits)[:, None]  # [B, 1, 1, N - r]: every head and query
+    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), value)
     out = attention.proj_attn(jnp.reshape(out, (batch, tokens, -1)))
     return attention.dropout_layer(out, deterministic=deterministic)
 
