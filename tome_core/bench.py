@@ -276,12 +276,12 @@ def parser() -> argparse.ArgumentParser:
                    help="a ToMe option for 'ours' (repeatable), e.g. --option use_rand=False")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:OPT=VAL[,OPT=VAL]",
                    help="also measure 'ours' with these extra options, as method ours:NAME (repeatable), "
-                   "e.g. --variant prop:proportional_attn=True")
+                   "e.g. --variant plain:proportional_attn=False")
     return p
 
 
 def variant_options(variants: Sequence[str]) -> Dict[str, Dict[str, Any]]:
-    """``["prop:proportional_attn=True"]`` -> ``{"prop": {"proportional_attn": True}}``."""
+    """``["plain:proportional_attn=False"]`` -> ``{"plain": {"proportional_attn": False}}``."""
     parsed = {}
     for variant in variants:
         name, sep, options = variant.partition(":")

@@ -35,7 +35,8 @@ class ToMeConfig:
     merge_attn, merge_crossattn, merge_mlp: merge around self-attention, cross-attention, feed-forward.
     seed: seeds the destination placement; with the timestep it fully determines the partition.
 
-    Beyond tomesd (all off by default, so results equal tomesd's reference configuration):
+    Beyond tomesd (all but ``proportional_attn`` off by default; with it off too, and ``use_rand=False``,
+    results equal tomesd's, the reference configuration):
     attn_ratio, crossattn_ratio, mlp_ratio: a ratio for one sub-layer only (``None``: the level's ratio).
     level_ratios: ``{downsample factor: ratio}`` replacing ``ratio`` at those levels (a sub-layer ratio wins).
     reuse_level: compute one match per level per model call (from the level's first block) instead of one
