@@ -271,12 +271,12 @@ def _patched_class(base: type) -> type:
         "__doc__": f"{base.__name__} with Token Merging (see tome_core.jax).",
     }
     # Same __name__ as the base: diffusers records class names in configs and model_index.json.
-    cls = flax_register_to_config(type(base.__name__, (base,), namespace))
-    _PATCHED_BASES[cls] = base
-    return cls
+    return flax_register_to_config(type(base.__name__, (base,), namespace))
 
 
-_PATCHED_BASES: Dict[type, type] = {}  # patched class -> the model class it extends
+def _unpatched_class(cls: type) -> type:
+    """The class a patched model or pipeline class of this module extends; any other class as it is."""
+    return cls.__bases__[0] if cls.__module__ == __name__ else cls
 
 
 def module_fields(model: nn.Module) -> Dict[str, Any]:
@@ -293,8 +293,8 @@ def module_fields(model: nn.Module) -> Dict[str, Any]:
 def _original(model: nn.Module) -> nn.Module:
     if "_tome_original" in model.__dict__:
         return model.__dict__["_tome_original"]
-    base = _PATCHED_BASES.get(type(model))
-    if base is None:
+    base = _unpatched_class(type(model))
+    if base is type(model):
         return model
     # A copy that kept the patched class but not our attribute (``Module.clone()``): rebuild the original.
     original = base(**module_fields(model))
@@ -303,7 +303,7 @@ def _original(model: nn.Module) -> nn.Module:
 
 
 def is_patched(model: Any) -> bool:
-    return type(model) in _PATCHED_BASES
+    return isinstance(model, nn.Module) and _unpatched_class(type(model)) is not type(model)
 
 
 def _patch_model(model: nn.Module, config: ToMeConfig) -> nn.Module:
@@ -332,10 +332,6 @@ def _pipeline_class(base: type) -> type:
     namespace = {"__module__": __name__, "__qualname__": f"ToMe[{base.__qualname__}]", "__hash__": __hash__}
     return type(base.__name__, (base,), namespace)
 
-
-def _pipeline_base(pipe: FlaxDiffusionPipeline) -> type:
-    cls = type(pipe)
-    return cls.__bases__[0] if cls.__module__ == __name__ else cls
 
 
 def _pipeline_models(pipe: FlaxDiffusionPipeline) -> Dict[str, nn.Module]:
@@ -382,7 +378,7 @@ def patch(obj: Any, **options: Any) -> Any:
     for name, model in _pipeline_models(obj).items():
         setattr(obj, name, _patch_model(model, config))
         key.append((name, config_key(config)))
-    object.__setattr__(obj, "__class__", _pipeline_class(_pipeline_base(obj)))
+    object.__setattr__(obj, "__class__", _pipeline_class(_unpatched_class(type(obj))))
     obj._tome_key = tuple(key)
     return obj
 
@@ -394,7 +390,7 @@ def remove(obj: Any) -> Any:
         return _original(obj)
     for name, model in _pipeline_models(obj).items():
         setattr(obj, name, _original(model))
-    object.__setattr__(obj, "__class__", _pipeline_base(obj))
+    object.__setattr__(obj, "__class__", _unpatched_class(type(obj)))
     obj.__dict__.pop("_tome_key", None)
     return obj
 
