@@ -4,6 +4,8 @@ a named backend that cannot be loaded is a failure, not a skip."""
 from __future__ import annotations
 
 import os
+import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -83,3 +85,15 @@ NOTHING_MERGES = [
 def nothing_merges(request):
     """``(options, reason pattern)`` of a patch that merges no token on an SD-shaped UNet."""
     return request.param
+
+
+@pytest.fixture(scope="session")
+def readme_code():
+    """``readme_code(title)``: the python code blocks of the README section ``## title``, joined."""
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+    def code(title: str) -> str:
+        section = text.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+        return "\n".join(re.findall(r"```python\n(.*?)```", section, flags=re.S))
+
+    return code

@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import pathlib
-import re
-
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-
-def section_code(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
-    return "\n".join(re.findall(r"```python\n(.*?)```", section, flags=re.S))
-
-
-def test_quick_start_snippet_patches_a_module_with_the_same_params():
+def test_quick_start_snippet_patches_a_module_with_the_same_params(readme_code):
     namespace: dict = {}
-    exec(compile(section_code("Quick start: JAX / Flax diffusers"), "README.md", "exec"), namespace)
+    exec(compile(readme_code("Quick start: JAX / Flax diffusers"), "README.md", "exec"), namespace)
     unet, params, out = namespace["unet"], namespace["params"], namespace["out"]
     sample, context = namespace["sample"], namespace["context"]
     jax, jnp = namespace["jax"], namespace["jnp"]

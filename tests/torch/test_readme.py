@@ -2,21 +2,10 @@
 
 from __future__ import annotations
 
-import pathlib
-import re
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def section_code(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
-    return "\n".join(re.findall(r"```python\n(.*?)```", section, flags=re.S))
-
-
-def test_quick_start_snippet_patches_and_restores_the_pipeline():
+def test_quick_start_snippet_patches_and_restores_the_pipeline(readme_code):
     namespace: dict = {}
-    exec(compile(section_code("Quick start: PyTorch / diffusers"), "README.md", "exec"), namespace)
+    exec(compile(readme_code("Quick start: PyTorch / diffusers"), "README.md", "exec"), namespace)
     pipe, image = namespace["pipe"], namespace["image"]
     assert image.size == (64, 64)
     assert not any("_tome_patch" in m.__dict__ for m in pipe.unet.modules())  # removed again
