@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 MAX_DOWNSAMPLE_CHOICES = (None, 1, 2, 4, 8)
 LEVELS = (1, 2, 4, 8)
@@ -17,7 +18,7 @@ def _check_bool(name: str, value: Any) -> None:
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
     if value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
@@ -48,6 +49,10 @@ class ToMeConfig:
     proportional_attn: size-aware self-attention: each merged key's attention logit gets ``log(size)``, as if
         every token it stands for were still there. On by default: it is 2-3x closer to the unpatched model at
         every ratio for ~5% of the call time (README, "Size-aware attention"); ``False`` is tomesd's arithmetic.
+    blocks: indices of the transformer blocks that merge, counted in the model's module order (negative
+        from the end, as in Python); ``None`` merges every block the level selection allows.
+    reuse_blocks: one match serves this many consecutive blocks (computed in the first); 1 = a match per
+        block.
     """
 
     ratio: float = 0.5
@@ -67,8 +72,23 @@ class ToMeConfig:
     reuse_steps: int = 1
     local_window: int = 0
     proportional_attn: bool = True
+    blocks: Optional[Tuple[int, ...]] = None
+    reuse_blocks: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("sx", "sy", "seed", "reuse_steps", "local_window", "reuse_blocks"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                object.__setattr__(self, name, int(value))
+        if self.blocks is not None:
+            if isinstance(self.blocks, (str, bytes)) or not hasattr(self.blocks, "__iter__"):
+                raise TypeError(f"blocks must be a list of block indices (ints) or None, got {self.blocks!r}")
+            blocks = tuple(self.blocks)
+            for index in blocks:
+                if isinstance(index, bool) or not isinstance(index, numbers.Integral):
+                    raise TypeError(f"blocks must hold block indices (ints), got {index!r} in {self.blocks!r}")
+            object.__setattr__(self, "blocks", tuple(int(i) for i in blocks))
+        _check_int("reuse_blocks", self.reuse_blocks, 1)
         _check_int("sx", self.sx, 1)
         _check_int("sy", self.sy, 1)
         for flag in ("use_rand", "merge_attn", "merge_crossattn", "merge_mlp", "reuse_level", "proportional_attn"):
@@ -79,9 +99,11 @@ class ToMeConfig:
         if self.max_downsample not in MAX_DOWNSAMPLE_CHOICES or isinstance(self.max_downsample, bool):
             raise ValueError(f"max_downsample must be one of None, 1, 2, 4, 8, got {self.max_downsample!r}")
         self._check_ratio("ratio", self.ratio)
+        object.__setattr__(self, "ratio", float(self.ratio))
         for sublayer in SUBLAYERS:
             if getattr(self, f"{sublayer}_ratio") is not None:
                 self._check_ratio(f"{sublayer}_ratio", getattr(self, f"{sublayer}_ratio"))
+                object.__setattr__(self, f"{sublayer}_ratio", float(getattr(self, f"{sublayer}_ratio")))
         if self.level_ratios is not None:
             if not isinstance(self.level_ratios, Mapping):
                 raise TypeError(f"level_ratios must be a dict {{level: ratio}}, got {self.level_ratios!r}")
@@ -89,10 +111,10 @@ class ToMeConfig:
                 if level not in LEVELS or isinstance(level, bool):
                     raise ValueError(f"level_ratios keys must be levels 1, 2, 4 or 8, got {level!r}")
                 self._check_ratio(f"level_ratios[{level}]", value)
-            object.__setattr__(self, "level_ratios", dict(self.level_ratios))
+            object.__setattr__(self, "level_ratios", {int(k): float(v) for k, v in self.level_ratios.items()})
 
     def _check_ratio(self, name: str, ratio: Any) -> None:
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+        if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real):
             raise TypeError(f"{name} must be a float in [0, 1), got {ratio!r} ({type(ratio).__name__})")
         if not (math.isfinite(ratio) and 0 <= ratio < 1):
             raise ValueError(f"{name} must be in [0, 1), got {ratio!r}")

@@ -27,6 +27,7 @@ class Match:
     batch: int
     tokens: int  # N
     merged: int  # r
+    representatives: Optional[Array] = None  # [B, N - r] the token each slot stands at (its destination)
 
     @property
     def kept(self) -> int:
@@ -72,6 +73,16 @@ def best_destinations(
     return best, ops.reshape(ops.take(ops.reshape(neighbours, (num_src * width,)), ops.reshape(flat, (batch * num_src,)), axis=0), (batch, num_src))
 
 
+def batch_as_channels(ops: ArrayOps, metric: Array) -> Array:
+    """``[B, N, C] -> [1, N, B*C]``: each token's per-item unit vectors side by side. The cosine similarity of
+    two such tokens is the mean over the batch of their per-item cosine similarities."""
+    batch, tokens, channels = ops.shape(metric)
+    norm = ops.vector_norm(metric)
+    unit = metric / ops.where(norm == 0, 1.0, norm)
+    per_token = ops.reshape(ops.matrix_transpose(ops.reshape(unit, (batch, tokens * channels))), (tokens, channels * batch))
+    return ops.reshape(per_token, (1, tokens, channels * batch))
+
+
 def rank_sources(ops: ArrayOps, best: Array) -> Array:
     """Source indices ``[B, S]``, best matched first; a stable sort, so ties break by source order
     identically on every backend."""
@@ -94,13 +105,19 @@ def assign(
     ranked_slot = ops.where(rank >= merged, rank - merged, dst_of_ranked + (num_src - merged))
     ranked_token = ops.reshape(ops.take(src, ops.reshape(order, (batch * num_src,)), axis=0), (batch, num_src))
     dst_slot = ops.arange(num_dst, order) + (num_src - merged)
-    token = ops.concat([ranked_token, ops.broadcast_to(ops.reshape(dst, (1, num_dst)), (batch, num_dst))], axis=1)
+    dst_tokens = ops.broadcast_to(ops.reshape(dst, (1, num_dst)), (batch, num_dst))
+    kept_sources = ops.take(ranked_token, ops.arange(num_src - merged, order) + merged, axis=1)
+    representatives = ops.concat([kept_sources, dst_tokens], axis=1)
+    token = ops.concat([ranked_token, dst_tokens], axis=1)
     row = ops.concat([ranked_slot, ops.broadcast_to(ops.reshape(dst_slot, (1, num_dst)), (batch, num_dst))], axis=1)
     row = row + ops.reshape(ops.arange(batch, order) * kept, (batch, 1))
     rows = ops.reshape(ops.scatter(ops.zeros((batch, tokens), order), token, row, axis=1), (batch * tokens,))
     sizes = ops.scatter_add(ops.zeros((batch * kept,), like), rows, ops.ones((batch * tokens,), like), axis=0)
     sizes = ops.reshape(sizes, (batch, kept, 1))
-    return Match(ops=ops, rows=rows, sizes=sizes, inverse_sizes=1 / sizes, batch=batch, tokens=tokens, merged=merged)
+    return Match(
+        ops=ops, rows=rows, sizes=sizes, inverse_sizes=1 / sizes, batch=batch, tokens=tokens, merged=merged,
+        representatives=representatives,
+    )
 
 
 def bipartite_matches(
@@ -113,14 +130,17 @@ def bipartite_matches(
     merged: Sequence[int],
     offsets: Optional[Array],
     window: int = 0,
+    shared: bool = False,
 ) -> List[Match]:
     """Match the ``h*w`` tokens of ``metric`` ``[B, N, C]`` once, and return one :class:`Match` per entry
     of ``merged`` (how many sources each merges into destinations): the similarity and the ranking are
     shared, only the cut differs.
 
     ``offsets`` places the destination in each cell (see :func:`tome_core.partition.split`); ``window > 0``
-    compares each source only with destinations within ``window`` cells. A count must not exceed the
-    number of sources; a grid with no full cell merges nothing.
+    compares each source only with destinations within ``window`` cells. ``shared`` gives every batch item
+    the same match, chosen by the similarity summed over the batch (each merged token then has one position
+    for the whole batch, as rotary position embeddings need). A count must not exceed the number of sources;
+    a grid with no full cell merges nothing.
     """
     batch, tokens, _ = ops.shape(metric)
     if h * w != tokens:
@@ -132,8 +152,11 @@ def bipartite_matches(
     if max(merged) > num_src:
         raise ValueError(f"cannot merge {max(merged)} of {num_src} source tokens")
     neighbours = neighbour_table(ops, metric, h, w, sx, sy, window) if window else None
-    best, best_dst = best_destinations(ops, metric, src, dst, neighbours)
+    best, best_dst = best_destinations(ops, batch_as_channels(ops, metric) if shared else metric, src, dst, neighbours)
     order = rank_sources(ops, best)
+    if shared and batch > 1:
+        num_src = ops.shape(order)[1]
+        order, best_dst = (ops.broadcast_to(a, (batch, num_src)) for a in (order, best_dst))
     matches: Dict[int, Match] = {}
     for count in merged:
         if count not in matches:

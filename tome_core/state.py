@@ -60,7 +60,7 @@ class ToMeState:
     def begin_call(self, latent_hw: Optional[Tuple[int, int]], step: Any) -> None:
         """Start a model call on a latent of ``latent_hw`` (None: the first grid seen) at ``step``."""
         if self.config.reuse_steps == 1:
-            self.cache = {}
+            self.cache = {}  # also where reuse_blocks keeps its matches within the call
         else:  # the call counter is read only here, so compiled models do not specialise on it otherwise
             if self.calls % self.config.reuse_steps == 0:
                 self.cache = {}
@@ -75,11 +75,12 @@ class ToMeState:
         if self.latent_hw is None:
             self.latent_hw = grid_hw
 
-    def block_matches(self, metric: Any, stream: int) -> Dict[str, Match]:
+    def block_matches(self, metric: Any, stream: int, shared: bool = False) -> Dict[str, Match]:
         """One match per merged sub-layer for a block's input ``metric`` ``[B, N, C]``.
 
         ``stream`` tells blocks apart (it keys their partition and, without ``reuse_level``, their reuse).
-        Sub-layers share the similarity and ranking; only their ratios may differ.
+        Sub-layers share the similarity and ranking; only their ratios may differ. ``shared``: one match for
+        the whole batch (blocks whose tokens carry rotary positions).
         """
         ops = get_ops(metric)
         batch, tokens = ops.shape(metric)[:2]
@@ -96,11 +97,12 @@ class ToMeState:
             for sublayer, on in config.sublayers.items()
             if on
         }
-        reuse = config.reuse_level or config.reuse_steps > 1
-        key = (factor if config.reuse_level else ("block", stream), batch, tokens)
+        reuse = config.reuse_level or config.reuse_steps > 1 or config.reuse_blocks > 1
+        first = stream - stream % config.reuse_blocks  # the block whose match a run of reuse_blocks shares
+        key = (factor if config.reuse_level else ("block", first), batch, tokens, shared)
         matches = self.cache.get(key) if reuse else None
         if matches is None:
-            matches = self._match(ops, metric, latent, factor, merged, stream)
+            matches = self._match(ops, metric, latent, factor, merged, first, shared)
             if reuse:
                 self.cache[key] = matches
         if merged and any(merged.values()):
@@ -111,7 +113,10 @@ class ToMeState:
             level.kept = shown.kept
         return matches
 
-    def _match(self, ops: Any, metric: Any, latent: Tuple[int, int], factor: int, merged: Dict[str, int], stream: int) -> Dict[str, Match]:
+    def _match(
+        self, ops: Any, metric: Any, latent: Tuple[int, int], factor: int, merged: Dict[str, int], stream: int,
+        shared: bool,
+    ) -> Dict[str, Match]:
         tokens = ops.shape(metric)[1]
         if not any(merged.values()):
             identity = identity_match(ops, ops.shape(metric)[0], tokens)
@@ -124,6 +129,6 @@ class ToMeState:
             else None
         )
         found = bipartite_matches(
-            ops, metric, h, w, config.sx, config.sy, list(merged.values()), offsets, config.local_window
+            ops, metric, h, w, config.sx, config.sy, list(merged.values()), offsets, config.local_window, shared
         )
         return dict(zip(merged, found))

@@ -1,0 +1,487 @@
+"""The patch driver: find the models in an object, attach ToMe hooks, run them, remove them. Framework-free.
+
+Every adapter (diffusers/torch, ppdiffusers/paddle) gives the driver a :class:`Framework`: how to list a
+module's submodules, register a pre-hook and a post-hook (both with keyword arguments), and deliver an
+attention bias. Everything else happens here, once, read from :mod:`tome_core.families`:
+
+* a pre-hook on each patched model starts a call: its timestep (the partition's ``step``) and, from its
+  ``sample``/``hidden_states``, the latent size (UNets) or the token grid (transformers: the latent over the
+  patch size, or, for packed tokens, the grid of ``img_ids``);
+* a pre-hook on each UNet ``Transformer2DModel`` reads the real grid of the blocks inside;
+* a pre-hook on each transformer block computes its matches from its image stream, a post-hook drops them;
+* on each selected sub-layer a pre-hook merges the image tokens of its input (text tokens beside them are
+  kept exactly), moves rotary positions to the merged tokens and arms size-aware attention; a post-hook
+  unmerges the image stream of its output, before the block adds its residual.
+
+Models (what gets its own :class:`~tome_core.state.ToMeState`) are UNet-like modules (``down_blocks`` and
+``conv_in``: UNets, ControlNets) and diffusion transformers (a config with a ``patch_size``: SD3, Flux, PixArt,
+DiT and their ControlNets) that hold blocks of a known family.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+
+from .backend import get_ops
+from .config import ToMeConfig
+from .families import BLOCK_FAMILIES, TEXT_AFTER, TEXT_NONE, TEXT_PREFIX, BlockFamily, Sublayer, block_family
+from .levels import finest_attention_level, warn_if_nothing_merges
+from .match import Match
+from .merge import merge, unmerge
+from .state import ToMeState
+
+PreHook = Callable[[Any, Tuple[Any, ...], Dict[str, Any]], Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]]
+PostHook = Callable[[Any, Tuple[Any, ...], Dict[str, Any], Any], Any]
+
+
+class Framework(Protocol):
+    """What an adapter tells the driver about its framework."""
+
+    name: str  # shown in messages, e.g. "diffusers"
+    accepted: str  # what patch accepts, for the error on anything else
+
+    def is_module(self, obj: Any) -> bool: ...
+
+    def submodules(self, module: Any) -> List[Any]:
+        """``module`` and every module inside it, in registration order."""
+
+    def add_pre_hook(self, module: Any, hook: PreHook) -> Any:
+        """Register ``hook(module, args, kwargs)`` to run before ``module``; returns a handle with ``remove()``."""
+
+    def add_post_hook(self, module: Any, hook: PostHook) -> Any:
+        """Register ``hook(module, args, kwargs, output)`` to run after ``module`` (also when it raises)."""
+
+    def host_ints(self, x: Any) -> List[int]:
+        """A small integer array's values on the host."""
+
+    def size_aware(self, module: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: "SizeBias") -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        """Make ``module``'s attention add ``bias`` to its logits during this call; returns its arguments."""
+
+    def size_aware_done(self, module: Any) -> None:
+        """The call of ``module`` armed by :meth:`size_aware` has returned."""
+
+
+class SizeBias:
+    """Log sizes of one sub-layer's keys: merged image keys get ``log(size)``, text keys 0.
+
+    ``text`` says where the text keys sit (``TEXT_*``); :meth:`for_keys` builds the ``[B, 1, K]`` bias for an
+    attention over ``K`` keys, or raises if ``K`` does not fit.
+    """
+
+    def __init__(self, match: Match, text: str, like: Any):
+        self.match = match
+        self.text = text
+        self.like = like
+
+    def for_keys(self, keys: int, like: Any) -> Any:
+        ops = get_ops(like)
+        match = self.match
+        sizes = ops.reshape(ops.log(ops.astype_like(match.sizes, like)), (match.batch, 1, match.kept))
+        extra = keys - match.kept
+        if extra == 0:
+            return sizes
+        if extra < 0 or self.text == TEXT_NONE:
+            raise RuntimeError(
+                f"size-aware attention: the attention has {keys} keys but the merged sequence has {match.kept} "
+                "tokens; pass proportional_attn=False"
+            )
+        zeros = ops.zeros((match.batch, 1, extra), like)
+        return ops.concat([sizes, zeros] if self.text == TEXT_AFTER else [zeros, sizes], axis=2)
+
+
+def argument(args: Sequence[Any], kwargs: Dict[str, Any], name: str, position: Optional[int]) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    if position is not None and len(args) > position:
+        return args[position]
+    return None
+
+
+def _replace(args: Tuple[Any, ...], kwargs: Dict[str, Any], name: str, position: int, value: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    if name in kwargs or len(args) <= position:
+        return args, {**kwargs, name: value}
+    return args[:position] + (value,) + args[position + 1 :], kwargs
+
+
+def _positions(function: Callable[..., Any], *names: str) -> Dict[str, Optional[int]]:
+    """Positional index (after ``self``) of each named parameter of a ``forward``, or None."""
+    try:
+        parameters = [p.name for p in inspect.signature(function).parameters.values()][1:]
+    except (TypeError, ValueError):
+        parameters = []
+    return {name: parameters.index(name) if name in parameters else None for name in names}
+
+
+def _step(timestep: Any) -> Any:
+    """The timestep as the partition hash takes it: a Python number or the first element of an array (no
+    host sync)."""
+    if timestep is None:
+        return 0
+    if isinstance(timestep, (int, float)):
+        return int(timestep)
+    ops = get_ops(timestep)
+    return ops.reshape(timestep, (-1,))[0]
+
+
+def _spatial(x: Any, data_format: str) -> Tuple[int, int]:
+    shape = get_ops(x).shape(x)
+    return (shape[1], shape[2]) if data_format == "NHWC" else (shape[-2], shape[-1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Which modules are models, and how a model call begins
+
+
+def _config_value(module: Any, name: str) -> Any:
+    config = getattr(module, "config", None)
+    getter = getattr(config, "get", None)
+    return getter(name) if callable(getter) else getattr(config, name, None)
+
+
+def is_unet_like(module: Any) -> bool:
+    """UNet2DConditionModel, ControlNetModel and their kin: a ``sample`` latent in, down blocks inside."""
+    return hasattr(module, "down_blocks") and hasattr(module, "conv_in")
+
+
+def is_transformer_model(module: Any) -> bool:
+    """A diffusion transformer (SD3, Flux, PixArt, DiT, their ControlNets): a config with a patch size."""
+    return not is_unet_like(module) and _config_value(module, "patch_size") is not None
+
+
+class _CallStart:
+    """Pre-hook on a patched model: a new call starts, at its timestep, on its latent or token grid."""
+
+    def __init__(self, fw: Framework, model: Any, state: ToMeState):
+        self.fw = fw
+        self.state = state
+        self.unet = is_unet_like(model)
+        self.transformer = is_transformer_model(model)
+        self.patch_size = _config_value(model, "patch_size") if self.transformer else None
+        self.data_format = getattr(model, "data_format", "NCHW")
+        forward = type(model).forward
+        self.where = _positions(forward, "sample", "hidden_states", "timestep", "img_ids")
+        self.ids_grid: Tuple[Any, Tuple[int, int]] = (None, (0, 0))
+
+    def __call__(self, module, args, kwargs):
+        where = self.where
+        sample = argument(args, kwargs, "sample", where["sample"])
+        if sample is None:
+            sample = argument(args, kwargs, "hidden_states", where["hidden_states"])
+        if sample is None and args:
+            sample = args[0]
+        step = _step(argument(args, kwargs, "timestep", where["timestep"]))
+        if not self.transformer:  # UNets give their latent; inner Transformer2DModels give the grids
+            latent = _spatial(sample, self.data_format) if self.unet else None
+            self.state.begin_call(latent, step)
+            return None
+        if len(get_ops(sample).shape(sample)) == 4:
+            height, width = _spatial(sample, self.data_format)
+            grid = (height // self.patch_size, width // self.patch_size)
+        else:
+            grid = self._packed_grid(argument(args, kwargs, "img_ids", where["img_ids"]))
+        self.state.begin_call(grid, step)
+        self.state.enter_grid(grid)
+        return None
+
+    def _packed_grid(self, img_ids: Any) -> Tuple[int, int]:
+        """The grid of packed image tokens from their ids ``[N, 3]`` (row, column in the last two columns).
+
+        Read on the host once per ids array (pipelines build it once per generation)."""
+        if img_ids is None:
+            raise ValueError("ToMe needs img_ids to place packed image tokens on their grid")
+        if self.ids_grid[0] is img_ids:
+            return self.ids_grid[1]
+        shape = get_ops(img_ids).shape(img_ids)
+        last = get_ops(img_ids).reshape(img_ids, (-1, shape[-1]))[-1]
+        row, column = self.fw.host_ints(last)[-2:]
+        grid = (row + 1, column + 1)
+        self.ids_grid = (img_ids, grid)
+        return grid
+
+
+class _GridHook:
+    """Pre-hook on a UNet's ``Transformer2DModel``: its 4-D input is the grid of the blocks inside."""
+
+    def __init__(self, state: ToMeState, data_format: str):
+        self.state = state
+        self.data_format = data_format
+
+    def __call__(self, module, args, kwargs):
+        hidden_states = argument(args, kwargs, "hidden_states", 0)
+        if hidden_states is not None and len(get_ops(hidden_states).shape(hidden_states)) == 4:
+            self.state.enter_grid(_spatial(hidden_states, self.data_format))
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Blocks and sub-layers
+
+
+class _BlockRun:
+    """The matches of one transformer block while it runs, shared by the hooks of its sub-layers."""
+
+    def __init__(self, state: ToMeState, family: BlockFamily, stream: int, block: Any):
+        self.state = state
+        self.family = family
+        self.stream = stream
+        self.block = block
+        self.matches: Dict[str, Match] = {}
+
+    def begin(self, module, args, kwargs):
+        if self.state.merges("mlp") and getattr(self.block, "_chunk_size", None) is not None:
+            raise ValueError(
+                "merge_mlp=True cannot be combined with feed-forward chunking (enable_forward_chunking): the "
+                "feed-forward runs on chunks of the merged tokens; disable one of them"
+            )
+        metric = argument(args, kwargs, "hidden_states", 0)
+        self.matches = self.state.block_matches(metric, self.stream, shared=self.family.rotary is not None)
+        return None
+
+    def end(self, module, args, kwargs, output):
+        self.matches = {}
+        return None
+
+
+class _MergeInput:
+    """Pre-hook on a sub-layer: merge the image tokens of its first input (text tokens stay), give merged
+    tokens their destination's rotary position, and arm size-aware attention."""
+
+    def __init__(self, fw: Framework, run: _BlockRun, sublayer: Sublayer, size_aware: bool):
+        self.fw = fw
+        self.run = run
+        self.sublayer = sublayer
+        self.size_aware = size_aware
+        self.rotary = run.family.rotary
+
+    def __call__(self, module, args, kwargs):
+        match = self.run.matches.get(self.sublayer.kind)
+        if match is None or match.merged == 0:
+            return None
+        x = argument(args, kwargs, "hidden_states", 0)
+        if self.sublayer.text == TEXT_PREFIX:
+            text = get_ops(x).shape(x)[1] - match.tokens
+            merged = get_ops(x).concat([x[:, :text], merge(x[:, text:], match)], axis=1)
+        else:
+            merged = merge(x, match)
+        args, kwargs = _replace(args, kwargs, "hidden_states", 0, merged)
+        if self.rotary is not None and kwargs.get(self.rotary) is not None:
+            kwargs = {**kwargs, self.rotary: _merge_positions(kwargs[self.rotary], match)}
+        if not self.size_aware:
+            return args, kwargs
+        # With only_cross_attention, a BasicTransformerBlock's attn1 attends to text: its keys are not merged.
+        if self.sublayer.text == TEXT_NONE and kwargs.get("encoder_hidden_states") is not None:
+            return args, kwargs
+        if kwargs.get("attention_mask") is not None:
+            raise ValueError(
+                "proportional_attn=True cannot be combined with an attention_mask on self-attention "
+                "(the mask covers the unmerged tokens); pass proportional_attn=False to use the mask"
+            )
+        return self.fw.size_aware(module, args, kwargs, SizeBias(match, self.sublayer.text, merged))
+
+
+def _merge_positions(rotary: Any, match: Match) -> Any:
+    """Rotary embeddings ``(cos, sin)`` of ``[text; image]`` tokens moved to ``[text; merged image]``: each
+    merged token takes the position of the token it stands at (its destination). The match is shared by
+    the batch, so batch item 0 tells every item's positions."""
+    if match.representatives is None:
+        return rotary
+    moved = []
+    for table in rotary:
+        ops = get_ops(table)
+        text = ops.shape(table)[0] - match.tokens
+        image = ops.take(table[text:], match.representatives[0], axis=0)
+        moved.append(ops.concat([table[:text], image], axis=0))
+    return tuple(moved)
+
+
+class _UnmergeOutput:
+    """Post-hook on a sub-layer: unmerge the image stream of its output (the text part stays)."""
+
+    def __init__(self, fw: Framework, run: _BlockRun, sublayer: Sublayer, size_aware: bool):
+        self.fw = fw
+        self.run = run
+        self.sublayer = sublayer
+        self.size_aware = size_aware
+
+    def __call__(self, module, args, kwargs, output):
+        if self.size_aware:
+            self.fw.size_aware_done(module)
+        match = self.run.matches.get(self.sublayer.kind)
+        if output is None or match is None or match.merged == 0:  # None: the sub-layer raised
+            return None
+        index = self.sublayer.output
+        image = output if index is None else output[index]
+        if self.sublayer.text == TEXT_PREFIX:
+            text = get_ops(image).shape(image)[1] - match.kept
+            image = get_ops(image).concat([image[:, :text], unmerge(image[:, text:], match)], axis=1)
+        else:
+            image = unmerge(image, match)
+        if index is None:
+            return image
+        return type(output)(image if i == index else part for i, part in enumerate(output))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Patching
+
+
+class Patch:
+    """Everything one patched model holds: its state and the handles of its hooks."""
+
+    def __init__(self, state: ToMeState):
+        self.state = state
+        self.handles: List[Any] = []
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def blocks_of(fw: Framework, model: Any) -> List[Tuple[Any, BlockFamily]]:
+    """The transformer blocks of a known family inside ``model``, in module order (their stream index)."""
+    found = []
+    for module in fw.submodules(model):
+        family = block_family(type(module))
+        if family is not None:
+            found.append((module, family))
+    return found
+
+
+def finest_level(fw: Framework, model: Any) -> int:
+    """Downsample factor of a UNet's finest level with attention; 1 for transformers."""
+    if not is_unet_like(model):
+        return 1
+    return finest_attention_level([bool(blocks_of(fw, block)) for block in model.down_blocks])
+
+
+def _grid_modules(fw: Framework, model: Any) -> List[Any]:
+    """The UNet-style ``Transformer2DModel``s in ``model``: their 4-D input is the grid of their blocks."""
+    return [m for m in fw.submodules(model) if type(m).__name__ == "Transformer2DModel"]
+
+
+def check_grids(fw: Framework, model: Any) -> None:
+    """Refuse a model whose blocks cannot know their grid: neither a UNet, a ControlNet or a diffusion
+    transformer, nor inside a 2-D ``Transformer2DModel``."""
+    if is_unet_like(model) or is_transformer_model(model):
+        return
+    inside = {id(sub) for grid in _grid_modules(fw, model) for sub in fw.submodules(grid)}
+    lost = [type(block).__name__ for block, _ in blocks_of(fw, model) if id(block) not in inside]
+    if lost:
+        raise ValueError(
+            f"cannot patch {type(model).__qualname__}: its {lost[0]}s are outside a UNet, a ControlNet, a "
+            "diffusion transformer or a 2-D Transformer2DModel, so nothing tells them their token grid"
+        )
+
+
+def selected_blocks(config: ToMeConfig, count: int, where: str) -> List[int]:
+    """Indices of the blocks that merge (``config.blocks``, negative from the end), checked against ``count``."""
+    if config.blocks is None:
+        return list(range(count))
+    chosen = []
+    for index in config.blocks:
+        if not -count <= index < count:
+            raise ValueError(f"blocks: index {index} is out of range for {where}, which has {count} transformer blocks")
+        chosen.append(index % count)
+    return sorted(set(chosen))
+
+
+def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
+    """Hook ``model`` (one found by :func:`find_models`) with ``config``."""
+    blocks = blocks_of(fw, model)
+    chosen = set(selected_blocks(config, len(blocks), type(model).__qualname__))
+    state = ToMeState(config=config, finest_level=finest_level(fw, model))
+    patch = Patch(state)
+    add = patch.handles.append
+    data_format = getattr(model, "data_format", "NCHW")
+    add(fw.add_pre_hook(model, _CallStart(fw, model, state)))
+    if not is_transformer_model(model):
+        for module in _grid_modules(fw, model):
+            add(fw.add_pre_hook(module, _GridHook(state, getattr(module, "data_format", data_format))))
+    for stream, (block, family) in enumerate(blocks):
+        if stream not in chosen:
+            continue
+        run = _BlockRun(state, family, stream, block)
+        add(fw.add_pre_hook(block, run.begin))
+        add(fw.add_post_hook(block, run.end))
+        for sublayer in family.sublayers:
+            target = getattr(block, sublayer.child, None)
+            if target is None or not fw.is_module(target) or not state.merges(sublayer.kind):
+                continue
+            size_aware = sublayer.attention and config.proportional_attn
+            add(fw.add_pre_hook(target, _MergeInput(fw, run, sublayer, size_aware)))
+            add(fw.add_post_hook(target, _UnmergeOutput(fw, run, sublayer, size_aware)))
+    model.__dict__["_tome_patch"] = patch
+
+
+def detach(model: Any) -> None:
+    patch = model.__dict__.pop("_tome_patch", None)
+    if patch is not None:
+        patch.remove()
+
+
+def components(fw: Framework, obj: Any) -> List[Any]:
+    """The modules ``obj`` consists of: itself if it is a module, else a pipeline's module components."""
+    if fw.is_module(obj):
+        return [obj]
+    if isinstance(getattr(obj, "components", None), dict):
+        found = []
+        for component in obj.components.values():
+            items = component if isinstance(component, (list, tuple)) else [component]
+            found.extend(item for item in items if fw.is_module(item))
+        return found
+    raise TypeError(f"ToMe can patch {fw.accepted}; got {type(obj).__module__}.{type(obj).__qualname__}")
+
+
+def find_models(fw: Framework, obj: Any) -> List[Any]:
+    """The models to patch inside ``obj``: every UNet-like model and diffusion transformer holding blocks of a
+    known family (outermost first), else a component that holds such blocks itself."""
+    found: List[Any] = []
+    for component in components(fw, obj):
+        models = [
+            m for m in fw.submodules(component) if (is_unet_like(m) or is_transformer_model(m)) and blocks_of(fw, m)
+        ]
+        inner = {id(sub) for m in models for sub in fw.submodules(m) if sub is not m}
+        models = [m for m in models if id(m) not in inner]
+        if models:
+            found.extend(models)
+        elif blocks_of(fw, component):
+            found.append(component)
+    return found
+
+
+def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any], None] = detach) -> Any:
+    """Apply ToMe to ``obj`` in place and return it; patching again replaces the earlier options.
+
+    Options are checked, and every model's block selection too, before anything is patched."""
+    config = ToMeConfig.from_options(options)
+    models = find_models(fw, obj)
+    if not models:
+        raise ValueError(
+            f"nothing to patch: {type(obj).__qualname__} contains no transformer block ToMe knows "
+            f"({', '.join(name for family in BLOCK_FAMILIES for name in family.classes)})"
+        )
+    for model in models:
+        check_grids(fw, model)
+        selected_blocks(config, len(blocks_of(fw, model)), type(model).__qualname__)
+    remove(fw, obj, undo)
+    for model in models:
+        warn_if_nothing_merges(config, finest_level(fw, model), type(model).__qualname__)
+        attach(fw, model, config)
+    return obj
+
+
+def remove(fw: Framework, obj: Any, undo: Callable[[Any], None] = detach) -> Any:
+    """Undo :func:`patch` in place (a no-op on an unpatched object) and return ``obj``.
+
+    ``undo`` runs on every module of ``obj`` (an adapter may also undo other ToMe implementations there)."""
+    for component in components(fw, obj):
+        for module in fw.submodules(component):
+            undo(module)
+    return obj
+
+
+def patched_models(fw: Framework, obj: Any) -> List[Tuple[Any, ToMeState]]:
+    """The patched models inside ``obj`` with their run state (its ``stats`` describe the last call)."""
+    return [(m, m.__dict__["_tome_patch"].state) for m in find_models(fw, obj) if "_tome_patch" in m.__dict__]

@@ -1,0 +1,104 @@
+"""What ToMe needs to know about each transformer block family, as data (framework-free).
+
+A block family says which of a block's sub-layers are wrapped in merge/unmerge, where the image tokens are in
+each one's input and output, and where text tokens sit beside them in its attention. The driver
+(:mod:`tome_core.driver`) reads these descriptions; adding a model family is adding an entry here. Classes are
+named, not imported, so the same table serves diffusers (torch), ppdiffusers (paddle) and any library that
+keeps diffusers' class names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+# Where a sub-layer's attention finds text tokens beside the (merged) image tokens.
+TEXT_NONE = "none"  # none: self-attention over the image tokens (or cross-attention to a separate context)
+TEXT_AFTER = "after"  # joint attention over [image; text], text from ``encoder_hidden_states`` (SD3)
+TEXT_BEFORE = "before"  # joint attention over [text; image], text from ``encoder_hidden_states`` (Flux)
+TEXT_PREFIX = "prefix"  # the sub-layer's own input is [text; image] (Flux's single-stream block)
+
+
+@dataclass(frozen=True)
+class Sublayer:
+    """One sub-layer of a block that runs on merged image tokens.
+
+    child: the block's attribute holding the sub-layer module.
+    kind: which option selects it and which ratio it uses: "attn", "crossattn" or "mlp".
+    text: where text tokens sit in its input or attention (``TEXT_*``).
+    output: index of the image stream when the sub-layer returns a tuple (joint attention), else None.
+    attention: its keys are its own merged tokens, so size-aware attention applies.
+    """
+
+    child: str
+    kind: str
+    text: str = TEXT_NONE
+    output: Optional[int] = None
+    attention: bool = False
+
+
+@dataclass(frozen=True)
+class BlockFamily:
+    """A transformer block class (by name) and the sub-layers ToMe wraps.
+
+    The block's first input (``hidden_states``) is its image stream: the match is computed from it.
+    rotary: keyword argument of the sub-layers carrying rotary position embeddings ``(cos, sin)`` of
+        ``[text; image]`` tokens; merged tokens then take their destination's position, and the match is
+        shared by the batch so that every merged token has one position.
+    """
+
+    name: str
+    classes: Tuple[str, ...]
+    sublayers: Tuple[Sublayer, ...]
+    rotary: Optional[str] = None
+
+
+BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
+    BlockFamily(
+        "basic",  # SD 1.x/2.x/XL UNets, ControlNets, PixArt, DiT
+        ("BasicTransformerBlock",),
+        (
+            Sublayer("attn1", "attn", attention=True),
+            Sublayer("attn2", "crossattn"),
+            Sublayer("ff", "mlp"),
+        ),
+    ),
+    BlockFamily(
+        "mmdit",  # SD3 / SD3.5 (attn2: SD3.5's second, image-only self-attention)
+        ("JointTransformerBlock",),
+        (
+            Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True),
+            Sublayer("attn2", "attn", attention=True),
+            Sublayer("ff", "mlp"),
+        ),
+    ),
+    BlockFamily(
+        "flux-double",
+        ("FluxTransformerBlock",),
+        (
+            Sublayer("attn", "attn", text=TEXT_BEFORE, output=0, attention=True),
+            Sublayer("ff", "mlp"),
+        ),
+        rotary="image_rotary_emb",
+    ),
+    BlockFamily(
+        "flux-single",  # attention and MLP side by side on one normalised [text; image] sequence
+        ("FluxSingleTransformerBlock",),
+        (
+            Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True),
+            Sublayer("proj_mlp", "mlp", text=TEXT_PREFIX),
+        ),
+        rotary="image_rotary_emb",
+    ),
+)
+
+_BY_CLASS: Dict[str, BlockFamily] = {name: family for family in BLOCK_FAMILIES for name in family.classes}
+
+
+def block_family(cls: type) -> Optional[BlockFamily]:
+    """The family of a block class (or of the nearest base class named in the table), or None."""
+    for base in cls.__mro__:
+        family = _BY_CLASS.get(base.__name__)
+        if family is not None:
+            return family
+    return None
