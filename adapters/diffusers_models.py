@@ -22,11 +22,14 @@ from diffusers import (
 )
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
+import diffusers
+
 from tome_core.presets import (
     SMALL_VAE,
     TINY_CONTROLNET_CONDITIONING,
     TINY_TEXT_ENCODER,
     TINY_VAE,
+    transformer_config,
     unet_config,
     write_clip_tokenizer_files,
 )
@@ -38,6 +41,61 @@ def build_unet(preset: str = "tiny", seed: int = 0, **overrides: Any) -> UNet2DC
     """A UNet2DConditionModel of a preset architecture with weights drawn from ``seed``."""
     torch.manual_seed(seed)
     return UNet2DConditionModel(**unet_config(preset, **overrides)).eval()
+
+
+def build_transformer(preset: str = "tiny-sd3", seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A diffusion transformer (SD3, Flux, PixArt) of a preset architecture with weights drawn from ``seed``.
+
+    Zero-initialised output layers (adaLN-zero modulations, final projections) get small random values, as
+    trained weights have, so every block shows in the output."""
+    name, config = transformer_config(preset, **overrides)
+    torch.manual_seed(seed)
+    model = getattr(diffusers, name)(**config).eval()
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.ndim >= 1 and not parameter.any():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
+    return model
+
+
+def transformer_inputs(model: torch.nn.Module, height: int, width: int, batch: int = 1, text: int = 7, seed: int = 0) -> Dict[str, Any]:
+    """Keyword inputs of one call of a transformer from :func:`build_transformer` on a ``height x width``
+    latent (packed into tokens for Flux), at timestep 500 (0.5 for Flux), seeded."""
+    generator = torch.Generator().manual_seed(seed)
+    config = model.config
+    randn = lambda *shape: torch.randn(*shape, generator=generator)
+    name = type(model).__name__
+    if name.startswith("Flux"):
+        h, w = height // 2, width // 2  # Flux packs 2x2 latent patches into one token
+        ids = torch.zeros(h, w, 3)
+        ids[..., 1] = torch.arange(h)[:, None]
+        ids[..., 2] = torch.arange(w)[None, :]
+        inputs = dict(
+            hidden_states=randn(batch, h * w, config.in_channels),
+            encoder_hidden_states=randn(batch, text, config.joint_attention_dim),
+            pooled_projections=randn(batch, config.pooled_projection_dim),
+            timestep=torch.full((batch,), 0.5),
+            img_ids=ids.reshape(-1, 3),
+            txt_ids=torch.zeros(text, 3),
+        )
+        if config.guidance_embeds:
+            inputs["guidance"] = torch.full((batch,), 3.5)
+        return inputs
+    sample = randn(batch, config.in_channels, height, width)
+    if name.startswith("SD3"):
+        return dict(
+            hidden_states=sample,
+            encoder_hidden_states=randn(batch, text, config.joint_attention_dim),
+            pooled_projections=randn(batch, config.pooled_projection_dim),
+            timestep=torch.full((batch,), 500.0),
+        )
+    return dict(
+        hidden_states=sample,
+        encoder_hidden_states=randn(batch, text, config.cross_attention_dim),
+        timestep=torch.full((batch,), 500, dtype=torch.long),
+        added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+    )
 
 
 def randomize_zero_outputs(controlnet: ControlNetModel, seed: int = 0) -> ControlNetModel:

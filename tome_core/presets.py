@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 # UNet architectures. "sd15"/"sd21"/"sdxl" match the released models' shapes; "sd15-small" halves the
 # width of sd15 for quick runs; "tiny" and "tiny-xl" are the test-sized models (channels multiples of 32,
@@ -80,6 +80,77 @@ UNETS: Dict[str, Dict[str, Any]] = {
         sample_size=16,
     ),
 }
+
+# Diffusion transformer architectures: (diffusers class name, config). "sd3" is SD3 medium's shape, "pixart"
+# PixArt-alpha 1024's; "sd3-small" and "flux-small" keep the real width and block structure with fewer blocks
+# (a full Flux does not fit in 24 GiB in float32); "tiny-*" are the test-sized models.
+TRANSFORMERS: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    "sd3": (
+        "SD3Transformer2DModel",
+        dict(
+            sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
+            num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+            pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192,
+        ),
+    ),
+    "sd3-small": (
+        "SD3Transformer2DModel",
+        dict(
+            sample_size=128, patch_size=2, in_channels=16, num_layers=6, attention_head_dim=64,
+            num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+            pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192,
+        ),
+    ),
+    "flux-small": (
+        "FluxTransformer2DModel",
+        dict(
+            patch_size=1, in_channels=64, num_layers=2, num_single_layers=4, attention_head_dim=128,
+            num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+            axes_dims_rope=(16, 56, 56),
+        ),
+    ),
+    "pixart": (
+        "PixArtTransformer2DModel",
+        dict(
+            sample_size=128, num_layers=28, patch_size=2, attention_head_dim=72, num_attention_heads=16,
+            caption_channels=4096, in_channels=4, cross_attention_dim=1152, out_channels=8, attention_bias=True,
+            activation_fn="gelu-approximate", num_embeds_ada_norm=1000, norm_type="ada_norm_single",
+            norm_elementwise_affine=False, norm_eps=1e-6, interpolation_scale=2, use_additional_conditions=False,
+        ),
+    ),
+    "tiny-sd3": (
+        "SD3Transformer2DModel",
+        dict(
+            sample_size=32, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=4,
+            caption_projection_dim=32, joint_attention_dim=32, pooled_projection_dim=64, out_channels=4,
+        ),
+    ),
+    "tiny-flux": (
+        "FluxTransformer2DModel",
+        dict(
+            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8),
+        ),
+    ),
+    "tiny-pixart": (
+        "PixArtTransformer2DModel",
+        dict(
+            sample_size=32, num_layers=2, patch_size=2, attention_head_dim=8, num_attention_heads=4,
+            caption_channels=32, in_channels=4, cross_attention_dim=32, out_channels=8, attention_bias=True,
+            activation_fn="gelu-approximate", num_embeds_ada_norm=1000, norm_type="ada_norm_single",
+            norm_elementwise_affine=False, norm_eps=1e-6,
+        ),
+    ),
+}
+
+
+def transformer_config(preset: str, **overrides: Any) -> Tuple[str, Dict[str, Any]]:
+    """``(class name, config)`` of a transformer preset with ``overrides`` applied."""
+    if preset not in TRANSFORMERS:
+        raise ValueError(f"preset must be one of {', '.join(TRANSFORMERS)}, got {preset!r}")
+    name, config = TRANSFORMERS[preset]
+    return name, {**config, **overrides}
+
 
 # Tiny VAE and CLIP text encoder for test pipelines.
 TINY_VAE: Dict[str, Any] = dict(
