@@ -1,23 +1,27 @@
-"""The torch side of ``python -m tome_core.bench``: a diffusers UNet and each method's patch.
+"""The torch side of ``python -m tome_core.bench``: a diffusers UNet or diffusion transformer (SD3, Flux,
+PixArt) and each method's patch.
 
-Inputs, method dispatch and the sampling loop are :class:`tome_core.bench_runner.BenchRunner`'s; the peer is
-tomesd (when installed).
+Inputs, method dispatch, the sampling loop and the transformers' oracle are
+:class:`tome_core.bench_runner.BenchRunner`'s; the peer is tomesd (when installed; UNets only).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Dict, List, Tuple
 
+import diffusers
 import numpy as np
 import torch
 from diffusers import DDIMScheduler, UNet2DConditionModel
 from diffusers.models.attention import BasicTransformerBlock
 
 import tome_core.torch as tome
-from tome_core.adapters.diffusers import finest_level
-from tome_core.adapters.diffusers_models import build_unet
+from tome_core.adapters.diffusers import FRAMEWORK, finest_level
+from tome_core.adapters.diffusers_models import build_transformer, build_unet
 from tome_core.bench import serve_peak_request
-from tome_core.bench_runner import BenchRunner, Undo, median_ms, oracle_kept, remover
+from tome_core.bench_runner import MID_TIMESTEP, BenchRunner, Undo, install_transformer_oracle, median_ms, oracle_kept, remover
+from tome_core.presets import TRANSFORMERS
 
 try:
     import tomesd
@@ -34,10 +38,14 @@ class Runner(BenchRunner):
     def set_threads(self, threads: int) -> None:
         torch.set_num_threads(threads)
 
-    def load_unet(self) -> UNet2DConditionModel:
+    def load_unet(self) -> torch.nn.Module:
+        """The UNet, or with a transformer preset (or a folder holding ``transformer/``) the transformer."""
         model = self.args.model
         if not model:
-            return build_unet(self.args.preset)
+            preset = self.args.preset
+            return build_transformer(preset) if preset in TRANSFORMERS else build_unet(preset)
+        if os.path.isdir(os.path.join(model, "transformer")):
+            return diffusers.AutoModel.from_pretrained(model, subfolder="transformer", local_files_only=True).eval()
         try:
             return UNet2DConditionModel.from_pretrained(model, subfolder="unet", local_files_only=True).eval()
         except (OSError, EnvironmentError):
@@ -57,6 +65,16 @@ class Runner(BenchRunner):
     def unet_call(self, sample: torch.Tensor, timestep: Any) -> torch.Tensor:
         with torch.no_grad():
             return self.unet(sample, timestep, self.text, added_cond_kwargs=self.added).sample
+
+    def transformer_call(self, kwargs: Dict[str, Any]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.unet(**kwargs).sample
+
+    def make_scheduler(self, name: str, config: Dict[str, Any]) -> Any:
+        return getattr(diffusers, name)(**config)
+
+    def framework(self) -> Any:
+        return FRAMEWORK
 
     def patch_ours(self, options: Dict[str, Any]) -> Undo:
         tome.patch(self.unet, **options)
@@ -147,3 +165,128 @@ def micro(batch: int = 2, height: int = 64, width: int = 64, channels: int = 320
 
 if __name__ == "__main__":
     serve_peak_request(Runner)
+
+
+# -- per-block overhead in a diffusion transformer ---------------------------------------------------
+class _Captured(Exception):
+    """Stops the capturing call once every block of interest has shown its inputs."""
+
+
+def micro_transformer(args: Any) -> Dict[str, Any]:
+    """Per-block cost of ToMe in a diffusion transformer preset at ``--resolution`` / ``--batch`` / ratio
+    ``--ratio[0]`` (``--option``\ s apply; ``blocks`` and the reuse options are set here).
+
+    The first block of each kind (SD3: joint; Flux: double- and single-stream; PixArt: basic) is run on the
+    inputs it gets in an unpatched model call, timed alternately (medians of ``--repeats`` rounds after
+    ``--warmup``): unpatched; with ours and a fresh match (``reuse_blocks=1``); with ours and a reused match
+    (the match is already there, as in every block of a ``reuse_blocks`` run but the first); with the oracle.
+    Then the pieces alone: the block's match (``ToMeState.block_matches`` on its image stream) and a merge +
+    unmerge of its image tokens per merged sub-layer. ``share_of_block`` is ``(match / k + merge + unmerge) /
+    block time`` with one match per ``k`` blocks (``reuse_blocks=k``; ``reuse_steps=s`` divides the match by
+    ``s`` again).
+    """
+    import contextlib
+
+    from tome_core import driver, merge, unmerge
+    from tome_core.bench_runner import overhead_shares
+    from tome_core.config import ToMeConfig
+    from tome_core.state import ToMeState
+
+    args.options = getattr(args, "options", {})
+    args.variants = getattr(args, "variants", {})
+    runner = Runner(args)
+    model = runner.unet
+    ratio = args.ratio[0]
+    base = {k: v for k, v in runner.options.items() if k not in ("blocks", "reuse_blocks", "reuse_steps")}
+    options = {**base, "ratio": ratio}
+    config = ToMeConfig.from_options(options)
+    blocks = driver.blocks_of(FRAMEWORK, model)
+    firsts: Dict[str, Tuple[int, Any, Any]] = {}
+    for stream, (block, family) in enumerate(blocks):
+        firsts.setdefault(family.name, (stream, block, family))
+    captured: Dict[str, Tuple[tuple, dict]] = {}
+
+    def capture(name):
+        def hook(module, hook_args, hook_kwargs):
+            captured[name] = (hook_args, hook_kwargs)
+            if len(captured) == len(firsts):
+                raise _Captured
+        return hook
+
+    handles = [block.register_forward_pre_hook(capture(name), with_kwargs=True) for name, (_, block, _) in firsts.items()]
+    try:
+        runner.call()
+    except _Captured:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    patch_size = 2 if runner.spec.packed else model.config.patch_size
+    grid = (runner.latent_hw[0] // patch_size, runner.latent_hw[1] // patch_size)
+
+    results = []
+    for name, (stream, block, family) in firsts.items():
+        block_args, block_kwargs = captured[name]
+        hidden = driver.argument(block_args, block_kwargs, "hidden_states", 0)
+        shared = family.rotary is not None
+        sublayers = [s for s in family.sublayers if getattr(block, s.child, None) is not None and config.sublayers[s.kind]]
+
+        @contextlib.contextmanager
+        def ours(reused: bool, stream=stream, hidden=hidden, shared=shared):
+            tome.patch(model, **options, reuse_blocks=10**6 if reused else 1)
+            state = tome.patched_models(model)[0][1]
+            state.begin_call(grid, MID_TIMESTEP)
+            state.enter_grid(grid)
+            if reused:  # the match a run of blocks shares is there already
+                state.block_matches(hidden, stream, shared=shared)
+            try:
+                yield
+            finally:
+                tome.remove(model)
+
+        @contextlib.contextmanager
+        def oracle():
+            undo = remover(install_transformer_oracle(FRAMEWORK, model, config))
+            try:
+                yield
+            finally:
+                undo()
+
+        state = ToMeState(config=config)
+        state.begin_call(grid, MID_TIMESTEP)
+        state.enter_grid(grid)
+        match = state.block_matches(hidden, stream, shared=shared)["attn"]
+        run_block = lambda block=block, a=block_args, k=block_kwargs: block(*a, **k)
+        with torch.no_grad():
+            medians = median_ms(
+                {
+                    "block_unpatched": run_block,
+                    "block_ours": run_block,
+                    "block_ours_reused_match": run_block,
+                    "block_oracle": run_block,
+                    "match": lambda stream=stream, hidden=hidden, shared=shared: state.block_matches(hidden, stream, shared=shared),
+                    "merge_unmerge": lambda hidden=hidden, match=match: unmerge(merge(hidden, match), match),
+                },
+                args.repeats,
+                args.warmup,
+                contexts={
+                    "block_ours": lambda: ours(False),
+                    "block_ours_reused_match": lambda: ours(True),
+                    "block_oracle": oracle,
+                },
+            )
+        merge_unmerge = medians["merge_unmerge"] * len(sublayers)
+        results.append(
+            {
+                "block": type(block).__name__,
+                "index": stream,
+                "image_tokens": [args.batch, match.tokens, int(hidden.shape[-1])],
+                "kept": match.kept,
+                "merged_sublayers": [s.child for s in sublayers],
+                "median_ms": medians,
+                "overhead_ms": {"match": medians["match"], "merge_unmerge": merge_unmerge},
+                "share_of_block": overhead_shares(medians["block_unpatched"], medians["match"], merge_unmerge),
+                "share_of_merged_block": overhead_shares(medians["block_ours"], medians["match"], merge_unmerge),
+            }
+        )
+    return {"preset": args.preset, "resolution": args.resolution, "batch": args.batch, "ratio": ratio, "blocks": results}

@@ -1,5 +1,9 @@
 """``python -m tome_core.bench``: how much faster, and how different, ToMe makes a UNet call.
 
+Diffusion transformers too (``--preset sd3|sd3-small|flux-small|pixart|tiny-*``, random weights, torch):
+their inputs follow the released pipelines (flow matching for SD3 and Flux, Flux's packed tokens, the
+prompt lengths), the loop runs the model's own scheduler, and the oracle slices image tokens only.
+
 For each ratio it times one UNet call per method, alternating the methods (A B C A B C ...) after a warm-up,
 and reports medians:
 
@@ -150,15 +154,24 @@ class Row:
     times_s: List[float] = field(default_factory=list)
 
 
-def measure(runner: Any, ratio: float, methods: Sequence[str], repeats: int, warmup: int, progress) -> Dict[str, List[float]]:
-    """Alternate the methods ``repeats`` times after ``warmup`` rounds; per-method call times in seconds."""
+def measure(
+    runner: Any, ratio: float, methods: Sequence[str], repeats: int, warmup: int, progress, outputs: Optional[Dict[str, Any]] = None
+) -> Dict[str, List[float]]:
+    """Alternate the methods ``repeats`` times after ``warmup`` rounds; per-method call times in seconds.
+
+    ``outputs`` (if given) receives each method's last output as numpy (converted after the timed part), so
+    the fidelity at the mid timestep needs no extra call (a call's output does not depend on its round)."""
+    import numpy as np
+
     times: Dict[str, List[float]] = {m: [] for m in methods}
     for round_index in range(warmup + repeats):
         for method in methods:
             with runner.method(method, ratio):
                 start = time.perf_counter()
-                runner.call()
+                result = runner.call()
                 elapsed = time.perf_counter() - start
+            if outputs is not None:
+                outputs[method] = np.asarray(result)
             if round_index >= warmup:
                 times[method].append(elapsed)
             progress.update(1)
@@ -175,10 +188,14 @@ def run(args: argparse.Namespace) -> List[Row]:
     rows: List[Row] = []
     total = len(args.ratio) * len(methods) * (args.warmup + args.repeats) if args.repeats else 0
     with tqdm(total=total, desc=f"{args.backend} {runner.description}", unit="call") as progress:
-        reference_step = runner.output("unpatched", 0.0)
+        reference_step = None
         reference_sampled = runner.sample("unpatched", 0.0, args.steps) if args.steps else None
         for ratio in args.ratio:
-            times = measure(runner, ratio, methods, args.repeats, args.warmup, progress) if args.repeats else {}
+            outputs: Dict[str, Any] = {}
+            times = measure(runner, ratio, methods, args.repeats, args.warmup, progress, outputs) if args.repeats else {}
+            if reference_step is None:
+                reference_step = outputs["unpatched"] if "unpatched" in outputs else runner.output("unpatched", 0.0)
+            step_output = lambda method: outputs[method] if method in outputs else runner.output(method, ratio)
             medians = {m: statistics.median(t) for m, t in times.items()}
             for method in methods:
                 fidelity_sampled = float("nan")
@@ -197,7 +214,7 @@ def run(args: argparse.Namespace) -> List[Row]:
                         ),
                         fidelity_step=0.0
                         if method == "unpatched"
-                        else relative_l2(runner.output(method, ratio), reference_step),
+                        else relative_l2(step_output(method), reference_step),
                         fidelity_sampled=0.0 if method == "unpatched" and args.steps else fidelity_sampled,
                         peak_mb=runner.peak_memory_mb(method, ratio) if args.memory else None,
                         note=runner.note(method),
@@ -255,10 +272,15 @@ def plot(rows: Sequence[Row], path: str, title: str) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tome_core.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=sorted(RUNNERS), default="torch")
-    p.add_argument("--preset", default="sd15-small", help="UNet architecture with random weights (tome_core.presets)")
+    p.add_argument("--preset", default="sd15-small",
+                   help="UNet or diffusion transformer architecture with random weights (tome_core.presets: UNETS, "
+                   "TRANSFORMERS: sd3, sd3-small, flux-small, pixart, tiny-sd3, tiny-flux, tiny-pixart)")
     p.add_argument("--model", help="local diffusers/ppdiffusers pipeline or UNet folder (from_pretrained)")
     p.add_argument("--resolution", type=int, default=512, help="image size in pixels (latent = resolution / 8)")
-    p.add_argument("--batch", type=int, default=2, help="UNet batch (2 = one image with classifier-free guidance)")
+    p.add_argument("--batch", type=int, default=2, help="model batch (2 = one image with classifier-free guidance)")
+    p.add_argument("--text-tokens", type=int, default=None,
+                   help="transformers: text tokens per prompt (default: the released pipeline's, SD3 333, Flux 512, "
+                   "PixArt 120)")
     p.add_argument("--ratio", type=float, nargs="+", default=[0.5])
     p.add_argument("--latents", choices=("image", "noise"), default="image",
                    help="input latents at the mid timestep: image-like structure, or pure Gaussian noise")
@@ -271,7 +293,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--plot", help="write speedup and fidelity against ratio to this PNG file")
     p.add_argument("--micro", action="store_true",
-                   help="instead: one block's match+merge+unmerge (B=2, N=4096, C=320), ours vs the peer: time and ops")
+                   help="instead: one block's match+merge+unmerge (B=2, N=4096, C=320), ours vs the peer: time and ops; "
+                   "with a transformer preset (torch): the first block of each kind at --resolution/--batch, its "
+                   "time unpatched, with ours (fresh and reused match), with the oracle, and the share of "
+                   "match + merge + unmerge in it, without and with reuse")
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="a ToMe option for 'ours' (repeatable), e.g. --option use_rand=False")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:OPT=VAL[,OPT=VAL]",
@@ -312,7 +337,15 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
     args.options = parse_options(args.option)
     args.variants = variant_options(args.variant)
     if args.micro:
-        result = importlib.import_module(f"tome_core.adapters.{RUNNERS[args.backend]}").micro()
+        module = importlib.import_module(f"tome_core.adapters.{RUNNERS[args.backend]}")
+        from tome_core.presets import TRANSFORMERS
+
+        if args.preset in TRANSFORMERS:
+            if not hasattr(module, "micro_transformer"):
+                raise SystemExit(f"--micro with a transformer preset runs on the torch backend only, not {args.backend}")
+            result = module.micro_transformer(args)
+        else:
+            result = module.micro()
         print(json.dumps(result, indent=1))
         return result
     rows = run(args)

@@ -4,6 +4,9 @@
 Everything the frameworks share lives here, written once: the UNet inputs (image-like latents noised to the
 mid timestep, seeded text embeddings, SDXL's added conditions), which ToMe options each method uses, the
 level bound the peer and the oracle copy from 'ours', the token counts the oracle keeps, and the DDIM loop.
+Diffusion transformers (SD3, Flux, PixArt: :data:`TRANSFORMER_SPECS`) get their own inputs (flow-matching
+or DDPM noising, Flux's packed tokens and ids), their own scheduler, and an oracle that slices image tokens
+only, placed by :mod:`tome_core.families` through the patch driver's framework hooks.
 A subclass supplies the framework: building the model, moving numpy arrays in, calling the UNet, and
 patching and unpatching each method. No framework is imported here (numpy only).
 """
@@ -13,12 +16,16 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from tome_core import driver
+from tome_core.backend import get_ops
 from tome_core.bench import image_like_latents, noised, peak_memory_in_fresh_process
 from tome_core.config import ToMeConfig
+from tome_core.families import TEXT_PREFIX, BlockFamily, Sublayer
 from tome_core.levels import downsample_factor
 
 MID_TIMESTEP = 500
@@ -47,17 +54,187 @@ def oracle_kept(latent_hw: Tuple[int, int], tokens: int, ratio: float, max_downs
     return tokens - int(tokens * ratio)
 
 
-def median_ms(functions: Dict[str, Callable[[], Any]], repeats: int, warmup: int = 2) -> Dict[str, float]:
+@dataclass(frozen=True)
+class TransformerSpec:
+    """How the bench feeds one diffusion transformer family, by diffusers' class name and call API (ppdiffusers
+    keeps both).
+
+    flow: flow matching (``x_t = (1 - s) x_0 + s noise`` at ``s = t / 1000``, SD3 and Flux), else DDPM noising
+        with the scheduler's cumulative alphas (PixArt).
+    packed: 2x2 latent patches are packed into one token, placed by ``img_ids`` (Flux).
+    text_dim, pooled_dim: config fields giving the width of the text embeddings and of the pooled projection.
+    text_tokens: the released pipelines' prompt length (SD3: 77 CLIP + 256 T5; Flux dev: 512 T5; PixArt: 120).
+    timestep_scale: the model's timestep per scheduler timestep (Flux takes ``t / 1000``).
+    scheduler, scheduler_config: the released pipelines' scheduler (class name and config).
+    dynamic_shift: the loop's sigmas are shifted by the image token count (Flux's ``mu``).
+    added_cond: the call takes PixArt's ``added_cond_kwargs``.
+    """
+
+    flow: bool
+    text_dim: str
+    text_tokens: int
+    scheduler: str
+    scheduler_config: Dict[str, Any] = field(default_factory=dict)
+    packed: bool = False
+    pooled_dim: Optional[str] = None
+    timestep_scale: float = 1.0
+    dynamic_shift: bool = False
+    added_cond: bool = False
+
+
+FLOW_SHIFT = dict(base_image_seq_len=256, max_image_seq_len=4096, base_shift=0.5, max_shift=1.15)
+TRANSFORMER_SPECS: Dict[str, TransformerSpec] = {
+    "SD3Transformer2DModel": TransformerSpec(
+        flow=True, text_dim="joint_attention_dim", pooled_dim="pooled_projection_dim", text_tokens=333,
+        scheduler="FlowMatchEulerDiscreteScheduler", scheduler_config=dict(shift=3.0),
+    ),
+    "FluxTransformer2DModel": TransformerSpec(
+        flow=True, text_dim="joint_attention_dim", pooled_dim="pooled_projection_dim", text_tokens=512,
+        scheduler="FlowMatchEulerDiscreteScheduler",
+        scheduler_config=dict(shift=3.0, use_dynamic_shifting=True, **FLOW_SHIFT),
+        packed=True, timestep_scale=1e-3, dynamic_shift=True,
+    ),
+    "PixArtTransformer2DModel": TransformerSpec(
+        flow=False, text_dim="caption_channels", text_tokens=120, scheduler="DPMSolverMultistepScheduler",
+        scheduler_config=dict(beta_schedule="linear", beta_start=0.0001, beta_end=0.02),
+        added_cond=True,
+    ),
+}
+NO_TRANSFORMER_PEER = (
+    "no other ToMe implementation exists for diffusion transformers (tomesd, ComfyUI, A1111/Forge and SD.Next "
+    "merge UNets only)"
+)
+
+
+def transformer_spec(model: Any) -> Optional[TransformerSpec]:
+    """The :class:`TransformerSpec` of ``model``'s class (or of the nearest base named in the table), or None."""
+    for cls in type(model).__mro__:
+        if cls.__name__ in TRANSFORMER_SPECS:
+            return TRANSFORMER_SPECS[cls.__name__]
+    return None
+
+
+def pack_latents(latents: np.ndarray) -> np.ndarray:
+    """``[B, C, H, W]`` -> ``[B, H/2 * W/2, 4C]``: Flux's packing of 2x2 latent patches into tokens."""
+    b, c, h, w = latents.shape
+    patches = latents.reshape(b, c, h // 2, 2, w // 2, 2).transpose(0, 2, 4, 1, 3, 5)
+    return np.ascontiguousarray(patches.reshape(b, (h // 2) * (w // 2), c * 4))
+
+
+def packed_ids(height: int, width: int) -> np.ndarray:
+    """Flux's ``img_ids`` ``[height * width, 3]``: (0, row, column) of each packed token."""
+    ids = np.zeros((height, width, 3), dtype="float32")
+    ids[..., 1] = np.arange(height)[:, None]
+    ids[..., 2] = np.arange(width)[None, :]
+    return ids.reshape(-1, 3)
+
+
+def flux_mu(image_tokens: int) -> float:
+    """Flux's sigma shift for ``image_tokens`` (diffusers' ``calculate_shift`` with its defaults)."""
+    slope = (FLOW_SHIFT["max_shift"] - FLOW_SHIFT["base_shift"]) / (
+        FLOW_SHIFT["max_image_seq_len"] - FLOW_SHIFT["base_image_seq_len"]
+    )
+    return image_tokens * slope + FLOW_SHIFT["base_shift"] - slope * FLOW_SHIFT["base_image_seq_len"]
+
+
+class _OracleBlock:
+    """Free removal in one transformer block: each chosen sub-layer runs on the block's first ``kept`` image
+    tokens (text tokens untouched, rotary positions sliced alike) and its image output is restored by
+    repeating them (index ``arange(N) % kept``). ``kept = N - int(N * ratio)`` of the block's ``N`` image
+    tokens, the count 'ours' keeps."""
+
+    def __init__(self, config: ToMeConfig, family: BlockFamily):
+        self.config = config
+        self.family = family
+        self.image_tokens = 0
+
+    def begin(self, module, args, kwargs):
+        x = driver.argument(args, kwargs, "hidden_states", 0)
+        self.image_tokens = get_ops(x).shape(x)[1]
+        return None
+
+    def pre_hook(self, sublayer: Sublayer) -> driver.PreHook:
+        ratio = self.config.ratio_for(sublayer.kind, 1)
+
+        def drop(module, args, kwargs):
+            tokens = self.image_tokens
+            kept = tokens - int(tokens * ratio)
+            if kept == tokens:
+                return None
+            x = driver.argument(args, kwargs, "hidden_states", 0)
+            text = get_ops(x).shape(x)[1] - tokens if sublayer.text == TEXT_PREFIX else 0
+            args, kwargs = driver._replace(args, kwargs, "hidden_states", 0, x[:, : text + kept])
+            rotary = self.family.rotary
+            if rotary is not None and kwargs.get(rotary) is not None:
+                tables = kwargs[rotary]
+                before = get_ops(tables[0]).shape(tables[0])[0] - tokens  # text positions come first
+                kwargs = {**kwargs, rotary: tuple(table[: before + kept] for table in tables)}
+            module.__dict__["_tome_oracle"] = (tokens, kept, text)
+            return args, kwargs
+
+        return drop
+
+    def post_hook(self, sublayer: Sublayer) -> driver.PostHook:
+        def restore(module, args, kwargs, output):
+            sizes = module.__dict__.pop("_tome_oracle", None)
+            if sizes is None or output is None:
+                return None
+            tokens, kept, text = sizes
+            part = output if sublayer.output is None else output[sublayer.output]
+            ops = get_ops(part)
+            image = ops.take(part[:, text:], ops.arange(tokens, part) % kept, axis=1)
+            if text:
+                image = ops.concat([part[:, :text], image], axis=1)
+            if sublayer.output is None:
+                return image
+            return type(output)(image if i == sublayer.output else p for i, p in enumerate(output))
+
+        return restore
+
+
+def install_transformer_oracle(fw: "driver.Framework", model: Any, config: ToMeConfig) -> List[Any]:
+    """Hook the oracle into every block 'ours' merges with ``config`` (``blocks`` included) and every
+    sub-layer it wraps (:mod:`tome_core.families`); returns the hook handles."""
+    blocks = driver.blocks_of(fw, model)
+    chosen = set(driver.selected_blocks(config, len(blocks), type(model).__qualname__))
+    handles = []
+    for index, (block, family) in enumerate(blocks):
+        if index not in chosen:
+            continue
+        oracle = _OracleBlock(config, family)
+        handles.append(fw.add_pre_hook(block, oracle.begin))
+        for sublayer in family.sublayers:
+            target = getattr(block, sublayer.child, None)
+            if target is None or not fw.is_module(target) or not config.sublayers[sublayer.kind]:
+                continue
+            handles.append(fw.add_pre_hook(target, oracle.pre_hook(sublayer)))
+            handles.append(fw.add_post_hook(target, oracle.post_hook(sublayer)))
+    return handles
+
+
+def median_ms(
+    functions: Dict[str, Callable[[], Any]], repeats: int, warmup: int = 2,
+    contexts: Optional[Dict[str, Callable[[], Any]]] = None,
+) -> Dict[str, float]:
     """Median milliseconds of each function, called in turn (A B A B ...) ``repeats`` times after ``warmup``
-    untimed rounds (the micro benchmarks' timing)."""
+    untimed rounds (the micro benchmarks' timing). ``contexts[name]()`` (if given) is a context manager each
+    call of ``name`` runs inside, entered and left outside the timed part (e.g. a patch)."""
     times: Dict[str, List[float]] = {name: [] for name in functions}
     for round_index in range(warmup + repeats):
         for name, function in functions.items():
-            start = time.perf_counter()
-            function()
+            with (contexts or {}).get(name, contextlib.nullcontext)():
+                start = time.perf_counter()
+                function()
+                elapsed = time.perf_counter() - start
             if round_index >= warmup:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(elapsed)
     return {name: statistics.median(t) * 1000 for name, t in times.items()}
+
+
+def overhead_shares(block_ms: float, match_ms: float, merge_unmerge_ms: float, reuse: Iterable[int] = (1, 2, 4)) -> Dict[str, float]:
+    """Match + merge + unmerge as a share of a block's time when one match serves ``k`` blocks (or steps):
+    ``(match / k + merge_unmerge) / block``, for each ``k`` in ``reuse``."""
+    return {f"reuse_{k}": (match_ms / k + merge_unmerge_ms) / block_ms for k in reuse}
 
 
 def remover(handles: List[Any]) -> Undo:
@@ -71,7 +248,8 @@ def remover(handles: List[Any]) -> Undo:
 
 
 class BenchRunner:
-    """One UNet and fixed inputs; ``method(name, ratio)`` patches it for one of the bench's methods.
+    """One UNet (or diffusion transformer) and fixed inputs; ``method(name, ratio)`` patches it for one of the
+    bench's methods.
 
     Methods: ``unpatched``, ``ours`` and ``ours:VARIANT`` (tome_core with the bench's options), ``peer``
     (another ToMe implementation in the same framework) and ``oracle`` (free token reduction). Subclasses
@@ -89,9 +267,15 @@ class BenchRunner:
         self.options = dict(getattr(args, "options", {}))
         args.variants = getattr(args, "variants", {})
         self.unet = self.load_unet()
-        self.scheduler = self.scheduler_class(**DDIM_CONFIG)
+        self.spec = transformer_spec(self.unet)
         self.description = f"{args.model or args.preset} {args.resolution}px batch {args.batch}"
-        self._build_inputs(self.unet.config)
+        if self.spec is None:
+            self.scheduler = self.scheduler_class(**DDIM_CONFIG)
+            self._build_inputs(self.unet.config)
+        else:
+            self.has_peer = False
+            self.scheduler = self.make_scheduler(self.spec.scheduler, self.spec.scheduler_config)
+            self._build_transformer_inputs(self.unet.config)
 
     def _build_inputs(self, config: Any) -> None:
         """Noised image-like (or noise) latents at the mid timestep, the starting noise of the sampling
@@ -118,6 +302,67 @@ class BenchRunner:
                 "text_embeds": draw((args.batch, pooled)),
                 "time_ids": self.to_tensor(np.array([[size, size, 0, 0, size, size]] * args.batch, dtype="float32")),
             }
+
+    def _build_transformer_inputs(self, config: Any) -> None:
+        """A diffusion transformer's inputs: image-like (or noise) latents noised to the mid timestep (flow
+        matching or DDPM, :class:`TransformerSpec`), packed into tokens with their ids for Flux; the loop's
+        starting noise; seeded text embeddings of the released prompt length (``--text-tokens`` overrides it),
+        the pooled projection and Flux's guidance."""
+        args, spec = self.args, self.spec
+        latent = args.resolution // 8
+        self.latent_hw = (latent, latent)
+        channels = config.in_channels // 4 if spec.packed else config.in_channels
+        self.latent_channels = channels
+        shape = (args.batch, channels, latent, latent)
+        if getattr(args, "latents", "image") == "image":
+            clean = image_like_latents(*shape, seed=0)
+        else:
+            clean = np.random.default_rng(0).standard_normal(shape).astype("float32")
+        noise = np.random.default_rng(1).standard_normal(shape).astype("float32")
+        if spec.flow:
+            sigma = MID_TIMESTEP / 1000
+            start = ((1 - sigma) * clean + sigma * noise).astype("float32")
+        else:
+            start = noised(clean, noise, self.alpha_bar(MID_TIMESTEP))
+        if spec.packed:
+            start, noise = pack_latents(start), pack_latents(noise)
+        self.sample_in = self.to_tensor(start)
+        self.noise = self.to_tensor(noise)
+        self.timestep = MID_TIMESTEP
+        draw = self.normal_draws(seed=2)
+        text_tokens = getattr(args, "text_tokens", None) or spec.text_tokens
+        self.text = draw((args.batch, text_tokens, config[spec.text_dim]))
+        self.extra: Dict[str, Any] = {}
+        if spec.pooled_dim:
+            self.extra["pooled_projections"] = draw((args.batch, config[spec.pooled_dim]))
+        if spec.packed:
+            self.image_tokens = (latent // 2) ** 2
+            self.extra["img_ids"] = self.to_tensor(packed_ids(latent // 2, latent // 2))
+            self.extra["txt_ids"] = self.to_tensor(np.zeros((text_tokens, 3), dtype="float32"))
+            if config.get("guidance_embeds"):
+                self.extra["guidance"] = self.to_tensor(np.full((args.batch,), 3.5, dtype="float32"))
+        if spec.added_cond:
+            self.extra["added_cond_kwargs"] = {"resolution": None, "aspect_ratio": None}
+
+    def transformer_kwargs(self, sample: Any, timestep: Any) -> Dict[str, Any]:
+        """Keyword arguments of one transformer call on ``sample`` at scheduler timestep ``timestep``."""
+        value = float(timestep) * self.spec.timestep_scale
+        return {
+            "hidden_states": sample,
+            "encoder_hidden_states": self.text,
+            "timestep": self.to_tensor(np.full((self.args.batch,), value, dtype="float32")),
+            **self.extra,
+        }
+
+    def forward(self, sample: Any, timestep: Any) -> Any:
+        """The model's prediction for ``sample`` at ``timestep`` with the current method (a transformer's
+        learned-variance channels dropped, as its pipeline drops them)."""
+        if self.spec is None:
+            return self.unet_call(sample, timestep)
+        out = self.transformer_call(self.transformer_kwargs(sample, timestep))
+        if not self.spec.packed and get_ops(out).shape(out)[1] == 2 * self.latent_channels:
+            out = out[:, : self.latent_channels]
+        return out
 
     # -- framework hooks ---------------------------------------------------------------------------------
     def set_threads(self, threads: int) -> None:
@@ -149,6 +394,19 @@ class BenchRunner:
         """The UNet's output (``.sample``) for ``sample`` at ``timestep``, with the current method."""
         raise NotImplementedError
 
+    def transformer_call(self, kwargs: Dict[str, Any]) -> Any:
+        """A diffusion transformer's output (``.sample``) for these keyword arguments, with the current method."""
+        raise NotImplementedError
+
+    def make_scheduler(self, name: str, config: Dict[str, Any]) -> Any:
+        """The framework's scheduler class ``name`` (diffusers' names) built with ``config``."""
+        raise NotImplementedError
+
+    def framework(self) -> "driver.Framework":
+        """The patch driver's :class:`~tome_core.driver.Framework` of this framework (the transformer oracle's
+        hooks go through it)."""
+        raise NotImplementedError
+
     def done(self, output: Any) -> Any:
         """``output``, computed to the end (the timed part of a call ends here)."""
         return output
@@ -158,8 +416,12 @@ class BenchRunner:
         return float(self.scheduler.alphas_cumprod[timestep])
 
     def timesteps(self, steps: int) -> Iterable[Any]:
-        """The timesteps of a ``steps``-step DDIM loop."""
-        self.scheduler.set_timesteps(steps)
+        """The timesteps of a ``steps``-step loop (DDIM for UNets, the transformer's own scheduler)."""
+        if self.spec is not None and self.spec.dynamic_shift:  # as FluxPipeline sets them
+            sigmas = np.linspace(1.0, 1 / steps, steps)
+            self.scheduler.set_timesteps(steps, sigmas=sigmas, mu=flux_mu(self.image_tokens))
+        else:
+            self.scheduler.set_timesteps(steps)
         return self.scheduler.timesteps
 
     def scheduler_step(self, model_output: Any, timestep: Any, latents: Any) -> Any:
@@ -203,6 +465,9 @@ class BenchRunner:
             return self.patch_ours(self.options_for(name, ratio))
         if name == "peer":
             return self.patch_peer(ratio, self.max_downsample(), self.peer_options())
+        if name == "oracle" and self.spec is not None:
+            config = ToMeConfig.from_options({"ratio": ratio, **self.options})
+            return remover(install_transformer_oracle(self.framework(), self.unet, config))
         if name == "oracle":
             return self.install_oracle(ratio, self.max_downsample(), oracle_sublayers(self.options))
         if name != "unpatched":
@@ -219,12 +484,14 @@ class BenchRunner:
             undo()
 
     def note(self, name: str) -> str:
-        return self.peer_note() if name == "peer" else ""
+        if name != "peer":
+            return ""
+        return NO_TRANSFORMER_PEER if self.spec is not None else self.peer_note()
 
     # -- calls ---------------------------------------------------------------------------------------------
     def call(self) -> Any:
         """One UNet call on the fixed inputs at the mid timestep: what the bench times."""
-        return self.done(self.unet_call(self.sample_in, self.timestep))
+        return self.done(self.forward(self.sample_in, self.timestep))
 
     def output(self, name: str, ratio: float) -> np.ndarray:
         """Method ``name``'s output of :meth:`call`, as numpy."""
@@ -236,7 +503,7 @@ class BenchRunner:
         latents = self.noise
         with self.method(name, ratio):
             for t in self.timesteps(steps):
-                latents = self.scheduler_step(self.unet_call(latents, t), t, latents)
+                latents = self.scheduler_step(self.forward(latents, t), t, latents)
         return np.asarray(latents)
 
     def peak_memory_mb(self, name: str, ratio: float) -> float:
