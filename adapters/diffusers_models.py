@@ -6,7 +6,7 @@ Used by the examples, the benchmark and the tests; nothing is downloaded.
 from __future__ import annotations
 
 import tempfile
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import torch
 from diffusers import (
@@ -51,11 +51,7 @@ def build_transformer(preset: str = "tiny-sd3", seed: int = 0, **overrides: Any)
     name, config = transformer_config(preset, **overrides)
     torch.manual_seed(seed)
     model = getattr(diffusers, name)(**config).eval()
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.ndim >= 1 and not parameter.any():
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
+    _randomize_zeros(model, seed + 1)
     return model
 
 
@@ -96,6 +92,76 @@ def transformer_inputs(model: torch.nn.Module, height: int, width: int, batch: i
         timestep=torch.full((batch,), 500, dtype=torch.long),
         added_cond_kwargs={"resolution": None, "aspect_ratio": None},
     )
+
+
+TRANSFORMER_PIPELINES = ("sd3", "sd3-img2img", "sd3-controlnet", "flux", "flux-controlnet", "pixart-alpha", "pixart-sigma")
+
+
+def build_transformer_pipeline(kind: str = "sd3", seed: int = 0) -> Tuple[Any, Dict[str, Any]]:
+    """A transformer pipeline of ``kind`` (:data:`TRANSFORMER_PIPELINES`) on the tiny presets, and the keyword
+    arguments of a call: text embeddings stand in for the text encoders (no tokenizer files can be had
+    offline), so the pipeline holds none. Call it with ``height``/``width``, steps and a generator."""
+    if kind not in TRANSFORMER_PIPELINES:
+        raise ValueError(f"kind must be one of {', '.join(TRANSFORMER_PIPELINES)}, got {kind!r}")
+    family = kind.split("-")[0]
+    transformer = build_transformer(f"tiny-{family}", seed)
+    torch.manual_seed(seed)
+    vae = AutoencoderKL(**TINY_VAE, shift_factor=0.0).eval()  # SD3/Flux pipelines read a shift factor
+    generator = torch.Generator().manual_seed(seed + 1)
+    randn = lambda *shape: torch.randn(*shape, generator=generator)
+    config = transformer.config
+    no_text = {name: None for name in ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")}
+    parts: Dict[str, Any] = dict(transformer=transformer, vae=vae)
+    if family == "pixart":
+        cls = diffusers.PixArtAlphaPipeline if kind == "pixart-alpha" else diffusers.PixArtSigmaPipeline
+        mask = torch.ones(1, 7, dtype=torch.long)
+        call = dict(
+            prompt_embeds=randn(1, 7, config.caption_channels), prompt_attention_mask=mask,
+            negative_prompt=None, negative_prompt_embeds=randn(1, 7, config.caption_channels),
+            negative_prompt_attention_mask=mask, use_resolution_binning=False,
+        )
+        return cls(scheduler=diffusers.DPMSolverMultistepScheduler(), text_encoder=None, tokenizer=None, **parts), call
+    parts.update(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), **no_text)
+    if family == "flux":
+        call = dict(prompt_embeds=randn(1, 7, config.joint_attention_dim), pooled_prompt_embeds=randn(1, config.pooled_projection_dim))
+        if kind == "flux":
+            return diffusers.FluxPipeline(**parts), call
+        torch.manual_seed(seed + 2)
+        controlnet = diffusers.FluxControlNetModel(
+            **{k: config[k] for k in ("patch_size", "in_channels", "attention_head_dim", "num_attention_heads", "joint_attention_dim", "pooled_projection_dim", "axes_dims_rope")},
+            num_layers=1, num_single_layers=1,
+        ).eval()
+        _randomize_zeros(controlnet, seed + 2)
+        call.update(control_image=randn(1, 3, 32, 32), controlnet_conditioning_scale=1.0)
+        return diffusers.FluxControlNetPipeline(controlnet=controlnet, **parts), call
+    parts.update(text_encoder_3=None, tokenizer_3=None)
+    call = dict(
+        prompt_embeds=randn(1, 7, config.joint_attention_dim), pooled_prompt_embeds=randn(1, config.pooled_projection_dim),
+        negative_prompt_embeds=randn(1, 7, config.joint_attention_dim),
+        negative_pooled_prompt_embeds=randn(1, config.pooled_projection_dim),
+    )
+    if kind == "sd3":
+        return diffusers.StableDiffusion3Pipeline(**parts), call
+    if kind == "sd3-img2img":
+        call.update(image=randn(1, 3, 32, 32).clamp(-1, 1) * 0.5 + 0.5, strength=0.75)
+        return diffusers.StableDiffusion3Img2ImgPipeline(**parts), call
+    torch.manual_seed(seed + 2)
+    controlnet = diffusers.SD3ControlNetModel(
+        **{k: config[k] for k in ("sample_size", "patch_size", "in_channels", "attention_head_dim", "num_attention_heads", "joint_attention_dim", "caption_projection_dim", "pooled_projection_dim", "out_channels")},
+        num_layers=1,
+    ).eval()
+    _randomize_zeros(controlnet, seed + 2)
+    call.update(control_image=randn(1, 3, 32, 32), controlnet_conditioning_scale=1.0)
+    return diffusers.StableDiffusion3ControlNetPipeline(controlnet=controlnet, **parts), call
+
+
+def _randomize_zeros(model: torch.nn.Module, seed: int) -> None:
+    """Give zero-initialised parameters (adaLN-zero, ControlNet zero convolutions) small random values."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.ndim >= 1 and not parameter.any():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
 
 
 def randomize_zero_outputs(controlnet: ControlNetModel, seed: int = 0) -> ControlNetModel:

@@ -160,3 +160,39 @@ def test_zero_vectors_match_without_nan(xp):
 def test_grid_must_hold_the_tokens(xp):
     with pytest.raises(ValueError, match="grid 3x3 has 9 tokens but the metric has 16"):
         bipartite_match(xp.ops, xp.asarray(np.zeros((1, 16, 4), np.float32)), 3, 3, 2, 2, 1, None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=cases(), data_seed=st.integers(0, 2**32 - 1))
+def test_shared_match_follows_the_batch_mean_similarity_and_slots_stand_at_their_destination(xp, case, data_seed):
+    """shared=True (rotary models): one match for every item, chosen by the mean over the batch of the
+    per-item cosine similarities; each slot's representative is its destination (or the kept source)."""
+    from tome_core.match import bipartite_matches
+
+    rng = np.random.default_rng(data_seed)
+    n, r = case["h"] * case["w"], case["merged"]
+    metric = rng.standard_normal((case["batch"], n, case["channels"])).astype(np.float32)
+    (match,) = bipartite_matches(
+        xp.ops, xp.asarray(metric), case["h"], case["w"], case["sx"], case["sy"], [r], None, 0, True
+    )
+    if r == 0:
+        assert match.merged == 0
+        return
+    slot, reps = xp.numpy(match.slot), xp.numpy(match.representatives)
+    for b in range(1, case["batch"]):
+        np.testing.assert_array_equal(slot[b], slot[0])
+        np.testing.assert_array_equal(reps[b], reps[0])
+    is_dst = numpy_partition(case, None)
+    src, dst = np.flatnonzero(~is_dst), np.flatnonzero(is_dst)
+    unit = metric / np.maximum(np.linalg.norm(metric, axis=-1, keepdims=True), 1e-30)
+    scores = np.mean([unit[b, src] @ unit[b, dst].T for b in range(case["batch"])], axis=0)
+    best = scores.max(axis=1)
+    merged_src = np.isin(slot[0, src], slot[0, dst])
+    assert merged_src.sum() == r
+    if r < len(src):
+        assert best[merged_src].min() >= best[~merged_src].max() - 1e-5
+    # Representatives: a slot stands at its destination; a kept source at itself.
+    for k in range(n - r):
+        members = np.flatnonzero(slot[0] == k)
+        members_dst = members[is_dst[members]]
+        assert reps[0, k] == (members_dst[0] if len(members_dst) else members[0])

@@ -1,0 +1,305 @@
+"""Diffusion transformers on torch: SD3 (MM-DiT), Flux (double and single stream, rotary), PixArt, their
+pipelines and ControlNets. Oracles: the unpatched model, attention over tokens repeated by their sizes, the
+core's own match, token counts seen inside the attention modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tome_core.torch as tome
+from tome_core.adapters.diffusers import FRAMEWORK
+from tome_core.adapters.diffusers_models import (
+    TRANSFORMER_PIPELINES,
+    build_transformer,
+    build_transformer_pipeline,
+    transformer_inputs,
+)
+from tome_core.driver import SizeBias, _merge_positions
+from tome_core.families import TEXT_AFTER, TEXT_BEFORE, TEXT_NONE, TEXT_PREFIX
+from tome_core.backend import get_ops
+from tome_core.merge import merge, unmerge
+
+PRESETS = ["tiny-sd3", "tiny-flux", "tiny-pixart"]
+# Latent 16x12: a non-square grid (8x6 tokens after SD3's and PixArt's 2x2 patches and Flux's packing).
+HEIGHT, WIDTH = 16, 12
+TOKENS = 8 * 6
+TEXT = 7
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def model_and_inputs(request):
+    model = build_transformer(request.param)
+    return model, transformer_inputs(model, HEIGHT, WIDTH, batch=2, text=TEXT)
+
+
+def call(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).sample
+
+
+def test_ratio_zero_remove_and_reproducibility(model_and_inputs):
+    model, inputs = model_and_inputs
+    reference = call(model, inputs)
+    with pytest.warns(UserWarning, match="merges no tokens: ratio=0.0"):
+        tome.patch(model, ratio=0.0)
+    assert torch.equal(call(model, inputs), reference)
+    tome.patch(model, ratio=0.5)
+    first = call(model, inputs)
+    assert torch.isfinite(first).all()
+    assert rel(first, reference) > 1e-4
+    assert torch.equal(call(model, inputs), first)  # same inputs and seed: the same output
+    tome.remove(model)
+    assert torch.equal(call(model, inputs), reference)
+    assert not tome.patched_models(model)
+
+
+def _attention_inputs(model):
+    """Record, per attention module of every block, the hidden_states / encoder_hidden_states it receives."""
+    seen = []
+    handles = []
+    for name, module in model.named_modules():
+        if type(module).__name__ in ("Attention", "FluxAttention") and ".attn" in name and not name.endswith("attn2"):
+
+            def record(module, args, kwargs, name=name):
+                hidden = kwargs.get("hidden_states", args[0] if args else None)
+                seen.append((name, hidden.clone(), kwargs.get("encoder_hidden_states")))
+
+            handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
+    return seen, handles
+
+
+def test_attention_sees_fewer_image_tokens_and_the_exact_text(model_and_inputs):
+    model, inputs = model_and_inputs
+    seen_plain, handles = _attention_inputs(model)
+    call(model, inputs)
+    for handle in handles:
+        handle.remove()
+    tome.patch(model, ratio=0.5)
+    seen, handles = _attention_inputs(model)  # registered after the patch: they see what attention sees
+    try:
+        call(model, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+        tome.remove(model)
+    assert len(seen) == len(seen_plain) >= 2
+    kept = TOKENS - int(TOKENS * 0.5)
+    for (name, hidden, text), (_, hidden_plain, text_plain) in zip(seen, seen_plain):
+        if "single" in name:  # Flux single-stream: [text; image] in one sequence
+            assert hidden.shape[1] == TEXT + kept and hidden_plain.shape[1] == TEXT + TOKENS
+        else:
+            assert hidden.shape[1] == kept and hidden_plain.shape[1] == TOKENS
+        if text is not None and "attn1" not in name:
+            assert text.shape[1] == TEXT
+    # The first block's text is exactly the unpatched text (single blocks: the text prefix).
+    name, hidden, text = seen[0]
+    if text is not None:
+        assert torch.equal(text, seen_plain[0][2])
+    single = [(s, p) for s, p in zip(seen, seen_plain) if "single" in s[0]]
+    if single:
+        (_, hidden, _), (_, hidden_plain, _) = single[0]
+        assert hidden.shape[1] == TEXT + kept
+
+
+def test_keyword_only_and_positional_calls_agree():
+    model = build_transformer("tiny-sd3")
+    inputs = transformer_inputs(model, HEIGHT, WIDTH, batch=2)
+    tome.patch(model, ratio=0.5)
+    with torch.no_grad():
+        by_keyword = model(**inputs).sample
+        positional = model(
+            inputs["hidden_states"], inputs["encoder_hidden_states"], inputs["pooled_projections"], inputs["timestep"]
+        ).sample
+    assert torch.equal(by_keyword, positional)
+
+
+def test_bad_options_raise_before_anything_is_patched(bad_option):
+    options, error, message = bad_option
+    model = build_transformer("tiny-sd3")
+    with pytest.raises(error, match=message):
+        tome.patch(model, **options)
+    assert not tome.patched_models(model)
+
+
+def test_blocks_selects_which_blocks_merge():
+    model = build_transformer("tiny-flux")  # block 0: double stream, block 1: single stream
+    inputs = transformer_inputs(model, HEIGHT, WIDTH)
+    for blocks, merged in (([0], 1), ([-1], 1), ([0, 1], 2), (None, 2)):
+        tome.patch(model, ratio=0.5, blocks=blocks)
+        call(model, inputs)
+        (state,) = [s for _, s in tome.patched_models(model)]
+        assert state.stats[1].blocks == merged
+    with pytest.raises(ValueError, match="blocks: index 2 is out of range for FluxTransformer2DModel, which has 2"):
+        tome.patch(model, ratio=0.5, blocks=[2])
+    with pytest.raises(TypeError, match="blocks must hold block indices"):
+        tome.patch(model, blocks=[0.5])
+    tome.remove(model)
+
+
+def test_reuse_blocks_shares_one_match_between_consecutive_blocks(monkeypatch):
+    import tome_core.state as state_module
+
+    model = build_transformer("tiny-sd3", num_layers=4)
+    inputs = transformer_inputs(model, HEIGHT, WIDTH, batch=2)
+    computed = []
+    original = state_module.bipartite_matches
+    monkeypatch.setattr(state_module, "bipartite_matches", lambda *a, **k: computed.append(1) or original(*a, **k))
+    for reuse, matches in ((1, 4), (2, 2), (4, 1)):
+        computed.clear()
+        tome.patch(model, ratio=0.5, reuse_blocks=reuse)
+        call(model, inputs)
+        assert len(computed) == matches
+    tome.remove(model)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Size-aware joint attention against attention over tokens repeated by their sizes (text included)
+
+
+def _match(batch: int, shared: bool = False):
+    generator = torch.Generator().manual_seed(3)
+    metric = torch.randn(batch, TOKENS, 16, generator=generator)
+    ops = get_ops(metric)
+    from tome_core.match import bipartite_matches
+
+    return bipartite_matches(ops, metric, 8, 6, 2, 2, [int(TOKENS * 0.6)], None, 0, shared)[0]
+
+
+def _sized(attention, args, kwargs, match, text, merged):
+    args, kwargs = FRAMEWORK.size_aware(attention, args, kwargs, SizeBias(match, text, merged))
+    try:
+        return attention(*args, **kwargs)
+    finally:
+        FRAMEWORK.size_aware_done(attention)
+
+
+@pytest.mark.parametrize("preset, block_name, text", [
+    ("tiny-sd3", "transformer_blocks", TEXT_AFTER),
+    ("tiny-pixart", "transformer_blocks", TEXT_NONE),
+    ("tiny-flux", "transformer_blocks", TEXT_BEFORE),
+    ("tiny-flux", "single_transformer_blocks", TEXT_PREFIX),
+])
+def test_size_aware_attention_equals_attention_over_repeated_tokens(preset, block_name, text):
+    model = build_transformer(preset)
+    block = getattr(model, block_name)[0]
+    attention = block.attn1 if hasattr(block, "attn1") else block.attn
+    generator = torch.Generator().manual_seed(1)
+    channels = model.inner_dim if hasattr(model, "inner_dim") else model.config.num_attention_heads * model.config.attention_head_dim
+    batch = 2
+    rotary = preset == "tiny-flux"
+    match = _match(batch, shared=rotary)
+    image = merge(torch.randn(batch, TOKENS, channels, generator=generator), match)
+    repeated = unmerge(image, match)  # every merged token repeated once per token it stands for
+    context = torch.randn(batch, TEXT, channels, generator=generator)
+    kwargs, plain_kwargs = {}, {}
+    if text in (TEXT_AFTER, TEXT_BEFORE):
+        kwargs["encoder_hidden_states"] = plain_kwargs["encoder_hidden_states"] = context
+    if text == TEXT_PREFIX:
+        merged_in, plain_in = torch.cat([context, image], 1), torch.cat([context, repeated], 1)
+    else:
+        merged_in, plain_in = image, repeated
+    if rotary:
+        ids = torch.cat([torch.zeros(TEXT, 3), torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(8.0), torch.arange(6.0), indexing="ij"), -1).reshape(-1, 3)])
+        positions = model.pos_embed(ids)
+        kwargs["image_rotary_emb"] = _merge_positions(positions, match)
+        # Repeated tokens sit at their slot's position (the destination's), as the merged token does.
+        slot = match.slot[0]
+        plain_kwargs["image_rotary_emb"] = tuple(
+            torch.cat([p[:TEXT], p[TEXT:][match.representatives[0]][slot]]) for p in positions
+        )
+    with torch.no_grad():
+        sized = _sized(attention, (), {"hidden_states": merged_in, **kwargs}, match, text, image)
+        plain = attention(hidden_states=plain_in, **plain_kwargs)
+    sized_image, plain_image = (sized[0], plain[0]) if isinstance(sized, tuple) else (sized, plain)
+    if text == TEXT_PREFIX:
+        torch.testing.assert_close(sized_image[:, :TEXT], plain_image[:, :TEXT], rtol=1e-4, atol=1e-5)
+        sized_image, plain_image = sized_image[:, TEXT:], plain_image[:, TEXT:]
+    torch.testing.assert_close(unmerge(sized_image, match), plain_image, rtol=1e-4, atol=1e-5)
+    if isinstance(sized, tuple):  # the text stream of joint attention
+        torch.testing.assert_close(sized[1], plain[1], rtol=1e-4, atol=1e-5)
+    # And plain softmax over merged tokens is not the same thing (the test can fail).
+    with torch.no_grad():
+        unsized = attention(hidden_states=merged_in, **kwargs)
+    unsized_image = unsized[0] if isinstance(unsized, tuple) else unsized
+    if text == TEXT_PREFIX:
+        unsized_image = unsized_image[:, TEXT:]
+    assert rel(unmerge(unsized_image, match), plain_image) > 1e-3
+
+
+def test_shared_match_gives_every_item_the_same_merged_positions():
+    match = _match(3, shared=True)
+    representatives = match.representatives
+    assert torch.equal(representatives[0], representatives[1]) and torch.equal(representatives[0], representatives[2])
+    assert not torch.equal(_match(3).representatives[0], _match(3).representatives[1])
+
+
+def test_flux_merged_tokens_carry_their_destinations_position():
+    model = build_transformer("tiny-flux")
+    inputs = transformer_inputs(model, HEIGHT, WIDTH, batch=2)
+    tome.patch(model, ratio=0.5)
+    seen = []
+    attention = model.transformer_blocks[0].attn
+    handle = attention.register_forward_pre_hook(lambda m, a, k: seen.append(k["image_rotary_emb"]), with_kwargs=True)
+    try:
+        call(model, inputs)
+    finally:
+        handle.remove()
+        tome.remove(model)
+    cos, _ = seen[0]
+    full_cos, _ = model.pos_embed(torch.cat([inputs["txt_ids"], inputs["img_ids"]]))
+    assert cos.shape[0] == TEXT + TOKENS - TOKENS // 2
+    torch.testing.assert_close(cos[:TEXT], full_cos[:TEXT])
+    # Every merged position is the position of one image token (no averaged or invented positions).
+    image = full_cos[TEXT:]
+    for row in cos[TEXT:]:
+        assert (image - row).abs().amax(-1).min() == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pipelines
+
+
+def _run(pipe, call_kwargs, seed=0):
+    torch.manual_seed(seed)  # the SD3 ControlNet pipeline samples its control latents from the global RNG
+    return pipe(
+        num_inference_steps=2, height=32, width=32, generator=torch.Generator().manual_seed(seed),
+        output_type="latent", **call_kwargs,
+    )[0]
+
+
+@pytest.mark.parametrize("kind", TRANSFORMER_PIPELINES)
+def test_pipelines_patch_their_transformer_and_controlnet(kind):
+    pipe, call_kwargs = build_transformer_pipeline(kind)
+    pipe.set_progress_bar_config(disable=True)
+    reference = _run(pipe, call_kwargs)
+    pipe.apply_tome(ratio=0.5)
+    patched = _run(pipe, call_kwargs)
+    models = tome.patched_models(pipe)
+    assert [type(m).__name__ for m, _ in models][0] == type(pipe.transformer).__name__
+    assert len(models) == (2 if "controlnet" in kind else 1)
+    for _, state in models:
+        assert state.stats[1].kept < state.stats[1].tokens
+    assert torch.isfinite(patched).all() and rel(patched, reference) > 1e-4
+    assert torch.equal(_run(pipe, call_kwargs), patched)
+    pipe.remove_tome()
+    assert torch.equal(_run(pipe, call_kwargs), reference)
+
+
+@pytest.mark.parametrize("preset, fullgraph", [("tiny-sd3", True), ("tiny-flux", False)])
+def test_torch_compile_equals_eager(preset, fullgraph):
+    """Size-aware joint attention (a torch function mode) compiles without a graph break; Flux reads its
+    token grid from img_ids on the host once per ids tensor (one graph break)."""
+    model = build_transformer(preset)
+    inputs = transformer_inputs(model, HEIGHT, WIDTH, batch=2)
+    tome.patch(model, ratio=0.5)
+    eager = call(model, inputs)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=fullgraph)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(**inputs).sample, eager, rtol=1e-4, atol=1e-5)
+    tome.remove(model)
