@@ -21,6 +21,7 @@ DiT and their ControlNets) that hold blocks of a known family.
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from .backend import get_ops
@@ -467,7 +468,11 @@ def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any]
         selected_blocks(config, len(blocks_of(fw, model)), type(model).__qualname__)
     remove(fw, obj, undo)
     for model in models:
-        warn_if_nothing_merges(config, finest_level(fw, model), type(model).__qualname__)
+        where = type(model).__qualname__
+        if config.blocks is not None and not config.blocks:
+            warnings.warn(f"ToMe patch on {where} merges no tokens: blocks=[] selects no block", UserWarning, stacklevel=3)
+        else:
+            warn_if_nothing_merges(config, finest_level(fw, model), where)
         attach(fw, model, config)
     return obj
 

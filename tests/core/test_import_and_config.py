@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tome_core import ToMeConfig
@@ -13,7 +14,7 @@ from tome_core.levels import block_grid, downsample_factor, level_grid
 
 def test_import_loads_no_framework():
     code = (
-        "import sys, tome_core, tome_core.config, tome_core.state, tome_core.levels;"
+        "import sys, tome_core, tome_core.config, tome_core.state, tome_core.levels, tome_core.driver, tome_core.families;"
         "print(sorted(m for m in ('numpy', 'torch', 'paddle', 'jax', 'flax', 'diffusers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -89,3 +90,16 @@ def test_installed_names_keep_backends_and_adapters_inside_tome_core(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path).stdout
     assert out.strip() == "['tome_core', 'tome_core.backends', 'tome_core.adapters']"
+
+
+def test_numpy_numbers_are_accepted_as_option_values():
+    config = ToMeConfig(
+        ratio=np.float32(0.5), sx=np.int64(2), seed=np.int32(3), level_ratios={np.int64(1): np.float64(0.25)},
+        blocks=np.arange(3), reuse_blocks=np.int64(2),
+    )
+    assert (type(config.ratio), config.ratio, config.sx, config.seed) == (float, 0.5, 2, 3)
+    assert config.level_ratios == {1: 0.25} and config.blocks == (0, 1, 2) and config.reuse_blocks == 2
+    with pytest.raises(TypeError, match="ratio must be a float"):
+        ToMeConfig(ratio=np.bool_(True))
+    with pytest.raises(ValueError, match="reuse_blocks must be an int >= 1, got 0"):
+        ToMeConfig(reuse_blocks=0)
