@@ -93,14 +93,6 @@ TRANSFORMERS: Dict[str, Tuple[str, Dict[str, Any]]] = {
             pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192,
         ),
     ),
-    "sd3-small": (
-        "SD3Transformer2DModel",
-        dict(
-            sample_size=128, patch_size=2, in_channels=16, num_layers=6, attention_head_dim=64,
-            num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-            pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192,
-        ),
-    ),
     "flux-small": (
         "FluxTransformer2DModel",
         dict(
@@ -142,6 +134,9 @@ TRANSFORMERS: Dict[str, Tuple[str, Dict[str, Any]]] = {
         ),
     ),
 }
+
+
+TRANSFORMERS["sd3-small"] = ("SD3Transformer2DModel", {**TRANSFORMERS["sd3"][1], "num_layers": 6})
 
 
 def transformer_config(preset: str, **overrides: Any) -> Tuple[str, Dict[str, Any]]:
