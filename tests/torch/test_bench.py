@@ -122,3 +122,129 @@ def test_main_on_the_tiny_preset_writes_table_json_and_plot(tmp_path, capsys):
     default = [r for r in rows if r.method == "ours"]
     assert all(p.fidelity_step != q.fidelity_step for p, q in zip(variant, default))  # the variant really differs
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- diffusion transformers ------------------------------------------------------------------------------
+TRANSFORMER_PRESETS = ("tiny-sd3", "tiny-flux", "tiny-pixart")
+
+
+@pytest.fixture(scope="module", params=TRANSFORMER_PRESETS)
+def transformer_runner(request):
+    args = bench.parser().parse_args(["--preset", request.param, "--resolution", "64", "--batch", "2", "--text-tokens", "5"])
+    args.options = {}
+    return Runner(args)
+
+
+def _sublayer_tokens(runner, name, ratio, options=None):
+    """Per merged sub-layer call: (tokens of its hidden_states, tokens of its encoder_hidden_states or None),
+    counted by hooks added after the method's own (so they see what the sub-layer really gets)."""
+    from tome_core import driver
+    from tome_core.adapters.diffusers import FRAMEWORK
+
+    runner.options = dict(options or {})
+    seen = []
+
+    def count(module, args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
+        context = kwargs.get("encoder_hidden_states")
+        seen.append((x.shape[1], None if context is None else context.shape[1]))
+
+    try:
+        with runner.method(name, ratio):
+            handles = [
+                getattr(block, sublayer.child).register_forward_pre_hook(count, with_kwargs=True)
+                for block, family in driver.blocks_of(FRAMEWORK, runner.unet)
+                for sublayer in family.sublayers
+                if sublayer.kind == "attn" and getattr(block, sublayer.child, None) is not None
+            ]
+            runner.call()
+        for handle in handles:
+            handle.remove()
+    finally:
+        runner.options = {}
+    return seen
+
+
+@pytest.mark.parametrize("options", [{}, {"blocks": [0]}, {"merge_mlp": True}])
+def test_transformer_oracle_runs_on_the_token_counts_of_tome_with_text_untouched(transformer_runner, options):
+    plain = _sublayer_tokens(transformer_runner, "unpatched", 0.5)
+    ours = _sublayer_tokens(transformer_runner, "ours", 0.5, options)
+    oracle = _sublayer_tokens(transformer_runner, "oracle", 0.5, options)
+    assert ours == oracle and ours != plain
+    for (tokens, text), (full, full_text) in zip(ours, plain):
+        assert text == full_text  # the text stream keeps every token
+    if options.get("blocks") == [0]:
+        assert ours[1:] == plain[1:]  # only block 0 merges
+
+
+def test_transformer_oracle_keeps_flux_rotary_positions_of_the_kept_tokens():
+    """The oracle's rotary tables have one row per token the attention sees: text rows, then the kept image
+    tokens' own rows."""
+    args = bench.parser().parse_args(["--preset", "tiny-flux", "--resolution", "64", "--batch", "1", "--text-tokens", "3"])
+    args.options = {}
+    runner = Runner(args)
+    rows = []
+    attention = runner.unet.single_transformer_blocks[0].attn
+    with runner.method("oracle", 0.5):
+        handle = attention.register_forward_pre_hook(
+            lambda m, a, kw: rows.append((kw["hidden_states"].shape[1], kw["image_rotary_emb"][0].shape[0])), with_kwargs=True
+        )
+        runner.call()
+        handle.remove()
+    assert rows == [(3 + 8, 3 + 8)]  # 64 px: 8x8 latent, 4x4 packed tokens, 8 kept
+
+
+def test_transformer_methods_leave_the_model_unpatched(transformer_runner):
+    runner = transformer_runner
+    plain = runner.call().numpy()
+    assert np.isfinite(plain).all()
+    for name in ("ours", "oracle", "unpatched"):
+        out = runner.output(name, 0.5)
+        assert np.isfinite(out).all() and out.shape == plain.shape
+        np.testing.assert_array_equal(runner.call().numpy(), plain)  # nothing left attached
+    assert bench.relative_l2(runner.output("ours", 0.5), plain) > 0
+    np.testing.assert_array_equal(runner.output("oracle", 0.0), plain)  # dropping no tokens changes nothing
+
+
+def test_transformer_inputs_follow_the_pipelines():
+    from tome_core.bench_runner import flux_mu, pack_latents, packed_ids
+
+    x = np.arange(2 * 3 * 4 * 6, dtype="float32").reshape(2, 3, 4, 6)
+    packed = pack_latents(x)
+    assert packed.shape == (2, 6, 12)
+    np.testing.assert_array_equal(packed[1, 4], x[1, :, 2:4, 2:4].reshape(3, 4).ravel())  # token (1, 1): C x 2 x 2
+    assert packed_ids(2, 3).tolist()[-1] == [0, 1, 2]
+    assert flux_mu(256) == pytest.approx(0.5) and flux_mu(4096) == pytest.approx(1.15)
+
+
+@pytest.mark.parametrize("preset", TRANSFORMER_PRESETS)
+def test_main_on_tiny_transformers_writes_json_rows(preset, tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    rows = bench.main(
+        ["--preset", preset, "--resolution", "64", "--repeats", "1", "--warmup", "0", "--steps", "2",
+         "--text-tokens", "5", "--json", str(out_json), "--variant", "rb2:reuse_blocks=2", "--variant", "rs2:reuse_steps=2"]
+    )
+    text = capsys.readouterr().out
+    assert [r.method for r in rows] == ["unpatched", "ours", "ours:rb2", "ours:rs2", "oracle"]
+    assert "peer skipped: no other ToMe implementation exists for diffusion transformers" in text
+    for row in rows:
+        assert np.isfinite(row.median_s) and np.isfinite(row.fidelity_sampled)
+        if row.method != "unpatched":
+            assert row.fidelity_step > 0 and row.fidelity_sampled > 0
+    by_method = {r.method: r for r in rows}
+    assert by_method["ours:rs2"].fidelity_step == by_method["ours"].fidelity_step  # one call: nothing to reuse
+    assert by_method["ours:rs2"].fidelity_sampled != by_method["ours"].fidelity_sampled  # the loop's 2nd step reuses
+    saved = json.loads(out_json.read_text())
+    assert [r["method"] for r in saved["rows"]] == [r.method for r in rows]
+
+
+def test_micro_transformer_reports_block_times_and_overhead_shares(capsys):
+    result = bench.main(["--micro", "--preset", "tiny-flux", "--resolution", "64", "--batch", "1", "--repeats", "1",
+                         "--warmup", "0", "--text-tokens", "3"])
+    assert [b["block"] for b in result["blocks"]] == ["FluxTransformerBlock", "FluxSingleTransformerBlock"]
+    for block in result["blocks"]:
+        assert block["kept"] == 8 and block["merged_sublayers"] == ["attn"]
+        assert set(block["median_ms"]) == {"block_unpatched", "block_ours", "block_ours_reused_match", "block_oracle", "match", "merge_unmerge"}
+        shares = block["share_of_block"]
+        assert shares["reuse_1"] > shares["reuse_2"] > shares["reuse_4"] > 0
+    assert json.loads(capsys.readouterr().out)["preset"] == "tiny-flux"
