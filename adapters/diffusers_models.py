@@ -44,7 +44,7 @@ def build_unet(preset: str = "tiny", seed: int = 0, **overrides: Any) -> UNet2DC
 
 
 def build_transformer(preset: str = "tiny-sd3", seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """A diffusion transformer (SD3, Flux, PixArt) of a preset architecture with weights drawn from ``seed``.
+    """A diffusion transformer (SD3, SD3.5, Flux, PixArt, DiT) of a preset architecture with weights drawn from ``seed``.
 
     Zero-initialised output layers (adaLN-zero modulations, final projections) get small random values, as
     trained weights have, so every block shows in the output."""
@@ -86,6 +86,8 @@ def transformer_inputs(model: torch.nn.Module, height: int, width: int, batch: i
             pooled_projections=randn(batch, config.pooled_projection_dim),
             timestep=torch.full((batch,), 500.0),
         )
+    if name.startswith("DiT"):
+        return dict(hidden_states=sample, timestep=torch.full((batch,), 500), class_labels=torch.arange(batch) % 10)
     return dict(
         hidden_states=sample,
         encoder_hidden_states=randn(batch, text, config.cross_attention_dim),

@@ -137,6 +137,17 @@ TRANSFORMERS: Dict[str, Tuple[str, Dict[str, Any]]] = {
 
 
 TRANSFORMERS["sd3-small"] = ("SD3Transformer2DModel", {**TRANSFORMERS["sd3"][1], "num_layers": 6})
+# SD3.5's MM-DiT-X: a second, image-only self-attention in the first blocks and RMS-normalised q/k.
+TRANSFORMERS["tiny-sd35"] = (
+    "SD3Transformer2DModel", {**TRANSFORMERS["tiny-sd3"][1], "dual_attention_layers": (0,), "qk_norm": "rms_norm"}
+)
+TRANSFORMERS["tiny-dit"] = (
+    "DiTTransformer2DModel",
+    dict(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=2, sample_size=16,
+        patch_size=2, num_embeds_ada_norm=1000,
+    ),
+)
 
 
 def transformer_config(preset: str, **overrides: Any) -> Tuple[str, Dict[str, Any]]:

@@ -58,6 +58,28 @@ def test_ratio_zero_remove_and_reproducibility(model_and_inputs):
     assert not tome.patched_models(model)
 
 
+@pytest.mark.parametrize("preset", ["tiny-sd35", "tiny-dit"])
+def test_sd35_dual_attention_and_dit(preset):
+    """SD3.5's second (image-only) self-attention merges too; DiT (class-conditional, square only)."""
+    model = build_transformer(preset)
+    inputs = transformer_inputs(model, 16, 16, batch=2)
+    reference = call(model, inputs)
+    tome.patch(model, ratio=0.5)
+    seen = []
+    hooked = [m for name, m in model.named_modules() if name.endswith(("attn", "attn1", "attn2"))]
+    handles = [m.register_forward_pre_hook(lambda m, a, k: seen.append(k.get("hidden_states", a[0] if a else None).shape[1]), with_kwargs=True) for m in hooked]
+    patched = call(model, inputs)
+    for handle in handles:
+        handle.remove()
+    assert rel(patched, reference) > 1e-4 and torch.isfinite(patched).all()
+    image_attention = [n for n in seen if n != TEXT]  # PixArt/DiT cross-attention keys are text
+    assert image_attention and set(image_attention) == {32}  # 64 tokens, half merged (SD3.5: attn and attn2)
+    if preset == "tiny-sd35":
+        assert len(image_attention) == 3  # block 0: joint attn + attn2; block 1: joint attn
+    tome.remove(model)
+    assert torch.equal(call(model, inputs), reference)
+
+
 def _attention_inputs(model):
     """Record, per attention module of every block, the hidden_states / encoder_hidden_states it receives."""
     seen = []
