@@ -199,7 +199,8 @@ def run(args: argparse.Namespace) -> List[Row]:
             medians = {m: statistics.median(t) for m, t in times.items()}
             for method in methods:
                 fidelity_sampled = float("nan")
-                if args.steps and method != "unpatched":
+                looped = getattr(args, "sample_methods", None) is None or method in args.sample_methods
+                if args.steps and method != "unpatched" and looped:
                     fidelity_sampled = relative_l2(runner.sample(method, ratio, args.steps), reference_sampled)
                 rows.append(
                     Row(
@@ -285,6 +286,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--latents", choices=("image", "noise"), default="image",
                    help="input latents at the mid timestep: image-like structure, or pure Gaussian noise")
     p.add_argument("--steps", type=int, default=4, help="sampling-loop steps for the fidelity after a loop (0: skip)")
+    p.add_argument("--sample-methods", nargs="+", default=None, metavar="METHOD",
+                   help="run the sampling loop for these methods only (e.g. ours ours:rs2 oracle; default: all)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per method (0: fidelity only)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
