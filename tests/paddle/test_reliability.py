@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import os
 import random
-import threading
 import warnings
 
 import numpy as np
@@ -151,28 +150,7 @@ def test_save_pretrained_writes_the_unpatched_files_and_loads_unpatched(unet, ti
     np.testing.assert_array_equal(call(unet, inputs), patched_out)  # saving left the patch in place
 
 
-def run_in_two_threads(runs):
-    """``[runs[0](), runs[1]()]`` run at the same time from two threads (started together at a barrier)."""
-    results, errors = {}, []
-    barrier = threading.Barrier(2)
-
-    def work(index):
-        try:
-            barrier.wait()
-            results[index] = runs[index]()
-        except Exception as error:  # pragma: no cover - reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
-    return [results[0], results[1]]
-
-
-def test_two_models_patched_differently_run_from_two_threads(tiny_unet, inputs, call):
+def test_two_models_patched_differently_run_from_two_threads(tiny_unet, inputs, call, run_in_two_threads):
     options = [dict(ratio=0.5), dict(ratio=0.3, merge_mlp=True, seed=4)]
     models = [patched_copy(tiny_unet, **o) for o in options]
     expected = [call(m, inputs) for m in models]
@@ -183,7 +161,7 @@ def test_two_models_patched_differently_run_from_two_threads(tiny_unet, inputs, 
     assert np.abs(expected[0] - expected[1]).max() > 1e-6
 
 
-def test_two_pipelines_patched_differently_run_from_two_threads():
+def test_two_pipelines_patched_differently_run_from_two_threads(run_in_two_threads):
     """Each pipeline run alone is the oracle. Latents are passed in and DDIM (eta 0) draws no noise, so
     nothing in the runs depends on paddle's global generator, which two threads would share."""
     pipes = [build_pipeline("sd", seed=0), build_pipeline("sd", seed=0)]
