@@ -20,6 +20,7 @@ per call from the attention module's processor at that moment (so processors set
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -47,6 +48,11 @@ MASK_PROCESSORS = frozenset(
         "CustomDiffusionXFormersAttnProcessor",
     }
 )
+
+# diffusers' caching hooks (diffusers.hooks) on an attention module: those that hand back the stored output
+# object, and those that extrapolate new outputs from stored ones.
+REUSING_CACHES = frozenset({"pyramid_attention_broadcast"})
+EXTRAPOLATING_CACHES = frozenset({"taylorseer_cache", "faster_cache_block"})
 
 
 class _SizeBiasMode(TorchFunctionMode):
@@ -118,12 +124,24 @@ class TorchFramework:
         mode.__enter__()
         return args, kwargs
 
-    def size_aware_done(self, module: torch.nn.Module) -> None:
+    def output_cache(self, module: torch.nn.Module) -> Any:
+        registry = module.__dict__.get("_diffusers_hook")
+        names = set(getattr(registry, "hooks", {}) or {})
+        extrapolating = sorted(names & EXTRAPOLATING_CACHES)
+        if extrapolating:
+            raise ValueError(
+                f"ToMe cannot merge {type(module).__name__} while diffusers' {extrapolating[0]} hook builds its output "
+                "from outputs of earlier steps, which were merged by other matches; use FirstBlockCache, MagCache or "
+                "Pyramid Attention Broadcast with ToMe, or disable that cache"
+            )
+        return driver.REUSED if names & REUSING_CACHES else None
+
+    def size_aware_done(self, module: torch.nn.Module, computed: bool) -> None:
         mode = module.__dict__.pop("_tome_size_bias", None)
         if mode is None:
             return
         mode.__exit__(None, None, None)
-        if mode.calls == 0 and not torch.compiler.is_compiling():
+        if computed and mode.calls == 0 and sys.exc_info()[0] is None and not torch.compiler.is_compiling():
             raise RuntimeError(
                 f"proportional_attn=True: the attention processor {type(getattr(module, 'processor', None)).__name__} "
                 "of a merged attention computes attention without torch.nn.functional.scaled_dot_product_attention "

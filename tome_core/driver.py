@@ -32,6 +32,7 @@ from .match import Match
 from .merge import merge, unmerge
 from .state import ToMeState
 
+REUSED = "reused"  # an output cache that hands back the same object it stored
 PreHook = Callable[[Any, Tuple[Any, ...], Dict[str, Any]], Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]]
 PostHook = Callable[[Any, Tuple[Any, ...], Dict[str, Any], Any], Any]
 
@@ -59,8 +60,14 @@ class Framework(Protocol):
     def size_aware(self, module: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: "SizeBias") -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
         """Make ``module``'s attention add ``bias`` to its logits during this call; returns its arguments."""
 
-    def size_aware_done(self, module: Any) -> None:
-        """The call of ``module`` armed by :meth:`size_aware` has returned."""
+    def size_aware_done(self, module: Any, computed: bool) -> None:
+        """The call of ``module`` armed by :meth:`size_aware` has returned; ``computed`` is False when an
+        output cache returned a stored output instead of running attention."""
+
+    def output_cache(self, module: Any) -> Optional[str]:
+        """How another library caches ``module``'s output across calls: None (it does not), ``REUSED`` (it
+        returns the very output object of an earlier call), or raises ValueError naming a cache that builds
+        new outputs from earlier ones (those were merged by other matches)."""
 
 
 class SizeBias:
@@ -259,6 +266,7 @@ class _MergeInput:
         match = self.run.matches.get(self.sublayer.kind)
         if match is None or match.merged == 0:
             return None
+        self.fw.output_cache(module)  # a cache set after patch is checked here
         x = argument(args, kwargs, "hidden_states", 0)
         if self.sublayer.text == TEXT_PREFIX:
             text = get_ops(x).shape(x)[1] - match.tokens
@@ -297,20 +305,35 @@ def _merge_positions(rotary: Any, match: Match) -> Any:
 
 
 class _UnmergeOutput:
-    """Post-hook on a sub-layer: unmerge the image stream of its output (the text part stays)."""
+    """Post-hook on a sub-layer: unmerge the image stream of its output (the text part stays).
+
+    Where an output cache (e.g. diffusers' Pyramid Attention Broadcast) hands back an output it stored in an
+    earlier call, that output was merged by that call's match: the unmerged result of that call is returned
+    instead, which is what the cache gives an unpatched model."""
 
     def __init__(self, fw: Framework, run: _BlockRun, sublayer: Sublayer, size_aware: bool):
         self.fw = fw
         self.run = run
         self.sublayer = sublayer
         self.size_aware = size_aware
+        self.stored: Tuple[Any, Any] = (None, None)  # (raw output, its unmerged form), only under a cache
 
     def __call__(self, module, args, kwargs, output):
+        cached = output is not None and self.fw.output_cache(module) == REUSED  # None: the sub-layer raised
+        reused = cached and output is self.stored[0]
         if self.size_aware:
-            self.fw.size_aware_done(module)
+            self.fw.size_aware_done(module, computed=not reused)
+        if reused:
+            return self.stored[1]
         match = self.run.matches.get(self.sublayer.kind)
-        if output is None or match is None or match.merged == 0:  # None: the sub-layer raised
+        if output is None or match is None or match.merged == 0:
+            self.stored = (None, None)
             return None
+        result = self._unmerge(output, match)
+        self.stored = (output, result) if cached else (None, None)
+        return result
+
+    def _unmerge(self, output: Any, match: Match) -> Any:
         index = self.sublayer.output
         image = output if index is None else output[index]
         if self.sublayer.text == TEXT_PREFIX:
@@ -388,10 +411,21 @@ def selected_blocks(config: ToMeConfig, count: int, where: str) -> List[int]:
     return sorted(set(chosen))
 
 
-def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
-    """Hook ``model`` (one found by :func:`find_models`) with ``config``."""
+def _sublayers(fw: Framework, model: Any, config: ToMeConfig):
+    """``(stream, block, family, sublayer, module)`` of every sub-layer that merges under ``config``."""
     blocks = blocks_of(fw, model)
     chosen = set(selected_blocks(config, len(blocks), type(model).__qualname__))
+    for stream, (block, family) in enumerate(blocks):
+        if stream not in chosen:
+            continue
+        for sublayer in family.sublayers:
+            target = getattr(block, sublayer.child, None)
+            if target is not None and fw.is_module(target) and config.sublayers[sublayer.kind]:
+                yield stream, block, family, sublayer, target
+
+
+def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
+    """Hook ``model`` (one found by :func:`find_models`) with ``config``."""
     state = ToMeState(config=config, finest_level=finest_level(fw, model))
     patch = Patch(state)
     add = patch.handles.append
@@ -400,19 +434,16 @@ def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
     if not is_transformer_model(model):
         for module in _grid_modules(fw, model):
             add(fw.add_pre_hook(module, _GridHook(state, getattr(module, "data_format", data_format))))
-    for stream, (block, family) in enumerate(blocks):
-        if stream not in chosen:
-            continue
-        run = _BlockRun(state, family, stream, block)
-        add(fw.add_pre_hook(block, run.begin))
-        add(fw.add_post_hook(block, run.end))
-        for sublayer in family.sublayers:
-            target = getattr(block, sublayer.child, None)
-            if target is None or not fw.is_module(target) or not state.merges(sublayer.kind):
-                continue
-            size_aware = sublayer.attention and config.proportional_attn
-            add(fw.add_pre_hook(target, _MergeInput(fw, run, sublayer, size_aware)))
-            add(fw.add_post_hook(target, _UnmergeOutput(fw, run, sublayer, size_aware)))
+    runs: Dict[int, _BlockRun] = {}
+    for stream, block, family, sublayer, target in _sublayers(fw, model, config):
+        run = runs.get(stream)
+        if run is None:
+            run = runs[stream] = _BlockRun(state, family, stream, block)
+            add(fw.add_pre_hook(block, run.begin))
+            add(fw.add_post_hook(block, run.end))
+        size_aware = sublayer.attention and config.proportional_attn
+        add(fw.add_pre_hook(target, _MergeInput(fw, run, sublayer, size_aware)))
+        add(fw.add_post_hook(target, _UnmergeOutput(fw, run, sublayer, size_aware)))
     model.__dict__["_tome_patch"] = patch
 
 
@@ -465,7 +496,8 @@ def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any]
         )
     for model in models:
         check_grids(fw, model)
-        selected_blocks(config, len(blocks_of(fw, model)), type(model).__qualname__)
+        for *_, target in _sublayers(fw, model, config):
+            fw.output_cache(target)
     remove(fw, obj, undo)
     for model in models:
         where = type(model).__qualname__

@@ -197,7 +197,7 @@ def _sized(attention, args, kwargs, match, text, merged):
     try:
         return attention(*args, **kwargs)
     finally:
-        FRAMEWORK.size_aware_done(attention)
+        FRAMEWORK.size_aware_done(attention, computed=True)
 
 
 @pytest.mark.parametrize("preset, block_name, text", [
@@ -325,3 +325,93 @@ def test_torch_compile_equals_eager(preset, fullgraph):
     with torch.no_grad():
         torch.testing.assert_close(compiled(**inputs).sample, eager, rtol=1e-4, atol=1e-5)
     tome.remove(model)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# diffusers' caching methods beside ToMe
+
+
+def _cache(name, pipe):
+    from diffusers import FasterCacheConfig, FirstBlockCacheConfig, PyramidAttentionBroadcastConfig, TaylorSeerCacheConfig
+
+    return {
+        "first-block": FirstBlockCacheConfig(threshold=0.5),
+        "pyramid-attention-broadcast": PyramidAttentionBroadcastConfig(
+            spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 1001),
+            current_timestep_callback=lambda: pipe.current_timestep,
+        ),
+        "taylorseer": TaylorSeerCacheConfig(),
+        "faster-cache": FasterCacheConfig(
+            spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 1001),
+            current_timestep_callback=lambda: pipe.current_timestep, is_guidance_distilled=True,
+        ),
+    }[name]
+
+
+def _run_steps(pipe, call_kwargs):
+    return pipe(
+        num_inference_steps=4, height=32, width=32, generator=torch.Generator().manual_seed(0), output_type="latent",
+        **call_kwargs,
+    )[0]
+
+
+@pytest.mark.parametrize("cache", ["first-block", "pyramid-attention-broadcast"])
+@pytest.mark.parametrize("tome_first", [False, True])
+def test_caches_that_keep_whole_outputs_compose_in_either_order(cache, tome_first):
+    """FirstBlockCache caches block outputs (full token count); Pyramid Attention Broadcast hands back an
+    attention output stored at an earlier step, which ToMe unmerges with that step's match."""
+    pipe, call_kwargs = build_transformer_pipeline("flux")
+    pipe.set_progress_bar_config(disable=True)
+    plain = _run_steps(pipe, call_kwargs)
+    if tome_first:
+        tome.patch(pipe, ratio=0.5)
+        pipe.transformer.enable_cache(_cache(cache, pipe))
+        both = _run_steps(pipe, call_kwargs)
+        tome.remove(pipe)
+        cache_alone = _run_steps(pipe, call_kwargs)
+    else:
+        pipe.transformer.enable_cache(_cache(cache, pipe))
+        cache_alone = _run_steps(pipe, call_kwargs)
+        tome.patch(pipe, ratio=0.5)
+        both = _run_steps(pipe, call_kwargs)
+        tome.remove(pipe)
+        assert torch.equal(_run_steps(pipe, call_kwargs), cache_alone)  # remove undoes only ToMe
+    assert torch.isfinite(both).all() and rel(both, cache_alone) > 1e-4
+    pipe.transformer.disable_cache()
+    assert torch.equal(_run_steps(pipe, call_kwargs), plain)  # disable_cache undoes only the cache
+    tome.patch(pipe, ratio=0.5)
+    tome_alone = _run_steps(pipe, call_kwargs)
+    pipe.transformer.enable_cache(_cache(cache, pipe))
+    _run_steps(pipe, call_kwargs)
+    pipe.transformer.disable_cache()
+    assert torch.equal(_run_steps(pipe, call_kwargs), tome_alone)
+
+
+def test_pyramid_attention_broadcast_reuses_the_unmerged_output_of_its_step():
+    """On a skipped step the attention output is the one unmerged at the step that computed it."""
+    pipe, call_kwargs = build_transformer_pipeline("flux")
+    pipe.set_progress_bar_config(disable=True)
+    tome.patch(pipe, ratio=0.5)
+    pipe.transformer.enable_cache(_cache("pyramid-attention-broadcast", pipe))
+    attention = pipe.transformer.transformer_blocks[0].attn
+    outputs = []
+    handle = attention.register_forward_hook(lambda m, a, k, out: outputs.append(out[0]), with_kwargs=True)
+    _run_steps(pipe, call_kwargs)
+    handle.remove()
+    assert len(outputs) == 4 and outputs[1] is outputs[0] and outputs[3] is outputs[2]
+    assert outputs[0].shape[1] == 64  # the full token count: what the block adds to its residual
+
+
+@pytest.mark.parametrize("cache", ["taylorseer", "faster-cache"])
+def test_caches_that_extrapolate_merged_outputs_are_refused_clearly(cache):
+    pipe, call_kwargs = build_transformer_pipeline("flux")
+    pipe.set_progress_bar_config(disable=True)
+    pipe.transformer.enable_cache(_cache(cache, pipe))
+    with pytest.raises(ValueError, match="builds its output from outputs of earlier steps"):
+        tome.patch(pipe, ratio=0.5)
+    assert not tome.patched_models(pipe)
+    pipe.transformer.disable_cache()
+    tome.patch(pipe, ratio=0.5)
+    pipe.transformer.enable_cache(_cache(cache, pipe))  # after patch: refused at the first call
+    with pytest.raises(ValueError, match="builds its output from outputs of earlier steps"):
+        _run_steps(pipe, call_kwargs)
