@@ -64,7 +64,8 @@ def tests_paddle(session):
 
 @nox.session(name="tests-paddle-torch")
 def tests_paddle_torch(session):
-    """Cross-framework parity: the same UNet weights patched on torch and on paddle give the same output.
+    """Cross-framework parity: the same UNet and SD3 transformer weights patched on torch and on paddle give the
+    same output.
 
     diffusers 0.32.2 is the newest torch diffusers that installs beside ppdiffusers' huggingface_hub pin.
     """

@@ -1,4 +1,5 @@
-"""Cross-framework parity: one UNet's weights in torch diffusers and in ppdiffusers, patched by each adapter.
+"""Cross-framework parity: one UNet's (and one SD3 transformer's) weights in torch diffusers and in ppdiffusers,
+patched by each adapter.
 
 The partition is a hash of (seed, timestep, block) computed by the shared core, so the patched outputs agree
 with use_rand=True as well as with use_rand=False. Needs torch + diffusers beside paddle + ppdiffusers: runs
@@ -15,8 +16,9 @@ import paddle
 import pytest
 
 import tome_core.paddle as tome_paddle
+from tome_core.adapters.ppdiffusers_models import build_transformer as build_paddle_transformer
 from tome_core.adapters.ppdiffusers_models import build_unet as build_paddle_unet
-from tome_core.presets import unet_config
+from tome_core.presets import transformer_config, unet_config
 
 if "torch" not in os.environ.get("TOME_TEST_BACKENDS", "").split(","):
     pytest.skip("torch not in TOME_TEST_BACKENDS (run nox -s tests-paddle-torch)", allow_module_level=True)
@@ -31,11 +33,16 @@ import tome_core.torch as tome_torch  # noqa: E402
 torch.set_num_threads(1)
 
 
-def torch_to_paddle(torch_model: torch.nn.Module, paddle_model: paddle.nn.Layer) -> None:
-    """Copy weights across: the state-dict keys match; paddle stores every Linear weight transposed."""
+def torch_to_paddle(torch_model: torch.nn.Module, paddle_model: paddle.nn.Layer, paddle_only=()) -> None:
+    """Copy weights across: the state-dict keys match; paddle stores every Linear weight transposed.
+
+    ``paddle_only``: parameters torch's model does not have (biases of norms that torch builds without
+    affine parameters); they are set to zero, which is what torch computes."""
     source = {k: v.detach().cpu().numpy() for k, v in torch_model.state_dict().items()}
     target = paddle_model.state_dict()
-    assert source.keys() == target.keys()
+    assert source.keys() == target.keys() - set(paddle_only)
+    for key in paddle_only:
+        target[key].set_value(np.zeros(target[key].shape, np.float32))
     linear = {f"{name}.weight" for name, layer in paddle_model.named_sublayers() if isinstance(layer, paddle.nn.Linear)}
     for key, value in source.items():
         value = value.T if key in linear else value
@@ -134,3 +141,82 @@ def test_random_partition_depends_on_the_timestep_in_both(pair):
     finally:
         tome_torch.remove(pair.torch_unet)
         tome_paddle.remove(pair.paddle_unet)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# SD3 (MM-DiT): joint attention over [merged image; text], size-aware through each framework's own route
+# (torch: an SDPA function mode; paddle: the wrapped scaled_dot_product_attention_, here the conftest shim)
+
+
+class SD3Pair:
+    """One tiny SD3 transformer and its inputs (a non-square 16x12 latent, batch 2) in both frameworks."""
+
+    # ppdiffusers gives these two norms (affine-free in diffusers) a bias.
+    PADDLE_ONLY = ("norm_out.norm.bias", "transformer_blocks.1.norm1_context.norm.bias")
+
+    def __init__(self):
+        name, config = transformer_config("tiny-sd3")
+        torch.manual_seed(0)
+        self.torch_model = getattr(diffusers, name)(**config).eval()
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # adaLN-zero modulations and zero biases get values, so every block shows
+            for parameter in self.torch_model.parameters():
+                if not parameter.any():
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
+        self.paddle_model = build_paddle_transformer("tiny-sd3")
+        torch_to_paddle(self.torch_model, self.paddle_model, self.PADDLE_ONLY)
+        rng = np.random.default_rng(0)
+        self.arrays = dict(
+            hidden_states=rng.standard_normal((2, 4, 16, 12)).astype(np.float32),
+            encoder_hidden_states=rng.standard_normal((2, 7, config["joint_attention_dim"])).astype(np.float32),
+            pooled_projections=rng.standard_normal((2, config["pooled_projection_dim"])).astype(np.float32),
+        )
+
+    def run_torch(self, timestep: float) -> np.ndarray:
+        kwargs = {k: torch.from_numpy(v) for k, v in self.arrays.items()}
+        with torch.no_grad():
+            return self.torch_model(timestep=torch.full((2,), timestep), **kwargs).sample.numpy()
+
+    def run_paddle(self, timestep: float) -> np.ndarray:
+        kwargs = {k: paddle.to_tensor(v) for k, v in self.arrays.items()}
+        with paddle.no_grad():
+            return self.paddle_model(timestep=paddle.full([2], timestep), **kwargs).sample.numpy()
+
+
+@pytest.fixture(scope="module")
+def sd3_pair(sdpa_shim):
+    return SD3Pair()
+
+
+SD3_CASES = [
+    dict(),
+    dict(proportional_attn=False),
+    dict(ratio=0.6, merge_mlp=True, blocks=[0]),
+    dict(sx=3, sy=1, reuse_blocks=2, local_window=1),
+]
+
+
+def test_unpatched_sd3_models_agree(sd3_pair):
+    assert relative_error(sd3_pair.run_paddle(500.0), sd3_pair.run_torch(500.0)) < 1e-5
+
+
+@pytest.mark.parametrize("use_rand", [False, True])
+@pytest.mark.parametrize("options", SD3_CASES, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "defaults")
+def test_patched_sd3_models_agree(sd3_pair, options, use_rand):
+    plain = sd3_pair.run_torch(500.0)
+    options = {"ratio": 0.5, **options, "use_rand": use_rand}
+    tome_torch.patch(sd3_pair.torch_model, **options)
+    tome_paddle.patch(sd3_pair.paddle_model, **options)
+    try:
+        for timestep in (500.0, 37.0):
+            ours_torch, ours_paddle = sd3_pair.run_torch(timestep), sd3_pair.run_paddle(timestep)
+            if timestep == 500.0:
+                assert relative_error(ours_torch, plain) > 1e-3  # merging really changed the output
+            assert relative_error(ours_paddle, ours_torch) < 1e-5
+        (_, torch_state), (_, paddle_state) = (
+            tome_torch.patched_models(sd3_pair.torch_model)[0], tome_paddle.patched_models(sd3_pair.paddle_model)[0]
+        )
+        assert torch_state.stats == paddle_state.stats and torch_state.stats
+    finally:
+        tome_torch.remove(sd3_pair.torch_model)
+        tome_paddle.remove(sd3_pair.paddle_model)
