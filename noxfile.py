@@ -49,6 +49,9 @@ def tests_numpy(session):
 @nox.session(name="tests-torch")
 def tests_torch(session):
     session.install(*TEST, *TORCH, "tqdm", "matplotlib")
+    # Speed-ups that tests/torch/test_compose.py stacks with ToMe; --no-deps: tgate pins DeepCache and pulls
+    # accelerate. (HiDiffusion 0.1.10 does not import with diffusers 0.42: README, "Works with".)
+    session.install("--no-deps", "DeepCache==0.1.1", "tgate==1.0.0")
     session.install(".")
     run_tests(session, "numpy,torch", "tests/torch")
 
