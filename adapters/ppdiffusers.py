@@ -41,21 +41,18 @@ ACCEPTED = (
     "transformer blocks"
 )
 # Processors that add a whole-batch ``attention_mask`` ([B, 1, K] is broadcast over heads and queries) to
-# their attention scores.
+# their attention scores. (ppdiffusers' ``AttnProcessor2_5`` and its IP-Adapter / custom-diffusion twins are
+# aliases of the xformers classes.)
 MASK_PROCESSORS = frozenset(
     {
         "AttnProcessor",
-        "AttnProcessor2_5",
         "XFormersAttnProcessor",
         "SlicedAttnProcessor",
         "LoRAAttnProcessor",
-        "LoRAAttnProcessor2_5",
         "LoRAXFormersAttnProcessor",
         "IPAdapterAttnProcessor",
-        "IPAdapterAttnProcessor2_5",
         "IPAdapterXFormersAttnProcessor",
         "CustomDiffusionAttnProcessor",
-        "CustomDiffusionAttnProcessor2_5",
         "CustomDiffusionXFormersAttnProcessor",
     }
 )
@@ -212,9 +209,14 @@ class PaddleFramework:
         _SDPA_WRAPPER.arm(_Armed(module, bias))
         return args, kwargs
 
-    def size_aware_done(self, module: Layer) -> None:
+    def output_cache(self, module: Layer) -> None:
+        return None  # ppdiffusers has no output-caching hooks
+
+    def size_aware_done(self, module: Layer, computed: bool = True) -> None:
         armed = _SDPA_WRAPPER.disarm(module)
-        if armed is None or armed.calls > 0 or sys.exc_info()[0] is not None:  # raised: its error is the news
+        if not computed or armed is None or armed.calls > 0:
+            return
+        if sys.exc_info()[0] is not None:  # the attention raised: its own error is the news
             return
         raise RuntimeError(
             f"proportional_attn=True: the attention processor {type(getattr(module, 'processor', None)).__name__} "

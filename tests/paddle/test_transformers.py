@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 import pytest
+from ppdiffusers.models import attention_processor
 
 import tome_core.paddle as tome
 from tome_core import driver
@@ -192,11 +193,17 @@ def test_blocks_selects_which_blocks_merge(model_and_inputs):
 # Size-aware attention against attention over tokens repeated by their sizes
 
 
-@pytest.mark.parametrize("preset, text", [("tiny-sd3", TEXT_AFTER), ("tiny-dit", TEXT_NONE)])
-def test_size_aware_attention_equals_attention_over_repeated_tokens(preset, text):
+@pytest.mark.parametrize("preset, text, processor", [
+    ("tiny-sd3", TEXT_AFTER, None),  # joint attention: through scaled_dot_product_attention_
+    ("tiny-dit", TEXT_NONE, None),  # AttnProcessor (CPU default): through attention_mask
+    ("tiny-dit", TEXT_NONE, "XFormersAttnProcessor"),  # = AttnProcessor2_5 (ppxformers): attention_mask, then SDPA
+])
+def test_size_aware_attention_equals_attention_over_repeated_tokens(preset, text, processor):
     model = build_transformer(preset)
     block = model.transformer_blocks[0]
     attention = block.attn if text == TEXT_AFTER else block.attn1
+    if processor is not None:
+        attention.set_processor(getattr(attention_processor, processor)())
     rng = np.random.default_rng(1)
     randn = lambda *shape: paddle.to_tensor(rng.standard_normal(shape).astype(np.float32))
     channels = model.inner_dim
