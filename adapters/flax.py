@@ -218,6 +218,13 @@ def config_key(config: Optional[ToMeConfig]) -> Any:
 
 
 def _check_supported(config: ToMeConfig) -> None:
+    for name in ("blocks", "block_ratios"):
+        if getattr(config, name) is not None:
+            raise ValueError(
+                f"{name} is not supported on jax: diffusers' Flax models are UNets, whose blocks are chosen by level "
+                "(max_downsample, level_ratios); diffusion transformers, where block choice matters, exist in torch "
+                "and paddle only"
+            )
     if config.reuse_steps != 1:
         raise ValueError(
             f"reuse_steps={config.reuse_steps} is not supported on jax: a match is computed inside a traced model "

@@ -53,6 +53,8 @@ class ToMeConfig:
         from the end, as in Python); ``None`` merges every block the level selection allows.
     reuse_blocks: one match serves this many consecutive blocks (computed in the first); 1 = a match per
         block.
+    block_ratios: ``{block index: ratio}`` replacing ``ratio`` (and level ratios) in those blocks (indices as in
+        ``blocks``); a sub-layer ratio still wins.
     """
 
     ratio: float = 0.5
@@ -74,6 +76,7 @@ class ToMeConfig:
     proportional_attn: bool = True
     blocks: Optional[Tuple[int, ...]] = None
     reuse_blocks: int = 1
+    block_ratios: Optional[Mapping[int, float]] = None
 
     def __post_init__(self) -> None:
         for name in ("sx", "sy", "seed", "reuse_steps", "local_window", "reuse_blocks"):
@@ -112,6 +115,14 @@ class ToMeConfig:
                     raise ValueError(f"level_ratios keys must be levels 1, 2, 4 or 8, got {level!r}")
                 self._check_ratio(f"level_ratios[{level}]", value)
             object.__setattr__(self, "level_ratios", {int(k): float(v) for k, v in self.level_ratios.items()})
+        if self.block_ratios is not None:
+            if not isinstance(self.block_ratios, Mapping):
+                raise TypeError(f"block_ratios must be a dict {{block index: ratio}}, got {self.block_ratios!r}")
+            for index, value in self.block_ratios.items():
+                if isinstance(index, bool) or not isinstance(index, numbers.Integral):
+                    raise TypeError(f"block_ratios keys must be block indices (ints), got {index!r}")
+                self._check_ratio(f"block_ratios[{index}]", value)
+            object.__setattr__(self, "block_ratios", {int(k): float(v) for k, v in self.block_ratios.items()})
 
     def _check_ratio(self, name: str, ratio: Any) -> None:
         if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real):
@@ -125,11 +136,14 @@ class ToMeConfig:
                 f"{self.sx}x{self.sy} cell is kept, so {name} must be at most 1 - 1/(sx*sy) = {reachable:g}"
             )
 
-    def ratio_for(self, sublayer: str, level: int) -> float:
-        """The ratio of ``sublayer`` ("attn", "crossattn", "mlp") at downsample ``level``."""
+    def ratio_for(self, sublayer: str, level: int, block_ratio: Optional[float] = None) -> float:
+        """The ratio of ``sublayer`` ("attn", "crossattn", "mlp") at downsample ``level``, in a block whose
+        ``block_ratios`` entry is ``block_ratio`` (None: it has none)."""
         own = getattr(self, f"{sublayer}_ratio")
         if own is not None:
             return own
+        if block_ratio is not None:
+            return block_ratio
         if self.level_ratios is not None and level in self.level_ratios:
             return self.level_ratios[level]
         return self.ratio

@@ -229,11 +229,12 @@ class _GridHook:
 class _BlockRun:
     """The matches of one transformer block while it runs, shared by the hooks of its sub-layers."""
 
-    def __init__(self, state: ToMeState, family: BlockFamily, stream: int, block: Any):
+    def __init__(self, state: ToMeState, family: BlockFamily, stream: int, block: Any, ratio: Optional[float]):
         self.state = state
         self.family = family
         self.stream = stream
         self.block = block
+        self.ratio = ratio  # its block_ratios entry
         self.matches: Dict[str, Match] = {}
 
     def begin(self, module, args, kwargs):
@@ -243,7 +244,7 @@ class _BlockRun:
                 "feed-forward runs on chunks of the merged tokens; disable one of them"
             )
         metric = argument(args, kwargs, "hidden_states", 0)
-        self.matches = self.state.block_matches(metric, self.stream, shared=self.family.rotary is not None)
+        self.matches = self.state.block_matches(metric, self.stream, self.family.rotary is not None, self.ratio)
         return None
 
     def end(self, module, args, kwargs, output):
@@ -399,22 +400,29 @@ def check_grids(fw: Framework, model: Any) -> None:
         )
 
 
+def _block_index(name: str, index: int, count: int, where: str) -> int:
+    if not -count <= index < count:
+        raise ValueError(f"{name}: index {index} is out of range for {where}, which has {count} transformer blocks")
+    return index % count
+
+
 def selected_blocks(config: ToMeConfig, count: int, where: str) -> List[int]:
     """Indices of the blocks that merge (``config.blocks``, negative from the end), checked against ``count``."""
     if config.blocks is None:
         return list(range(count))
-    chosen = []
-    for index in config.blocks:
-        if not -count <= index < count:
-            raise ValueError(f"blocks: index {index} is out of range for {where}, which has {count} transformer blocks")
-        chosen.append(index % count)
-    return sorted(set(chosen))
+    return sorted({_block_index("blocks", index, count, where) for index in config.blocks})
+
+
+def block_ratios(config: ToMeConfig, count: int, where: str) -> Dict[int, float]:
+    """``config.block_ratios`` with indices resolved against ``count`` blocks."""
+    return {_block_index("block_ratios", i, count, where): r for i, r in (config.block_ratios or {}).items()}
 
 
 def _sublayers(fw: Framework, model: Any, config: ToMeConfig):
     """``(stream, block, family, sublayer, module)`` of every sub-layer that merges under ``config``."""
     blocks = blocks_of(fw, model)
     chosen = set(selected_blocks(config, len(blocks), type(model).__qualname__))
+    block_ratios(config, len(blocks), type(model).__qualname__)  # checks the indices
     for stream, (block, family) in enumerate(blocks):
         if stream not in chosen:
             continue
@@ -427,6 +435,7 @@ def _sublayers(fw: Framework, model: Any, config: ToMeConfig):
 def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
     """Hook ``model`` (one found by :func:`find_models`) with ``config``."""
     state = ToMeState(config=config, finest_level=finest_level(fw, model))
+    ratios = block_ratios(config, len(blocks_of(fw, model)), type(model).__qualname__)
     patch = Patch(state)
     add = patch.handles.append
     data_format = getattr(model, "data_format", "NCHW")
@@ -438,7 +447,7 @@ def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
     for stream, block, family, sublayer, target in _sublayers(fw, model, config):
         run = runs.get(stream)
         if run is None:
-            run = runs[stream] = _BlockRun(state, family, stream, block)
+            run = runs[stream] = _BlockRun(state, family, stream, block, ratios.get(stream))
             add(fw.add_pre_hook(block, run.begin))
             add(fw.add_post_hook(block, run.end))
         size_aware = sublayer.attention and config.proportional_attn

@@ -67,7 +67,7 @@ def warn_if_nothing_merges(config: ToMeConfig, finest_level: int, where: str) ->
         )
     elif not any(config.sublayers.values()):
         reason = "merge_attn, merge_crossattn and merge_mlp are all False"
-    elif not any(
+    elif not any(ratio > 0 for ratio in (config.block_ratios or {}).values()) and not any(
         config.ratio_for(sublayer, level) > 0
         for sublayer, on in config.sublayers.items()
         if on

@@ -75,12 +75,15 @@ class ToMeState:
         if self.latent_hw is None:
             self.latent_hw = grid_hw
 
-    def block_matches(self, metric: Any, stream: int, shared: bool = False) -> Dict[str, Match]:
+    def block_matches(
+        self, metric: Any, stream: int, shared: bool = False, block_ratio: Optional[float] = None
+    ) -> Dict[str, Match]:
         """One match per merged sub-layer for a block's input ``metric`` ``[B, N, C]``.
 
         ``stream`` tells blocks apart (it keys their partition and, without ``reuse_level``, their reuse).
         Sub-layers share the similarity and ranking; only their ratios may differ. ``shared``: one match for
-        the whole batch (blocks whose tokens carry rotary positions).
+        the whole batch (blocks whose tokens carry rotary positions). ``block_ratio``: this block's entry of
+        ``block_ratios``, if any.
         """
         ops = get_ops(metric)
         batch, tokens = ops.shape(metric)[:2]
@@ -93,13 +96,13 @@ class ToMeState:
         config = self.config
         factor = downsample_factor(latent, tokens, self.grid_hw)
         merged = {
-            sublayer: int(tokens * config.ratio_for(sublayer, factor)) if factor <= self.max_downsample else 0
+            sublayer: int(tokens * config.ratio_for(sublayer, factor, block_ratio)) if factor <= self.max_downsample else 0
             for sublayer, on in config.sublayers.items()
             if on
         }
         reuse = config.reuse_level or config.reuse_steps > 1 or config.reuse_blocks > 1
         first = stream - stream % config.reuse_blocks  # the block whose match a run of reuse_blocks shares
-        key = (factor if config.reuse_level else ("block", first), batch, tokens, shared)
+        key = (factor if config.reuse_level else ("block", first), batch, tokens, shared, block_ratio)
         matches = self.cache.get(key) if reuse else None
         if matches is None:
             matches = self._match(ops, metric, latent, factor, merged, first, shared)

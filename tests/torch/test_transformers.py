@@ -4,6 +4,8 @@ core's own match, token counts seen inside the attention modules."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -160,6 +162,37 @@ def test_blocks_selects_which_blocks_merge():
         tome.patch(model, ratio=0.5, blocks=[2])
     with pytest.raises(TypeError, match="blocks must hold block indices"):
         tome.patch(model, blocks=[0.5])
+    tome.remove(model)
+
+
+def test_block_ratios_set_each_blocks_ratio():
+    model = build_transformer("tiny-sd3", num_layers=3)
+    inputs = transformer_inputs(model, HEIGHT, WIDTH)
+
+    def image_tokens(**options):
+        """Image tokens each block's joint attention sees (hooks registered after the patch)."""
+        tome.patch(model, **options)
+        seen = []
+        handles = [
+            block.attn.register_forward_pre_hook(lambda m, a, k: seen.append(k["hidden_states"].shape[1]), with_kwargs=True)
+            for block in model.transformer_blocks
+        ]
+        call(model, inputs)
+        for handle in handles:
+            handle.remove()
+        return seen
+
+    assert image_tokens(ratio=0.5, block_ratios={0: 0.75, -1: 0.0}) == [
+        TOKENS - int(TOKENS * 0.75), TOKENS - int(TOKENS * 0.5), TOKENS
+    ]
+    assert image_tokens(ratio=0.5, block_ratios={1: 0.25}, attn_ratio=0.75) == [TOKENS - int(TOKENS * 0.75)] * 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # block 1 merges: no nothing-merges warning
+        assert image_tokens(ratio=0.0, block_ratios={1: 0.5}) == [TOKENS, TOKENS // 2, TOKENS]
+    with pytest.raises(ValueError, match="block_ratios: index 3 is out of range for SD3Transformer2DModel, which has 3"):
+        tome.patch(model, block_ratios={3: 0.5})
+    with pytest.raises(ValueError, match=r"block_ratios\[0\]=0.9 cannot be reached"):
+        tome.patch(model, block_ratios={0: 0.9})
     tome.remove(model)
 
 
