@@ -274,9 +274,23 @@ def ppdiffusers_targets(obj: Any) -> List[Layer]:
 # Entry points
 
 
+def _refuse_fused_models(obj: Any) -> None:
+    """Models built with ppdiffusers' ``INFERENCE_OPTIMIZE=True`` run one fused layer (``SimplifiedSD3``,
+    ``SimplifiedFacebookDIT``) in place of their transformer blocks: hooks on the blocks would never run."""
+    for component in driver.components(FRAMEWORK, obj):
+        for layer in FRAMEWORK.submodules(component):
+            if getattr(layer, "inference_optimize", False) is True:
+                raise ValueError(
+                    f"cannot patch {type(layer).__qualname__} built with INFERENCE_OPTIMIZE=True: ppdiffusers then runs "
+                    "a fused layer in place of the transformer blocks that ToMe merges in; build it without "
+                    "INFERENCE_OPTIMIZE"
+                )
+
+
 def patch(obj: Any, **options: Any) -> Any:
     """Apply ToMe to ``obj`` in place and return it; patching again replaces the earlier options (and
     ppdiffusers' own port)."""
+    _refuse_fused_models(obj)
     return driver.patch(FRAMEWORK, obj, options, undo=_undo)
 
 

@@ -175,6 +175,17 @@ def test_bad_options_raise_before_anything_is_patched(model_and_inputs, bad_opti
     assert not tome.patched_models(model) and hook_count(model) == hooks
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_models_built_with_inference_optimize_are_refused(preset):
+    """ppdiffusers' INFERENCE_OPTIMIZE=True runs a fused layer instead of the blocks (DiT keeps its unused
+    blocks: patching would silently merge nothing)."""
+    model = build_transformer(preset)
+    model.inference_optimize = True  # what building under INFERENCE_OPTIMIZE=True sets
+    with pytest.raises(ValueError, match=f"cannot patch {type(model).__name__} built with INFERENCE_OPTIMIZE=True"):
+        tome.patch(model, ratio=0.5)
+    assert hook_count(model) == 0
+
+
 def test_blocks_selects_which_blocks_merge(model_and_inputs):
     model, inputs = model_and_inputs
     name = type(model).__name__
