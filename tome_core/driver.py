@@ -127,7 +127,7 @@ def _step(timestep: Any) -> Any:
     if timestep is None:
         return 0
     if isinstance(timestep, (int, float)):
-        return int(timestep)
+        return timestep
     ops = get_ops(timestep)
     return ops.reshape(timestep, (-1,))[0]
 

@@ -7,6 +7,7 @@ always sources.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Tuple, Union
 
@@ -31,13 +32,15 @@ def random_offsets(
 
     A counter-based hash of (seed, step, stream, cell): no random-number generator state is read or
     advanced, the same arguments give the same partition on every backend and on every run, and
-    ``step`` may be a traced or on-device integer (the denoising timestep) without a host sync.
+    ``step`` may be a traced or on-device number (the denoising timestep, integer or fractional) without a
+    host sync; steps that differ by at least 1/1000 give different partitions.
     """
     hsy, wsx = h // sy, w // sx
     cell = ops.arange(hsy * wsx, like)
     key = (seed % _PRIME) * _MIX[0] % _PRIME
     key = (key + stream % _PRIME) * _MIX[1] % _PRIME
-    step = step % _PRIME if isinstance(step, int) else ops.as_index(step) % _PRIME
+    # Flow-matching transformers (Flux) pass fractional timesteps in [0, 1]: the hash takes floor(1000 * t).
+    step = math.floor(step * 1000) % _PRIME if isinstance(step, (int, float)) else ops.as_index(step * 1000) % _PRIME
     x = (step + key) * _MIX[2] % _PRIME
     x = (x + cell) % _PRIME
     for mix in _MIX[2:]:

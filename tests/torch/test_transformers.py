@@ -448,3 +448,14 @@ def test_caches_that_extrapolate_merged_outputs_are_refused_clearly(cache):
     pipe.transformer.enable_cache(_cache(cache, pipe))  # after patch: refused at the first call
     with pytest.raises(ValueError, match="builds its output from outputs of earlier steps"):
         _run_steps(pipe, call_kwargs)
+
+
+def test_fractional_timesteps_give_each_step_its_own_partition():
+    """Flux passes t / 1000 in [0, 1]: the partition must still change from step to step."""
+    from tome_core.partition import random_offsets
+
+    ops = get_ops(torch.zeros(1))
+    like = torch.zeros(1)
+    tables = [random_offsets(ops, like, 16, 16, 2, 2, 0, torch.tensor(t), 0) for t in (1.0, 0.75, 0.5, 0.25)]
+    assert all(not torch.equal(a, b) for i, a in enumerate(tables) for b in tables[i + 1 :])
+    assert torch.equal(random_offsets(ops, like, 16, 16, 2, 2, 0, 0.5, 0), tables[2])  # Python and tensor agree
