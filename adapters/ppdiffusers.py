@@ -133,10 +133,9 @@ class _SdpaWrapper:
         armed = stack.pop()
         with self.lock:
             self.users -= 1
-            if self.users == 0:
-                if getattr(F, SDPA, None) is self:
-                    setattr(F, SDPA, self.original)
-                self.original = None
+            if self.users == 0 and getattr(F, SDPA, None) is self:
+                # ``original`` stays set: another thread may have looked the wrapper up just before this.
+                setattr(F, SDPA, self.original)
         return armed
 
 
