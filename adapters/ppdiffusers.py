@@ -307,4 +307,3 @@ def finest_level(model: Layer) -> int:
     return driver.finest_level(FRAMEWORK, model)
 
 
-_finest_level = finest_level  # the name adapters/ppdiffusers_bench.py imports

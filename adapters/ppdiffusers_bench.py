@@ -15,7 +15,7 @@ from ppdiffusers.models.attention import BasicTransformerBlock
 from ppdiffusers.patches import tomesd_patch_utils
 
 import tome_core.paddle as tome
-from tome_core.adapters.ppdiffusers import _finest_level
+from tome_core.adapters.ppdiffusers import finest_level
 from tome_core.adapters.ppdiffusers_models import build_unet
 from tome_core.bench import serve_peak_request
 from tome_core.bench_runner import BenchRunner, Undo, median_ms, oracle_kept, remover
@@ -50,7 +50,7 @@ class Runner(BenchRunner):
         return unet
 
     def finest_level(self) -> int:
-        return _finest_level(self.unet)
+        return finest_level(self.unet)
 
     def to_tensor(self, array: np.ndarray) -> paddle.Tensor:
         return paddle.to_tensor(array)
