@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from diffusers.models.attention_processor import (
     Attention,
     AttnProcessor,
@@ -241,6 +242,40 @@ PROCESSORS = {
 }
 
 
+def merged_tokens(items: int, seed: int = 3):
+    """``items`` random 8x8 token grids merged by half, each item by its own match; (merged, match, the merged
+    tokens repeated by size: every original token holds its merged token)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(items, 64, 32, generator=generator)
+    match = bipartite_match(get_ops(x), x, 8, 8, 2, 2, 32, None)
+    assert len({tuple(s.flatten().tolist()) for s in match.sizes}) == items  # no two items share their sizes
+    merged = merge(x, match)
+    return merged, match, unmerge(merged, match)
+
+
+def size_aware_call(attn: Attention, merged: torch.Tensor, match) -> torch.Tensor:
+    """``attn`` on merged tokens, armed with their sizes as a patched self-attention is."""
+    with torch.no_grad():
+        args, kwargs = FRAMEWORK.size_aware(attn, (merged,), {}, SizeBias(match, TEXT_NONE, merged))
+        try:
+            out = attn(*args, **kwargs)
+        finally:
+            FRAMEWORK.size_aware_done(attn, computed=True)
+    assert not torch.overrides._get_current_function_mode_stack()  # the SDPA mode is gone after the call
+    return out
+
+
+def attention_over(attn: Attention, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The oracle: diffusers' classic processor, no mask, queries attending over ``keys``."""
+    processor = attn.processor
+    attn.set_processor(AttnProcessor())
+    try:
+        with torch.no_grad():
+            return attn(queries, encoder_hidden_states=keys)
+    finally:
+        attn.set_processor(processor)
+
+
 @pytest.mark.parametrize("processor", PROCESSORS)
 def test_size_aware_attention_through_each_processor_equals_attention_over_repeated_tokens(processor):
     """Merged queries attend over keys whose log sizes are added: equal to attention over the tokens repeated by
@@ -253,30 +288,41 @@ def test_size_aware_attention_through_each_processor_equals_attention_over_repea
     attn.set_processor(make(attn))
     assert (type(attn.processor).__name__ in MASK_PROCESSORS) == (route == "mask")
     per_part = 2
-    x = torch.randn(parts * per_part, 64, 32)
-    match = bipartite_match(get_ops(x), x, 8, 8, 2, 2, 32, None)
-    assert len({tuple(s.flatten().tolist()) for s in match.sizes}) == len(x)  # no two items share their sizes
-    merged = merge(x, match)
-    repeated = unmerge(merged, match)  # every token holds its merged token: merged tokens repeated by size
-    with torch.no_grad():
-        args, kwargs = FRAMEWORK.size_aware(attn, (merged,), {}, SizeBias(match, TEXT_NONE, merged))
-        try:
-            out = attn(*args, **kwargs)
-        finally:
-            FRAMEWORK.size_aware_done(attn, computed=True)
-        attn.set_processor(AttnProcessor())  # the oracle: diffusers' classic processor, no mask
-        guided = len(x) if parts == 1 else (parts - 1) * per_part
-        brute = attn(merged[:guided], encoder_hidden_states=repeated[:guided])
-        plain = attn(merged[:guided])
-        to_v = attn.to_v if hasattr(attn, "to_v") else None
-    assert not torch.overrides._get_current_function_mode_stack()  # the SDPA mode is gone after the call
-    torch.testing.assert_close(out[:guided], brute, rtol=1e-4, atol=1e-5)
+    merged, match, repeated = merged_tokens(parts * per_part)
+    out = size_aware_call(attn, merged, match)
+    guided = len(merged) if parts == 1 else (parts - 1) * per_part
+    torch.testing.assert_close(out[:guided], attention_over(attn, merged[:guided], repeated[:guided]), rtol=1e-4, atol=1e-5)
+    plain = attention_over(attn, merged[:guided], merged[:guided])
     assert not torch.allclose(out[:guided], plain, atol=1e-4)  # the sizes made a difference
-    if guided < len(x):
+    if guided < len(merged):
         with torch.no_grad():
-            value = attn.to_qkv(merged[guided:])[..., -32:] if to_v is None else to_v(merged[guided:])
-            identity = attn.to_out[0](value)
+            identity = attn.to_out[0](attn.to_v(merged[guided:]))
         torch.testing.assert_close(out[guided:], identity, rtol=1e-5, atol=1e-6)
+
+
+class PerItemSDPAProcessor:
+    """Calls SDPA once per batch item (as a memory-saving processor slicing the batch would)."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None):
+        outputs = []
+        for item in hidden_states.split(1):
+            q, k, v = (f(item).unflatten(-1, (attn.heads, -1)).transpose(1, 2) for f in (attn.to_q, attn.to_k, attn.to_v))
+            outputs.append(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+        return attn.to_out[1](attn.to_out[0](torch.cat(outputs)))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the SDPA mode gives every call over part of the batch the leading items' sizes (right for PAG's one "
+    "call over its guided part, wrong for the second and later slices of a processor that slices the batch)",
+)
+def test_a_processor_slicing_the_batch_into_sdpa_calls_gets_each_item_its_own_sizes():
+    torch.manual_seed(3)
+    attn = Attention(query_dim=32, heads=2, dim_head=16).eval()
+    attn.set_processor(PerItemSDPAProcessor())
+    merged, match, repeated = merged_tokens(3)
+    out = size_aware_call(attn, merged, match)
+    torch.testing.assert_close(out, attention_over(attn, merged, repeated), rtol=1e-4, atol=1e-5)
 
 
 class ManualAttnProcessor:
@@ -296,7 +342,7 @@ def test_a_processor_size_aware_attention_cannot_reach_gets_a_clear_error_and_ru
     tome.patch(pipe, ratio=0.5)
     pipe.unet.set_attn_processor(ManualAttnProcessor())  # set after patch: the route is chosen per call
     assert "ManualAttnProcessor" not in MASK_PROCESSORS
-    with pytest.raises(RuntimeError, match=r"proportional_attn=True: the attention processor ManualAttnProcessor .*pass proportional_attn=False"):
+    with pytest.raises(RuntimeError, match=r"proportional_attn=True: .*ManualAttnProcessor.*proportional_attn=False"):
         run()
     assert not torch.overrides._get_current_function_mode_stack()
     tome.patch(pipe, ratio=0.5, proportional_attn=False)
