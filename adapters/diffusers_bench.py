@@ -179,7 +179,8 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
     The first block of each kind (SD3: joint; Flux: double- and single-stream; PixArt: basic) is run on the
     inputs it gets in an unpatched model call, timed alternately (medians of ``--repeats`` rounds after
     ``--warmup``): unpatched; with ours and a fresh match (``reuse_blocks=1``); with ours and a reused match
-    (the match is already there, as in every block of a ``reuse_blocks`` run but the first); with the oracle.
+    (the match is already there, as in every block of a ``reuse_blocks`` run but the first); with ours, a fresh
+    match and plain softmax (``proportional_attn=False``: what size-aware attention costs); with the oracle.
     Then the pieces alone: the block's match (``ToMeState.block_matches`` on its image stream) and a merge +
     unmerge of its image tokens per merged sub-layer. ``share_of_block`` is ``(match / k + merge + unmerge) /
     block time`` with one match per ``k`` blocks (``reuse_blocks=k``; ``reuse_steps=s`` divides the match by
@@ -232,8 +233,8 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
         sublayers = [s for s in family.sublayers if getattr(block, s.child, None) is not None and config.sublayers[s.kind]]
 
         @contextlib.contextmanager
-        def ours(reused: bool, stream=stream, hidden=hidden, shared=shared):
-            tome.patch(model, **options, reuse_blocks=10**6 if reused else 1)
+        def ours(reused: bool, stream=stream, hidden=hidden, shared=shared, **extra):
+            tome.patch(model, **{**options, **extra}, reuse_blocks=10**6 if reused else 1)
             state = tome.patched_models(model)[0][1]
             state.begin_call(grid, MID_TIMESTEP)
             state.enter_grid(grid)
@@ -263,6 +264,7 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
                     "block_unpatched": run_block,
                     "block_ours": run_block,
                     "block_ours_reused_match": run_block,
+                    "block_ours_plain_softmax": run_block,
                     "block_oracle": run_block,
                     "match": lambda stream=stream, hidden=hidden, shared=shared: state.block_matches(hidden, stream, shared=shared),
                     "merge_unmerge": lambda hidden=hidden, match=match: unmerge(merge(hidden, match), match),
@@ -272,6 +274,7 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
                 contexts={
                     "block_ours": lambda: ours(False),
                     "block_ours_reused_match": lambda: ours(True),
+                    "block_ours_plain_softmax": lambda: ours(False, proportional_attn=False),
                     "block_oracle": oracle,
                 },
             )

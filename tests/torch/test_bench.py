@@ -244,7 +244,7 @@ def test_micro_transformer_reports_block_times_and_overhead_shares(capsys):
     assert [b["block"] for b in result["blocks"]] == ["FluxTransformerBlock", "FluxSingleTransformerBlock"]
     for block in result["blocks"]:
         assert block["kept"] == 8 and block["merged_sublayers"] == ["attn"]
-        assert set(block["median_ms"]) == {"block_unpatched", "block_ours", "block_ours_reused_match", "block_oracle", "match", "merge_unmerge"}
+        assert set(block["median_ms"]) == {"block_unpatched", "block_ours", "block_ours_reused_match", "block_ours_plain_softmax", "block_oracle", "match", "merge_unmerge"}
         shares = block["share_of_block"]
         assert shares["reuse_1"] > shares["reuse_2"] > shares["reuse_4"] > 0
     assert json.loads(capsys.readouterr().out)["preset"] == "tiny-flux"
