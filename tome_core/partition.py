@@ -40,7 +40,13 @@ def random_offsets(
     key = (seed % _PRIME) * _MIX[0] % _PRIME
     key = (key + stream % _PRIME) * _MIX[1] % _PRIME
     # Flow-matching transformers (Flux) pass fractional timesteps in [0, 1]: the hash takes floor(1000 * t).
-    step = math.floor(step * 1000) % _PRIME if isinstance(step, (int, float)) else ops.as_index(step * 1000) % _PRIME
+    # Computed as (floor(t) mod p) * 1000 + the fraction's thousandths, so that int32 never overflows.
+    if isinstance(step, (int, float)):
+        whole = math.floor(step)
+        step = ((whole % _PRIME) * 1000 + math.floor((step - whole) * 1000)) % _PRIME
+    else:
+        whole = ops.as_index(step)
+        step = ((whole % _PRIME) * 1000 + ops.as_index((step - whole) * 1000)) % _PRIME
     x = (step + key) * _MIX[2] % _PRIME
     x = (x + cell) % _PRIME
     for mix in _MIX[2:]:
