@@ -20,7 +20,7 @@ per call from the attention module's processor at that moment (so processors set
 
 from __future__ import annotations
 
-import sys
+import inspect
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -55,6 +55,16 @@ REUSING_CACHES = frozenset({"pyramid_attention_broadcast"})
 EXTRAPOLATING_CACHES = frozenset({"taylorseer_cache", "faster_cache_block"})
 
 
+def _tgate_hands_back_cache(module: torch.nn.Module) -> bool:
+    """Whether T-GATE (tgate 1.0) replaced ``module.forward`` by one that returns its cached output now."""
+    forward = module.__dict__.get("forward")
+    if ".warp_custom.<locals>.forward" not in getattr(forward, "__qualname__", "") or module.__dict__.get("cache") is None:
+        return False
+    flag = "ca_reuse" if getattr(module, "is_cross_attention", False) else "sa_reuse"
+    parameter = inspect.signature(forward).parameters.get(flag)
+    return bool(parameter is not None and parameter.default)
+
+
 class _SizeBiasMode(TorchFunctionMode):
     """Adds a :class:`~tome_core.driver.SizeBias` to every SDPA call made while it is active."""
 
@@ -62,6 +72,7 @@ class _SizeBiasMode(TorchFunctionMode):
         super().__init__()
         self.bias = bias
         self.calls = 0
+        self.offset = 0  # first batch item of the next partial-batch call
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -80,12 +91,18 @@ class _SizeBiasMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _rows(self, bias: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-        """``[B, 1, K]`` shaped for an SDPA query: 4-D ``[b, heads, L, d]`` takes the first ``b`` items (PAG
-        attends over the leading part of the batch); 3-D ``[B*heads, L, d]`` repeats each item per head."""
+        """``[B, 1, K]`` shaped for an SDPA query: 4-D ``[b, heads, L, d]`` over the whole batch takes every
+        item; over part of it, consecutive items from where the previous partial call stopped (PAG's one call
+        over its guided leading part, or a processor slicing the batch); 3-D ``[B*heads, L, d]`` repeats each
+        item per head."""
         batch = bias.shape[0]
         rows = query.shape[0]
-        if query.dim() == 4 and rows <= batch:
-            return bias[:rows, None]
+        if query.dim() == 4 and rows == batch:
+            return bias[:, None]
+        if query.dim() == 4 and rows < batch:
+            start = self.offset if self.offset + rows <= batch else 0
+            self.offset = (start + rows) % batch
+            return bias[start : start + rows, None]
         if query.dim() == 3 and rows % batch == 0:
             return bias.repeat_interleave(rows // batch, dim=0)
         raise RuntimeError(
@@ -134,6 +151,12 @@ class TorchFramework:
                 "from outputs of earlier steps, which were merged by other matches; use FirstBlockCache, MagCache or "
                 "Pyramid Attention Broadcast with ToMe, or disable that cache"
             )
+        if _tgate_hands_back_cache(module):
+            raise ValueError(
+                f"ToMe cannot merge this {type(module).__name__}: T-GATE hands back its output cached at an earlier step, "
+                "which that step's match merged; run T-GATE with sp_interval=1 (and merge_crossattn=False), or "
+                "disable T-GATE"
+            )
         return driver.REUSED if names & REUSING_CACHES else None
 
     def size_aware_done(self, module: torch.nn.Module, computed: bool) -> None:
@@ -141,7 +164,7 @@ class TorchFramework:
         if mode is None:
             return
         mode.__exit__(None, None, None)
-        if computed and mode.calls == 0 and sys.exc_info()[0] is None and not torch.compiler.is_compiling():
+        if computed and mode.calls == 0 and not torch.compiler.is_compiling():
             raise RuntimeError(
                 f"proportional_attn=True: the attention processor {type(getattr(module, 'processor', None)).__name__} "
                 "of a merged attention computes attention without torch.nn.functional.scaled_dot_product_attention "

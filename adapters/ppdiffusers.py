@@ -24,7 +24,6 @@ ppdiffusers installs its own ToMe port (``apply_tome``, which swaps block classe
 
 from __future__ import annotations
 
-import sys
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -213,9 +212,7 @@ class PaddleFramework:
 
     def size_aware_done(self, module: Layer, computed: bool = True) -> None:
         armed = _SDPA_WRAPPER.disarm(module)
-        if not computed or armed is None or armed.calls > 0:
-            return
-        if sys.exc_info()[0] is not None:  # the attention raised: its own error is the news
+        if not computed or armed is None or armed.calls > 0:  # computed is False also when the attention raised
             return
         raise RuntimeError(
             f"proportional_attn=True: the attention processor {type(getattr(module, 'processor', None)).__name__} "

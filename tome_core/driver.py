@@ -323,7 +323,7 @@ class _UnmergeOutput:
         cached = output is not None and self.fw.output_cache(module) == REUSED  # None: the sub-layer raised
         reused = cached and output is self.stored[0]
         if self.size_aware:
-            self.fw.size_aware_done(module, computed=not reused)
+            self.fw.size_aware_done(module, computed=output is not None and not reused)  # None: it raised
         if reused:
             return self.stored[1]
         match = self.run.matches.get(self.sublayer.kind)
