@@ -124,18 +124,17 @@ TRANSFORMERS: Dict[str, Tuple[str, Dict[str, Any]]] = {
             num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8),
         ),
     ),
-    "tiny-pixart": (
-        "PixArtTransformer2DModel",
-        dict(
-            sample_size=32, num_layers=2, patch_size=2, attention_head_dim=8, num_attention_heads=4,
-            caption_channels=32, in_channels=4, cross_attention_dim=32, out_channels=8, attention_bias=True,
-            activation_fn="gelu-approximate", num_embeds_ada_norm=1000, norm_type="ada_norm_single",
-            norm_elementwise_affine=False, norm_eps=1e-6,
-        ),
-    ),
 }
 
 
+TRANSFORMERS["tiny-pixart"] = (
+    "PixArtTransformer2DModel",
+    {
+        **TRANSFORMERS["pixart"][1], "sample_size": 32, "num_layers": 2, "attention_head_dim": 8,
+        "num_attention_heads": 4, "caption_channels": 32, "cross_attention_dim": 32, "interpolation_scale": None,
+        "use_additional_conditions": None,
+    },
+)
 TRANSFORMERS["sd3-small"] = ("SD3Transformer2DModel", {**TRANSFORMERS["sd3"][1], "num_layers": 6})
 # SD3.5's MM-DiT-X: a second, image-only self-attention in the first blocks and RMS-normalised q/k.
 TRANSFORMERS["tiny-sd35"] = (

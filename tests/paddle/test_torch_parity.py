@@ -109,25 +109,30 @@ def test_unpatched_models_agree(pair):
     assert relative_error(pair.run_paddle(500), pair.run_torch(500)) < 1e-5
 
 
+def assert_patched_agree(torch_model, paddle_model, run_torch, run_paddle, options, timesteps):
+    """Both models patched with ``options`` give the same output at each timestep (the first one checked to
+    differ from unpatched) and merge the same tokens at every level."""
+    plain = run_torch(timesteps[0])
+    tome_torch.patch(torch_model, **options)
+    tome_paddle.patch(paddle_model, **options)
+    try:
+        for timestep in timesteps:
+            ours_torch, ours_paddle = run_torch(timestep), run_paddle(timestep)
+            if timestep == timesteps[0]:
+                assert relative_error(ours_torch, plain) > 1e-3  # merging really changed the output
+            assert relative_error(ours_paddle, ours_torch) < 1e-5
+        (_, torch_state), (_, paddle_state) = tome_torch.patched_models(torch_model)[0], tome_paddle.patched_models(paddle_model)[0]
+        assert torch_state.stats == paddle_state.stats and torch_state.stats
+    finally:
+        tome_torch.remove(torch_model)
+        tome_paddle.remove(paddle_model)
+
+
 @pytest.mark.parametrize("use_rand", [False, True])
 @pytest.mark.parametrize("options", CASES, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "defaults")
 def test_patched_models_agree(pair, options, use_rand):
-    plain = pair.run_torch(500)
     options = {"ratio": 0.5, **options, "use_rand": use_rand}
-    tome_torch.patch(pair.torch_unet, **options)
-    tome_paddle.patch(pair.paddle_unet, **options)
-    try:
-        for timestep in (500, 37):
-            ours_torch, ours_paddle = pair.run_torch(timestep), pair.run_paddle(timestep)
-            if timestep == 500:
-                assert relative_error(ours_torch, plain) > 1e-3  # merging really changed the output
-            assert relative_error(ours_paddle, ours_torch) < 1e-5
-        # The same tokens merged at every level in both frameworks.
-        (_, torch_state), (_, paddle_state) = tome_torch.patched_models(pair.torch_unet)[0], tome_paddle.patched_models(pair.paddle_unet)[0]
-        assert torch_state.stats == paddle_state.stats and torch_state.stats
-    finally:
-        tome_torch.remove(pair.torch_unet)
-        tome_paddle.remove(pair.paddle_unet)
+    assert_patched_agree(pair.torch_unet, pair.paddle_unet, pair.run_torch, pair.run_paddle, options, (500, 37))
 
 
 def test_random_partition_depends_on_the_timestep_in_both(pair):
@@ -203,20 +208,7 @@ def test_unpatched_sd3_models_agree(sd3_pair):
 @pytest.mark.parametrize("use_rand", [False, True])
 @pytest.mark.parametrize("options", SD3_CASES, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "defaults")
 def test_patched_sd3_models_agree(sd3_pair, options, use_rand):
-    plain = sd3_pair.run_torch(500.0)
     options = {"ratio": 0.5, **options, "use_rand": use_rand}
-    tome_torch.patch(sd3_pair.torch_model, **options)
-    tome_paddle.patch(sd3_pair.paddle_model, **options)
-    try:
-        for timestep in (500.0, 37.0):
-            ours_torch, ours_paddle = sd3_pair.run_torch(timestep), sd3_pair.run_paddle(timestep)
-            if timestep == 500.0:
-                assert relative_error(ours_torch, plain) > 1e-3  # merging really changed the output
-            assert relative_error(ours_paddle, ours_torch) < 1e-5
-        (_, torch_state), (_, paddle_state) = (
-            tome_torch.patched_models(sd3_pair.torch_model)[0], tome_paddle.patched_models(sd3_pair.paddle_model)[0]
-        )
-        assert torch_state.stats == paddle_state.stats and torch_state.stats
-    finally:
-        tome_torch.remove(sd3_pair.torch_model)
-        tome_paddle.remove(sd3_pair.paddle_model)
+    assert_patched_agree(
+        sd3_pair.torch_model, sd3_pair.paddle_model, sd3_pair.run_torch, sd3_pair.run_paddle, options, (500.0, 37.0)
+    )
