@@ -163,7 +163,7 @@ class _OracleBlock:
                 return None
             x = driver.argument(args, kwargs, "hidden_states", 0)
             text = get_ops(x).shape(x)[1] - tokens if sublayer.text == TEXT_PREFIX else 0
-            args, kwargs = driver._replace(args, kwargs, "hidden_states", 0, x[:, : text + kept])
+            args, kwargs = driver.replace_argument(args, kwargs, "hidden_states", 0, x[:, : text + kept])
             rotary = self.family.rotary
             if rotary is not None and kwargs.get(rotary) is not None:
                 tables = kwargs[rotary]

@@ -106,7 +106,10 @@ def argument(args: Sequence[Any], kwargs: Dict[str, Any], name: str, position: O
     return None
 
 
-def _replace(args: Tuple[Any, ...], kwargs: Dict[str, Any], name: str, position: int, value: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+def replace_argument(
+    args: Tuple[Any, ...], kwargs: Dict[str, Any], name: str, position: int, value: Any
+) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """``(args, kwargs)`` with the argument ``name`` (keyword, or positional at ``position``) set to ``value``."""
     if name in kwargs or len(args) <= position:
         return args, {**kwargs, name: value}
     return args[:position] + (value,) + args[position + 1 :], kwargs
@@ -274,7 +277,7 @@ class _MergeInput:
             merged = get_ops(x).concat([x[:, :text], merge(x[:, text:], match)], axis=1)
         else:
             merged = merge(x, match)
-        args, kwargs = _replace(args, kwargs, "hidden_states", 0, merged)
+        args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
         if self.rotary is not None and kwargs.get(self.rotary) is not None:
             kwargs = {**kwargs, self.rotary: _merge_positions(kwargs[self.rotary], match)}
         if not self.size_aware:
