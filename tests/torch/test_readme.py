@@ -13,3 +13,11 @@ def test_quick_start_snippet_patches_and_restores_the_pipeline(readme_code):
     tome.patch(pipe, ratio=0.5)
     [(model, state)] = tome.patched_models(pipe)
     assert model is pipe.unet and state.config.ratio == 0.5
+
+
+def test_transformer_snippet_merges_image_tokens_and_restores(readme_code):
+    namespace: dict = {}
+    exec(compile(readme_code("Diffusion transformers"), "README.md", "exec"), namespace)
+    pipe, latents = namespace["pipe"], namespace["latents"]
+    assert latents.shape == (1, 64, 16)  # Flux's packed latents of a 32 px image
+    assert not namespace["tome"].patched_models(pipe)  # removed again
