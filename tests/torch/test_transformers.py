@@ -458,3 +458,25 @@ def test_fractional_timesteps_give_each_step_its_own_partition():
     tables = [random_offsets(ops, like, 16, 16, 2, 2, 0, torch.tensor(t), 0) for t in (1.0, 0.75, 0.5, 0.25)]
     assert all(not torch.equal(a, b) for i, a in enumerate(tables) for b in tables[i + 1 :])
     assert torch.equal(random_offsets(ops, like, 16, 16, 2, 2, 0, 0.5, 0), tables[2])  # Python and tensor agree
+
+
+@pytest.mark.parametrize("kind, pag_class", [("sd3", "StableDiffusion3PAGPipeline"), ("pixart-sigma", "PixArtSigmaPAGPipeline")])
+def test_pag_pipelines_of_transformers_run_merged_and_remove_exactly(kind, pag_class):
+    """PAG on SD3 (joint PAG processors) and PixArt-Σ with the defaults (size-aware attention on)."""
+    import diffusers
+
+    base, call_kwargs = build_transformer_pipeline(kind)
+    pipe = getattr(diffusers, pag_class).from_pipe(base, pag_applied_layers=["blocks.1"])
+    pipe.set_progress_bar_config(disable=True)
+    run = lambda: pipe(  # noqa: E731
+        num_inference_steps=2, height=32, width=32, generator=torch.Generator().manual_seed(0),
+        output_type="latent", pag_scale=3.0, guidance_scale=5.0, **call_kwargs,
+    )[0]
+    reference = run()
+    tome.patch(pipe, ratio=0.5)
+    patched = run()
+    [(_, state)] = tome.patched_models(pipe)
+    assert (state.stats[1].blocks, state.stats[1].tokens, state.stats[1].kept) == (2, 64, 32)
+    assert torch.isfinite(patched).all() and rel(patched, reference) > 1e-4
+    tome.remove(pipe)
+    assert torch.equal(run(), reference)
