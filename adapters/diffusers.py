@@ -77,16 +77,17 @@ class _SizeBiasMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is F.scaled_dot_product_attention:
-            names = ("query", "key", "value", "attn_mask")
-            bound = {**dict(zip(names, args)), **kwargs}
-            args = ()
-            query, key = bound["query"], bound["key"]
+            query = args[0] if args else kwargs["query"]
+            key = args[1] if len(args) > 1 else kwargs["key"]
             bias = self._rows(self.bias.for_keys(key.shape[-2], query), query)
-            mask = bound.get("attn_mask")
+            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
             if mask is not None and mask.dtype == torch.bool:
                 mask = torch.zeros_like(mask, dtype=query.dtype).masked_fill(~mask, float("-inf"))
-            bound["attn_mask"] = bias if mask is None else mask + bias
-            kwargs = bound
+            mask = bias if mask is None else mask + bias
+            if len(args) > 3:  # every other argument (dropout_p, is_causal, scale...) passes as it came
+                args = tuple(args[:3]) + (mask,) + tuple(args[4:])
+            else:
+                kwargs["attn_mask"] = mask
             self.calls += 1
         return func(*args, **kwargs)
 
