@@ -115,7 +115,6 @@ class _SizeBiasMode(TorchFunctionMode):
 class TorchFramework:
     """torch for :mod:`tome_core.driver`."""
 
-    name = "diffusers"
     accepted = ACCEPTED
 
     def is_module(self, obj: Any) -> bool:
@@ -136,7 +135,7 @@ class TorchFramework:
     def size_aware(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: driver.SizeBias):
         processor = getattr(module, "processor", None)
         if type(processor).__name__ in MASK_PROCESSORS:
-            return args, {**kwargs, "attention_mask": bias.for_keys(bias.match.kept, bias.like)}
+            return args, {**kwargs, "attention_mask": bias.for_merged_tokens()}
         mode = _SizeBiasMode(bias)
         module.__dict__["_tome_size_bias"] = mode
         mode.__enter__()

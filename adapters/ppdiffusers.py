@@ -174,7 +174,6 @@ def _needs_paddle_3(error: TypeError) -> RuntimeError:
 class PaddleFramework:
     """paddle for :mod:`tome_core.driver`."""
 
-    name = "ppdiffusers"
     accepted = ACCEPTED
 
     def is_module(self, obj: Any) -> bool:
@@ -203,7 +202,7 @@ class PaddleFramework:
     def size_aware(self, module: Layer, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: driver.SizeBias):
         processor = getattr(module, "processor", None)
         if type(processor).__name__ in MASK_PROCESSORS:
-            return args, {**kwargs, "attention_mask": bias.for_keys(bias.match.kept, bias.like)}
+            return args, {**kwargs, "attention_mask": bias.for_merged_tokens()}
         _SDPA_WRAPPER.arm(_Armed(module, bias))
         return args, kwargs
 

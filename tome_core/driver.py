@@ -40,7 +40,6 @@ PostHook = Callable[[Any, Tuple[Any, ...], Dict[str, Any], Any], Any]
 class Framework(Protocol):
     """What an adapter tells the driver about its framework."""
 
-    name: str  # shown in messages, e.g. "diffusers"
     accepted: str  # what patch accepts, for the error on anything else
 
     def is_module(self, obj: Any) -> bool: ...
@@ -80,7 +79,11 @@ class SizeBias:
     def __init__(self, match: Match, text: str, like: Any):
         self.match = match
         self.text = text
-        self.like = like
+        self.like = like  # the merged tokens: the dtype of the mask
+
+    def for_merged_tokens(self) -> Any:
+        """The bias as a whole-batch additive ``attention_mask`` over the merged tokens (self-attention)."""
+        return self.for_keys(self.match.kept, self.like)
 
     def for_keys(self, keys: int, like: Any) -> Any:
         ops = get_ops(like)
@@ -422,23 +425,23 @@ def block_ratios(config: ToMeConfig, count: int, where: str) -> Dict[int, float]
 
 
 def _sublayers(fw: Framework, model: Any, config: ToMeConfig):
-    """``(stream, block, family, sublayer, module)`` of every sub-layer that merges under ``config``."""
+    """``(stream, block, family, block ratio, sublayer, module)`` of every sub-layer that merges under
+    ``config`` (the block ratio is its ``block_ratios`` entry or None); block indices are checked first."""
     blocks = blocks_of(fw, model)
     chosen = set(selected_blocks(config, len(blocks), type(model).__qualname__))
-    block_ratios(config, len(blocks), type(model).__qualname__)  # checks the indices
+    ratios = block_ratios(config, len(blocks), type(model).__qualname__)
     for stream, (block, family) in enumerate(blocks):
         if stream not in chosen:
             continue
         for sublayer in family.sublayers:
             target = getattr(block, sublayer.child, None)
             if target is not None and fw.is_module(target) and config.sublayers[sublayer.kind]:
-                yield stream, block, family, sublayer, target
+                yield stream, block, family, ratios.get(stream), sublayer, target
 
 
 def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
     """Hook ``model`` (one found by :func:`find_models`) with ``config``."""
     state = ToMeState(config=config, finest_level=finest_level(fw, model))
-    ratios = block_ratios(config, len(blocks_of(fw, model)), type(model).__qualname__)
     patch = Patch(state)
     add = patch.handles.append
     data_format = getattr(model, "data_format", "NCHW")
@@ -447,10 +450,10 @@ def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
         for module in _grid_modules(fw, model):
             add(fw.add_pre_hook(module, _GridHook(state, getattr(module, "data_format", data_format))))
     runs: Dict[int, _BlockRun] = {}
-    for stream, block, family, sublayer, target in _sublayers(fw, model, config):
+    for stream, block, family, ratio, sublayer, target in _sublayers(fw, model, config):
         run = runs.get(stream)
         if run is None:
-            run = runs[stream] = _BlockRun(state, family, stream, block, ratios.get(stream))
+            run = runs[stream] = _BlockRun(state, family, stream, block, ratio)
             add(fw.add_pre_hook(block, run.begin))
             add(fw.add_post_hook(block, run.end))
         size_aware = sublayer.attention and config.proportional_attn
