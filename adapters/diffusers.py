@@ -48,6 +48,18 @@ MASK_PROCESSORS = frozenset(
         "CustomDiffusionXFormersAttnProcessor",
     }
 )
+# Processors that compute keys and values from ``encoder_hidden_states`` when a self-attention is given one
+# (the ``kv`` and ``queries`` arrangements hand it the tokens to attend to there).
+SEPARATE_KV_PROCESSORS = frozenset(
+    {
+        "AttnProcessor",
+        "AttnProcessor2_0",
+        "SlicedAttnProcessor",
+        "XFormersAttnProcessor",
+        "FusedAttnProcessor2_0",
+        "AttnProcessorNPU",
+    }
+)
 
 # diffusers' caching hooks (diffusers.hooks) on an attention module: those that hand back the stored output
 # object, and those that extrapolate new outputs from stored ones.
@@ -140,6 +152,9 @@ class TorchFramework:
         module.__dict__["_tome_size_bias"] = mode
         mode.__enter__()
         return args, kwargs
+
+    def separate_kv(self, module: torch.nn.Module) -> bool:
+        return type(getattr(module, "processor", None)).__name__ in SEPARATE_KV_PROCESSORS
 
     def output_cache(self, module: torch.nn.Module) -> Any:
         registry = module.__dict__.get("_diffusers_hook")

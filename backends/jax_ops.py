@@ -132,8 +132,8 @@ class JaxOps:
     def log(self, x):
         return jnp.log(x)
 
-    def log(self, x):
-        return jnp.log(x)
+    def mean(self, x, axes):
+        return jnp.mean(x, axis=axes)
 
     def vector_norm(self, x):
         return _vector_norm(x)

@@ -51,6 +51,9 @@ class NumpyOps:
     def log(self, x):
         return np.log(x)
 
+    def mean(self, x, axes):
+        return x.mean(axis=axes)
+
     def vector_norm(self, x):
         return np.sqrt(np.sum(x * x, axis=-1, keepdims=True))
 

@@ -50,6 +50,9 @@ class TorchOps:
     def log(self, x):
         return torch.log(x)
 
+    def mean(self, x, axes):
+        return x.mean(dim=axes)
+
     def vector_norm(self, x):
         return torch.linalg.vector_norm(x, dim=-1, keepdim=True)
 

@@ -10,6 +10,9 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 MAX_DOWNSAMPLE_CHOICES = (None, 1, 2, 4, 8)
 LEVELS = (1, 2, 4, 8)
 SUBLAYERS = ("attn", "crossattn", "mlp")
+MODES = ("tokens", "kv", "queries")
+MATCHINGS = ("similarity", "cell")
+DEFAULT_RATIO = 0.5  # with similarity matching; a cell match's reduction is fixed by its cell
 
 
 def _check_bool(name: str, value: Any) -> None:
@@ -28,7 +31,8 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 class ToMeConfig:
     """Token Merging options. Defaults follow tomesd, except ``max_downsample=None``.
 
-    ratio: fraction of a merged level's tokens removed, in ``[0, 1 - 1/(sx*sy)]``.
+    ratio: fraction of a merged level's tokens removed, in ``[0, 1 - 1/(sx*sy)]``; ``None`` (default) means
+        0.5 with similarity matching and ``1 - 1/(sx*sy)`` (the cell's) with cell matching.
     max_downsample: merge blocks whose latent downsample factor is at most this (1, 2, 4 or 8);
         ``None`` (default) means the finest level that has attention (1 on SD 1.x/2.x, 2 on SDXL).
     sx, sy: cell width and height; each cell of the grid keeps one destination token.
@@ -49,6 +53,15 @@ class ToMeConfig:
     proportional_attn: size-aware self-attention: each merged key's attention logit gets ``log(size)``, as if
         every token it stands for were still there. On by default: it is 2-3x closer to the unpatched model at
         every ratio for ~5% of the call time (README, "Size-aware attention"); ``False`` is tomesd's arithmetic.
+    mode: the arrangement around self-attention (README, "High resolution"): ``"tokens"`` merges its input
+        and unmerges its output (ToMe for SD); ``"kv"`` reduces only its keys and values (queries keep every
+        token, nothing to unmerge; ToDo); ``"queries"`` merges only its queries (keys and values keep every
+        token, output unmerged; ComfyUI's arrangement). Cross-attention and MLP always merge as ``"tokens"``.
+    matching: how tokens are grouped: ``"similarity"`` (bipartite soft matching) or ``"cell"`` (every token
+        joins its own sx*sy cell: average pooling, no similarity computed; the reduction is fixed by the cell,
+        so ``ratio`` may be left out).
+    level_cells: ``{downsample factor: n or (sx, sy)}``: the cell at those levels instead of ``sx``, ``sy``
+        (with ``matching="cell"``, e.g. ``{1: 4, 2: 2}`` pools 4x4 at the finest level and 2x2 at the next).
     blocks: indices of the transformer blocks that merge, counted in the model's module order (negative
         from the end, as in Python); ``None`` merges every block the level selection allows.
     reuse_blocks: one match serves this many consecutive blocks (computed in the first); 1 = a match per
@@ -57,7 +70,7 @@ class ToMeConfig:
         ``blocks``); a sub-layer ratio still wins.
     """
 
-    ratio: float = 0.5
+    ratio: Optional[float] = None
     max_downsample: Optional[int] = None
     sx: int = 2
     sy: int = 2
@@ -77,6 +90,9 @@ class ToMeConfig:
     blocks: Optional[Tuple[int, ...]] = None
     reuse_blocks: int = 1
     block_ratios: Optional[Mapping[int, float]] = None
+    mode: str = "tokens"
+    matching: str = "similarity"
+    level_cells: Optional[Mapping[int, Any]] = None
 
     def __post_init__(self) -> None:
         for name in ("sx", "sy", "seed", "reuse_steps", "local_window", "reuse_blocks"):
@@ -101,6 +117,11 @@ class ToMeConfig:
         _check_int("local_window", self.local_window, 0)
         if self.max_downsample not in MAX_DOWNSAMPLE_CHOICES or isinstance(self.max_downsample, bool):
             raise ValueError(f"max_downsample must be one of None, 1, 2, 4, 8, got {self.max_downsample!r}")
+        self._check_arrangement()
+        if self.ratio is None:
+            object.__setattr__(self, "ratio", self.max_ratio if self.matching == "cell" else DEFAULT_RATIO)
+        elif self.matching == "cell":
+            self._check_cell_ratio()
         self._check_ratio("ratio", self.ratio)
         object.__setattr__(self, "ratio", float(self.ratio))
         for sublayer in SUBLAYERS:
@@ -123,6 +144,78 @@ class ToMeConfig:
                     raise TypeError(f"block_ratios keys must be block indices (ints), got {index!r}")
                 self._check_ratio(f"block_ratios[{index}]", value)
             object.__setattr__(self, "block_ratios", {int(k): float(v) for k, v in self.block_ratios.items()})
+        for level in self.level_cells or {}:
+            for sublayer, on in self.sublayers.items():
+                ratio = self.ratio_for(sublayer, level)
+                if on and ratio > self.max_ratio_at(level):
+                    sx, sy = self.cell_at(level)
+                    raise ValueError(
+                        f"the {sublayer} ratio {ratio:g} at level {level} cannot be reached with level_cells[{level}] = "
+                        f"{sx}x{sy}: one token per cell is kept, so at most {self.max_ratio_at(level):g}"
+                    )
+
+    def _check_arrangement(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {self.mode!r}")
+        if self.matching not in MATCHINGS:
+            raise ValueError(f"matching must be one of {', '.join(map(repr, MATCHINGS))}, got {self.matching!r}")
+        if self.mode != "tokens" and self.merge_attn is False:
+            raise ValueError(
+                f"mode={self.mode!r} arranges self-attention, but merge_attn=False leaves it alone; pass "
+                "merge_attn=True or mode='tokens'"
+            )
+        if self.level_cells is not None:
+            if not isinstance(self.level_cells, Mapping):
+                raise TypeError(f"level_cells must be a dict {{level: n or (sx, sy)}}, got {self.level_cells!r}")
+            cells = {}
+            for level, cell in self.level_cells.items():
+                if level not in LEVELS or isinstance(level, bool):
+                    raise ValueError(f"level_cells keys must be levels 1, 2, 4 or 8, got {level!r}")
+                pair = (cell, cell) if isinstance(cell, numbers.Integral) and not isinstance(cell, bool) else cell
+                if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                    raise TypeError(f"level_cells[{level}] must be an int n (an n x n cell) or a pair (sx, sy), got {cell!r}")
+                for value in pair:
+                    _check_int(f"level_cells[{level}]", value, 1)
+                cells[int(level)] = (int(pair[0]), int(pair[1]))
+            object.__setattr__(self, "level_cells", cells)
+        if self.matching != "cell":
+            return
+        for name in ("level_ratios", "block_ratios", "attn_ratio", "crossattn_ratio", "mlp_ratio"):
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"{name} cannot be combined with matching='cell': the cell fixes each level's reduction "
+                    "(1 - 1/(sx*sy)); choose cells with sx, sy or level_cells instead"
+                )
+        if self.local_window:
+            raise ValueError("local_window limits a similarity search; matching='cell' has none (pass local_window=0)")
+        for name, unused in (("reuse_level", self.reuse_level), ("reuse_steps", self.reuse_steps > 1), ("reuse_blocks", self.reuse_blocks > 1)):
+            if unused:
+                raise ValueError(
+                    f"{name} reuses a similarity match; matching='cell' computes none (its match depends on the "
+                    "shape only and is built once per shape), so it has nothing to reuse"
+                )
+
+    def _check_cell_ratio(self) -> None:
+        if self.level_cells and len({self.max_ratio, *(self.max_ratio_at(level) for level in self.level_cells)}) > 1:
+            raise ValueError(
+                f"ratio={self.ratio!r} cannot be combined with matching='cell' and level_cells of other sizes: each "
+                "cell fixes its level's reduction; leave ratio out"
+            )
+        if not math.isclose(self.ratio, self.max_ratio):
+            raise ValueError(
+                f"ratio={self.ratio!r} contradicts matching='cell' with {self.sx}x{self.sy} cells, which remove "
+                f"1 - 1/(sx*sy) = {self.max_ratio:g} of the tokens; leave ratio out, or change sx and sy"
+            )
+
+    def cell_at(self, level: int) -> Tuple[int, int]:
+        """The ``(sx, sy)`` cell at downsample ``level``."""
+        if self.level_cells is not None and level in self.level_cells:
+            return self.level_cells[level]
+        return self.sx, self.sy
+
+    def max_ratio_at(self, level: int) -> float:
+        sx, sy = self.cell_at(level)
+        return 1 - 1 / (sx * sy)
 
     def _check_ratio(self, name: str, ratio: Any) -> None:
         if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real):
@@ -139,6 +232,8 @@ class ToMeConfig:
     def ratio_for(self, sublayer: str, level: int, block_ratio: Optional[float] = None) -> float:
         """The ratio of ``sublayer`` ("attn", "crossattn", "mlp") at downsample ``level``, in a block whose
         ``block_ratios`` entry is ``block_ratio`` (None: it has none)."""
+        if self.matching == "cell":
+            return self.max_ratio_at(level)
         own = getattr(self, f"{sublayer}_ratio")
         if own is not None:
             return own

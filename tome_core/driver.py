@@ -63,6 +63,10 @@ class Framework(Protocol):
         """The call of ``module`` armed by :meth:`size_aware` has returned; ``computed`` is False when an
         output cache returned a stored output instead of running attention."""
 
+    def separate_kv(self, module: Any) -> bool:
+        """Whether ``module``'s attention (its processor now) computes keys and values from its ``kv_input``
+        argument when one is given (the ``kv`` and ``queries`` arrangements need it)."""
+
     def output_cache(self, module: Any) -> Optional[str]:
         """How another library caches ``module``'s output across calls: None (it does not), ``REUSED`` (it
         returns the very output object of an earlier call), or raises ValueError naming a cache that builds
@@ -260,14 +264,19 @@ class _BlockRun:
 
 class _MergeInput:
     """Pre-hook on a sub-layer: merge the image tokens of its first input (text tokens stay), give merged
-    tokens their destination's rotary position, and arm size-aware attention."""
+    tokens their destination's rotary position, and arm size-aware attention.
 
-    def __init__(self, fw: Framework, run: _BlockRun, sublayer: Sublayer, size_aware: bool):
+    A self-attention with a ``kv_input`` runs in the configured arrangement: ``tokens`` merges its input,
+    ``kv`` keeps its queries and hands it the merged tokens as keys and values, ``queries`` merges its
+    queries and hands it every token as keys and values."""
+
+    def __init__(self, fw: Framework, run: _BlockRun, sublayer: Sublayer, size_aware: bool, mode: str):
         self.fw = fw
         self.run = run
         self.sublayer = sublayer
         self.size_aware = size_aware
         self.rotary = run.family.rotary
+        self.mode = mode
 
     def __call__(self, module, args, kwargs):
         match = self.run.matches.get(self.sublayer.kind)
@@ -280,6 +289,8 @@ class _MergeInput:
             merged = get_ops(x).concat([x[:, :text], merge(x[:, text:], match)], axis=1)
         else:
             merged = merge(x, match)
+        if self.mode != "tokens":
+            return self._arrange(module, args, kwargs, x, merged, match)
         args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
         if self.rotary is not None and kwargs.get(self.rotary) is not None:
             kwargs = {**kwargs, self.rotary: _merge_positions(kwargs[self.rotary], match)}
@@ -288,6 +299,31 @@ class _MergeInput:
         # With only_cross_attention, a BasicTransformerBlock's attn1 attends to text: its keys are not merged.
         if self.sublayer.text == TEXT_NONE and kwargs.get("encoder_hidden_states") is not None:
             return args, kwargs
+        return self._size_aware(module, args, kwargs, match, merged)
+
+    def _arrange(self, module, args, kwargs, x, merged, match):
+        """The ``kv`` or ``queries`` arrangement of a self-attention."""
+        name = self.sublayer.kv_input
+        if argument(args, kwargs, name, None) is not None:
+            raise ValueError(
+                f"mode={self.mode!r}: this {type(module).__name__} attends to {name} (e.g. only_cross_attention), "
+                "not to its own tokens, so it has no self-attention keys to arrange; use mode='tokens'"
+            )
+        if not self.fw.separate_kv(module):
+            raise ValueError(
+                f"mode={self.mode!r} needs an attention processor that computes keys and values from {name}; "
+                f"{type(getattr(module, 'processor', None)).__name__} does not (use diffusers' default processor, "
+                "sliced, fused or xformers attention, or mode='tokens')"
+            )
+        if self.mode == "queries":
+            args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
+            return args, {**kwargs, name: x}
+        kwargs = {**kwargs, name: merged}
+        if self.size_aware:
+            return self._size_aware(module, args, kwargs, match, merged)
+        return args, kwargs
+
+    def _size_aware(self, module, args, kwargs, match, merged):
         if kwargs.get("attention_mask") is not None:
             raise ValueError(
                 "proportional_attn=True cannot be combined with an attention_mask on self-attention "
@@ -318,11 +354,12 @@ class _UnmergeOutput:
     earlier call, that output was merged by that call's match: the unmerged result of that call is returned
     instead, which is what the cache gives an unpatched model."""
 
-    def __init__(self, fw: Framework, run: _BlockRun, sublayer: Sublayer, size_aware: bool):
+    def __init__(self, fw: Framework, run: _BlockRun, sublayer: Sublayer, size_aware: bool, mode: str):
         self.fw = fw
         self.run = run
         self.sublayer = sublayer
         self.size_aware = size_aware
+        self.unmerges = mode != "kv"  # kv: the queries kept every token, so the output has them all
         self.stored: Tuple[Any, Any] = (None, None)  # (raw output, its unmerged form), only under a cache
 
     def __call__(self, module, args, kwargs, output):
@@ -333,7 +370,7 @@ class _UnmergeOutput:
         if reused:
             return self.stored[1]
         match = self.run.matches.get(self.sublayer.kind)
-        if output is None or match is None or match.merged == 0:
+        if output is None or match is None or match.merged == 0 or not self.unmerges:
             self.stored = (None, None)
             return None
         result = self._unmerge(output, match)
@@ -456,9 +493,11 @@ def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
             run = runs[stream] = _BlockRun(state, family, stream, block, ratio)
             add(fw.add_pre_hook(block, run.begin))
             add(fw.add_post_hook(block, run.end))
-        size_aware = sublayer.attention and config.proportional_attn
-        add(fw.add_pre_hook(target, _MergeInput(fw, run, sublayer, size_aware)))
-        add(fw.add_post_hook(target, _UnmergeOutput(fw, run, sublayer, size_aware)))
+        mode = config.mode if sublayer.kind == "attn" else "tokens"
+        # Keys keep every token under "queries", and cell pooling gives every key the same size: no bias.
+        size_aware = sublayer.attention and config.proportional_attn and mode != "queries" and config.matching == "similarity"
+        add(fw.add_pre_hook(target, _MergeInput(fw, run, sublayer, size_aware, mode)))
+        add(fw.add_post_hook(target, _UnmergeOutput(fw, run, sublayer, size_aware, mode)))
     model.__dict__["_tome_patch"] = patch
 
 
@@ -511,8 +550,15 @@ def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any]
         )
     for model in models:
         check_grids(fw, model)
-        for *_, target in _sublayers(fw, model, config):
+        for _, block, _, _, sublayer, target in _sublayers(fw, model, config):
             fw.output_cache(target)
+            if config.mode != "tokens" and sublayer.kind == "attn" and sublayer.kv_input is None:
+                raise ValueError(
+                    f"mode={config.mode!r} needs self-attention that takes keys and values apart from its queries "
+                    f"(BasicTransformerBlock's attn1: SD 1.x/2.x/XL UNets, ControlNets, PixArt, DiT); "
+                    f"{type(block).__name__}.{sublayer.child} in {type(model).__qualname__} runs joint attention "
+                    "over text and image tokens and supports mode='tokens' only"
+                )
     remove(fw, obj, undo)
     for model in models:
         where = type(model).__qualname__

@@ -28,6 +28,8 @@ class Sublayer:
     text: where text tokens sit in its input or attention (``TEXT_*``).
     output: index of the image stream when the sub-layer returns a tuple (joint attention), else None.
     attention: its keys are its own merged tokens, so size-aware attention applies.
+    kv_input: the keyword argument through which the attention takes keys and values apart from its queries
+        (diffusers' ``encoder_hidden_states``); the ``kv`` and ``queries`` arrangements need one.
     """
 
     child: str
@@ -35,6 +37,7 @@ class Sublayer:
     text: str = TEXT_NONE
     output: Optional[int] = None
     attention: bool = False
+    kv_input: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
         "basic",  # SD 1.x/2.x/XL UNets, ControlNets, PixArt, DiT
         ("BasicTransformerBlock",),
         (
-            Sublayer("attn1", "attn", attention=True),
+            Sublayer("attn1", "attn", attention=True, kv_input="encoder_hidden_states"),
             Sublayer("attn2", "crossattn"),
             Sublayer("ff", "mlp"),
         ),

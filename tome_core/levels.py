@@ -67,6 +67,10 @@ def warn_if_nothing_merges(config: ToMeConfig, finest_level: int, where: str) ->
         )
     elif not any(config.sublayers.values()):
         reason = "merge_attn, merge_crossattn and merge_mlp are all False"
+    elif config.matching == "cell" and not any(
+        config.max_ratio_at(level) > 0 for level in LEVELS if finest_level <= level <= deepest
+    ):
+        reason = "matching='cell' with 1x1 cells pools nothing"
     elif not any(ratio > 0 for ratio in (config.block_ratios or {}).values()) and not any(
         config.ratio_for(sublayer, level) > 0
         for sublayer, on in config.sublayers.items()

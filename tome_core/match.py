@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .ops import Array, ArrayOps
-from .partition import neighbour_table, split
+from .partition import cached, cell_table, neighbour_table, split
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class Match:
     tokens: int  # N
     merged: int  # r
     representatives: Optional[Array] = None  # [B, N - r] the token each slot stands at (its destination)
+    pool: Optional[Tuple[int, int, int, int]] = None  # (h, w, sx, sy) when the match is exact sx*sy pooling
 
     @property
     def kept(self) -> int:
@@ -164,6 +165,42 @@ def bipartite_matches(
                 identity_match(ops, batch, tokens) if count == 0 else assign(ops, order, best_dst, src, dst, count, metric)
             )
     return [matches[count] for count in merged]
+
+
+def cell_match(ops: ArrayOps, like: Array, batch: int, h: int, w: int, sx: int, sy: int) -> Match:
+    """Every token of an ``h x w`` grid joins its own ``sx x sy`` cell (average pooling); tokens in leftover
+    rows and columns stay as they are. Slots: the cells in row-major order, then the leftover tokens. A
+    function of the shape only, built once per shape and device."""
+    tokens = h * w
+    if (h // sy) * (w // sx) == 0 or sx * sy == 1:
+        return identity_match(ops, batch, tokens)
+    return cached(ops, like, ("cell match", batch, h, w, sx, sy), lambda: _cell_match(ops, like, batch, h, w, sx, sy))
+
+
+def _cell_match(ops: ArrayOps, like: Array, batch: int, h: int, w: int, sx: int, sy: int) -> Match:
+    cells, leftover = cell_table(ops, like, h, w, sx, sy)
+    num_cells, per_cell = ops.shape(cells)
+    num_left = 0 if leftover is None else ops.shape(leftover)[0]
+    kept = num_cells + num_left
+    tokens = h * w
+    cell_of = ops.reshape(ops.broadcast_to(ops.reshape(ops.arange(num_cells, cells), (num_cells, 1)), (num_cells, per_cell)), (tokens - num_left,))
+    token, slot = ops.reshape(cells, (tokens - num_left,)), cell_of
+    representatives = ops.reshape(ops.take(cells, ops.zeros((1,), cells), axis=1), (num_cells,))
+    sizes = ops.ones((num_cells,), like) * per_cell
+    if leftover is not None:
+        token = ops.concat([token, leftover], axis=0)
+        slot = ops.concat([slot, ops.arange(num_left, cells) + num_cells], axis=0)
+        representatives = ops.concat([representatives, leftover], axis=0)
+        sizes = ops.concat([sizes, ops.ones((num_left,), like)], axis=0)
+    slot_of_token = ops.scatter(ops.zeros((tokens,), cells), token, slot, axis=0)
+    offsets = ops.reshape(ops.arange(batch, cells) * kept, (batch, 1))
+    rows = ops.reshape(ops.reshape(slot_of_token, (1, tokens)) + offsets, (batch * tokens,))
+    sizes = ops.broadcast_to(ops.reshape(sizes, (1, kept, 1)), (batch, kept, 1))
+    return Match(
+        ops=ops, rows=rows, sizes=sizes, inverse_sizes=1 / sizes, batch=batch, tokens=tokens, merged=tokens - kept,
+        representatives=ops.broadcast_to(ops.reshape(representatives, (1, kept)), (batch, kept)),
+        pool=(h, w, sx, sy) if leftover is None else None,
+    )
 
 
 def bipartite_match(

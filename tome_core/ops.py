@@ -58,6 +58,9 @@ class ArrayOps(Protocol):
     def log(self, x: Array) -> Array:
         """Natural logarithm, elementwise."""
 
+    def mean(self, x: Array, axes: Tuple[int, ...]) -> Array:
+        """Mean over ``axes`` (dropped), in ``x``'s dtype."""
+
     def vector_norm(self, x: Array) -> Array:
         """Euclidean norm over the last axis, kept as a size-1 axis."""
 

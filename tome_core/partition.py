@@ -76,7 +76,7 @@ def cell_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int) -> 
     return cells, leftover
 
 
-def _cached(ops: ArrayOps, like: Array, key: Tuple, build: Callable[[], Any]) -> Any:
+def cached(ops: ArrayOps, like: Array, key: Tuple, build: Callable[[], Any]) -> Any:
     """Shape-only index arrays, kept per backend and device where the backend allows it."""
     device = ops.cache_key(like)
     if device is None:
@@ -99,10 +99,10 @@ def split(
     cell's first position. Destinations come out in cell order (row-major over cells); sources cell by
     cell, then the leftover columns and rows.
     """
-    cells, leftover = _cached(ops, like, ("cells", h, w, sx, sy), lambda: cell_table(ops, like, h, w, sx, sy))
+    cells, leftover = cached(ops, like, ("cells", h, w, sx, sy), lambda: cell_table(ops, like, h, w, sx, sy))
     num_cells, per_cell = ops.shape(cells)
     if offsets is None:
-        return _cached(ops, like, ("fixed", h, w, sx, sy), lambda: _split(ops, cells, leftover, None))
+        return cached(ops, like, ("fixed", h, w, sx, sy), lambda: _split(ops, cells, leftover, None))
     return _split(ops, cells, leftover, ops.reshape(offsets, (num_cells, 1)))
 
 
@@ -120,7 +120,7 @@ def neighbour_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int
     """For local matching: ``[S, (2*window+1)**2]`` indices of the destinations whose cells lie within
     ``window`` cells of each source's cell (clamped at the borders, so some repeat), in :func:`split`'s
     source order. A leftover token counts as being in its nearest cell. Depends on shapes only."""
-    return _cached(ops, like, ("neighbours", h, w, sx, sy, window), lambda: _neighbours(ops, like, h, w, sx, sy, window))
+    return cached(ops, like, ("neighbours", h, w, sx, sy, window), lambda: _neighbours(ops, like, h, w, sx, sy, window))
 
 
 def _neighbours(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, window: int) -> Array:

@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional, Tuple
 from .backend import get_ops
 from .config import ToMeConfig
 from .levels import block_grid, downsample_factor
-from .match import Match, bipartite_matches, identity_match
+from .match import Match, bipartite_matches, cell_match, identity_match
 from .partition import random_offsets
 
 
@@ -126,12 +126,14 @@ class ToMeState:
             return {sublayer: identity for sublayer in merged}
         config = self.config
         h, w = block_grid(latent, factor, self.grid_hw, tokens)
+        sx, sy = config.cell_at(factor)
+        if config.matching == "cell":
+            pooled = cell_match(ops, metric, ops.shape(metric)[0], h, w, sx, sy)
+            return {sublayer: pooled if count else identity_match(ops, pooled.batch, tokens) for sublayer, count in merged.items()}
         offsets = (
-            random_offsets(ops, metric, h, w, config.sx, config.sy, config.seed, self.step, stream)
-            if config.use_rand and (h // config.sy) * (w // config.sx) > 0
+            random_offsets(ops, metric, h, w, sx, sy, config.seed, self.step, stream)
+            if config.use_rand and (h // sy) * (w // sx) > 0
             else None
         )
-        found = bipartite_matches(
-            ops, metric, h, w, config.sx, config.sy, list(merged.values()), offsets, config.local_window, shared
-        )
+        found = bipartite_matches(ops, metric, h, w, sx, sy, list(merged.values()), offsets, config.local_window, shared)
         return dict(zip(merged, found))
