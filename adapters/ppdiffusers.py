@@ -18,6 +18,11 @@ call from the attention layer's processor at that moment:
   merged attention runs and is restored afterwards. A processor that never calls that function while armed
   gets a clear error after its call, never a silent plain softmax.
 
+In the ``kv`` arrangement the merged tokens reach a self-attention as its ``encoder_hidden_states`` while its
+queries keep every token; both routes size the bias by the keys, so they serve it as they serve ``tokens``.
+The ``kv`` and ``queries`` arrangements need a processor that takes keys and values from that argument
+(:data:`SEPARATE_KV_PROCESSORS`); with any other the call raises a clear error.
+
 ppdiffusers installs its own ToMe port (``apply_tome``, which swaps block classes); :func:`patch` and
 :func:`remove` also undo that port wherever they find it, so the two never stack.
 """
@@ -55,6 +60,25 @@ MASK_PROCESSORS = frozenset(
         "CustomDiffusionXFormersAttnProcessor",
     }
 )
+# Processors that compute keys and values from ``encoder_hidden_states`` when a self-attention is given one (the
+# ``kv`` and ``queries`` arrangements hand it the tokens to attend to there), through the same ``to_k``/``to_v`` as
+# from its own tokens, with an ``attention_mask`` sized by those keys. (``AttnProcessor2_5`` is an alias of
+# ``XFormersAttnProcessor``; LoRA reaches them through ``lora_layer``s on ``to_k``/``to_v``: ppdiffusers 0.29's
+# ``LoRA*AttnProcessor`` classes raise a deprecation error when called.) Not the custom-diffusion processors
+# (their mask is sized by the queries; with ``train_kv`` their own key/value layers replace ``to_k``/``to_v``), nor the
+# IP-Adapter ones (they read image-prompt tokens off the end of ``encoder_hidden_states``), nor the added-KV and
+# joint ones (they attend to their own tokens and ``encoder_hidden_states`` together).
+SEPARATE_KV_PROCESSORS = frozenset(
+    {
+        "AttnProcessor",
+        "XFormersAttnProcessor",
+        "SlicedAttnProcessor",
+    }
+)
+# Attention layers that normalise only one side: ``group_norm`` and ``spatial_norm`` act on the queries' tokens
+# before the keys are taken from them, ``norm_cross`` on ``encoder_hidden_states`` only. With any of them, keys
+# computed from ``encoder_hidden_states`` are not the keys of the layer's own tokens.
+_ONE_SIDED_NORMS = ("group_norm", "spatial_norm", "norm_cross")
 SDPA = "scaled_dot_product_attention_"  # ppdiffusers' attention function (ppxformers / NPU), [B, L, H, D]
 # Components ppdiffusers' own ToMe port never patches.
 _PPDIFFUSERS_SKIPS = ("vae", "vqvae")
@@ -205,6 +229,11 @@ class PaddleFramework:
             return args, {**kwargs, "attention_mask": bias.for_merged_tokens()}
         _SDPA_WRAPPER.arm(_Armed(module, bias))
         return args, kwargs
+
+    def separate_kv(self, module: Layer) -> bool:
+        if type(getattr(module, "processor", None)).__name__ not in SEPARATE_KV_PROCESSORS:
+            return False
+        return all(getattr(module, name, None) is None for name in _ONE_SIDED_NORMS)
 
     def output_cache(self, module: Layer) -> None:
         return None  # ppdiffusers has no output-caching hooks

@@ -212,3 +212,34 @@ def test_patched_sd3_models_agree(sd3_pair, options, use_rand):
     assert_patched_agree(
         sd3_pair.torch_model, sd3_pair.paddle_model, sd3_pair.run_torch, sd3_pair.run_paddle, options, (500.0, 37.0)
     )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The arrangements around self-attention (mode) and the matchings, on the same weights
+
+
+ARRANGEMENTS = [
+    dict(mode=mode, matching=matching) for mode in ("tokens", "kv", "queries") for matching in ("similarity", "cell")
+] + [
+    dict(mode="kv", proportional_attn=False, max_downsample=2),
+    dict(mode="kv", matching="cell", level_cells={1: 4, 2: 2}, max_downsample=2),
+    dict(mode="kv", matching="cell", sx=3, sy=3),  # 16x16 tokens: cells and leftover tokens (no strided mean)
+    dict(mode="queries", matching="cell", sx=2, sy=1, max_downsample=2),
+]
+
+
+@pytest.mark.parametrize("options", ARRANGEMENTS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_every_arrangement_agrees(pair, options):
+    assert_patched_agree(
+        pair.torch_unet, pair.paddle_unet, pair.run_torch, pair.run_paddle, {**options, "use_rand": False}, (500, 37)
+    )
+
+
+@pytest.mark.parametrize("options", [dict(matching="cell"), dict(matching="cell", sx=3, sy=1, merge_mlp=True)],
+                         ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_sd3_cell_matching_agrees(sd3_pair, options):
+    """SD3's joint attention takes mode='tokens' only; cell matching runs there as in a UNet."""
+    assert_patched_agree(
+        sd3_pair.torch_model, sd3_pair.paddle_model, sd3_pair.run_torch, sd3_pair.run_paddle,
+        {**options, "use_rand": False}, (500.0, 37.0),
+    )  # fmt: skip
