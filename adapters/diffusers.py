@@ -49,14 +49,14 @@ MASK_PROCESSORS = frozenset(
     }
 )
 # Processors that compute keys and values from ``encoder_hidden_states`` when a self-attention is given one
-# (the ``kv`` and ``queries`` arrangements hand it the tokens to attend to there).
+# (the ``kv`` and ``queries`` arrangements hand it the tokens to attend to there). Not the fused processor: a
+# fused self-attention has one query-key-value projection and no separate key-value one.
 SEPARATE_KV_PROCESSORS = frozenset(
     {
         "AttnProcessor",
         "AttnProcessor2_0",
         "SlicedAttnProcessor",
         "XFormersAttnProcessor",
-        "FusedAttnProcessor2_0",
         "AttnProcessorNPU",
     }
 )

@@ -61,6 +61,12 @@ BAD_OPTIONS = [
     ({"merge_mlp": "yes"}, TypeError, "merge_mlp must be True or False, got 'yes'"),
     ({"proportional_attn": 1}, TypeError, "proportional_attn must be True or False, got 1"),
     ({"seed": -1}, ValueError, "seed must be an int >= 0, got -1"),
+    ({"mode": "fast"}, ValueError, "mode must be one of 'tokens', 'kv', 'queries', got 'fast'"),
+    ({"matching": "cells"}, ValueError, "matching must be one of 'similarity', 'cell', got 'cells'"),
+    ({"mode": "kv", "merge_attn": False}, ValueError, "mode='kv' arranges self-attention, but merge_attn=False"),
+    ({"matching": "cell", "ratio": 0.5}, ValueError, r"ratio=0.5 contradicts matching='cell' with 2x2 cells.* 0.75"),
+    ({"matching": "cell", "level_ratios": {1: 0.5}}, ValueError, "level_ratios cannot be combined with matching='cell'"),
+    ({"level_cells": {1: 0}}, ValueError, r"level_cells\[1\] must be an int >= 1, got 0"),
     ({"rato": 0.5}, TypeError, r"unknown ToMe option\(s\) rato; valid options are ratio, max_downsample"),
 ]
 

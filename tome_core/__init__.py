@@ -6,9 +6,9 @@ The core (this package) imports no framework. Framework entry points: :mod:`tome
 
 from .backend import get_ops, load_backend
 from .config import ToMeConfig
-from .match import Match, bipartite_match
+from .match import Match, bipartite_match, cell_match
 from .merge import merge, unmerge
 from .state import ToMeState
 
-__all__ = ["ToMeConfig", "ToMeState", "Match", "bipartite_match", "merge", "unmerge", "get_ops", "load_backend"]
+__all__ = ["ToMeConfig", "ToMeState", "Match", "bipartite_match", "cell_match", "merge", "unmerge", "get_ops", "load_backend"]
 __version__ = "0.1.0"

@@ -311,9 +311,9 @@ class _MergeInput:
             )
         if not self.fw.separate_kv(module):
             raise ValueError(
-                f"mode={self.mode!r} needs an attention processor that computes keys and values from {name}; "
-                f"{type(getattr(module, 'processor', None)).__name__} does not (use diffusers' default processor, "
-                "sliced, fused or xformers attention, or mode='tokens')"
+                f"mode={self.mode!r} needs an attention that computes keys and values from {name}; this "
+                f"{type(module).__name__} (processor {type(getattr(module, 'processor', None)).__name__}) does not: use the "
+                "default, classic, sliced or xformers attention processor, unfuse fused projections, or mode='tokens'"
             )
         if self.mode == "queries":
             args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)

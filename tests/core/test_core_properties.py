@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tome_core import bipartite_match, load_backend, merge, unmerge
+from tome_core import bipartite_match, cell_match, load_backend, merge, unmerge
 from tome_core.partition import random_offsets, split
 
 NUMPY = load_backend("numpy")
@@ -196,3 +196,42 @@ def test_shared_match_follows_the_batch_mean_similarity_and_slots_stand_at_their
         members = np.flatnonzero(slot[0] == k)
         members_dst = members[is_dst[members]]
         assert reps[0, k] == (members_dst[0] if len(members_dst) else members[0])
+
+
+@st.composite
+def cell_cases(draw):
+    sx, sy = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    h, w = draw(st.integers(1, 13)), draw(st.integers(1, 13))
+    return dict(batch=draw(st.integers(1, 3)), h=h, w=w, sx=sx, sy=sy, channels=draw(st.integers(1, 5)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=cell_cases(), data_seed=st.integers(0, 2**32 - 1))
+def test_cell_match_pools_each_full_cell_and_keeps_leftovers(xp, case, data_seed):
+    """Brute force: walk the cells; every token of a full cell gets the cell's mean, leftover tokens stay."""
+    batch, h, w, sx, sy = (case[k] for k in ("batch", "h", "w", "sx", "sy"))
+    x = np.random.default_rng(data_seed).standard_normal((batch, h * w, case["channels"])).astype(np.float32)
+    match = cell_match(xp.ops, xp.asarray(x), batch, h, w, sx, sy)
+    grid = x.reshape(batch, h, w, -1)
+    expected = grid.copy()
+    cells = []
+    for i in range(h // sy):
+        for j in range(w // sx):
+            block = grid[:, i * sy : (i + 1) * sy, j * sx : (j + 1) * sx]
+            expected[:, i * sy : (i + 1) * sy, j * sx : (j + 1) * sx] = block.mean(axis=(1, 2), keepdims=True)
+            cells.append(block.mean(axis=(1, 2)))
+    full = h // sy * sy, w // sx * sx
+    leftover = [grid[:, r, c] for r in range(full[0]) for c in range(full[1], w)] + [
+        grid[:, r, c] for r in range(full[0], h) for c in range(w)
+    ]
+    pooling = len(cells) > 0 and sx * sy > 1
+    assert match.merged == (h * w - len(cells) - len(leftover) if pooling else 0)
+    merged = xp.numpy(merge(xp.asarray(x), match))
+    if pooling:  # slots: the cells in row-major order, then the leftover tokens in row-major order
+        np.testing.assert_allclose(merged, np.stack(cells + leftover, axis=1), rtol=1e-5, atol=1e-6)
+        sizes = xp.numpy(match.sizes)[..., 0]
+        assert sizes.sum(axis=1).tolist() == [h * w] * batch
+        assert (match.pool is not None) == (not leftover)
+    np.testing.assert_allclose(
+        xp.numpy(unmerge(merge(xp.asarray(x), match), match)), expected.reshape(batch, h * w, -1), rtol=1e-5, atol=1e-6
+    )

@@ -408,7 +408,7 @@ def test_kv_and_queries_refuse_a_processor_that_takes_no_separate_keys(unet, inp
             layer.set_processor(attention_processor.CustomDiffusionAttnProcessor(train_kv=False, train_q_out=False))
     for mode in ("kv", "queries"):
         tome.patch(unet, mode=mode)
-        message = f"mode='{mode}' needs an attention processor .* CustomDiffusionAttnProcessor"
+        message = f"mode='{mode}' needs an attention that computes keys and values.*CustomDiffusionAttnProcessor"
         with pytest.raises(ValueError, match=message):
             call(unet, inputs)
     tome.remove(unet)
