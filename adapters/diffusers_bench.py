@@ -20,7 +20,7 @@ import tome_core.torch as tome
 from tome_core.adapters.diffusers import FRAMEWORK, finest_level
 from tome_core.adapters.diffusers_models import build_transformer, build_unet
 from tome_core.bench import serve_peak_request
-from tome_core.bench_runner import MID_TIMESTEP, BenchRunner, Undo, install_transformer_oracle, median_ms, oracle_kept, remover
+from tome_core.bench_runner import MID_TIMESTEP, BenchRunner, OraclePlan, Undo, install_transformer_oracle, median_ms, remover
 from tome_core.presets import TRANSFORMERS
 
 try:
@@ -84,18 +84,27 @@ class Runner(BenchRunner):
         tomesd.apply_patch(self.unet, ratio=ratio, max_downsample=max_downsample, **options)
         return lambda: tomesd.remove_patch(self.unet)
 
-    def install_oracle(self, ratio: float, max_downsample: int, sublayers: List[str]) -> Undo:
-        """Forward hooks (keyword-aware) on each block's sub-layers: slice the input, index the output."""
+    def install_oracle(self, plan: OraclePlan) -> Undo:
+        """Forward hooks (keyword-aware) on each block's sub-layers: slice the input (or, for self-attention in
+        ``kv`` / ``queries`` mode, hand it the slice as keys/values or as queries and every token as the other),
+        index the output."""
 
-        def drop(module, args, kwargs):
-            x = args[0] if args else kwargs["hidden_states"]
-            kept = oracle_kept(self.latent_hw, x.shape[1], ratio, max_downsample)
-            if kept is None:
-                return None
-            module._oracle_tokens = x.shape[1]
-            if args:
-                return (x[:, :kept],) + tuple(args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": x[:, :kept]}
+        def drop(name):
+            def hook(module, args, kwargs):
+                x = args[0] if args else kwargs["hidden_states"]
+                cut = plan.cut(name, x.shape[1])
+                if cut is None:
+                    return None
+                rest = tuple(args[1:]) if args else ()
+                kwargs = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+                if cut.arrangement == "kv":  # queries keep every token; keys and values the first kept
+                    return (x,) + rest, {**kwargs, "encoder_hidden_states": x[:, : cut.kept]}
+                module._oracle_tokens = cut.tokens
+                if cut.arrangement == "queries":
+                    return (x[:, : cut.kept],) + rest, {**kwargs, "encoder_hidden_states": x}
+                return (x[:, : cut.kept],) + rest, kwargs
+
+            return hook
 
         def restore(module, args, kwargs, output):
             tokens = module.__dict__.pop("_oracle_tokens", None)
@@ -106,10 +115,10 @@ class Runner(BenchRunner):
         handles = []
         for block in self.unet.modules():
             if isinstance(block, BasicTransformerBlock):
-                for name in sublayers:
+                for name in plan.sublayers:
                     target = getattr(block, name, None)
                     if target is not None:
-                        handles.append(target.register_forward_pre_hook(drop, with_kwargs=True))
+                        handles.append(target.register_forward_pre_hook(drop(name), with_kwargs=True))
                         handles.append(target.register_forward_hook(restore, with_kwargs=True))
         return remover(handles)
 
@@ -135,8 +144,14 @@ def count_ops(fn) -> int:
 
 
 def micro(batch: int = 2, height: int = 64, width: int = 64, channels: int = 320, ratio: float = 0.5, repeats: int = 20) -> Dict[str, Any]:
-    """One block's match + merge + unmerge (use_rand=False), ours vs tomesd: medians, op counts, equality."""
+    """One block's match + merge + unmerge (use_rand=False), ours vs tomesd: medians, op counts, equality.
+
+    Also ``matching='cell'`` with 2x2 cells (ratio 0.75, its match built once per shape and cached, so a call
+    pays the pooling only): ``cell_merge`` is what ``mode='kv'`` pays (keys/values pooled, nothing unmerged),
+    ``cell_merge_unmerge`` what ``mode='tokens'`` pays; ``cell_match_build`` is the one-off cost of building the
+    match for a new shape; ``cell_vs_tomesd`` are their times over tomesd's match + merge + unmerge."""
     from tome_core import bipartite_match, get_ops, merge, unmerge
+    from tome_core.match import _cell_match, cell_match
 
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(batch, height * width, channels, generator=generator)
@@ -151,16 +166,36 @@ def micro(batch: int = 2, height: int = 64, width: int = 64, channels: int = 320
         m, u = tomesd.merge.bipartite_soft_matching_random2d(x, width, height, 2, 2, r, no_rand=True)
         return u(m(x))
 
+    def cell_merge():
+        return merge(x, cell_match(ops, x, batch, height, width, 2, 2))
+
+    def cell_merge_unmerge():
+        match = cell_match(ops, x, batch, height, width, 2, 2)
+        return unmerge(merge(x, match), match)
+
+    functions = {"ours": ours, "cell_merge": cell_merge, "cell_merge_unmerge": cell_merge_unmerge,
+                 "cell_match_build": lambda: _cell_match(ops, x, batch, height, width, 2, 2)}
+    if tomesd is not None:
+        functions["tomesd"] = theirs
     with torch.no_grad():
-        medians = median_ms({"ours": ours, "tomesd": theirs}, repeats)
-        same = torch.allclose(ours(), theirs(), rtol=1e-5, atol=1e-6)
-    return {
+        medians = median_ms(functions, repeats)
+        same = torch.allclose(ours(), theirs(), rtol=1e-5, atol=1e-6) if tomesd is not None else None
+        pooled = torch.nn.functional.avg_pool2d(x.transpose(1, 2).reshape(batch, channels, height, width), 2)
+        cell_is_pooling = torch.allclose(cell_merge(), pooled.flatten(2).transpose(1, 2), rtol=1e-5, atol=1e-6)
+    result = {
         "shape": [batch, height * width, channels],
         "median_ms": medians,
-        "time_ratio": medians["ours"] / medians["tomesd"],
-        "ops": {"ours": count_ops(ours), "tomesd": count_ops(theirs)},
-        "identical_outputs": bool(same),
+        "time_ratio": medians["ours"] / medians["tomesd"] if tomesd is not None else None,
+        "ops": {"ours": count_ops(ours), "cell_merge": count_ops(cell_merge), "cell_merge_unmerge": count_ops(cell_merge_unmerge)},
+        "identical_outputs": None if same is None else bool(same),
+        "cell_equals_avg_pool2d": bool(cell_is_pooling),
     }
+    if tomesd is not None:
+        result["ops"]["tomesd"] = count_ops(theirs)
+        result["cell_vs_tomesd"] = {
+            name: medians[name] / medians["tomesd"] for name in ("cell_merge", "cell_merge_unmerge", "ours")
+        }
+    return result
 
 
 if __name__ == "__main__":

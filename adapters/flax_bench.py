@@ -27,7 +27,7 @@ import tome_core.jax as tome
 from tome_core.adapters.flax import _finest_level, module_fields
 from tome_core.adapters.flax_models import build_unet
 from tome_core.bench import serve_peak_request
-from tome_core.bench_runner import BenchRunner, Undo, median_ms, oracle_kept
+from tome_core.bench_runner import BenchRunner, OraclePlan, OracleCut, Undo, median_ms
 
 diffusers.utils.logging.set_verbosity_error()  # diffusers 0.39 warns from every Flax module setup
 
@@ -52,26 +52,30 @@ def set_xla_threads(threads: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Oracle:
-    """A Flax interceptor making the chosen sub-layers of every transformer block at levels ``<=
-    max_downsample`` run on the first :func:`~tome_core.bench_runner.oracle_kept` tokens, the rest restored
-    by index. Frozen (hashable), as a static argument of the jitted call must be."""
+    """A Flax interceptor making the sub-layers of every transformer block that the plan cuts run on their
+    first ``kept`` tokens, the rest restored by index; self-attention in ``kv`` mode gets the first ``kept`` as
+    keys/values (its ``context``) and every query, in ``queries`` mode the first ``kept`` as queries and every
+    token as context (:class:`~tome_core.bench_runner.OracleCut`). Frozen (hashable), as a static argument of
+    the jitted call must be: it holds the plan's table of cuts, one per sub-layer and token count."""
 
-    latent_hw: Tuple[int, int]
-    ratio: float
-    max_downsample: int
-    sublayers: Tuple[str, ...]
+    cuts: Tuple[OracleCut, ...]
 
     def __call__(self, next_fun: Callable, args: Tuple, kwargs: Dict[str, Any], context: Any) -> Any:
         module = context.module
-        chosen = module.name in self.sublayers and isinstance(module.parent, FlaxBasicTransformerBlock)
-        if context.method_name != "__call__" or not chosen:
+        if context.method_name != "__call__" or not isinstance(module.parent, FlaxBasicTransformerBlock):
             return next_fun(*args, **kwargs)
         hidden_states = args[0]  # FlaxBasicTransformerBlock passes it positionally
         tokens = hidden_states.shape[1]
-        kept = oracle_kept(self.latent_hw, tokens, self.ratio, self.max_downsample)
-        if kept is None:
+        cut = next((c for c in self.cuts if c.name == module.name and c.tokens == tokens), None)
+        if cut is None:
             return next_fun(*args, **kwargs)
-        out = next_fun(hidden_states[:, :kept], *args[1:], **kwargs)
+        kept = cut.kept
+        if cut.arrangement == "kv":  # attn1 is called without a context: its keys come from hidden_states
+            return next_fun(hidden_states, hidden_states[:, :kept], *args[2:], **kwargs)
+        if cut.arrangement == "queries":
+            out = next_fun(hidden_states[:, :kept], hidden_states, *args[2:], **kwargs)
+        else:
+            out = next_fun(hidden_states[:, :kept], *args[1:], **kwargs)
         return jnp.take(out, jnp.arange(tokens) % kept, axis=1)
 
 
@@ -157,8 +161,8 @@ class Runner(BenchRunner):
         self._use(tome.patch(self.unet, **options), None)
         return lambda: self._use(tome.remove(self.model), None)
 
-    def install_oracle(self, ratio: float, max_downsample: int, sublayers: List[str]) -> Undo:
-        self._use(self.unet, Oracle(self.latent_hw, ratio, max_downsample, tuple(sublayers)))
+    def install_oracle(self, plan: OraclePlan) -> Undo:
+        self._use(self.unet, Oracle(plan.table()))
         return lambda: self._use(self.unet, None)
 
     def peer_note(self) -> str:

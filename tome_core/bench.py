@@ -152,6 +152,7 @@ class Row:
     peak_mb: Optional[float] = None
     note: str = ""
     times_s: List[float] = field(default_factory=list)
+    resolution: Optional[int] = None
 
 
 def measure(
@@ -178,13 +179,33 @@ def measure(
     return times
 
 
+def bench_methods(args: argparse.Namespace, has_peer: bool) -> List[str]:
+    """The methods of a run in timing order: ``--methods`` (the peer only where there is one), each variant
+    ``ours:NAME`` after ``ours`` and each ``oracle:NAME`` (``--variant-oracles``) after ``oracle``."""
+    methods = [m for m in args.methods if m != "peer" or has_peer]
+    at = methods.index("ours") + 1 if "ours" in methods else len(methods)
+    methods[at:at] = [f"ours:{name}" for name in args.variants]
+    oracles = [f"oracle:{name}" for name in getattr(args, "variant_oracles", None) or []]
+    at = methods.index("oracle") + 1 if "oracle" in methods else len(methods)
+    methods[at:at] = oracles
+    return methods
+
+
 def run(args: argparse.Namespace) -> List[Row]:
+    """One run per ``--resolution``; the rows of all, each with its resolution."""
+    rows: List[Row] = []
+    resolutions = args.resolution if isinstance(args.resolution, (list, tuple)) else [args.resolution]
+    for resolution in resolutions:
+        one = argparse.Namespace(**{**vars(args), "resolution": resolution})
+        rows.extend(run_one(one))
+    return rows
+
+
+def run_one(args: argparse.Namespace) -> List[Row]:
     from tqdm import tqdm
 
     runner = importlib.import_module(f"tome_core.adapters.{RUNNERS[args.backend]}").Runner(args)
-    methods = [m for m in args.methods if m != "peer" or runner.has_peer]
-    at = methods.index("ours") + 1 if "ours" in methods else len(methods)
-    methods[at:at] = [f"ours:{name}" for name in args.variants]
+    methods = bench_methods(args, runner.has_peer)
     rows: List[Row] = []
     total = len(args.ratio) * len(methods) * (args.warmup + args.repeats) if args.repeats else 0
     with tqdm(total=total, desc=f"{args.backend} {runner.description}", unit="call") as progress:
@@ -202,15 +223,16 @@ def run(args: argparse.Namespace) -> List[Row]:
                 looped = getattr(args, "sample_methods", None) is None or method in args.sample_methods
                 if args.steps and method != "unpatched" and looped:
                     fidelity_sampled = relative_l2(runner.sample(method, ratio, args.steps), reference_sampled)
+                shown_ratio, note = runner.effective(method, ratio)
                 rows.append(
                     Row(
-                        ratio=ratio,
+                        ratio=shown_ratio,
                         method=method,
                         median_s=medians.get(method, float("nan")),
                         speedup=medians["unpatched"] / medians[method] if "unpatched" in medians else float("nan"),
                         oracle_share=(
-                            oracle_share(medians["unpatched"], medians[method], medians["oracle"])
-                            if "oracle" in medians and "unpatched" in medians
+                            oracle_share(medians["unpatched"], medians[method], medians[_oracle_of(method, medians)])
+                            if _oracle_of(method, medians) in medians and "unpatched" in medians
                             else float("nan")
                         ),
                         fidelity_step=0.0
@@ -218,8 +240,9 @@ def run(args: argparse.Namespace) -> List[Row]:
                         else relative_l2(step_output(method), reference_step),
                         fidelity_sampled=0.0 if method == "unpatched" and args.steps else fidelity_sampled,
                         peak_mb=runner.peak_memory_mb(method, ratio) if args.memory else None,
-                        note=runner.note(method),
+                        note=note,
                         times_s=times.get(method, []),
+                        resolution=args.resolution,
                     )
                 )
     if "peer" in args.methods and not runner.has_peer:
@@ -227,16 +250,42 @@ def run(args: argparse.Namespace) -> List[Row]:
     return rows
 
 
+def _oracle_of(method: str, medians: Dict[str, float]) -> str:
+    """The oracle a method's share is measured against: a variant's own (``oracle:NAME``) when timed."""
+    variant = method.partition(":")[2]
+    if variant and f"oracle:{variant}" in medians:
+        return f"oracle:{variant}"
+    return "oracle"
+
+
+def spread(times: Sequence[float]) -> float:
+    """``(max - min) / median`` of a method's timed calls (0 with fewer than two)."""
+    if len(times) < 2:
+        return 0.0
+    return (max(times) - min(times)) / statistics.median(times)
+
+
 def format_table(rows: Sequence[Row]) -> str:
-    header = f"{'ratio':>5}  {'method':<14} {'median':>9} {'speedup':>8} {'oracle share':>12} {'fid@t':>8} {'fid@loop':>9} {'peak MB':>8}"
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        peak = "" if row.peak_mb is None else f"{row.peak_mb:8.0f}"
-        lines.append(
-            f"{row.ratio:>5.2f}  {row.method:<14} {row.median_s * 1000:7.0f}ms {row.speedup:7.2f}x "
-            f"{row.oracle_share:12.2f} {row.fidelity_step:8.4f} {row.fidelity_sampled:9.4f} {peak:>8}"
+    """One table per resolution; ``spread`` is ``(max - min) / median`` of a method's timed calls, ``note`` what
+    the ratio column means for it (a cell's reduction, the arrangement)."""
+    blocks = []
+    for resolution in dict.fromkeys(r.resolution for r in rows):
+        header = (
+            f"{'ratio':>5}  {'method':<14} {'median':>9} {'spread':>6} {'speedup':>8} {'oracle share':>12} "
+            f"{'fid@t':>8} {'fid@loop':>9} {'peak MB':>8}  note"
         )
-    return "\n".join(lines)
+        lines = ([] if resolution is None else [f"{resolution}px"]) + [header, "-" * len(header)]
+        for row in rows:
+            if row.resolution != resolution:
+                continue
+            peak = "" if row.peak_mb is None else f"{row.peak_mb:8.0f}"
+            lines.append(
+                f"{row.ratio:>5.2f}  {row.method:<14} {row.median_s * 1000:7.0f}ms {spread(row.times_s):6.0%} "
+                f"{row.speedup:7.2f}x {row.oracle_share:12.2f} {row.fidelity_step:8.4f} {row.fidelity_sampled:9.4f} "
+                f"{peak:>8}  {row.note}".rstrip()
+            )
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
 
 
 def plot(rows: Sequence[Row], path: str, title: str) -> None:
@@ -277,12 +326,17 @@ def parser() -> argparse.ArgumentParser:
                    help="UNet or diffusion transformer architecture with random weights (tome_core.presets: UNETS, "
                    "TRANSFORMERS: sd3, sd3-small, flux-small, pixart, tiny-sd3, tiny-flux, tiny-pixart)")
     p.add_argument("--model", help="local diffusers/ppdiffusers pipeline or UNet folder (from_pretrained)")
-    p.add_argument("--resolution", type=int, default=512, help="image size in pixels (latent = resolution / 8)")
+    p.add_argument("--resolution", type=int, nargs="+", default=[512],
+                   help="image size in pixels (latent = resolution / 8); several values run one after another, "
+                   "one table (and one JSON block) each, e.g. --resolution 512 1024 1536")
     p.add_argument("--batch", type=int, default=2, help="model batch (2 = one image with classifier-free guidance)")
     p.add_argument("--text-tokens", type=int, default=None,
                    help="transformers: text tokens per prompt (default: the released pipeline's, SD3 333, Flux 512, "
                    "PixArt 120)")
-    p.add_argument("--ratio", type=float, nargs="+", default=[0.5])
+    p.add_argument("--ratio", type=float, nargs="+", default=[0.5],
+                   help="ratios to run; 'ours' (and its oracle) get it unless their options set matching='cell', "
+                   "where the cell fixes the reduction (1 - 1/(sx*sy) per level): their rows show the finest "
+                   "level's reduction as the ratio and the cells in the note; the peer always runs at --ratio")
     p.add_argument("--latents", choices=("image", "noise"), default="image",
                    help="input latents at the mid timestep: image-like structure, or pure Gaussian noise")
     p.add_argument("--steps", type=int, default=4, help="sampling-loop steps for the fidelity after a loop (0: skip)")
@@ -290,33 +344,68 @@ def parser() -> argparse.ArgumentParser:
                    help="run the sampling loop for these methods only (e.g. ours ours:rs2 oracle; default: all)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per method (0: fidelity only)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--methods", nargs="+", default=None, choices=METHODS,
+                   help=f"methods to run (default: {' '.join(METHODS)}; the peer is skipped when it is not "
+                   "installed, but named here it must be: the bench then fails before the run, saying how to "
+                   "install it)")
+    p.add_argument("--variant-oracles", nargs="+", default=[], metavar="NAME",
+                   help="also time the oracle of these variants (method oracle:NAME: free removal of the token "
+                   "counts ours:NAME keeps, in its arrangement: kv slices keys/values, queries slices queries)")
     p.add_argument("--memory", action="store_true", help="measure peak memory (one fresh process per method)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: the framework's)")
     p.add_argument("--json", help="write the rows to this JSON file")
-    p.add_argument("--plot", help="write speedup and fidelity against ratio to this PNG file")
+    p.add_argument("--plot", help="write speedup and fidelity against ratio to this PNG file (one per resolution, "
+                   "NAME_<res>px.png, with several); needs matplotlib: pip install \"tome-core[bench]\"")
     p.add_argument("--micro", action="store_true",
                    help="instead: one block's match+merge+unmerge (B=2, N=4096, C=320), ours vs the peer: time and ops; "
                    "with a transformer preset (torch): the first block of each kind at --resolution/--batch, its "
                    "time unpatched, with ours (fresh and reused match), with the oracle, and the share of "
-                   "match + merge + unmerge in it, without and with reuse")
+                   "match + merge + unmerge in it, without and with reuse. The UNet block also times "
+                   "matching='cell' (2x2 pooling: its merge alone, as mode='kv' pays, and merge + unmerge)")
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
-                   help="a ToMe option for 'ours' (repeatable), e.g. --option use_rand=False")
+                   help="a ToMe option for 'ours' (repeatable; values are Python literals, other text is a "
+                   "string), e.g. --option use_rand=False --option mode=kv --option 'level_cells={1:4,2:2}'")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:OPT=VAL[,OPT=VAL]",
-                   help="also measure 'ours' with these extra options, as method ours:NAME (repeatable), "
-                   "e.g. --variant plain:proportional_attn=False")
+                   help="also measure 'ours' with these extra options, as method ours:NAME (repeatable; commas "
+                   "inside braces, brackets, parentheses or quotes belong to the value), e.g. --variant "
+                   "plain:proportional_attn=False --variant \"todo:mode=kv,matching=cell,level_cells={1:4,2:2},"
+                   "max_downsample=2\"")
     return p
 
 
 def variant_options(variants: Sequence[str]) -> Dict[str, Dict[str, Any]]:
-    """``["plain:proportional_attn=False"]`` -> ``{"plain": {"proportional_attn": False}}``."""
+    """``["plain:proportional_attn=False"]`` -> ``{"plain": {"proportional_attn": False}}``; options are split
+    on commas outside brackets and quotes (``c:level_cells={1:4,2:2},mode=kv``)."""
     parsed = {}
     for variant in variants:
         name, sep, options = variant.partition(":")
         if not sep or not name:
             raise ValueError(f"--variant must look like NAME:OPT=VAL[,OPT=VAL], got {variant!r}")
-        parsed[name] = parse_options([o for o in options.split(",") if o])
+        parsed[name] = parse_options([o for o in split_top_level(options) if o])
     return parsed
+
+
+def split_top_level(text: str, separator: str = ",") -> List[str]:
+    """``text`` split on ``separator`` where it is outside ``{}``, ``[]``, ``()`` and quotes."""
+    parts, depth, quote, current = [], 0, None, []
+    for char in text:
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "{[(":
+            depth += 1
+        elif char in "}])":
+            depth -= 1
+        elif char == separator and depth == 0:
+            parts.append("".join(current))
+            current = []
+            continue
+        current.append(char)
+    if depth or quote:
+        raise ValueError(f"unbalanced brackets or quotes in {text!r}")
+    parts.append("".join(current))
+    return parts
 
 
 def parse_options(items: Sequence[str]) -> Dict[str, Any]:
@@ -329,20 +418,69 @@ def parse_options(items: Sequence[str]) -> Dict[str, Any]:
         if not sep:
             raise ValueError(f"--option must look like NAME=VALUE, got {item!r}")
         try:
-            options[name] = ast.literal_eval(value)
+            options[name.strip()] = ast.literal_eval(value.strip())
         except (ValueError, SyntaxError):
-            options[name] = value
+            options[name.strip()] = value.strip()
     return options
+
+
+INSTALL_BENCH = 'pip install "tome-core[bench]"'
+FRAMEWORK_EXTRAS = {"torch": "torch", "paddle": "paddle", "jax": "jax"}
+PEER_INSTALL = {"torch": "pip install tomesd==0.1.3", "paddle": 'pip install "tome-core[paddle]" (ppdiffusers\' built-in ToMe)'}
+
+
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
+def check_dependencies(args: argparse.Namespace, explicit_methods: bool) -> None:
+    """Fail before anything is built or timed when something the run needs is missing, with the command that
+    installs it: the bench extra (numpy, tqdm; matplotlib for ``--plot``), the framework, and the peer when
+    ``--methods`` names it (by default a missing peer is skipped and said so)."""
+    needed = ["numpy"] + ([] if args.micro else ["tqdm"]) + (["matplotlib"] if args.plot and not args.micro else [])
+    missing = [name for name in needed if not _importable(name)]
+    if missing:
+        raise SystemExit(f"python -m tome_core.bench needs {', '.join(missing)}, not installed: {INSTALL_BENCH}")
+    try:
+        module = importlib.import_module(f"tome_core.adapters.{RUNNERS[args.backend]}")
+    except ImportError as error:
+        extra = FRAMEWORK_EXTRAS[args.backend]
+        raise SystemExit(
+            f"--backend {args.backend} needs its framework ({error}): pip install \"tome-core[{extra},bench]\""
+        ) from None
+    if explicit_methods and "peer" in args.methods and not args.micro:
+        from tome_core.presets import TRANSFORMERS
+
+        if args.preset in TRANSFORMERS and not args.model:
+            raise SystemExit("--methods peer: no other ToMe implementation exists for diffusion transformers")
+        if not module.Runner.has_peer:
+            install = PEER_INSTALL.get(args.backend)
+            raise SystemExit(
+                f"--methods peer: the {args.backend} peer is not installed"
+                + (f": {install}" if install else f" (none exists for {args.backend})")
+            )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
     args = parser().parse_args(argv)
     args.options = parse_options(args.option)
     args.variants = variant_options(args.variant)
+    explicit_methods = args.methods is not None
+    if not explicit_methods:
+        args.methods = list(METHODS)
+    unknown = [name for name in args.variant_oracles if name not in args.variants]
+    if unknown:
+        raise SystemExit(f"--variant-oracles {' '.join(unknown)}: no such --variant")
+    check_dependencies(args, explicit_methods)
     if args.micro:
         module = importlib.import_module(f"tome_core.adapters.{RUNNERS[args.backend]}")
         from tome_core.presets import TRANSFORMERS
 
+        args.resolution = args.resolution[0]
         if args.preset in TRANSFORMERS:
             if not hasattr(module, "micro_transformer"):
                 raise SystemExit(f"--micro with a transformer preset runs on the torch backend only, not {args.backend}")
@@ -352,17 +490,25 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
         print(json.dumps(result, indent=1))
         return result
     rows = run(args)
-    title = (
-        f"{args.backend} {args.model or args.preset} {args.resolution}px batch {args.batch} "
-        f"on {platform.processor() or platform.machine()}"
-    )
-    print(title)
-    print(format_table(rows))
+    runs = []
+    for resolution in args.resolution:
+        mine = [r for r in rows if r.resolution == resolution]
+        title = (
+            f"{args.backend} {args.model or args.preset} {resolution}px batch {args.batch} "
+            f"on {platform.processor() or platform.machine()}"
+        )
+        print(title)
+        print(format_table(mine))
+        runs.append({"title": title, "args": {**vars(args), "resolution": resolution}, "rows": [asdict(r) for r in mine]})
+        if args.plot:
+            path = args.plot
+            if len(args.resolution) > 1:
+                stem, dot, suffix = args.plot.rpartition(".")
+                path = f"{stem}_{resolution}px.{suffix}" if dot else f"{args.plot}_{resolution}px"
+            plot(mine, path, title)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"title": title, "args": {k: v for k, v in vars(args).items()}, "rows": [asdict(r) for r in rows]}, f, indent=1)
-    if args.plot:
-        plot(rows, args.plot, title)
+            json.dump(runs[0] if len(runs) == 1 else {"runs": runs}, f, indent=1)
     return rows
 
 

@@ -26,7 +26,7 @@ from tome_core.backend import get_ops
 from tome_core.bench import image_like_latents, noised, peak_memory_in_fresh_process
 from tome_core.config import ToMeConfig
 from tome_core.families import TEXT_PREFIX, BlockFamily, Sublayer
-from tome_core.levels import downsample_factor
+from tome_core.levels import block_grid, downsample_factor, level_grid
 
 MID_TIMESTEP = 500
 # Stable Diffusion's noise schedule; every framework's DDIM scheduler takes these keyword arguments.
@@ -44,7 +44,8 @@ def oracle_sublayers(options: Dict[str, Any]) -> List[str]:
 
 
 def oracle_kept(latent_hw: Tuple[int, int], tokens: int, ratio: float, max_downsample: int) -> Optional[int]:
-    """How many of a sub-layer's ``tokens`` the oracle keeps (``None``: its level is not merged).
+    """How many of a sub-layer's ``tokens`` the oracle keeps (``None``: its level is not merged), with
+    similarity matching at one ``ratio`` (see :class:`OraclePlan` for every configuration).
 
     ToMe merges ``int(tokens * ratio)`` of them, so the oracle runs the sub-layer on the first
     ``tokens - int(tokens * ratio)`` and restores the rest with the index ``arange(tokens) % kept``.
@@ -52,6 +53,96 @@ def oracle_kept(latent_hw: Tuple[int, int], tokens: int, ratio: float, max_downs
     if downsample_factor(latent_hw, tokens) > max_downsample:
         return None
     return tokens - int(tokens * ratio)
+
+
+# A UNet transformer block's sub-layers by the name ToMeConfig gives their kind.
+SUBLAYER_KINDS = {"attn1": "attn", "attn2": "crossattn", "ff": "mlp"}
+
+
+@dataclass(frozen=True)
+class OracleCut:
+    """What the oracle does to one sub-layer call: the reduced part keeps the first ``kept`` of ``tokens``
+    tokens, in ``arrangement`` (ToMeConfig's ``mode``, for self-attention; ``tokens`` elsewhere):
+
+    * ``tokens``: the sub-layer runs on the first ``kept`` tokens, its output restored by the index
+      ``arange(tokens) % kept``;
+    * ``kv``: self-attention's queries are every token, its keys and values the first ``kept`` (nothing to
+      restore);
+    * ``queries``: its queries are the first ``kept``, its keys and values every token, its output restored as
+      for ``tokens``.
+    """
+
+    name: str  # the sub-layer: attn1, attn2, ff (UNets) or a family's child name
+    tokens: int
+    kept: int
+    arrangement: str
+
+
+class OraclePlan:
+    """The token counts 'ours' keeps with one configuration, per sub-layer and token count, for the oracle
+    (free removal of the same counts): similarity matching merges ``int(tokens * ratio)`` (the sub-layer's,
+    level's and cell's ratio, at most the sources of the partition), cell matching keeps one token per full
+    ``sx x sy`` cell of the level (``level_cells``) plus the leftover rows and columns. ``mode`` decides the
+    arrangement of self-attention (``attn1``).
+
+    ``max_downsample=None``: a diffusion transformer (one grid, level 1, every block the config selects).
+    """
+
+    def __init__(self, config: ToMeConfig, latent_hw: Tuple[int, int], max_downsample: Optional[int]):
+        self.config = config
+        self.latent_hw = latent_hw
+        self.max_downsample = max_downsample
+
+    @property
+    def sublayers(self) -> List[str]:
+        """The UNet block sub-layers ('attn1', 'attn2', 'ff') the configuration merges."""
+        on = self.config.sublayers
+        return [name for name, kind in SUBLAYER_KINDS.items() if on[kind]]
+
+    def arrangement(self, kind: str) -> str:
+        return self.config.mode if kind == "attn" else "tokens"
+
+    def kept(self, kind: str, tokens: int) -> Optional[int]:
+        """How many of ``tokens`` the oracle keeps in a sub-layer of ``kind`` ('attn', 'crossattn', 'mlp');
+        ``None`` when its level is not merged."""
+        level = downsample_factor(self.latent_hw, tokens)
+        if self.max_downsample is not None and level > self.max_downsample:
+            return None
+        try:
+            h, w = block_grid(self.latent_hw, level, None, tokens)
+        except ValueError:  # not a grid of this latent: no cells, as the partition sees it
+            h = w = 0
+        if self.max_downsample is None:
+            level = 1  # transformers: one grid, merged at level 1's settings (as the driver does)
+        config = self.config
+        sx, sy = config.cell_at(level)
+        cells = (h // sy) * (w // sx)
+        if config.matching == "cell":
+            return tokens if sx * sy == 1 or cells == 0 else tokens - cells * (sx * sy - 1)
+        merged = min(int(tokens * config.ratio_for(kind, level)), tokens - cells)
+        return tokens - max(merged, 0)
+
+    def cut(self, name: str, tokens: int) -> Optional[OracleCut]:
+        """The cut of UNet sub-layer ``name`` ('attn1', 'attn2', 'ff') on ``tokens`` tokens (``None``: untouched)."""
+        kind = SUBLAYER_KINDS[name]
+        if not self.config.sublayers[kind]:
+            return None
+        kept = self.kept(kind, tokens)
+        if kept is None or kept == tokens:
+            return None
+        return OracleCut(name, tokens, kept, self.arrangement(kind))
+
+    def table(self, sublayers: Optional[Iterable[str]] = None) -> Tuple[OracleCut, ...]:
+        """Every cut at the token counts of this latent's levels 1, 2, 4, 8: a hashable plan (Flax's oracle is
+        a static argument of a jitted call)."""
+        cuts = []
+        for level in (1, 2, 4, 8):
+            h, w = level_grid(self.latent_hw, level)
+            for name in sublayers if sublayers is not None else self.sublayers:
+                cut = self.cut(name, h * w)
+                if cut is not None:
+                    cuts.append(cut)
+        return tuple(cuts)
 
 
 @dataclass(frozen=True)
@@ -140,11 +231,12 @@ def flux_mu(image_tokens: int) -> float:
 class _OracleBlock:
     """Free removal in one transformer block: each chosen sub-layer runs on the block's first ``kept`` image
     tokens (text tokens untouched, rotary positions sliced alike) and its image output is restored by
-    repeating them (index ``arange(N) % kept``). ``kept = N - int(N * ratio)`` of the block's ``N`` image
-    tokens, the count 'ours' keeps."""
+    repeating them (index ``arange(N) % kept``); self-attention in ``kv`` or ``queries`` mode gets the first
+    ``kept`` tokens as keys/values or as queries instead (:class:`OracleCut`). ``kept`` is the count 'ours'
+    keeps of the block's ``N`` image tokens (:class:`OraclePlan`)."""
 
-    def __init__(self, config: ToMeConfig, family: BlockFamily):
-        self.config = config
+    def __init__(self, plan: OraclePlan, family: BlockFamily):
+        self.plan = plan
         self.family = family
         self.image_tokens = 0
 
@@ -154,14 +246,21 @@ class _OracleBlock:
         return None
 
     def pre_hook(self, sublayer: Sublayer) -> driver.PreHook:
-        ratio = self.config.ratio_for(sublayer.kind, 1)
+        arrangement = self.plan.arrangement(sublayer.kind)
 
         def drop(module, args, kwargs):
             tokens = self.image_tokens
-            kept = tokens - int(tokens * ratio)
-            if kept == tokens:
+            kept = self.plan.kept(sublayer.kind, tokens)
+            if kept is None or kept == tokens:
                 return None
             x = driver.argument(args, kwargs, "hidden_states", 0)
+            if arrangement != "tokens" and sublayer.kv_input is not None:
+                # BasicTransformerBlock's attn1 (PixArt, DiT): no text in its stream, keys/values by keyword
+                if arrangement == "kv":
+                    return args, {**kwargs, sublayer.kv_input: x[:, :kept]}
+                args, kwargs = driver.replace_argument(args, kwargs, "hidden_states", 0, x[:, :kept])
+                module.__dict__["_tome_oracle"] = (tokens, kept, 0)
+                return args, {**kwargs, sublayer.kv_input: x}
             text = get_ops(x).shape(x)[1] - tokens if sublayer.text == TEXT_PREFIX else 0
             args, kwargs = driver.replace_argument(args, kwargs, "hidden_states", 0, x[:, : text + kept])
             rotary = self.family.rotary
@@ -192,16 +291,18 @@ class _OracleBlock:
         return restore
 
 
-def install_transformer_oracle(fw: "driver.Framework", model: Any, config: ToMeConfig) -> List[Any]:
+def install_transformer_oracle(fw: "driver.Framework", model: Any, config: ToMeConfig, latent_hw: Optional[Tuple[int, int]] = None) -> List[Any]:
     """Hook the oracle into every block 'ours' merges with ``config`` (``blocks`` included) and every
-    sub-layer it wraps (:mod:`tome_core.families`); returns the hook handles."""
+    sub-layer it wraps (:mod:`tome_core.families`); returns the hook handles. ``latent_hw`` (the latent
+    grid) places the tokens on a grid for cell matching's counts."""
     blocks = driver.blocks_of(fw, model)
     chosen = set(driver.selected_blocks(config, len(blocks), type(model).__qualname__))
+    plan = OraclePlan(config, latent_hw or (0, 0), None)
     handles = []
     for index, (block, family) in enumerate(blocks):
         if index not in chosen:
             continue
-        oracle = _OracleBlock(config, family)
+        oracle = _OracleBlock(plan, family)
         handles.append(fw.add_pre_hook(block, oracle.begin))
         for sublayer in family.sublayers:
             target = getattr(block, sublayer.child, None)
@@ -263,6 +364,10 @@ class BenchRunner:
     def __init__(self, args: Any):
         if getattr(args, "threads", None):
             self.set_threads(args.threads)
+        if isinstance(args.resolution, (list, tuple)):  # a runner serves one resolution (bench.run loops)
+            if len(args.resolution) != 1:
+                raise ValueError(f"a runner takes one resolution, got {args.resolution}")
+            args.resolution = args.resolution[0]
         self.args = args
         self.options = dict(getattr(args, "options", {}))
         args.variants = getattr(args, "variants", {})
@@ -436,9 +541,10 @@ class BenchRunner:
         """Patch the UNet with the peer implementation; returns what unpatches it."""
         raise ValueError(f"no peer to run: {self.peer_note()}")
 
-    def install_oracle(self, ratio: float, max_downsample: int, sublayers: List[str]) -> Undo:
-        """Make ``sublayers`` of every transformer block at levels ``<= max_downsample`` run on the first
-        :func:`oracle_kept` tokens and restore the rest by index; returns what removes that."""
+    def install_oracle(self, plan: OraclePlan) -> Undo:
+        """Make the sub-layers of every transformer block that ``plan`` cuts (:meth:`OraclePlan.cut`, levels
+        ``<= max_downsample``) run on its first ``kept`` tokens in the plan's arrangement, restoring the rest by
+        index; returns what removes that."""
         raise NotImplementedError
 
     def peer_note(self) -> str:
@@ -452,24 +558,62 @@ class BenchRunner:
         return chosen if chosen is not None else self.finest_level()
 
     def options_for(self, name: str, ratio: float) -> Dict[str, Any]:
-        """ToMe options of method ``ours`` or ``ours:VARIANT``."""
+        """ToMe options of method ``ours`` or ``ours:VARIANT`` (and of the oracle ``oracle`` / ``oracle:VARIANT``
+        copies). ``ratio`` (the bench's ``--ratio``) is left out with ``matching='cell'``, where the cell fixes
+        the reduction; a ratio the options name themselves stays (and ToMeConfig checks it)."""
         variant = name.partition(":")[2]
-        return {"ratio": ratio, **self.options, **(self.args.variants[variant] if variant else {})}
+        chosen = {**self.options, **(self.args.variants[variant] if variant else {})}
+        if chosen.get("matching") == "cell":
+            return chosen
+        return {"ratio": ratio, **chosen}
+
+    def config_for(self, name: str, ratio: float) -> ToMeConfig:
+        return ToMeConfig.from_options(self.options_for(name, ratio))
+
+    def effective(self, name: str, ratio: float) -> Tuple[float, str]:
+        """The ratio a row of method ``name`` shows, and a note: 'ours' and the oracle with cell matching show
+        the reduction of the finest merged level's cell (``cell 4x4 (L1), 2x2 (L2)``); other options they set
+        are noted too (``mode=kv``)."""
+        if not (name.startswith("ours") or name.startswith("oracle")):
+            return ratio, self.note(name)
+        config = self.config_for(name, ratio)
+        notes = [] if config.mode == "tokens" else [f"mode={config.mode}"]
+        finest = self.finest_level() if self.spec is None else 1
+        deepest = self.max_downsample_of(config) if self.spec is None else 1
+        if config.matching == "cell":
+            levels = [level for level in (1, 2, 4, 8) if finest <= level <= deepest]
+            cells = ", ".join("{}x{} (L{})".format(*config.cell_at(level), level) for level in levels)
+            notes.append(f"cell {cells}")
+            return config.max_ratio_at(finest), " ".join(notes)
+        if self.spec is None and config.level_cells:
+            notes.append("cells " + ", ".join("{}x{} (L{})".format(*cell, level) for level, cell in config.level_cells.items()))
+        return config.ratio, " ".join(notes)
+
+    def max_downsample_of(self, config: ToMeConfig) -> int:
+        return config.max_downsample if config.max_downsample is not None else self.finest_level()
 
     def peer_options(self) -> Dict[str, Any]:
         """The bench's options the peer understands."""
         return {k: v for k, v in self.options.items() if k in PEER_OPTIONS}
+
+    def oracle_plan(self, name: str, ratio: float) -> OraclePlan:
+        """The oracle of 'ours' (``oracle``) or of variant ``ours:NAME`` (``oracle:NAME``): the same token counts
+        in the same arrangement, at the same levels."""
+        config = self.config_for(name, ratio)
+        if self.spec is not None:
+            return OraclePlan(config, self.latent_hw, None)
+        return OraclePlan(config, self.latent_hw, self.max_downsample_of(config))
 
     def _apply(self, name: str, ratio: float) -> Undo:
         if name.startswith("ours"):
             return self.patch_ours(self.options_for(name, ratio))
         if name == "peer":
             return self.patch_peer(ratio, self.max_downsample(), self.peer_options())
-        if name == "oracle" and self.spec is not None:
-            config = ToMeConfig.from_options({"ratio": ratio, **self.options})
-            return remover(install_transformer_oracle(self.framework(), self.unet, config))
-        if name == "oracle":
-            return self.install_oracle(ratio, self.max_downsample(), oracle_sublayers(self.options))
+        if name.startswith("oracle") and self.spec is not None:
+            config = self.config_for(name, ratio)
+            return remover(install_transformer_oracle(self.framework(), self.unet, config, self.latent_hw))
+        if name.startswith("oracle"):
+            return self.install_oracle(self.oracle_plan(name, ratio))
         if name != "unpatched":
             raise ValueError(f"unknown bench method {name!r}")
         return lambda: None

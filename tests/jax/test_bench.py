@@ -137,3 +137,39 @@ def test_main_on_the_tiny_preset_writes_table_json_and_plot(tmp_path, capsys):
     saved = json.loads(out_json.read_text())
     assert saved["args"]["backend"] == "jax" and [r["method"] for r in saved["rows"]] == ["unpatched", "ours", "oracle"]
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "variant, options, expected",
+    [
+        ("kv", {"mode": "kv"}, {(64, 32), (16, 16)}),  # 8x8 latent: level 1's 64 keys -> 32, queries all
+        ("kvc", {"mode": "kv", "matching": "cell", "sx": 4, "sy": 4}, {(64, 4), (16, 16)}),
+        ("q", {"mode": "queries"}, {(32, 64), (16, 16)}),
+    ],
+)
+def test_the_oracle_of_kv_and_queries_gives_attention_the_token_counts_of_ours(runner, variant, options, expected):
+    """(queries, keys) of every self-attention under the oracle of a kv / queries variant, read at attn1's
+    to_q and to_k in an abstract trace."""
+    import flax.linen as nn
+
+    seen = {"to_q": [], "to_k": []}
+
+    def spy(next_fun, call_args, call_kwargs, context):
+        module = context.module
+        if context.method_name == "__call__" and module.name in seen and module.parent.name == "attn1":
+            seen[module.name].append(int(call_args[0].shape[1]))
+        return next_fun(*call_args, **call_kwargs)
+
+    runner.args.variants = {variant: options}
+    try:
+        with runner.method(f"oracle:{variant}", 0.5):
+            with nn.intercept_methods(spy):
+                jax.eval_shape(
+                    lambda: flax_bench.unet_output(runner.model, runner.interceptor, runner.params, runner.sample_in,
+                                                   runner.timestep, runner.text, runner.added)
+                )
+            out = np.asarray(runner.call())
+    finally:
+        runner.args.variants = {}
+    assert set(zip(seen["to_q"], seen["to_k"])) == expected
+    assert out.shape == np.asarray(runner.call()).shape and np.isfinite(out).all()

@@ -90,3 +90,39 @@ def test_main_on_the_tiny_preset_writes_table_and_json(tmp_path, capsys):
     variant = [r for r in rows if r.method == "ours:plain"]
     default = [r for r in rows if r.method == "ours"]
     assert all(p.fidelity_step != q.fidelity_step for p, q in zip(variant, default))  # the variant really differs
+
+
+ARRANGEMENTS = {
+    "kv": {"mode": "kv"},
+    "kvl": {"mode": "kv", "matching": "cell", "level_cells": {1: 4, 2: 2}, "max_downsample": 2},
+    "q": {"mode": "queries"},
+}
+
+
+@pytest.mark.parametrize(
+    "variant, expected",
+    [
+        ("kv", {(256, 128), (64, 64), (16, 16)}),
+        ("kvl", {(256, 16), (64, 16), (16, 16)}),  # 4x4 cells at level 1, 2x2 at level 2
+        ("q", {(128, 256), (64, 64), (16, 16)}),
+    ],
+)
+def test_the_oracle_of_kv_and_queries_gives_attention_the_token_counts_of_ours(runner, variant, expected):
+    """(queries, keys) of every self-attention under the oracle of a kv / queries variant, read at attn1's
+    to_q and to_k (paddle's hooks do not see keyword arguments; the oracle passes keys/values by keyword)."""
+    runner.args.variants = ARRANGEMENTS
+    queries, keys = [], []
+    try:
+        with runner.method(f"oracle:{variant}", 0.5):
+            helpers = []
+            for n, m in runner.unet.named_sublayers():
+                if n.endswith("attn1"):
+                    helpers.append(m.to_q.register_forward_pre_hook(lambda layer, inputs: queries.append(int(inputs[0].shape[1]))))
+                    helpers.append(m.to_k.register_forward_pre_hook(lambda layer, inputs: keys.append(int(inputs[0].shape[1]))))
+            out = runner.call()
+        for helper in helpers:
+            helper.remove()
+    finally:
+        runner.args.variants = {}
+    assert set(zip(queries, keys)) == expected
+    assert out.shape == runner.call().shape and not any("forward" in m.__dict__ for m in runner.unet.sublayers())

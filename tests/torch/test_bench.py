@@ -97,6 +97,10 @@ def test_micro_counts_ops_and_reports_identical_outputs():
     assert result["identical_outputs"] is True
     assert result["ops"]["ours"] < result["ops"]["tomesd"]
     assert count_ops(lambda: torch.ones(3) + 1) == 2
+    # cell matching: 2x2 average pooling (checked against avg_pool2d), a few ops, no similarity
+    assert result["cell_equals_avg_pool2d"] is True
+    assert result["ops"]["cell_merge"] < result["ops"]["cell_merge_unmerge"] < result["ops"]["ours"]
+    assert set(result["cell_vs_tomesd"]) == {"cell_merge", "cell_merge_unmerge", "ours"}
 
 
 def test_main_on_the_tiny_preset_writes_table_json_and_plot(tmp_path, capsys):
@@ -248,3 +252,140 @@ def test_micro_transformer_reports_block_times_and_overhead_shares(capsys):
         shares = block["share_of_block"]
         assert shares["reuse_1"] > shares["reuse_2"] > shares["reuse_4"] > 0
     assert json.loads(capsys.readouterr().out)["preset"] == "tiny-flux"
+
+
+# -- arrangements (mode), cell matching, several resolutions, missing dependencies -------------------------
+def test_variants_split_on_commas_outside_brackets_and_read_bare_strings():
+    parsed = bench.variant_options(
+        ["todo:mode='kv',matching=cell,level_cells={1:4,2:2},max_downsample=2", "q:mode=queries", 'c:level_cells={1: (4, 2)}']
+    )
+    assert parsed == {
+        "todo": {"mode": "kv", "matching": "cell", "level_cells": {1: 4, 2: 2}, "max_downsample": 2},
+        "q": {"mode": "queries"},
+        "c": {"level_cells": {1: (4, 2)}},
+    }
+    assert bench.parse_options(["mode=kv", "level_cells={1:4,2:2}"]) == {"mode": "kv", "level_cells": {1: 4, 2: 2}}
+    with pytest.raises(ValueError, match="unbalanced"):
+        bench.variant_options(["x:level_cells={1:4"])
+
+
+def _attn1_lengths(runner, name, ratio=0.5):
+    """(query tokens, key/value tokens) of every attn1 call under method ``name``, seen by hooks added after
+    the method's own (so they see what attention really gets)."""
+    seen = []
+
+    def spy(module, args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
+        context = kwargs.get("encoder_hidden_states")
+        seen.append((x.shape[1], x.shape[1] if context is None else context.shape[1]))
+
+    with runner.method(name, ratio):
+        handles = [m.register_forward_pre_hook(spy, with_kwargs=True) for n, m in runner.unet.named_modules() if n.endswith("attn1")]
+        try:
+            runner.call()
+        finally:
+            for handle in handles:
+                handle.remove()
+    return seen
+
+
+ARRANGEMENTS = {
+    "kv": {"mode": "kv"},
+    "kv75": {"mode": "kv", "ratio": 0.75},
+    "kvc": {"mode": "kv", "matching": "cell"},
+    "kvl": {"mode": "kv", "matching": "cell", "level_cells": {1: 4, 2: 2}, "max_downsample": 2},
+    "q": {"mode": "queries"},
+    "qc": {"mode": "queries", "matching": "cell", "sx": 4, "sy": 2},
+    "tc": {"matching": "cell", "level_cells": {1: (2, 4)}},
+    "c1": {"mode": "kv", "matching": "cell", "sx": 1, "sy": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def arrangement_runner():
+    args = bench.parser().parse_args(["--preset", "tiny", "--resolution", "128", "--batch", "1"])
+    args.options = {"use_rand": False}
+    args.variants = dict(ARRANGEMENTS)
+    return Runner(args)
+
+
+@pytest.mark.filterwarnings("ignore:ToMe patch")
+@pytest.mark.parametrize("variant", sorted(ARRANGEMENTS))
+def test_the_oracle_of_each_arrangement_gives_attention_the_token_counts_of_ours(arrangement_runner, variant):
+    """The kv oracle hands attn1 every query and the kept keys/values; the queries oracle the kept queries and
+    every key; cell matching keeps one token per cell of its level (16x16 latent: 256 tokens at level 1, 64 at
+    level 2)."""
+    runner = arrangement_runner
+    ours = _attn1_lengths(runner, f"ours:{variant}")
+    oracle = _attn1_lengths(runner, f"oracle:{variant}")
+    plain = _attn1_lengths(runner, "unpatched")
+    assert ours == oracle
+    expected = {
+        "kv": {(256, 128), (64, 64)},
+        "kv75": {(256, 64), (64, 64)},
+        "kvc": {(256, 64), (64, 64)},
+        "kvl": {(256, 16), (64, 16)},  # 4x4 cells at level 1, 2x2 at level 2
+        "q": {(128, 256), (64, 64)},
+        "qc": {(32, 256), (64, 64)},
+        "tc": {(32, 32), (64, 64)},  # 2x4 cells, tokens mode
+        "c1": {(256, 256), (64, 64)},
+    }[variant] | {(16, 16)}  # level 4 is never merged here
+    assert set(ours) == expected and len(ours) == len(plain)
+
+
+def test_cell_options_do_not_get_the_bench_ratio_and_rows_show_the_cells_reduction(arrangement_runner):
+    runner = arrangement_runner
+    assert "ratio" not in runner.options_for("ours:kvl", 0.5) and runner.options_for("ours:kv", 0.3)["ratio"] == 0.3
+    assert runner.options_for("ours:kv75", 0.3)["ratio"] == 0.75  # a variant's own ratio wins
+    assert runner.effective("ours:kvl", 0.5) == (pytest.approx(15 / 16), "mode=kv cell 4x4 (L1), 2x2 (L2)")
+    assert runner.effective("oracle:qc", 0.5) == (pytest.approx(7 / 8), "mode=queries cell 4x2 (L1)")
+    assert runner.effective("ours:kv75", 0.5) == (0.75, "mode=kv")
+    assert runner.effective("peer", 0.5)[0] == 0.5
+
+
+@pytest.mark.filterwarnings("ignore:ToMe patch")
+def test_main_runs_every_arrangement_with_sane_fidelity_and_several_resolutions(tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    argv = ["--preset", "tiny", "--resolution", "64", "128", "--repeats", "1", "--warmup", "0", "--steps", "1",
+            "--methods", "unpatched", "ours", "oracle", "--json", str(out_json), "--option", "use_rand=False",
+            "--variant-oracles", "kv", "kvl"]
+    for name, options in ARRANGEMENTS.items():
+        argv += ["--variant", f"{name}:" + ",".join(f"{k}={v!r}".replace(" ", "") for k, v in options.items())]
+    rows = bench.main(argv)
+    text = capsys.readouterr().out
+    assert [r.resolution for r in rows] == [64] * 13 + [128] * 13
+    assert "64px" in text and "128px" in text and text.count("oracle share") == 2
+    for row in rows:
+        if row.method in ("ours:c1", "oracle:c1", "unpatched"):
+            assert row.fidelity_step == 0.0 and row.fidelity_sampled == 0.0  # 1x1 cells pool nothing
+        else:
+            assert 0 < row.fidelity_step < 0.5 and 0 < row.fidelity_sampled < 0.5
+    by = {(r.resolution, r.method): r for r in rows}
+    assert by[(128, "ours:kvl")].ratio == pytest.approx(15 / 16) and "cell 4x4 (L1), 2x2 (L2)" in by[(128, "ours:kvl")].note
+    assert by[(128, "oracle:kv")].oracle_share == pytest.approx(1.0) or np.isnan(by[(128, "oracle:kv")].oracle_share)
+    saved = json.loads(out_json.read_text())
+    assert [run["args"]["resolution"] for run in saved["runs"]] == [64, 128]
+    assert [r["method"] for r in saved["runs"][1]["rows"]][:3] == ["unpatched", "ours", "ours:kv"]
+
+
+def test_missing_optional_dependencies_fail_before_anything_is_built(monkeypatch, tmp_path):
+    """--plot without matplotlib (the import made to fail), or a peer named in --methods but not installed,
+    stops the bench before a model is built, with the command that installs it."""
+    import sys
+
+    def no_build(self, args):
+        raise AssertionError("the runner was built before the dependency check")
+
+    monkeypatch.setattr(Runner, "__init__", no_build)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(SystemExit, match=r'pip install "tome-core\[bench\]"'):
+        bench.main(["--preset", "tiny", "--plot", str(tmp_path / "x.png")])
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    with pytest.raises(SystemExit, match=r"needs tqdm, not installed: pip install \"tome-core\[bench\]\""):
+        bench.main(["--preset", "tiny"])
+    monkeypatch.delitem(sys.modules, "tqdm")
+    monkeypatch.setattr(Runner, "has_peer", False)
+    with pytest.raises(SystemExit, match="pip install tomesd"):
+        bench.main(["--preset", "tiny", "--methods", "unpatched", "peer"])
+    with pytest.raises(SystemExit, match="no such --variant"):
+        bench.main(["--preset", "tiny", "--variant-oracles", "nope"])
