@@ -8,11 +8,16 @@ inside :func:`flax.linen.intercept_methods`. The interceptor mirrors the torch a
 * each ``FlaxTransformer2DModel`` gives its real 2-D token grid (its input is NHWC);
 * each ``FlaxBasicTransformerBlock`` computes one match from its input;
 * its ``attn1`` / ``attn2`` / ``ff`` (as selected) merge their input and unmerge their output, before the
-  block adds its residual.
-* with ``proportional_attn``, a merged ``attn1`` runs as size-aware attention instead of its own
-  ``__call__``: ``FlaxAttention`` has no bias argument, so :func:`_size_aware_attention` runs attention over
-  the module's own ``query``/``key``/``value``/``proj_attn`` layers with the merged keys' log sizes added to
-  the logits. Its parameters and outputs are those of the module; only the softmax changes.
+  block adds its residual. ``attn1`` follows ``mode``: ``FlaxAttention.__call__(hidden_states, context)``
+  takes its keys and values from ``context``, so ``"kv"`` runs ``attn1(h, context=merge(h))`` (nothing to
+  unmerge) and ``"queries"`` runs ``unmerge(attn1(merge(h), context=h))``; ``attn2`` and ``ff`` always
+  merge as ``"tokens"``.
+* with ``proportional_attn`` and keys merged by similarity (``mode`` ``"tokens"`` or ``"kv"``, ``matching``
+  ``"similarity"``), a merged ``attn1`` runs as size-aware attention instead of its own ``__call__``:
+  ``FlaxAttention`` has no bias argument, so :func:`_size_aware_attention` runs attention over the module's
+  own ``query``/``key``/``value``/``proj_attn`` layers with the merged keys' log sizes added to the logits.
+  Its parameters and outputs are those of the module; only the softmax changes. Cell pooling
+  (``matching="cell"``) and ``"queries"`` (whole keys) pay for no bias.
 
 Everything happens while jax traces the call: shapes (N, r, grid) are Python ints, the timestep may be a
 tracer, and a fresh :class:`~tome_core.state.ToMeState` is used per call, so nothing traced outlives the
@@ -106,25 +111,41 @@ def block_paths(params: Any) -> List[Tuple[str, ...]]:
     return sorted(found, key=_part_key)
 
 
-def _size_aware_attention(attention: FlaxAttention, hidden_states: jax.Array, match: Match, deterministic: bool) -> jax.Array:
-    """``attention``'s self-attention over merged tokens, each key's logit raised by log(its size).
+def _size_aware_attention(
+    attention: FlaxAttention,
+    hidden_states: jax.Array,
+    match: Match,
+    deterministic: bool = True,
+    keys: Optional[jax.Array] = None,
+) -> jax.Array:
+    """``attention`` with queries from ``hidden_states`` and keys/values from the merged tokens ``keys``
+    (default: ``hidden_states`` themselves, the ``tokens`` arrangement), each key's logit raised by log(its
+    size).
 
     Equals the module's own attention over all tokens with every merged token repeated once per token it
-    stands for. The full ``[B, heads, N - r, N - r]`` logits are formed even when the module was built with
+    stands for. In the ``kv`` arrangement the queries are all N tokens and ``keys`` the ``N - r`` merged ones.
+    The full ``[B, heads, queries, N - r]`` logits are formed even when the module was built with
     ``use_memory_efficient_attention`` (diffusers' chunked kernel takes no bias).
     """
-    batch, tokens, _ = hidden_states.shape
-    query, key, value = (
-        jnp.reshape(layer(hidden_states), (batch, tokens, attention.heads, -1))
-        for layer in (attention.query, attention.key, attention.value)
-    )
+    keys = hidden_states if keys is None else keys
+    batch, queries, _ = hidden_states.shape
+    kept = keys.shape[1]
+    query = jnp.reshape(attention.query(hidden_states), (batch, queries, attention.heads, -1))
+    key, value = (jnp.reshape(layer(keys), (batch, kept, attention.heads, -1)) for layer in (attention.key, attention.value))
     # Plain einsums in the module's dtype, as FlaxAttention computes: jax.nn.dot_product_attention asks for
     # float32 accumulation, which XLA's CPU dot does not offer for float16 inputs.
     logits = jnp.einsum("bqhd,bkhd->bhqk", query, key) * attention.scale
     logits = logits + size_bias(match, logits)[:, None]  # [B, 1, 1, N - r]: every head and query
     out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), value)
-    out = attention.proj_attn(jnp.reshape(out, (batch, tokens, -1)))
+    out = attention.proj_attn(jnp.reshape(out, (batch, queries, -1)))
     return attention.dropout_layer(out, deterministic=deterministic)
+
+
+def _replace(args: Tuple[Any, ...], kwargs: Dict[str, Any], name: str, position: int, value: Any):
+    """``(args, kwargs)`` with argument ``name`` (keyword, or positional at ``position``) set to ``value``."""
+    if name in kwargs or len(args) <= position:
+        return args, {**kwargs, name: value}
+    return args[:position] + (value,) + args[position + 1 :], kwargs
 
 
 class _Run:
@@ -159,19 +180,35 @@ class _Run:
                 return next_fun(*args, **kwargs)
             finally:
                 self.block_path, self.matches = outer
-        match = self.matches.get(SUBLAYERS.get(module.name, ""))
+        sublayer = SUBLAYERS.get(module.name, "")
+        match = self.matches.get(sublayer)
         if match is None or match.merged == 0 or tuple(module.path)[len(self.root) : -1] != self.block_path:
             return next_fun(*args, **kwargs)
-        if "hidden_states" in kwargs:
-            kwargs = {**kwargs, "hidden_states": merge(kwargs["hidden_states"], match)}
-        else:
-            args = (merge(args[0], match),) + tuple(args[1:])
-        self_attention = module.name == "attn1" and _argument(args, kwargs, "context", 1) is None
-        if self.state.config.proportional_attn and self_attention:
-            deterministic = _argument(args, kwargs, "deterministic", 2)
-            hidden_states = _argument(args, kwargs, "hidden_states", 0)
-            out = _size_aware_attention(module, hidden_states, match, True if deterministic is None else deterministic)
-            return unmerge(out, match)
+        config = self.state.config
+        x = _argument(args, kwargs, "hidden_states", 0)
+        merged = merge(x, match)
+        deterministic = _argument(args, kwargs, "deterministic", 2)
+        deterministic = True if deterministic is None else deterministic
+        attends_to_itself = sublayer == "attn" and _argument(args, kwargs, "context", 1) is None
+        # Cross-attention and the MLP always merge their input and unmerge their output ("tokens").
+        mode = config.mode if sublayer == "attn" else "tokens"
+        # Keys are merged by similarity (not pooled into equal cells, not kept whole): log sizes on them.
+        size_aware = config.proportional_attn and config.matching == "similarity" and attends_to_itself and mode != "queries"
+        if mode in ("kv", "queries") and not attends_to_itself:
+            raise ValueError(
+                f"mode={mode!r}: this {type(module).__name__} attends to its context (only_cross_attention), not to "
+                "its own tokens, so it has no self-attention keys to arrange; use mode='tokens'"
+            )
+        if mode == "kv":  # queries keep every token, keys and values are the merged tokens: nothing to unmerge
+            if size_aware:
+                return _size_aware_attention(module, x, match, deterministic, keys=merged)
+            args, kwargs = _replace(args, kwargs, "context", 1, merged)
+            return next_fun(*args, **kwargs)
+        args, kwargs = _replace(args, kwargs, "hidden_states", 0, merged)
+        if mode == "queries":  # merged queries attend to every token; the output is unmerged
+            args, kwargs = _replace(args, kwargs, "context", 1, x)
+        elif size_aware:
+            return unmerge(_size_aware_attention(module, merged, match, deterministic), match)
         return unmerge(next_fun(*args, **kwargs), match)
 
 

@@ -1,6 +1,7 @@
 """Cross-framework parity: the same tiny UNet weights in torch diffusers and in Flax, patched with the same
 options, give the same output (relative L2 < 1e-4), with the fixed partition and with the hashed one (the
-partition depends only on seed, timestep and the block's position, not on the framework).
+partition depends only on seed, timestep and the block's position, not on the framework), and in every
+arrangement around self-attention (``mode`` tokens / kv / queries, ``matching`` similarity / cell).
 
 The torch model is the oracle (diffusers 0.39.0 torch models + tome_core.torch in this environment); weights
 move by diffusers' own ``convert_pytorch_state_dict_to_flax``. Cross-framework float noise (~1e-6) could flip a
@@ -101,7 +102,15 @@ def run_flax(apply, unet, params, sample, context, added):
         ("tiny", dict(use_rand=True, seed=1), 1),
         ("tiny", dict(use_rand=True, seed=1, proportional_attn=True), 1),  # size-aware attention: same bias
         ("tiny-xl", dict(use_rand=True, seed=1), 2),  # SDXL config: 1/2, its finest attention level, by default
+        # Every arrangement around self-attention, with either matching (similarity: size-aware where keys merge).
+        ("tiny", dict(use_rand=False, mode="kv"), 1),
+        ("tiny", dict(use_rand=False, mode="queries"), 1),
+        ("tiny", dict(mode="tokens", matching="cell"), 1),
+        ("tiny", dict(mode="kv", matching="cell"), 1),
+        ("tiny", dict(mode="queries", matching="cell"), 1),
+        ("tiny", dict(mode="kv", matching="cell", level_cells={1: 4, 2: 2}, max_downsample=2), 2),
     ],
+    ids=lambda value: ",".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else str(value),
 )
 def test_patched_flax_unet_equals_patched_torch_unet(models, apply, rel, preset, options, max_downsample):
     torch_unet, flax_unet, params = models[preset]
@@ -109,15 +118,16 @@ def test_patched_flax_unet_equals_patched_torch_unet(models, apply, rel, preset,
     plain_torch = run_torch(torch_unet, sample, context, added)
     assert rel(run_flax(apply, flax_unet, params, sample, context, added), plain_torch) < 1e-4
 
-    config = dict(ratio=0.5, **options)
+    cell = options.get("matching") == "cell"  # a cell fixes its level's reduction: no ratio
+    config = dict(options) if cell else dict(ratio=0.5, **options)
     captured = []
     tome_torch.patch(torch_unet, **config)
     try:
         expected = run_torch(torch_unet, sample, context, added, capture=captured)
     finally:
         tome_torch.remove(torch_unet)
-    decided = 0
-    for stream, metric in captured:
+    decided = 3 if cell else 0  # cell pooling depends on the grid only: no decision can flip
+    for stream, metric in captured if not cell else ():
         tokens = metric.shape[1]
         factor = downsample_factor((16, 16), tokens)
         if factor > max_downsample:
