@@ -184,7 +184,7 @@ class _Run:
         match = self.matches.get(sublayer)
         if match is None or match.merged == 0 or tuple(module.path)[len(self.root) : -1] != self.block_path:
             return next_fun(*args, **kwargs)
-        config = self.state.config
+        config = self.state.active or self.state.config
         x = _argument(args, kwargs, "hidden_states", 0)
         merged = merge(x, match)
         deterministic = _argument(args, kwargs, "deterministic", 2)
@@ -279,7 +279,7 @@ def _patched_call(self, *args, **kwargs):
     if config is None:
         return super(type(self), self).__call__(*args, **kwargs)
     sample = _argument(args, kwargs, "sample", 0)
-    state = ToMeState(config=config, finest_level=_finest_level(self))
+    state = ToMeState(config=config, finest_level=_finest_level(self), choices=config.auto_choices(True))
     state.begin_call(tuple(int(n) for n in sample.shape[-2:]), _step(_argument(args, kwargs, "timesteps", 1)))
     run = _Run(state, tuple(self.path), block_paths(self.variables.get("params", {})))
     with nn.intercept_methods(run.intercept):

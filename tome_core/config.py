@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 MAX_DOWNSAMPLE_CHOICES = (None, 1, 2, 4, 8)
 LEVELS = (1, 2, 4, 8)
 SUBLAYERS = ("attn", "crossattn", "mlp")
-MODES = ("tokens", "kv", "queries")
+MODES = ("auto", "tokens", "kv", "queries")
 MATCHINGS = ("similarity", "cell")
 DEFAULT_RATIO = 0.5  # with similarity matching; a cell match's reduction is fixed by its cell
+# mode="auto" on UNets: keys/values pooled in n x n cells, n chosen by the token count of the finest merged
+# level (README, "High resolution": measured speed and fidelity per resolution).
+AUTO_CELLS = ((128 * 128, 4), (0, 2))
+# Options that say how many tokens to merge or how to match them: giving any of them leaves mode="auto" out.
+_ARRANGING = ("ratio", "matching", "sx", "sy", "level_cells", "attn_ratio", "crossattn_ratio", "mlp_ratio", "level_ratios", "block_ratios")
 
 
 def _check_bool(name: str, value: Any) -> None:
@@ -53,7 +58,12 @@ class ToMeConfig:
     proportional_attn: size-aware self-attention: each merged key's attention logit gets ``log(size)``, as if
         every token it stands for were still there. On by default: it is 2-3x closer to the unpatched model at
         every ratio for ~5% of the call time (README, "Size-aware attention"); ``False`` is tomesd's arithmetic.
-    mode: the arrangement around self-attention (README, "High resolution"): ``"tokens"`` merges its input
+    mode: the arrangement around self-attention (README, "High resolution"). ``None`` (default): ``"auto"``
+        unless an option above or ``matching``, ``level_cells``, a sub-layer, level or block ratio is given,
+        else ``"tokens"``. ``"auto"`` chooses by the latent size from measured speed and fidelity: on UNets,
+        ``"kv"`` with 2x2 cells, 4x4 where the finest merged level has >= 128x128 tokens (ToMe for SD's
+        ``"tokens"`` at 0.5 where kv cannot serve: joint-attention transformers, or cross-attention or MLP
+        merged too, or a similarity-only option set). ``"tokens"`` merges its input
         and unmerges its output (ToMe for SD); ``"kv"`` reduces only its keys and values (queries keep every
         token, nothing to unmerge; ToDo); ``"queries"`` merges only its queries (keys and values keep every
         token, output unmerged; ComfyUI's arrangement). Cross-attention and MLP always merge as ``"tokens"``.
@@ -72,8 +82,8 @@ class ToMeConfig:
 
     ratio: Optional[float] = None
     max_downsample: Optional[int] = None
-    sx: int = 2
-    sy: int = 2
+    sx: Optional[int] = None
+    sy: Optional[int] = None
     use_rand: bool = True
     merge_attn: bool = True
     merge_crossattn: bool = False
@@ -90,11 +100,12 @@ class ToMeConfig:
     blocks: Optional[Tuple[int, ...]] = None
     reuse_blocks: int = 1
     block_ratios: Optional[Mapping[int, float]] = None
-    mode: str = "tokens"
-    matching: str = "similarity"
+    mode: Optional[str] = None
+    matching: Optional[str] = None
     level_cells: Optional[Mapping[int, Any]] = None
 
     def __post_init__(self) -> None:
+        self._resolve_mode()
         for name in ("sx", "sy", "seed", "reuse_steps", "local_window", "reuse_blocks"):
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, bool):
@@ -154,12 +165,40 @@ class ToMeConfig:
                         f"{sx}x{sy}: one token per cell is kept, so at most {self.max_ratio_at(level):g}"
                     )
 
+    def _resolve_mode(self) -> None:
+        """``mode=None``: "auto" when no option says how to merge, else "tokens"; defaults of the rest."""
+        given = [name for name in _ARRANGING if getattr(self, name) is not None]
+        if self.mode is None:
+            object.__setattr__(self, "mode", "tokens" if given else "auto")
+        elif self.mode == "auto" and given:
+            raise ValueError(
+                f"mode='auto' chooses the arrangement, ratio and cells by the latent size; leave out "
+                f"{', '.join(given)}, or pass mode='tokens', 'kv' or 'queries'"
+            )
+        for name, default in (("sx", 2), ("sy", 2), ("matching", "similarity")):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+
+    def auto_choices(self, kv_input: bool) -> Tuple[Tuple[int, "ToMeConfig"], ...]:
+        """What ``mode="auto"`` runs: ``((fewest tokens at the finest merged level, options), ...)``, most
+        tokens first. ``kv_input``: every merged self-attention takes keys and values apart from its queries.
+        Keys and values pooled in cells where that holds and nothing else merges (cross-attention and MLP
+        would be pooled too) and no similarity option is set; else ToMe for SD's arrangement (``tokens``)."""
+        if self.mode != "auto":
+            return ((0, self),)
+        similarity_only = self.reuse_level or self.reuse_steps > 1 or self.reuse_blocks > 1 or self.local_window
+        if not kv_input or not self.merge_attn or self.merge_crossattn or self.merge_mlp or similarity_only:
+            return ((0, replace(self, mode="tokens")),)
+        return tuple(
+            (tokens, replace(self, mode="kv", matching="cell", ratio=None, sx=n, sy=n)) for tokens, n in AUTO_CELLS
+        )
+
     def _check_arrangement(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {self.mode!r}")
         if self.matching not in MATCHINGS:
             raise ValueError(f"matching must be one of {', '.join(map(repr, MATCHINGS))}, got {self.matching!r}")
-        if self.mode != "tokens" and self.merge_attn is False:
+        if self.mode in ("kv", "queries") and self.merge_attn is False:
             raise ValueError(
                 f"mode={self.mode!r} arranges self-attention, but merge_attn=False leaves it alone; pass "
                 "merge_attn=True or mode='tokens'"

@@ -270,18 +270,17 @@ class _MergeInput:
     ``kv`` keeps its queries and hands it the merged tokens as keys and values, ``queries`` merges its
     queries and hands it every token as keys and values."""
 
-    def __init__(self, fw: Framework, run: _BlockRun, sublayer: Sublayer, size_aware: bool, mode: str):
+    def __init__(self, fw: Framework, run: _BlockRun, sublayer: Sublayer):
         self.fw = fw
         self.run = run
         self.sublayer = sublayer
-        self.size_aware = size_aware
         self.rotary = run.family.rotary
-        self.mode = mode
 
     def __call__(self, module, args, kwargs):
         match = self.run.matches.get(self.sublayer.kind)
         if match is None or match.merged == 0:
             return None
+        mode, size_aware = arrangement(self.run.state, self.sublayer)
         self.fw.output_cache(module)  # a cache set after patch is checked here
         x = argument(args, kwargs, "hidden_states", 0)
         if self.sublayer.text == TEXT_PREFIX:
@@ -289,37 +288,37 @@ class _MergeInput:
             merged = get_ops(x).concat([x[:, :text], merge(x[:, text:], match)], axis=1)
         else:
             merged = merge(x, match)
-        if self.mode != "tokens":
-            return self._arrange(module, args, kwargs, x, merged, match)
+        if mode != "tokens":
+            return self._arrange(module, args, kwargs, x, merged, match, mode, size_aware)
         args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
         if self.rotary is not None and kwargs.get(self.rotary) is not None:
             kwargs = {**kwargs, self.rotary: _merge_positions(kwargs[self.rotary], match)}
-        if not self.size_aware:
+        if not size_aware:
             return args, kwargs
         # With only_cross_attention, a BasicTransformerBlock's attn1 attends to text: its keys are not merged.
         if self.sublayer.text == TEXT_NONE and kwargs.get("encoder_hidden_states") is not None:
             return args, kwargs
         return self._size_aware(module, args, kwargs, match, merged)
 
-    def _arrange(self, module, args, kwargs, x, merged, match):
+    def _arrange(self, module, args, kwargs, x, merged, match, mode, size_aware):
         """The ``kv`` or ``queries`` arrangement of a self-attention."""
         name = self.sublayer.kv_input
         if argument(args, kwargs, name, None) is not None:
             raise ValueError(
-                f"mode={self.mode!r}: this {type(module).__name__} attends to {name} (e.g. only_cross_attention), "
+                f"mode={mode!r}: this {type(module).__name__} attends to {name} (e.g. only_cross_attention), "
                 "not to its own tokens, so it has no self-attention keys to arrange; use mode='tokens'"
             )
         if not self.fw.separate_kv(module):
             raise ValueError(
-                f"mode={self.mode!r} needs an attention that computes keys and values from {name}; this "
+                f"mode={mode!r} needs an attention that computes keys and values from {name}; this "
                 f"{type(module).__name__} (processor {type(getattr(module, 'processor', None)).__name__}) does not: use the "
                 "default, classic, sliced or xformers attention processor, unfuse fused projections, or mode='tokens'"
             )
-        if self.mode == "queries":
+        if mode == "queries":
             args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
             return args, {**kwargs, name: x}
         kwargs = {**kwargs, name: merged}
-        if self.size_aware:
+        if size_aware:
             return self._size_aware(module, args, kwargs, match, merged)
         return args, kwargs
 
@@ -330,6 +329,15 @@ class _MergeInput:
                 "(the mask covers the unmerged tokens); pass proportional_attn=False to use the mask"
             )
         return self.fw.size_aware(module, args, kwargs, SizeBias(match, self.sublayer.text, merged))
+
+
+def arrangement(state: ToMeState, sublayer: Sublayer) -> Tuple[str, bool]:
+    """How ``sublayer`` runs in this call: its mode, and whether size-aware attention applies (merged keys
+    of unequal sizes: not under "queries", whose keys are all tokens, nor with cell pooling)."""
+    config = state.active or state.config
+    mode = config.mode if sublayer.kind == "attn" else "tokens"
+    size_aware = sublayer.attention and config.proportional_attn and mode != "queries" and config.matching == "similarity"
+    return mode, size_aware
 
 
 def _merge_positions(rotary: Any, match: Match) -> Any:
@@ -354,23 +362,23 @@ class _UnmergeOutput:
     earlier call, that output was merged by that call's match: the unmerged result of that call is returned
     instead, which is what the cache gives an unpatched model."""
 
-    def __init__(self, fw: Framework, run: _BlockRun, sublayer: Sublayer, size_aware: bool, mode: str):
+    def __init__(self, fw: Framework, run: _BlockRun, sublayer: Sublayer):
         self.fw = fw
         self.run = run
         self.sublayer = sublayer
-        self.size_aware = size_aware
-        self.unmerges = mode != "kv"  # kv: the queries kept every token, so the output has them all
         self.stored: Tuple[Any, Any] = (None, None)  # (raw output, its unmerged form), only under a cache
 
     def __call__(self, module, args, kwargs, output):
         cached = output is not None and self.fw.output_cache(module) == REUSED  # None: the sub-layer raised
         reused = cached and output is self.stored[0]
-        if self.size_aware:
+        mode, size_aware = arrangement(self.run.state, self.sublayer)
+        if size_aware:
             self.fw.size_aware_done(module, computed=output is not None and not reused)  # None: it raised
         if reused:
             return self.stored[1]
         match = self.run.matches.get(self.sublayer.kind)
-        if output is None or match is None or match.merged == 0 or not self.unmerges:
+        # kv: the queries kept every token, so the output has them all
+        if output is None or match is None or match.merged == 0 or mode == "kv":
             self.stored = (None, None)
             return None
         result = self._unmerge(output, match)
@@ -478,7 +486,8 @@ def _sublayers(fw: Framework, model: Any, config: ToMeConfig):
 
 def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
     """Hook ``model`` (one found by :func:`find_models`) with ``config``."""
-    state = ToMeState(config=config, finest_level=finest_level(fw, model))
+    kv_input = all(s.kv_input is not None for *_, s, _ in _sublayers(fw, model, config) if s.kind == "attn")
+    state = ToMeState(config=config, finest_level=finest_level(fw, model), choices=config.auto_choices(kv_input))
     patch = Patch(state)
     add = patch.handles.append
     data_format = getattr(model, "data_format", "NCHW")
@@ -493,11 +502,8 @@ def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
             run = runs[stream] = _BlockRun(state, family, stream, block, ratio)
             add(fw.add_pre_hook(block, run.begin))
             add(fw.add_post_hook(block, run.end))
-        mode = config.mode if sublayer.kind == "attn" else "tokens"
-        # Keys keep every token under "queries", and cell pooling gives every key the same size: no bias.
-        size_aware = sublayer.attention and config.proportional_attn and mode != "queries" and config.matching == "similarity"
-        add(fw.add_pre_hook(target, _MergeInput(fw, run, sublayer, size_aware, mode)))
-        add(fw.add_post_hook(target, _UnmergeOutput(fw, run, sublayer, size_aware, mode)))
+        add(fw.add_pre_hook(target, _MergeInput(fw, run, sublayer)))
+        add(fw.add_post_hook(target, _UnmergeOutput(fw, run, sublayer)))
     model.__dict__["_tome_patch"] = patch
 
 
@@ -552,7 +558,7 @@ def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any]
         check_grids(fw, model)
         for _, block, _, _, sublayer, target in _sublayers(fw, model, config):
             fw.output_cache(target)
-            if config.mode != "tokens" and sublayer.kind == "attn" and sublayer.kv_input is None:
+            if config.mode in ("kv", "queries") and sublayer.kind == "attn" and sublayer.kv_input is None:
                 raise ValueError(
                     f"mode={config.mode!r} needs self-attention that takes keys and values apart from its queries "
                     f"(BasicTransformerBlock's attn1: SD 1.x/2.x/XL UNets, ControlNets, PixArt, DiT); "

@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from .backend import get_ops
 from .config import ToMeConfig
-from .levels import block_grid, downsample_factor
+from .levels import block_grid, downsample_factor, level_grid
 from .match import Match, bipartite_matches, cell_match, identity_match
 from .partition import random_offsets
 
@@ -39,16 +39,21 @@ class ToMeState:
     stats: Dict[int, LevelStats] = field(default_factory=dict)
     calls: int = 0
     cache: Dict[Any, Dict[str, Match]] = field(default_factory=dict)
+    choices: Tuple[Tuple[int, ToMeConfig], ...] = ()  # ToMeConfig.auto_choices; empty: the config itself
+    active: Optional[ToMeConfig] = None  # what this call runs with (mode="auto" resolved by the latent size)
 
     @property
     def max_downsample(self) -> int:
         return self.config.max_downsample if self.config.max_downsample is not None else self.finest_level
 
     def summary(self) -> str:
-        """One line per level of the last call: blocks merged and tokens before and after."""
+        """One line per level of the last call: blocks merged, tokens before and after, and the arrangement."""
+        config = self.active or self.config
+        kind = "keys/values" if config.mode == "kv" else "queries" if config.mode == "queries" else "tokens"
+        how = lambda factor: "x".join(map(str, config.cell_at(factor))) + " cells" if config.matching == "cell" else "similarity"
         lines = [
-            f"  level 1/{factor}: {level.blocks} blocks, {level.tokens} -> {level.kept} tokens"
-            f" ({1 - level.kept / level.tokens:.0%} merged)"
+            f"  level 1/{factor}: {level.blocks} blocks, {level.tokens} -> {level.kept} {kind}"
+            f" ({1 - level.kept / level.tokens:.0%} merged; {config.mode}, {how(factor)})"
             for factor, level in sorted(self.stats.items())
         ]
         return "\n".join(lines) if lines else "  no block merged"
@@ -69,11 +74,23 @@ class ToMeState:
         self.grid_hw = None
         self.step = step
         self.stats = {}
+        self.active = None
+        if latent_hw is not None:
+            self._choose(latent_hw)
 
     def enter_grid(self, grid_hw: Tuple[int, int]) -> None:
         self.grid_hw = grid_hw
         if self.latent_hw is None:
             self.latent_hw = grid_hw
+            self._choose(grid_hw)
+
+    def _choose(self, latent_hw: Tuple[int, int]) -> None:
+        """Resolve ``mode="auto"`` for a latent of ``latent_hw``, by the token count of the finest merged level."""
+        if not self.choices:
+            self.active = self.config
+            return
+        height, width = level_grid(latent_hw, self.finest_level)
+        self.active = next(config for fewest, config in self.choices if height * width >= fewest)
 
     def block_matches(
         self, metric: Any, stream: int, shared: bool = False, block_ratio: Optional[float] = None
@@ -93,7 +110,7 @@ class ToMeState:
                 "a transformer block ran before its model or transformer gave the latent size: ToMe needs the "
                 "blocks inside a UNet, a ControlNet or a 2-D transformer (Transformer2DModel) to know their grid"
             )
-        config = self.config
+        config = self.active or self.config
         factor = downsample_factor(latent, tokens, self.grid_hw)
         merged = {
             sublayer: int(tokens * config.ratio_for(sublayer, factor, block_ratio)) if factor <= self.max_downsample else 0
@@ -124,7 +141,7 @@ class ToMeState:
         if not any(merged.values()):
             identity = identity_match(ops, ops.shape(metric)[0], tokens)
             return {sublayer: identity for sublayer in merged}
-        config = self.config
+        config = self.active or self.config
         h, w = block_grid(latent, factor, self.grid_hw, tokens)
         sx, sy = config.cell_at(factor)
         if config.matching == "cell":
