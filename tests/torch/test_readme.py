@@ -21,3 +21,17 @@ def test_transformer_snippet_merges_image_tokens_and_restores(readme_code):
     pipe, latents = namespace["pipe"], namespace["latents"]
     assert latents.shape == (1, 64, 16)  # Flux's packed latents of a 32 px image
     assert not namespace["tome"].patched_models(pipe)  # removed again
+
+
+def test_high_resolution_snippet_runs_every_arrangement(readme_code, capsys):
+    namespace: dict = {}
+    exec(compile(readme_code("High resolution: three arrangements, and what `patch(pipe)` picks"), "README.md", "exec"), namespace)
+    lines = capsys.readouterr().out.splitlines()
+    printed = [line for line in lines if line.startswith("{")]
+    assert len(printed) == 5
+    assert "keys/values (75% merged; kv, 2x2 cells)" in printed[0]  # auto
+    assert "tokens (50% merged; tokens, similarity)" in printed[1]
+    assert "keys/values (94% merged; kv, 4x4 cells)" in printed[2]
+    assert "kv, 2x2 cells" in " ".join(lines[lines.index(printed[3]):lines.index(printed[4])])  # level 2 of 4x4 + 2x2
+    assert "queries (50% merged; queries, similarity)" in printed[4]
+    assert not namespace["tome"].patched_models(namespace["pipe"])
