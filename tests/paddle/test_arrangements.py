@@ -366,7 +366,7 @@ def test_kv_replaces_ppdiffusers_own_port_and_remove_undoes_both(unet, tiny_unet
     [
         (dict(mode="kv", merge_attn=False), ValueError, "mode='kv' arranges self-attention, but merge_attn=False"),
         (dict(mode="queries", merge_attn=False, merge_mlp=True), ValueError, "merge_attn=False leaves it alone"),
-        (dict(mode="values"), ValueError, "mode must be one of 'tokens', 'kv', 'queries'"),
+        (dict(mode="values"), ValueError, "mode must be one of 'auto', 'tokens', 'kv', 'queries'"),
         (dict(matching="pool"), ValueError, "matching must be one of 'similarity', 'cell'"),
         (dict(matching="cell", ratio=0.5), ValueError, "contradicts matching='cell' with 2x2 cells"),
         (dict(matching="cell", level_ratios={1: 0.5}), ValueError, "level_ratios cannot be combined with matching="),
