@@ -39,8 +39,8 @@ def seen_counts(attn1_tokens, model, params, sample, context):
 @pytest.mark.parametrize(
     "options, latent, merged_levels",
     [
-        ({}, (16, 16), {1}),  # max_downsample=None: the finest level with attention (1 on SD)
-        ({"max_downsample": 2}, (16, 24), {1, 2}),
+        ({"ratio": 0.5}, (16, 16), {1}),  # max_downsample=None: the finest level with attention (1 on SD)
+        ({"ratio": 0.5, "max_downsample": 2}, (16, 24), {1, 2}),
         ({"max_downsample": 4, "ratio": 0.6}, (20, 28), {1, 2, 4}),  # 5x7 middle grid: leftover row and column
     ],
 )
@@ -58,7 +58,7 @@ def test_sdxl_config_merges_its_finest_attention_level_by_default(attn1_tokens):
     unet, params = build_unet("tiny-xl", seed=1)
     added = {"text_embeds": jnp.zeros((2, 32)), "time_ids": jnp.zeros((2, 6))}
     sample, context = jnp.zeros((2, 4, 16, 16)), jnp.zeros((2, 7, 64))
-    seen = attn1_tokens(tome.patch(unet).apply, {"params": params}, sample, jnp.ones((2,)), context, added)
+    seen = attn1_tokens(tome.patch(unet, ratio=0.5).apply, {"params": params}, sample, jnp.ones((2,)), context, added)
     # No attention at 1/1; two blocks per transformer at 1/2 (down 1, up 1 x2) and 1/4 (down 2, up 0 x2, middle).
     assert Counter(n for _, _, n in seen) == Counter({32: 6, 16: 8})
     with pytest.warns(UserWarning, match="max_downsample=1 but the finest level with attention is downsampled 2x"):
@@ -155,7 +155,7 @@ def test_objects_without_a_unet_raise_naming_what_is_accepted(tiny):
 def test_batch_one_and_odd_batches_merge_like_a_cfg_batch(tiny, attn1_tokens, batch):
     unet, params = tiny
     sample, context = jnp.zeros((batch, 4, 16, 16)), jnp.zeros((batch, 7, 32))
-    assert seen_counts(attn1_tokens, tome.patch(unet), params, sample, context) == expected_tokens((16, 16), TINY_BLOCKS, {1})
+    assert seen_counts(attn1_tokens, tome.patch(unet, ratio=0.5), params, sample, context) == expected_tokens((16, 16), TINY_BLOCKS, {1})
 
 
 def test_two_patched_models_traced_from_two_threads_keep_their_own_options(tiny, attn1_tokens):
@@ -203,3 +203,17 @@ def test_seed_may_be_a_jax_random_key(tiny):
     assert tome.patch(unet, seed=jax.random.key(8)).tome.seed != expected
     with pytest.raises(TypeError, match="seed must be an int >= 0"):
         tome.patch(unet, seed=1.5)
+
+
+def test_default_auto_pools_keys_and_values_by_the_latent_size(tiny):
+    """mode="auto": 2x2 cells below 128x128 finest-level tokens; the queries keep every token (checked against
+    the explicit arrangement, which tests/jax/test_arrangements.py compares with numpy)."""
+    unet, params = tiny
+    sample, context = jax.random.normal(jax.random.PRNGKey(0), (2, 4, 16, 16)), jnp.ones((2, 7, 32))
+    with tome.record() as calls:
+        auto = tome.patch(unet).apply({"params": params}, sample, jnp.ones((2,)), context).sample
+    [(_, state)] = calls
+    assert (state.active.mode, state.active.matching, state.active.sx) == ("kv", "cell", 2)
+    assert {factor: (level.tokens, level.kept) for factor, level in state.stats.items()} == {1: (256, 64)}
+    explicit = tome.patch(unet, mode="kv", matching="cell").apply({"params": params}, sample, jnp.ones((2,)), context).sample
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(explicit))
