@@ -14,20 +14,9 @@ import torch
 
 import tome_core.torch as tome
 from tome_core import bipartite_match, load_backend, merge, unmerge
-from tome_core.adapters.diffusers_models import build_pipeline, build_transformer, build_unet, transformer_inputs
+from tome_core.adapters.diffusers_models import build_pipeline, build_transformer, transformer_inputs
 
 NUMPY = load_backend("numpy")
-
-
-@pytest.fixture(scope="module")
-def unet():
-    return build_unet("tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
-def inputs():
-    generator = torch.Generator().manual_seed(5)
-    return torch.randn(2, 4, 16, 16, generator=generator), torch.tensor(700), torch.randn(2, 7, 32, generator=generator)
 
 
 def call(model, inputs):

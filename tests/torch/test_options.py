@@ -14,17 +14,6 @@ from tome_core.adapters.diffusers_models import build_unet
 from tome_core.merge import size_bias
 
 
-@pytest.fixture(scope="module")
-def unet():
-    return build_unet("tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
-def inputs():
-    generator = torch.Generator().manual_seed(5)
-    return torch.randn(2, 4, 16, 16, generator=generator), torch.tensor(700), torch.randn(2, 7, 32, generator=generator)
-
-
 def call(model, inputs, timestep=None):
     sample, t, text = inputs
     with torch.no_grad():
