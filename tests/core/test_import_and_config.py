@@ -103,3 +103,17 @@ def test_numpy_numbers_are_accepted_as_option_values():
         ToMeConfig(ratio=np.bool_(True))
     with pytest.raises(ValueError, match="reuse_blocks must be an int >= 1, got 0"):
         ToMeConfig(reuse_blocks=0)
+
+
+def test_the_package_imports_from_the_repository_root():
+    """Standing in a checkout, its own tome_core/ folder comes first on sys.path: the subpackages kept beside it
+    (backends/, adapters/) must still import, and the benchmark must start."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    code = "import tome_core, tome_core.backends.numpy_ops, tome_core.adapters, tome_core.bench; print(tome_core.__file__)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert pathlib.Path(done.stdout.strip()).parent == root / "tome_core"  # the checkout's, which shadows an install
+    done = subprocess.run([sys.executable, "-m", "tome_core.bench", "--help"], cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0 and "usage: python -m tome_core.bench" in done.stdout, done.stderr
