@@ -39,3 +39,23 @@ def tomesd_functions(patch: Callable[..., Any], remove: Callable[[Any], Any]) ->
         return remove(model)
 
     return apply_patch, remove_patch
+
+
+def apply_tome_function(patch: Callable[..., Any]) -> Callable[..., Any]:
+    """``apply_tome(model, ratio=None, **options)``: :func:`patch` that also takes the ratio positionally, as
+    ppdiffusers' and tomesd's users write it (``pipe.apply_tome(0.5)``); every other option by keyword."""
+
+    def apply_tome(model: Any, *ratio: Any, **options: Any) -> Any:
+        if len(ratio) > 1:
+            raise TypeError(
+                f"apply_tome takes the ratio as its only positional argument, got {len(ratio)} positional values "
+                f"{ratio!r}; pass every other option by keyword, e.g. apply_tome(0.5, max_downsample=2)"
+            )
+        if ratio:
+            if "ratio" in options:
+                raise TypeError("apply_tome got the ratio twice: positionally and as ratio=")
+            options["ratio"] = ratio[0]
+        return patch(model, **options)
+
+    apply_tome.__doc__ = (apply_tome.__doc__ or "") + "\n\n" + (patch.__doc__ or "")
+    return apply_tome

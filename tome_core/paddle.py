@@ -1,6 +1,6 @@
 """ToMe for paddle / ppdiffusers: ``tome_core.paddle.patch(pipe, ratio=0.5)``.
 
-Importing this module also makes ``apply_tome(**options)`` and ``remove_tome()`` of every ppdiffusers
+Importing this module also makes ``apply_tome(ratio=None, **options)`` (the ratio may be positional) and ``remove_tome()`` of every ppdiffusers
 ``DiffusionPipeline`` and every ``paddle.nn.Layer`` run this implementation, in place of the port of tomesd
 that ppdiffusers installs under those names. ``remove_tome`` undoes either implementation. ppdiffusers' own
 functions stay reachable as :data:`PPDIFFUSERS_APPLY_TOME` and :data:`PPDIFFUSERS_REMOVE_TOME`.
@@ -13,15 +13,11 @@ import ppdiffusers.patches.tomesd_patch_utils  # noqa: F401  (installs ppdiffuse
 from ppdiffusers import DiffusionPipeline
 
 from tome_core.adapters.ppdiffusers import patch, patched_models, ppdiffusers_targets, remove
-from tome_core.dropin import tomesd_functions
+from tome_core.dropin import apply_tome_function, tomesd_functions
 
-apply_tome = patch
+apply_tome = apply_tome_function(patch)
 remove_tome = remove
 apply_patch, remove_patch = tomesd_functions(patch, remove)
-
-
-def _apply_tome_method(self, **options):
-    return patch(self, **options)
 
 
 def _remove_tome_method(self, only_return_self: bool = True):
@@ -36,7 +32,7 @@ PPDIFFUSERS_APPLY_TOME = globals().get("PPDIFFUSERS_APPLY_TOME") or paddle.nn.La
 PPDIFFUSERS_REMOVE_TOME = globals().get("PPDIFFUSERS_REMOVE_TOME") or paddle.nn.Layer.__dict__.get("remove_tome")
 
 for _cls in (DiffusionPipeline, paddle.nn.Layer):
-    _cls.apply_tome = _apply_tome_method
+    _cls.apply_tome = apply_tome
     _cls.remove_tome = _remove_tome_method
 
 __all__ = ["patch", "remove", "apply_tome", "remove_tome", "apply_patch", "remove_patch", "patched_models"]

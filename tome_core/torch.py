@@ -1,7 +1,7 @@
 """ToMe for torch / diffusers: ``tome_core.torch.patch(pipe, ratio=0.5)``.
 
 Importing this module also gives every diffusers ``DiffusionPipeline`` and ``ModelMixin`` the methods
-``apply_tome(**options)`` and ``remove_tome()``.
+``apply_tome(ratio=None, **options)`` (the ratio may be positional) and ``remove_tome()``.
 """
 
 from __future__ import annotations
@@ -9,15 +9,11 @@ from __future__ import annotations
 from diffusers import DiffusionPipeline, ModelMixin
 
 from tome_core.adapters.diffusers import patch, patched_models, remove
-from tome_core.dropin import tomesd_functions
+from tome_core.dropin import apply_tome_function, tomesd_functions
 
-apply_tome = patch
+apply_tome = apply_tome_function(patch)
 remove_tome = remove
 apply_patch, remove_patch = tomesd_functions(patch, remove)
-
-
-def _apply_tome_method(self, **options):
-    return patch(self, **options)
 
 
 def _remove_tome_method(self):
@@ -25,7 +21,7 @@ def _remove_tome_method(self):
 
 
 for _cls in (DiffusionPipeline, ModelMixin):
-    _cls.apply_tome = _apply_tome_method
+    _cls.apply_tome = apply_tome
     _cls.remove_tome = _remove_tome_method
 
 __all__ = ["patch", "remove", "apply_tome", "remove_tome", "apply_patch", "remove_patch", "patched_models"]

@@ -217,3 +217,10 @@ def test_default_auto_pools_keys_and_values_by_the_latent_size(tiny):
     assert {factor: (level.tokens, level.kept) for factor, level in state.stats.items()} == {1: (256, 64)}
     explicit = tome.patch(unet, mode="kv", matching="cell").apply({"params": params}, sample, jnp.ones((2,)), context).sample
     np.testing.assert_array_equal(np.asarray(auto), np.asarray(explicit))
+
+
+def test_apply_tome_takes_the_ratio_positionally(tiny):
+    unet, _ = tiny
+    assert tome.apply_tome(unet, 0.3).tome.ratio == 0.3
+    with pytest.raises(TypeError, match=r"apply_tome takes the ratio as its only positional argument, got 2"):
+        tome.apply_tome(unet, 0.5, 2)

@@ -233,3 +233,12 @@ def test_proportional_attn_refuses_an_attention_mask_on_self_attention(unet, inp
     with pytest.raises(ValueError, match="proportional_attn=True cannot be combined with an attention_mask on self-att"):
         with paddle.no_grad():
             unet(sample, timestep, text, attention_mask=paddle.ones([2, 256]))
+
+
+def test_apply_tome_takes_the_ratio_positionally_and_names_itself_when_misused(unet):
+    unet.apply_tome(0.3)  # ppdiffusers' users write the ratio positionally
+    [(_, state)] = tome.patched_models(unet)
+    assert (state.config.ratio, state.config.mode) == (0.3, "tokens")
+    with pytest.raises(TypeError, match=r"apply_tome takes the ratio as its only positional argument, got 2"):
+        unet.apply_tome(0.5, 2)
+    tome.remove(unet)

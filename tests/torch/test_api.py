@@ -164,3 +164,15 @@ def test_merge_mlp_with_forward_chunking_is_refused(unet, inputs):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert torch.isfinite(call(model, inputs)).all()
+
+
+def test_apply_tome_takes_the_ratio_positionally_and_names_itself_when_misused(unet):
+    model = copy.deepcopy(unet)
+    model.apply_tome(0.3)
+    [(_, state)] = tome.patched_models(model)
+    assert (state.config.ratio, state.config.mode) == (0.3, "tokens")
+    with pytest.raises(TypeError, match=r"apply_tome takes the ratio as its only positional argument, got 2"):
+        model.apply_tome(0.5, 2)
+    with pytest.raises(TypeError, match="apply_tome got the ratio twice"):
+        tome.apply_tome(model, 0.5, ratio=0.5)
+    assert tome.patched_models(model)[0][1].config.ratio == 0.3  # a refused call keeps the earlier patch
