@@ -17,10 +17,10 @@ def merge(x: Array, match: Match) -> Array:
         return x
     ops = match.ops
     batch, tokens, channels = ops.shape(x)
-    if match.pool is not None:  # every token in a full cell: a strided mean, no scatter
-        h, w, sx, sy = match.pool
-        cells = ops.mean(ops.reshape(x, (batch, h // sy, sy, w // sx, sx, channels)), (2, 4))
-        return ops.reshape(cells, (batch, match.kept, channels))
+    if match.pool is not None:  # every token in a full cell: two strided means (rows, then columns), no scatter
+        h, w, sx, sy = match.pool  # (one mean over both axes is ~15x slower on torch's CPU kernels)
+        rows = ops.mean(ops.reshape(x, (batch, h // sy, sy, w * channels)), (2,))
+        return ops.mean(ops.reshape(rows, (batch, match.kept, sx, channels)), (2,))
     index = ops.broadcast_to(ops.reshape(match.rows, (batch * tokens, 1)), (batch * tokens, channels))
     rows = ops.reshape(x, (batch * tokens, channels))
     summed = ops.scatter_add(ops.zeros((batch * match.kept, channels), x), index, rows, axis=0)
