@@ -13,6 +13,15 @@ and reports medians:
   paddle), when installed;
 * ``oracle``: the same token counts removed and restored with free slicing instead of matching; its time is
   the limit of what token reduction can save, and ``oracle share`` is the part of that saving a method gets.
+  It follows the configuration of 'ours' (``tome_core.bench_runner.OraclePlan``): the counts of each level's
+  ratio or cell (``level_cells``), and the arrangement: with ``mode=kv`` self-attention gets every query and
+  the first ``kept`` tokens as keys/values, with ``mode=queries`` the first ``kept`` as queries and every token
+  as keys/values (output restored by index). ``--variant-oracles NAME`` adds the oracle of a variant.
+
+Every arrangement is reachable: ``--option mode=kv``, ``--variant "todo:mode=kv,matching=cell,level_cells={1:4,
+2:2},max_downsample=2"``. With ``matching='cell'`` the cell fixes the reduction, so 'ours' does not get
+``--ratio``; its rows show the finest level's reduction (``1 - 1/(sx*sy)``) and name the cells in the note.
+``--resolution 512 1024 1536`` runs each size in turn, one table (and one JSON block) each.
 
 Fidelity is the relative L2 distance of a method's output to the unpatched output, on image-like latents
 (smooth structure plus noise, fixed seed) at a mid timestep, and after a short sampling loop. Peak memory is
