@@ -41,9 +41,10 @@ def tomesd_functions(patch: Callable[..., Any], remove: Callable[[Any], Any]) ->
     return apply_patch, remove_patch
 
 
-def apply_tome_function(patch: Callable[..., Any]) -> Callable[..., Any]:
+def apply_tome_function(patch: Callable[..., Any], module: str) -> Callable[..., Any]:
     """``apply_tome(model, ratio=None, **options)``: :func:`patch` that also takes the ratio positionally, as
-    ppdiffusers' and tomesd's users write it (``pipe.apply_tome(0.5)``); every other option by keyword."""
+    ppdiffusers' and tomesd's users write it (``pipe.apply_tome(0.5)``); every other option by keyword.
+    ``module``: the entry point that defines it (shown by ``help``, and how tests tell it from ppdiffusers')."""
 
     def apply_tome(model: Any, *ratio: Any, **options: Any) -> Any:
         if len(ratio) > 1:
@@ -58,4 +59,6 @@ def apply_tome_function(patch: Callable[..., Any]) -> Callable[..., Any]:
         return patch(model, **options)
 
     apply_tome.__doc__ = (apply_tome.__doc__ or "") + "\n\n" + (patch.__doc__ or "")
+    apply_tome.__wrapped__ = patch
+    apply_tome.__module__ = module
     return apply_tome

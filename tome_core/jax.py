@@ -20,7 +20,7 @@ from __future__ import annotations
 from tome_core.adapters.flax import block_paths, is_patched, patch, patched_models, record, remove
 from tome_core.dropin import apply_tome_function
 
-apply_tome = apply_tome_function(patch)
+apply_tome = apply_tome_function(patch, __name__)
 remove_tome = remove
 
 __all__ = ["patch", "remove", "apply_tome", "remove_tome", "patched_models", "is_patched", "record", "block_paths"]

@@ -15,7 +15,7 @@ from ppdiffusers import DiffusionPipeline
 from tome_core.adapters.ppdiffusers import patch, patched_models, ppdiffusers_targets, remove
 from tome_core.dropin import apply_tome_function, tomesd_functions
 
-apply_tome = apply_tome_function(patch)
+apply_tome = apply_tome_function(patch, __name__)
 remove_tome = remove
 apply_patch, remove_patch = tomesd_functions(patch, remove)
 

@@ -11,7 +11,7 @@ from diffusers import DiffusionPipeline, ModelMixin
 from tome_core.adapters.diffusers import patch, patched_models, remove
 from tome_core.dropin import apply_tome_function, tomesd_functions
 
-apply_tome = apply_tome_function(patch)
+apply_tome = apply_tome_function(patch, __name__)
 remove_tome = remove
 apply_patch, remove_patch = tomesd_functions(patch, remove)
 

@@ -99,10 +99,21 @@ def test_match_properties_against_brute_force(xp, case, data_seed):
     np.testing.assert_allclose((merged * sizes[..., None]).sum(1), x.sum(1), rtol=1e-4, atol=1e-4)
 
 
+def near_ties(metric, case, offsets, gap=1e-5):
+    """Whether two similarities that decide the match are within ``gap`` (each source's best and second-best
+    destination, or two sources' best scores), so that backends' float rounding may choose differently."""
+    dst, src = split(NUMPY, metric, case["h"], case["w"], case["sx"], case["sy"], offsets)
+    unit = metric / np.maximum(np.linalg.norm(metric, axis=-1, keepdims=True), 1e-30)
+    scores = np.sort(unit[:, src] @ unit[:, dst].transpose(0, 2, 1), axis=-1)
+    best = scores[..., -1]
+    close = scores.shape[-1] > 1 and bool((best - scores[..., -2] < gap).any())
+    return close or bool((np.diff(np.sort(best, axis=-1), axis=-1) < gap).any())
+
+
 @settings(max_examples=40, deadline=None)
 @given(case=cases(), data_seed=st.integers(0, 2**32 - 1))
 def test_backend_equals_numpy_reference(xp, case, data_seed):
-    _, x, offsets, match = make(case, xp, data_seed)
+    metric, x, offsets, match = make(case, xp, data_seed)
     class NumpyConverter:
         ops = NUMPY
         asarray = staticmethod(lambda a: a)
@@ -111,6 +122,8 @@ def test_backend_equals_numpy_reference(xp, case, data_seed):
     if offsets is not None:
         np.testing.assert_array_equal(xp.numpy(offsets), ref_offsets)
     assert match.merged == ref.merged
+    if ref.merged and near_ties(metric, case, ref_offsets):
+        return  # backends' float rounding may order near-tied similarities differently
     if ref.merged:
         np.testing.assert_array_equal(xp.numpy(match.slot), ref.slot)
     np.testing.assert_allclose(xp.numpy(merge(xp.asarray(x), match)), merge(x, ref), rtol=1e-5, atol=1e-6)

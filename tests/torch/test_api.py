@@ -91,7 +91,7 @@ def test_tomesd_drop_in_names_use_tomesd_defaults(unet, inputs):
     torch.testing.assert_close(call(model, inputs), call(reference, inputs), rtol=0, atol=0)
     tome.remove_patch(model)
     torch.testing.assert_close(call(model, inputs), call(unet, inputs), rtol=0, atol=0)
-    assert tome.apply_tome is tome.patch and tome.remove_tome is tome.remove
+    assert tome.apply_tome.__wrapped__ is tome.patch and tome.remove_tome is tome.remove
 
 
 def test_deepcopy_of_a_patched_model_stays_patched_independently(unet, inputs):
