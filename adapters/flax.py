@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -45,6 +45,7 @@ from diffusers.models.unets.unet_2d_condition_flax import FlaxUNet2DConditionMod
 from diffusers.pipelines.pipeline_flax_utils import FlaxDiffusionPipeline
 
 from tome_core.config import ToMeConfig
+from tome_core.driver import argument, replace_argument
 from tome_core.levels import finest_attention_level, warn_if_nothing_merges
 from tome_core.match import Match
 from tome_core.merge import merge, size_bias, unmerge
@@ -64,12 +65,6 @@ _TORCH_PART_ORDER = {"down_blocks": 0, "up_blocks": 1, "mid_block": 2}
 
 # --------------------------------------------------------------------------------------------------------
 # The run of one patched model call (lives only while jax traces it)
-
-
-def _argument(args: Sequence[Any], kwargs: Dict[str, Any], name: str, position: int) -> Any:
-    if name in kwargs:
-        return kwargs[name]
-    return args[position] if len(args) > position else None
 
 
 def _step(timesteps: Any) -> Any:
@@ -141,13 +136,6 @@ def _size_aware_attention(
     return attention.dropout_layer(out, deterministic=deterministic)
 
 
-def _replace(args: Tuple[Any, ...], kwargs: Dict[str, Any], name: str, position: int, value: Any):
-    """``(args, kwargs)`` with argument ``name`` (keyword, or positional at ``position``) set to ``value``."""
-    if name in kwargs or len(args) <= position:
-        return args, {**kwargs, name: value}
-    return args[:position] + (value,) + args[position + 1 :], kwargs
-
-
 class _Run:
     """One traced call of a patched model: its state, its block streams and the block being run."""
 
@@ -167,7 +155,7 @@ class _Run:
             return next_fun(*args, **kwargs)
         module = context.module
         if isinstance(module, FlaxTransformer2DModel):
-            hidden_states = _argument(args, kwargs, "hidden_states", 0)
+            hidden_states = argument(args, kwargs, "hidden_states", 0)
             if hidden_states.ndim == 4:
                 self.state.enter_grid(tuple(int(n) for n in hidden_states.shape[1:3]))
             return next_fun(*args, **kwargs)
@@ -175,7 +163,7 @@ class _Run:
             path = tuple(module.path)[len(self.root) :]
             outer = (self.block_path, self.matches)
             self.block_path = path
-            self.matches = self.state.block_matches(_argument(args, kwargs, "hidden_states", 0), self.stream(path))
+            self.matches = self.state.block_matches(argument(args, kwargs, "hidden_states", 0), self.stream(path))
             try:
                 return next_fun(*args, **kwargs)
             finally:
@@ -184,16 +172,12 @@ class _Run:
         match = self.matches.get(sublayer)
         if match is None or match.merged == 0 or tuple(module.path)[len(self.root) : -1] != self.block_path:
             return next_fun(*args, **kwargs)
-        config = self.state.active or self.state.config
-        x = _argument(args, kwargs, "hidden_states", 0)
+        x = argument(args, kwargs, "hidden_states", 0)
         merged = merge(x, match)
-        deterministic = _argument(args, kwargs, "deterministic", 2)
+        deterministic = argument(args, kwargs, "deterministic", 2)
         deterministic = True if deterministic is None else deterministic
-        attends_to_itself = sublayer == "attn" and _argument(args, kwargs, "context", 1) is None
-        # Cross-attention and the MLP always merge their input and unmerge their output ("tokens").
-        mode = config.mode if sublayer == "attn" else "tokens"
-        # Keys are merged by similarity (not pooled into equal cells, not kept whole): log sizes on them.
-        size_aware = config.proportional_attn and config.matching == "similarity" and attends_to_itself and mode != "queries"
+        attends_to_itself = sublayer == "attn" and argument(args, kwargs, "context", 1) is None
+        mode, size_aware = self.state.active.arrangement(sublayer, attends_to_itself)
         if mode in ("kv", "queries") and not attends_to_itself:
             raise ValueError(
                 f"mode={mode!r}: this {type(module).__name__} attends to its context (only_cross_attention), not to "
@@ -202,11 +186,11 @@ class _Run:
         if mode == "kv":  # queries keep every token, keys and values are the merged tokens: nothing to unmerge
             if size_aware:
                 return _size_aware_attention(module, x, match, deterministic, keys=merged)
-            args, kwargs = _replace(args, kwargs, "context", 1, merged)
+            args, kwargs = replace_argument(args, kwargs, "context", 1, merged)
             return next_fun(*args, **kwargs)
-        args, kwargs = _replace(args, kwargs, "hidden_states", 0, merged)
+        args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
         if mode == "queries":  # merged queries attend to every token; the output is unmerged
-            args, kwargs = _replace(args, kwargs, "context", 1, x)
+            args, kwargs = replace_argument(args, kwargs, "context", 1, x)
         elif size_aware:
             return unmerge(_size_aware_attention(module, merged, match, deterministic), match)
         return unmerge(next_fun(*args, **kwargs), match)
@@ -278,9 +262,9 @@ def _patched_call(self, *args, **kwargs):
     config: Optional[ToMeConfig] = self.tome
     if config is None:
         return super(type(self), self).__call__(*args, **kwargs)
-    sample = _argument(args, kwargs, "sample", 0)
+    sample = argument(args, kwargs, "sample", 0)
     state = ToMeState(config=config, finest_level=_finest_level(self), choices=config.auto_choices(True))
-    state.begin_call(tuple(int(n) for n in sample.shape[-2:]), _step(_argument(args, kwargs, "timesteps", 1)))
+    state.begin_call(tuple(int(n) for n in sample.shape[-2:]), _step(argument(args, kwargs, "timesteps", 1)))
     run = _Run(state, tuple(self.path), block_paths(self.variables.get("params", {})))
     with nn.intercept_methods(run.intercept):
         out = super(type(self), self).__call__(*args, **kwargs)

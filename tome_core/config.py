@@ -246,6 +246,14 @@ class ToMeConfig:
                 f"1 - 1/(sx*sy) = {self.max_ratio:g} of the tokens; leave ratio out, or change sx and sy"
             )
 
+    def arrangement(self, kind: str, self_attention: bool) -> Tuple[str, bool]:
+        """How a sub-layer of ``kind`` ("attn", "crossattn", "mlp") runs: its mode (cross-attention and MLP
+        always "tokens"), and whether size-aware attention applies: a self-attention (``self_attention``: its
+        keys are its own tokens) whose keys are merged by similarity, so not under "queries" (keys are every
+        token) nor with cell pooling (every key stands for one cell)."""
+        mode = self.mode if kind == "attn" else "tokens"
+        return mode, self_attention and self.proportional_attn and mode != "queries" and self.matching == "similarity"
+
     def cell_at(self, level: int) -> Tuple[int, int]:
         """The ``(sx, sy)`` cell at downsample ``level``."""
         if self.level_cells is not None and level in self.level_cells:

@@ -332,12 +332,8 @@ class _MergeInput:
 
 
 def arrangement(state: ToMeState, sublayer: Sublayer) -> Tuple[str, bool]:
-    """How ``sublayer`` runs in this call: its mode, and whether size-aware attention applies (merged keys
-    of unequal sizes: not under "queries", whose keys are all tokens, nor with cell pooling)."""
-    config = state.active or state.config
-    mode = config.mode if sublayer.kind == "attn" else "tokens"
-    size_aware = sublayer.attention and config.proportional_attn and mode != "queries" and config.matching == "similarity"
-    return mode, size_aware
+    """How ``sublayer`` runs in this call: its mode and whether size-aware attention applies."""
+    return state.active.arrangement(sublayer.kind, sublayer.attention)
 
 
 def _merge_positions(rotary: Any, match: Match) -> Any:

@@ -40,7 +40,16 @@ class ToMeState:
     calls: int = 0
     cache: Dict[Any, Dict[str, Match]] = field(default_factory=dict)
     choices: Tuple[Tuple[int, ToMeConfig], ...] = ()  # ToMeConfig.auto_choices; empty: the config itself
-    active: Optional[ToMeConfig] = None  # what this call runs with (mode="auto" resolved by the latent size)
+
+    @property
+    def active(self) -> ToMeConfig:
+        """The options this call runs with: ``mode="auto"`` resolved by the token count of the latent's finest
+        merged level (the first choice whose threshold it reaches)."""
+        choices = self.choices or ((0, self.config),)
+        if self.latent_hw is None:
+            return choices[-1][1]
+        height, width = level_grid(self.latent_hw, self.finest_level)
+        return next(config for fewest, config in choices if height * width >= fewest)
 
     @property
     def max_downsample(self) -> int:
@@ -48,7 +57,7 @@ class ToMeState:
 
     def summary(self) -> str:
         """One line per level of the last call: blocks merged, tokens before and after, and the arrangement."""
-        config = self.active or self.config
+        config = self.active
         kind = "keys/values" if config.mode == "kv" else "queries" if config.mode == "queries" else "tokens"
         how = lambda factor: "x".join(map(str, config.cell_at(factor))) + " cells" if config.matching == "cell" else "similarity"
         lines = [
@@ -74,23 +83,11 @@ class ToMeState:
         self.grid_hw = None
         self.step = step
         self.stats = {}
-        self.active = None
-        if latent_hw is not None:
-            self._choose(latent_hw)
 
     def enter_grid(self, grid_hw: Tuple[int, int]) -> None:
         self.grid_hw = grid_hw
         if self.latent_hw is None:
             self.latent_hw = grid_hw
-            self._choose(grid_hw)
-
-    def _choose(self, latent_hw: Tuple[int, int]) -> None:
-        """Resolve ``mode="auto"`` for a latent of ``latent_hw``, by the token count of the finest merged level."""
-        if not self.choices:
-            self.active = self.config
-            return
-        height, width = level_grid(latent_hw, self.finest_level)
-        self.active = next(config for fewest, config in self.choices if height * width >= fewest)
 
     def block_matches(
         self, metric: Any, stream: int, shared: bool = False, block_ratio: Optional[float] = None
@@ -110,7 +107,7 @@ class ToMeState:
                 "a transformer block ran before its model or transformer gave the latent size: ToMe needs the "
                 "blocks inside a UNet, a ControlNet or a 2-D transformer (Transformer2DModel) to know their grid"
             )
-        config = self.active or self.config
+        config = self.active
         factor = downsample_factor(latent, tokens, self.grid_hw)
         merged = {
             sublayer: int(tokens * config.ratio_for(sublayer, factor, block_ratio)) if factor <= self.max_downsample else 0
@@ -141,7 +138,7 @@ class ToMeState:
         if not any(merged.values()):
             identity = identity_match(ops, ops.shape(metric)[0], tokens)
             return {sublayer: identity for sublayer in merged}
-        config = self.active or self.config
+        config = self.active
         h, w = block_grid(latent, factor, self.grid_hw, tokens)
         sx, sy = config.cell_at(factor)
         if config.matching == "cell":
