@@ -13,6 +13,7 @@ TORCH = [
     "tomesd==0.1.3",
     "peft==0.21.2",  # LoRA-after-patch test
     "accelerate==1.15.0",  # CPU-offload test
+    "scikit-image==0.26.0",  # the trained models' data and sample metrics
 ]
 PADDLE = [
     "paddlepaddle==3.3.1",

@@ -18,15 +18,23 @@ from diffusers.models.attention import BasicTransformerBlock
 
 import tome_core.torch as tome
 from tome_core.adapters.diffusers import FRAMEWORK, finest_level
+from tome_core.adapters import diffusers_trained as trained_models
 from tome_core.adapters.diffusers_models import build_transformer, build_unet
 from tome_core.bench import serve_peak_request
 from tome_core.bench_runner import MID_TIMESTEP, BenchRunner, OraclePlan, Undo, install_transformer_oracle, median_ms, remover
 from tome_core.presets import TRANSFORMERS
+from tome_core.trained import model_info, sample_labels, shipped
 
 try:
     import tomesd
 except ImportError:  # the peer is optional
     tomesd = None
+
+
+def classifier_folder(model: str) -> str:
+    """The classifier beside a trained model's folder (``../classifier``), else the shipped one."""
+    beside = os.path.join(os.path.dirname(os.path.abspath(model)), "classifier")
+    return beside if os.path.isdir(beside) else shipped("classifier")
 
 
 class Runner(BenchRunner):
@@ -39,8 +47,14 @@ class Runner(BenchRunner):
         torch.set_num_threads(threads)
 
     def load_unet(self) -> torch.nn.Module:
-        """The UNet, or with a transformer preset (or a folder holding ``transformer/``) the transformer."""
+        """The UNet, or with a transformer preset (or a folder holding ``transformer/``) the transformer; a
+        trained model's folder (``tome_core.trained``) in pixel space, with its classes and scheduler."""
         model = self.args.model
+        if model and model_info(model) is not None:
+            self.trained = trained_models.load(model)
+            self.classifier = trained_models.load_classifier(classifier_folder(model))
+            self.latent_scale = 1
+            return self.trained.model
         if not model:
             preset = self.args.preset
             return build_transformer(preset) if preset in TRANSFORMERS else build_unet(preset)
@@ -72,6 +86,29 @@ class Runner(BenchRunner):
 
     def make_scheduler(self, name: str, config: Dict[str, Any]) -> Any:
         return getattr(diffusers, name)(**config)
+
+    def own_scheduler(self) -> Any:
+        return None if self.trained is None else DDIMScheduler.from_config(self.trained.scheduler_config)
+
+    def text_embeddings(self, draw: Callable[[Tuple[int, ...]], torch.Tensor], shape: Tuple[int, ...]) -> torch.Tensor:
+        """A trained model's timed calls: half the batch conditioned on classes 0, 1, ..., half on the null
+        class (as classifier-free guidance calls it)."""
+        if self.trained is None:
+            return draw(shape)
+        batch, classes = shape[0], len(self.trained.info["classes"])
+        labels = [i % classes for i in range((batch + 1) // 2)] + [classes] * (batch // 2)
+        return self.trained.condition(torch.tensor(labels))
+
+    def class_samples(self, name: str, ratio: float) -> np.ndarray:
+        """A trained model's sample set (every class ``--samples-per-class`` times, fixed seeds, a full
+        ``--sample-steps`` DDIM loop with guidance) with method ``name``."""
+        labels = sample_labels(self.args.samples_per_class)
+        with self.method(name, ratio):
+            return trained_models.generate(self.trained, labels, self.args.sample_steps)
+
+    def classify(self, images: np.ndarray) -> np.ndarray:
+        """The shipped classifier's predictions for ``images``."""
+        return trained_models.predict(self.classifier, images)
 
     def framework(self) -> Any:
         return FRAMEWORK

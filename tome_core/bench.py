@@ -162,6 +162,9 @@ class Row:
     note: str = ""
     times_s: List[float] = field(default_factory=list)
     resolution: Optional[int] = None
+    psnr: Optional[float] = None
+    ssim: Optional[float] = None
+    accuracy: Optional[float] = None
 
 
 def measure(
@@ -220,6 +223,7 @@ def run_one(args: argparse.Namespace) -> List[Row]:
     with tqdm(total=total, desc=f"{args.backend} {runner.description}", unit="call") as progress:
         reference_step = None
         reference_sampled = runner.sample("unpatched", 0.0, args.steps) if args.steps else None
+        samples = SampleFidelity(runner) if runner.trained is not None and args.sample_steps else None
         for ratio in args.ratio:
             outputs: Dict[str, Any] = {}
             times = measure(runner, ratio, methods, args.repeats, args.warmup, progress, outputs) if args.repeats else {}
@@ -233,6 +237,7 @@ def run_one(args: argparse.Namespace) -> List[Row]:
                 if args.steps and method != "unpatched" and looped:
                     fidelity_sampled = relative_l2(runner.sample(method, ratio, args.steps), reference_sampled)
                 shown_ratio, note = runner.effective(method, ratio)
+                scores = samples.scores(method, ratio) if samples is not None and looped else {}
                 rows.append(
                     Row(
                         ratio=shown_ratio,
@@ -252,11 +257,33 @@ def run_one(args: argparse.Namespace) -> List[Row]:
                         note=note,
                         times_s=times.get(method, []),
                         resolution=args.resolution,
+                        **scores,
                     )
                 )
     if "peer" in args.methods and not runner.has_peer:
         print(f"peer skipped: {runner.note('peer')}")
     return rows
+
+
+class SampleFidelity:
+    """A trained model's sample-level fidelity (:mod:`tome_core.trained`): every class's samples from fixed
+    seeds through the full sampling loop, unpatched once and with each method, compared by PSNR and SSIM,
+    and recognised by the shipped classifier trained on real crops."""
+
+    def __init__(self, runner: Any):
+        from tome_core.trained import sample_labels
+
+        self.runner = runner
+        self.labels = sample_labels(runner.args.samples_per_class)
+        self.reference = runner.class_samples("unpatched", 0.0)
+
+    def scores(self, method: str, ratio: float) -> Dict[str, float]:
+        """PSNR (dB; inf when identical), SSIM and classifier accuracy of ``method``'s samples."""
+        from tome_core.trained import accuracy, psnr, ssim
+
+        images = self.reference if method == "unpatched" else self.runner.class_samples(method, ratio)
+        predicted = self.runner.classify(images)
+        return dict(psnr=psnr(self.reference, images), ssim=ssim(self.reference, images), accuracy=accuracy(predicted, self.labels))
 
 
 def _oracle_of(method: str, medians: Dict[str, float]) -> str:
@@ -278,10 +305,12 @@ def format_table(rows: Sequence[Row]) -> str:
     """One table per resolution; ``spread`` is ``(max - min) / median`` of a method's timed calls, ``note`` what
     the ratio column means for it (a cell's reduction, the arrangement)."""
     blocks = []
+    sampled = any(r.psnr is not None for r in rows)
     for resolution in dict.fromkeys(r.resolution for r in rows):
         header = (
             f"{'ratio':>5}  {'method':<14} {'median':>9} {'spread':>6} {'speedup':>8} {'oracle share':>12} "
-            f"{'fid@t':>8} {'fid@loop':>9} {'peak MB':>8}  note"
+            f"{'fid@t':>8} {'fid@loop':>9} {'peak MB':>8}"
+            + (f" {'PSNR':>6} {'SSIM':>6} {'acc':>5}" if sampled else "") + "  note"
         )
         lines = ([] if resolution is None else [f"{resolution}px"]) + [header, "-" * len(header)]
         for row in rows:
@@ -291,10 +320,16 @@ def format_table(rows: Sequence[Row]) -> str:
             lines.append(
                 f"{row.ratio:>5.2f}  {row.method:<14} {row.median_s * 1000:7.0f}ms {spread(row.times_s):6.0%} "
                 f"{row.speedup:7.2f}x {row.oracle_share:12.2f} {row.fidelity_step:8.4f} {row.fidelity_sampled:9.4f} "
-                f"{peak:>8}  {row.note}".rstrip()
+                f"{peak:>8}" + (_sample_columns(row) if sampled else "") + f"  {row.note}".rstrip()
             )
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
+
+
+def _sample_columns(row: Row) -> str:
+    if row.psnr is None:
+        return " " * 20
+    return f" {row.psnr:6.2f} {row.ssim:6.3f} {row.accuracy:5.2f}"
 
 
 def plot(rows: Sequence[Row], path: str, title: str) -> None:
@@ -333,11 +368,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=sorted(RUNNERS), default="torch")
     p.add_argument("--preset", default="sd15-small",
                    help="UNet or diffusion transformer architecture with random weights (tome_core.presets: UNETS, "
-                   "TRANSFORMERS: sd3, sd3-small, flux-small, pixart, tiny-sd3, tiny-flux, tiny-pixart)")
-    p.add_argument("--model", help="local diffusers/ppdiffusers pipeline or UNet folder (from_pretrained)")
-    p.add_argument("--resolution", type=int, nargs="+", default=[512],
-                   help="image size in pixels (latent = resolution / 8); several values run one after another, "
-                   "one table (and one JSON block) each, e.g. --resolution 512 1024 1536")
+                   "TRANSFORMERS: sd3, sd3-small, flux-small, pixart, tiny-sd3, tiny-flux, tiny-pixart), or a "
+                   "small trained pixel-space model shipped in the repository's models/ (trained-unet, "
+                   "trained-dit; torch): then sample fidelity (PSNR, SSIM, classifier accuracy) is reported too")
+    p.add_argument("--model", help="local diffusers/ppdiffusers pipeline or UNet folder (from_pretrained), or a "
+                   "trained model's folder (python -m tome_core.train)")
+    p.add_argument("--resolution", type=int, nargs="+", default=None,
+                   help="image size in pixels (latent = resolution / 8; default 512, a trained model's own size); "
+                   "several values run one after another, one table (and one JSON block) each, e.g. "
+                   "--resolution 512 1024 1536")
     p.add_argument("--batch", type=int, default=2, help="model batch (2 = one image with classifier-free guidance)")
     p.add_argument("--text-tokens", type=int, default=None,
                    help="transformers: text tokens per prompt (default: the released pipeline's, SD3 333, Flux 512, "
@@ -349,6 +388,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--latents", choices=("image", "noise"), default="image",
                    help="input latents at the mid timestep: image-like structure, or pure Gaussian noise")
     p.add_argument("--steps", type=int, default=4, help="sampling-loop steps for the fidelity after a loop (0: skip)")
+    p.add_argument("--samples-per-class", type=int, default=4,
+                   help="trained models (--preset trained-unet|trained-dit): samples per class for PSNR, SSIM and "
+                   "classifier accuracy")
+    p.add_argument("--sample-steps", type=int, default=25,
+                   help="trained models: DDIM steps of the full sampling loop behind PSNR/SSIM/accuracy (0: skip)")
     p.add_argument("--sample-methods", nargs="+", default=None, metavar="METHOD",
                    help="run the sampling loop for these methods only (e.g. ours ours:rs2 oracle; default: all)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per method (0: fidelity only)")
@@ -474,6 +518,23 @@ def check_dependencies(args: argparse.Namespace, explicit_methods: bool) -> None
             )
 
 
+def resolve_trained(args: argparse.Namespace) -> None:
+    """``--preset trained-unet|trained-dit``: the shipped folder as ``--model``; the default resolution (512, or
+    a trained model's image size)."""
+    from tome_core import trained
+
+    if args.preset in trained.TRAINED_PRESETS and not args.model:
+        if args.backend != "torch":
+            raise SystemExit(f"--preset {args.preset}: the trained models run on the torch backend, not {args.backend}")
+        try:
+            args.model = trained.shipped(args.preset)
+        except FileNotFoundError as error:
+            raise SystemExit(str(error)) from None
+    if args.resolution is None:
+        info = trained.model_info(args.model) if args.model else None
+        args.resolution = [info["image_size"] if info else 512]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
     args = parser().parse_args(argv)
     args.options = parse_options(args.option)
@@ -484,6 +545,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
     unknown = [name for name in args.variant_oracles if name not in args.variants]
     if unknown:
         raise SystemExit(f"--variant-oracles {' '.join(unknown)}: no such --variant")
+    resolve_trained(args)
     check_dependencies(args, explicit_methods)
     if args.micro:
         module = importlib.import_module(f"tome_core.adapters.{RUNNERS[args.backend]}")

@@ -159,6 +159,7 @@ class TransformerSpec:
     scheduler, scheduler_config: the released pipelines' scheduler (class name and config).
     dynamic_shift: the loop's sigmas are shifted by the image token count (Flux's ``mu``).
     added_cond: the call takes PixArt's ``added_cond_kwargs``.
+    separate_kv: its self-attention takes keys and values apart from queries (``mode='auto'`` can choose kv).
     """
 
     flow: bool
@@ -171,6 +172,7 @@ class TransformerSpec:
     timestep_scale: float = 1.0
     dynamic_shift: bool = False
     added_cond: bool = False
+    separate_kv: bool = False
 
 
 FLOW_SHIFT = dict(base_image_seq_len=256, max_image_seq_len=4096, base_shift=0.5, max_shift=1.15)
@@ -188,7 +190,7 @@ TRANSFORMER_SPECS: Dict[str, TransformerSpec] = {
     "PixArtTransformer2DModel": TransformerSpec(
         flow=False, text_dim="caption_channels", text_tokens=120, scheduler="DPMSolverMultistepScheduler",
         scheduler_config=dict(beta_schedule="linear", beta_start=0.0001, beta_end=0.02),
-        added_cond=True,
+        added_cond=True, separate_kv=True,
     ),
 }
 NO_TRANSFORMER_PEER = (
@@ -360,6 +362,8 @@ class BenchRunner:
 
     has_peer = False
     scheduler_class: Any = None  # the framework's DDIM scheduler, built with DDIM_CONFIG
+    latent_scale = 8  # pixels per latent position (1 for a pixel-space model)
+    trained: Any = None  # a trained model (tome_core.trained) when ``--model`` is one: sample fidelity applies
 
     def __init__(self, args: Any):
         if getattr(args, "threads", None):
@@ -374,19 +378,20 @@ class BenchRunner:
         self.unet = self.load_unet()
         self.spec = transformer_spec(self.unet)
         self.description = f"{args.model or args.preset} {args.resolution}px batch {args.batch}"
+        own = self.own_scheduler()
         if self.spec is None:
-            self.scheduler = self.scheduler_class(**DDIM_CONFIG)
+            self.scheduler = own or self.scheduler_class(**DDIM_CONFIG)
             self._build_inputs(self.unet.config)
         else:
             self.has_peer = False
-            self.scheduler = self.make_scheduler(self.spec.scheduler, self.spec.scheduler_config)
+            self.scheduler = own or self.make_scheduler(self.spec.scheduler, self.spec.scheduler_config)
             self._build_transformer_inputs(self.unet.config)
 
     def _build_inputs(self, config: Any) -> None:
         """Noised image-like (or noise) latents at the mid timestep, the starting noise of the sampling
         loop, text embeddings and, for SDXL-style UNets, the added text and time conditions."""
         args = self.args
-        latent = args.resolution // 8
+        latent = args.resolution // self.latent_scale
         self.latent_hw = (latent, latent)
         shape = (args.batch, config.in_channels, latent, latent)
         if getattr(args, "latents", "image") == "image":
@@ -398,7 +403,7 @@ class BenchRunner:
         self.noise = self.to_tensor(noise)
         self.timestep = self.as_timestep(MID_TIMESTEP)
         draw = self.normal_draws(seed=2)
-        self.text = draw((args.batch, 77, config.cross_attention_dim))
+        self.text = self.text_embeddings(draw, (args.batch, 77, config.cross_attention_dim))
         self.added = None
         if config.addition_embed_type == "text_time":
             pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
@@ -414,7 +419,7 @@ class BenchRunner:
         starting noise; seeded text embeddings of the released prompt length (``--text-tokens`` overrides it),
         the pooled projection and Flux's guidance."""
         args, spec = self.args, self.spec
-        latent = args.resolution // 8
+        latent = args.resolution // self.latent_scale
         self.latent_hw = (latent, latent)
         channels = config.in_channels // 4 if spec.packed else config.in_channels
         self.latent_channels = channels
@@ -436,7 +441,7 @@ class BenchRunner:
         self.timestep = MID_TIMESTEP
         draw = self.normal_draws(seed=2)
         text_tokens = getattr(args, "text_tokens", None) or spec.text_tokens
-        self.text = draw((args.batch, text_tokens, config[spec.text_dim]))
+        self.text = self.text_embeddings(draw, (args.batch, text_tokens, config[spec.text_dim]))
         self.extra: Dict[str, Any] = {}
         if spec.pooled_dim:
             self.extra["pooled_projections"] = draw((args.batch, config[spec.pooled_dim]))
@@ -477,6 +482,16 @@ class BenchRunner:
     def load_unet(self) -> Any:
         """The UNet of ``--model`` (a local folder) or of ``--preset`` (random weights)."""
         raise NotImplementedError
+
+    def own_scheduler(self) -> Any:
+        """The model's own scheduler for the mid timestep and the loop (a trained model's), or None for the
+        defaults (DDIM for UNets, the released pipeline's for transformers)."""
+        return None
+
+    def text_embeddings(self, draw: Callable[[Tuple[int, ...]], Any], shape: Tuple[int, ...]) -> Any:
+        """The text-like conditioning of the timed calls: seeded normals of ``shape`` (a trained model gives
+        its classes' learned tokens instead)."""
+        return draw(shape)
 
     def finest_level(self) -> int:
         """The finest downsample level with attention, as 'ours' resolves ``max_downsample=None``."""
@@ -560,15 +575,24 @@ class BenchRunner:
     def options_for(self, name: str, ratio: float) -> Dict[str, Any]:
         """ToMe options of method ``ours`` or ``ours:VARIANT`` (and of the oracle ``oracle`` / ``oracle:VARIANT``
         copies). ``ratio`` (the bench's ``--ratio``) is left out with ``matching='cell'``, where the cell fixes
-        the reduction; a ratio the options name themselves stays (and ToMeConfig checks it)."""
+        the reduction, and with ``mode='auto'``, which chooses it; a ratio the options name themselves stays (and
+        ToMeConfig checks it)."""
         variant = name.partition(":")[2]
         chosen = {**self.options, **(self.args.variants[variant] if variant else {})}
-        if chosen.get("matching") == "cell":
+        if chosen.get("matching") == "cell" or chosen.get("mode") == "auto":
             return chosen
         return {"ratio": ratio, **chosen}
 
     def config_for(self, name: str, ratio: float) -> ToMeConfig:
-        return ToMeConfig.from_options(self.options_for(name, ratio))
+        """The options of method ``name`` at this run's size, ``mode='auto'`` resolved as the patch resolves it
+        (by the finest merged level's token count; a transformer's tokens are its 2x2 latent patches)."""
+        config = ToMeConfig.from_options(self.options_for(name, ratio))
+        if config.mode != "auto":
+            return config
+        kv_input = self.spec is None or self.spec.separate_kv
+        finest = self.finest_level() if self.spec is None else 2
+        tokens = (self.latent_hw[0] // finest) * (self.latent_hw[1] // finest)
+        return next(choice for fewest, choice in config.auto_choices(kv_input) if tokens >= fewest)
 
     def effective(self, name: str, ratio: float) -> Tuple[float, str]:
         """The ratio a row of method ``name`` shows, and a note: 'ours' and the oracle with cell matching show
