@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import argparse
 
+from tome_core.console import quiet_known_notices
+
+quiet_known_notices()  # before diffusers is imported
+
 import torch
 
 import tome_core.driver as driver

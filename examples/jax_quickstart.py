@@ -68,7 +68,7 @@ def main(argv=None) -> dict:
     blocks = len(tome.block_paths(params))
     [(name, state)] = traced
     print(f"ToMe ratio={args.ratio} on a {args.preset} UNet, {args.size}x{args.size} latents, batch {args.batch}")
-    print(f"{name}: {blocks} transformer blocks patched; each call merges:")
+    print(f"{name}: {blocks} transformer blocks hooked; in each call these run on fewer tokens:")
     print(state.summary())
     plain_s, tome_s = statistics.median(plain_times), statistics.median(tome_times)
     speedup = plain_s / tome_s

@@ -24,7 +24,11 @@ Every arrangement is reachable: ``--option mode=kv``, ``--variant "todo:mode=kv,
 ``--resolution 512 1024 1536`` runs each size in turn, one table (and one JSON block) each.
 
 Fidelity is the relative L2 distance of a method's output to the unpatched output, on image-like latents
-(smooth structure plus noise, fixed seed) at a mid timestep, and after a short sampling loop. Peak memory is
+(smooth structure plus noise, fixed seed) at a mid timestep, and after a short sampling loop. On the small
+trained models (``--preset trained-unet|trained-dit``, :mod:`tome_core.trained`) it is also measured on
+samples: every class ``--samples-per-class`` times from fixed seeds through a full ``--sample-steps`` DDIM
+loop with guidance, unpatched and with each method; PSNR and SSIM against the unpatched samples, and the
+accuracy of the shipped classifier (trained on real crops) on each method's samples. Peak memory is
 the extra resident memory of one call, measured in a fresh process per method (``--memory``).
 
 This module is framework-free, and so is :class:`tome_core.bench_runner.BenchRunner`, which holds what every
@@ -536,6 +540,9 @@ def resolve_trained(args: argparse.Namespace) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
+    from tome_core.console import quiet_known_notices
+
+    quiet_known_notices()
     args = parser().parse_args(argv)
     args.options = parse_options(args.option)
     args.variants = variant_options(args.variant)

@@ -104,6 +104,17 @@ class ToMeConfig:
     matching: Optional[str] = None
     level_cells: Optional[Mapping[int, Any]] = None
 
+    def __repr__(self) -> str:
+        """The options that differ from the defaults (``ToMeConfig()``), as the call that makes them (a cell's
+        ratio is left out: the cell sets it)."""
+        default = ToMeConfig()
+        derived = ("ratio",) if self.matching == "cell" else ()
+        changed = [
+            f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+            if f.name not in derived and getattr(self, f.name) != getattr(default, f.name)
+        ]
+        return f"ToMeConfig({', '.join(changed)})"
+
     def __post_init__(self) -> None:
         self._resolve_mode()
         for name in ("sx", "sy", "seed", "reuse_steps", "local_window", "reuse_blocks"):

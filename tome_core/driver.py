@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 from .backend import get_ops
 from .config import ToMeConfig
@@ -582,6 +582,16 @@ def remove(fw: Framework, obj: Any, undo: Callable[[Any], None] = detach) -> Any
     return obj
 
 
-def patched_models(fw: Framework, obj: Any) -> List[Tuple[Any, ToMeState]]:
+class Patched(NamedTuple):
+    """A patched model and its run state; prints as the model's class and the state, not the model's layers."""
+
+    model: Any
+    state: ToMeState
+
+    def __repr__(self) -> str:
+        return f"Patched(model={type(self.model).__name__}, state={self.state!r})"
+
+
+def patched_models(fw: Framework, obj: Any) -> List[Patched]:
     """The patched models inside ``obj`` with their run state (its ``stats`` describe the last call)."""
-    return [(m, m.__dict__["_tome_patch"].state) for m in find_models(fw, obj) if "_tome_patch" in m.__dict__]
+    return [Patched(m, m.__dict__["_tome_patch"].state) for m in find_models(fw, obj) if "_tome_patch" in m.__dict__]

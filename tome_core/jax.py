@@ -24,3 +24,7 @@ apply_tome = apply_tome_function(patch, __name__)
 remove_tome = remove
 
 __all__ = ["patch", "remove", "apply_tome", "remove_tome", "patched_models", "is_patched", "record", "block_paths"]
+
+
+def __dir__():  # the public names only, not the imports
+    return list(__all__)

@@ -35,4 +35,10 @@ for _cls in (DiffusionPipeline, paddle.nn.Layer):
     _cls.apply_tome = apply_tome
     _cls.remove_tome = _remove_tome_method
 
-__all__ = ["patch", "remove", "apply_tome", "remove_tome", "apply_patch", "remove_patch", "patched_models"]
+__all__ = ["patch", "remove", "apply_tome", "remove_tome", "apply_patch", "remove_patch", "patched_models",
+    "PPDIFFUSERS_APPLY_TOME", "PPDIFFUSERS_REMOVE_TOME",
+]
+
+
+def __dir__():  # the public names only, not the imports
+    return list(__all__)

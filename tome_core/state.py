@@ -41,6 +41,9 @@ class ToMeState:
     cache: Dict[Any, Dict[str, Match]] = field(default_factory=dict)
     choices: Tuple[Tuple[int, ToMeConfig], ...] = ()  # ToMeConfig.auto_choices; empty: the config itself
 
+    def __repr__(self) -> str:
+        return f"ToMeState(config={self.config!r}, finest_level={self.finest_level}, calls={self.calls})"
+
     @property
     def active(self) -> ToMeConfig:
         """The options this call runs with: ``mode="auto"`` resolved by the token count of the latent's finest
@@ -56,12 +59,13 @@ class ToMeState:
         return self.config.max_downsample if self.config.max_downsample is not None else self.finest_level
 
     def summary(self) -> str:
-        """One line per level of the last call: blocks merged, tokens before and after, and the arrangement."""
+        """One line per level of the last call (named by its scale: ``1/2`` is the level at half the latent's
+        width): the blocks that ran on fewer tokens, tokens before and after, and the arrangement."""
         config = self.active
         kind = "keys/values" if config.mode == "kv" else "queries" if config.mode == "queries" else "tokens"
         how = lambda factor: "x".join(map(str, config.cell_at(factor))) + " cells" if config.matching == "cell" else "similarity"
         lines = [
-            f"  level 1/{factor}: {level.blocks} blocks, {level.tokens} -> {level.kept} {kind}"
+            f"  1/{factor} scale: {level.blocks} blocks, {level.tokens} -> {level.kept} {kind}"
             f" ({1 - level.kept / level.tokens:.0%} merged; {config.mode}, {how(factor)})"
             for factor, level in sorted(self.stats.items())
         ]

@@ -25,3 +25,7 @@ for _cls in (DiffusionPipeline, ModelMixin):
     _cls.remove_tome = _remove_tome_method
 
 __all__ = ["patch", "remove", "apply_tome", "remove_tome", "apply_patch", "remove_patch", "patched_models"]
+
+
+def __dir__():  # the public names only, not the imports
+    return list(__all__)

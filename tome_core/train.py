@@ -33,6 +33,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     args = parser().parse_args(argv)
+    from tome_core.console import quiet_known_notices
+
+    quiet_known_notices()
     import torch
 
     from tome_core.adapters import diffusers_trained as trained

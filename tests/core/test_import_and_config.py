@@ -117,3 +117,14 @@ def test_the_package_imports_from_the_repository_root():
     assert pathlib.Path(done.stdout.strip()).parent == root / "tome_core"  # the checkout's, which shadows an install
     done = subprocess.run([sys.executable, "-m", "tome_core.bench", "--help"], cwd=root, capture_output=True, text=True)
     assert done.returncode == 0 and "usage: python -m tome_core.bench" in done.stdout, done.stderr
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"ratio": 0.5}, {"ratio": 0.3, "merge_mlp": True, "blocks": [0, 2]},
+    {"mode": "kv", "matching": "cell", "level_cells": {1: 4, 2: 2}}, {"level_ratios": {1: 0.25}, "proportional_attn": False},
+])
+def test_config_prints_as_the_call_that_makes_it(options):
+    """A config prints only what differs from the defaults, and that text builds an equal config."""
+    config = ToMeConfig(**options)
+    assert eval(repr(config), {"ToMeConfig": ToMeConfig}) == config
+    assert repr(ToMeConfig()) == "ToMeConfig()" and "proportional_attn" not in repr(ToMeConfig(ratio=0.3))

@@ -18,8 +18,8 @@ def load(name: str):
 def test_quickstart_reports_merged_tokens_and_a_real_change(capsys):
     result = load("torch_quickstart").main(["--preset", "tiny", "--size", "64", "--steps", "1", "--repeats", "1"])
     out = capsys.readouterr().out
-    assert "UNet2DConditionModel: 7 transformer blocks patched" in out
-    assert "level 1/1: 3 blocks, 1024 -> 512 tokens (50% merged; tokens, similarity)" in out
+    assert "UNet2DConditionModel: 7 transformer blocks hooked" in out
+    assert "1/1 scale: 3 blocks, 1024 -> 512 tokens (50% merged; tokens, similarity)" in out
     assert 0 < result["change"] < 1 and result["speedup"] > 0
     [(model, state)] = result["models"]
     assert state.stats[1].kept == 512
