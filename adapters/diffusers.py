@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from tome_core import driver
+from tome_core.config import document
 from tome_core.backend import get_ops
 from tome_core.state import ToMeState
 
@@ -195,6 +196,12 @@ def patch(obj: Any, **options: Any) -> Any:
     """Apply ToMe to ``obj`` in place and return it; patching again replaces the earlier options."""
     get_ops(torch.empty(0))  # resolve the backend now: its import cannot be traced by torch.compile later
     return driver.patch(FRAMEWORK, obj, options)
+
+
+document(patch, """
+obj: a diffusers pipeline (every UNet, ControlNet and diffusion transformer it holds: SD 1.x/2.x/XL, SD3/3.5,
+Flux, PixArt, DiT) or one such model. A model it cannot handle is refused here with an error saying why.
+""")
 
 
 def remove(obj: Any) -> Any:

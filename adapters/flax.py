@@ -44,7 +44,7 @@ from diffusers.models.controlnets.controlnet_flax import FlaxControlNetModel
 from diffusers.models.unets.unet_2d_condition_flax import FlaxUNet2DConditionModel
 from diffusers.pipelines.pipeline_flax_utils import FlaxDiffusionPipeline
 
-from tome_core.config import ToMeConfig
+from tome_core.config import ToMeConfig, document
 from tome_core.driver import argument, replace_argument
 from tome_core.levels import finest_attention_level, warn_if_nothing_merges
 from tome_core.match import Match
@@ -421,6 +421,13 @@ def remove(obj: Any) -> Any:
     object.__setattr__(obj, "__class__", _unpatched_class(type(obj)))
     obj.__dict__.pop("_tome_key", None)
     return obj
+
+
+document(patch, """
+obj: a FlaxUNet2DConditionModel or FlaxControlNetModel (a patched copy is returned), or a Flax pipeline
+(FlaxStableDiffusionPipeline, FlaxStableDiffusionControlNetPipeline; patched in place). Other models are
+refused here with an error saying why.
+""")
 
 
 def patched_models(obj: Any) -> List[Tuple[str, nn.Module]]:

@@ -36,6 +36,7 @@ import paddle
 import paddle.nn.functional as F
 
 from tome_core import driver
+from tome_core.config import document
 from tome_core.state import ToMeState
 
 Layer = paddle.nn.Layer
@@ -316,6 +317,12 @@ def patch(obj: Any, **options: Any) -> Any:
     ppdiffusers' own port)."""
     _refuse_fused_models(obj)
     return driver.patch(FRAMEWORK, obj, options, undo=_undo)
+
+
+document(patch, """
+obj: a ppdiffusers pipeline (every UNet, ControlNet and diffusion transformer it holds: SD 1.x/2.x/XL, SD3,
+DiT) or one such model. A model it cannot handle is refused here with an error saying why.
+""")
 
 
 def remove(obj: Any) -> Any:

@@ -319,3 +319,41 @@ class ToMeConfig:
         if unknown:
             raise TypeError(f"unknown ToMe option(s) {', '.join(unknown)}; valid options are {', '.join(names)}")
         return cls(**options)
+
+
+def option_meanings() -> Dict[str, str]:
+    """Each option's meaning, as :class:`ToMeConfig`'s docstring gives it (an entry naming several options,
+    ``a, b: ...``, gives each the same text)."""
+    meanings: Dict[str, str] = {}
+    names: Tuple[str, ...] = ()
+    for line in (ToMeConfig.__doc__ or "").splitlines():
+        head, colon, text = line.strip().partition(": ")
+        entry = line.startswith("    ") and not line.startswith("     ") and colon
+        if entry and all(name.strip() in {f.name for f in fields(ToMeConfig)} for name in head.split(",")):
+            names = tuple(name.strip() for name in head.split(","))
+            for name in names:
+                meanings[name] = text.strip()
+        elif names and line.startswith("        "):
+            for name in names:
+                meanings[name] += " " + line.strip()
+        else:
+            names = ()
+    return meanings
+
+
+def options_help() -> str:
+    """Every option with its default and meaning, one paragraph each, from :class:`ToMeConfig` (the one place
+    the options are defined): what each entry point's ``help()`` lists."""
+    meanings = option_meanings()
+    lines = ["Options (keywords; tome_core.ToMeConfig validates them, and bad values raise naming them):"]
+    for f in fields(ToMeConfig):
+        lines.append(f"    {f.name}={f.default!r}: {meanings.get(f.name, '')}".rstrip())
+    return "\n".join(lines)
+
+
+def document(function: Any, accepts: str) -> Any:
+    """Give an entry point's ``patch`` its full ``help()``: its own first paragraph, what it accepts, and
+    :func:`options_help`."""
+    first = (function.__doc__ or "").strip()
+    function.__doc__ = f"{first}\n\n{accepts.strip()}\n\n{options_help()}\n"
+    return function

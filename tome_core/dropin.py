@@ -58,7 +58,10 @@ def apply_tome_function(patch: Callable[..., Any], module: str) -> Callable[...,
             options["ratio"] = ratio[0]
         return patch(model, **options)
 
-    apply_tome.__doc__ = (apply_tome.__doc__ or "") + "\n\n" + (patch.__doc__ or "")
+    apply_tome.__doc__ = (
+        "apply_tome(model, ratio=None, **options): patch(model, ratio=ratio, **options), the ratio positional "
+        "or by keyword.\n\n" + (patch.__doc__ or "")
+    )
     apply_tome.__wrapped__ = patch
     apply_tome.__module__ = module
     return apply_tome
