@@ -128,3 +128,19 @@ def test_config_prints_as_the_call_that_makes_it(options):
     config = ToMeConfig(**options)
     assert eval(repr(config), {"ToMeConfig": ToMeConfig}) == config
     assert repr(ToMeConfig()) == "ToMeConfig()" and "proportional_attn" not in repr(ToMeConfig(ratio=0.3))
+
+
+def test_readme_options_tables_and_help_name_the_same_options():
+    """help() is generated from ToMeConfig; the README's two option tables must list the same names."""
+    import pathlib
+    import re
+    from dataclasses import fields
+
+    from tome_core.config import options_help
+
+    text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("## Options", 1)[1].split("\n## ", 1)[0]
+    in_tables = {name for row in re.findall(r"^\| (`[^|]*)\|", section, flags=re.M) for name in re.findall(r"`(\w+)`", row)}
+    names = {f.name for f in fields(ToMeConfig)}
+    assert in_tables == names
+    assert all(f"    {name}=" in options_help() for name in names)
