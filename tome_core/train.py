@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, Optional, Sequence
 
-DEFAULT_STEPS = {"unet": 800, "dit": 1500, "classifier": 600}
+DEFAULT_STEPS = {"unet": 800, "dit": 1500, "classifier": 1000}
 DEFAULT_LR = {"unet": 1e-3, "dit": 6e-4}
 
 
