@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -144,3 +145,24 @@ def test_readme_options_tables_and_help_name_the_same_options():
     names = {f.name for f in fields(ToMeConfig)}
     assert in_tables == names
     assert all(f"    {name}=" in options_help() for name in names)
+
+
+@pytest.mark.parametrize("framework", ["torch", "paddle", "jax"])
+@pytest.mark.parametrize("entry", ["patch", "apply_tome"])
+def test_help_of_each_entry_point_lists_every_option_and_dir_the_public_names(framework, entry):
+    """Run where the framework is installed (its nox session); help() is generated from ToMeConfig."""
+    import importlib
+    import pydoc
+    from dataclasses import fields
+
+    from tome_core.config import option_meanings
+
+    if framework not in os.environ.get("TOME_TEST_BACKENDS", "numpy").split(","):
+        pytest.skip(f"{framework} is not tested in this session")
+    entry_point = importlib.import_module(f"tome_core.{framework}")
+    text = pydoc.render_doc(getattr(entry_point, entry), renderer=pydoc.plaintext)
+    meanings = option_meanings()
+    for f in fields(ToMeConfig):
+        assert f"{f.name}={f.default!r}: " in text and meanings[f.name][:40] in text.replace("\n", " "), f.name
+    assert "obj: a " in text  # what it accepts
+    assert dir(entry_point) == sorted(entry_point.__all__)

@@ -35,3 +35,15 @@ def test_high_resolution_snippet_runs_every_arrangement(readme_code, capsys):
     assert "kv, 2x2 cells" in " ".join(lines[lines.index(printed[3]):lines.index(printed[4])])  # level 2 of 4x4 + 2x2
     assert "queries (50% merged; queries, similarity)" in printed[4]
     assert not namespace["tome"].patched_models(namespace["pipe"])
+
+
+def test_trained_models_snippet_compares_samples(readme_code, capsys, monkeypatch):
+    import os
+
+    monkeypatch.setenv("TOME_CORE_MODELS", os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "models"))
+    namespace: dict = {}
+    exec(compile(readme_code("Fidelity on small trained models"), "README.md", "exec"), namespace)
+    psnr, ssim = namespace["psnr"], namespace["ssim"]
+    assert 10 < psnr < float("inf") and 0 < ssim < 1
+    assert capsys.readouterr().out.strip() == f"PSNR {psnr:.1f} dB, SSIM {ssim:.3f}"
+    assert not namespace["tome"].patched_models(namespace["model"].model)  # removed again
