@@ -502,6 +502,12 @@ def check_dependencies(args: argparse.Namespace, explicit_methods: bool) -> None
     missing = [name for name in needed if not _importable(name)]
     if missing:
         raise SystemExit(f"python -m tome_core.bench needs {', '.join(missing)}, not installed: {INSTALL_BENCH}")
+    from tome_core.trained import model_info
+
+    if args.model and model_info(args.model) is not None and not _importable("skimage"):
+        raise SystemExit(
+            "a trained model's sample fidelity needs scikit-image, not installed: pip install \"tome-core[trained]\""
+        )
     try:
         module = importlib.import_module(f"tome_core.adapters.{RUNNERS[args.backend]}")
     except ImportError as error:

@@ -389,3 +389,8 @@ def test_missing_optional_dependencies_fail_before_anything_is_built(monkeypatch
         bench.main(["--preset", "tiny", "--methods", "unpatched", "peer"])
     with pytest.raises(SystemExit, match="no such --variant"):
         bench.main(["--preset", "tiny", "--variant-oracles", "nope"])
+    models = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "models")
+    monkeypatch.setenv("TOME_CORE_MODELS", models)
+    monkeypatch.setitem(sys.modules, "skimage", None)
+    with pytest.raises(SystemExit, match=r'scikit-image, not installed: pip install "tome-core\[trained\]"'):
+        bench.main(["--preset", "trained-unet"])
