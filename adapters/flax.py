@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -430,8 +430,18 @@ refused here with an error saying why.
 """)
 
 
-def patched_models(obj: Any) -> List[Tuple[str, nn.Module]]:
+class PatchedModel(NamedTuple):
+    """A patched model and its name; prints as the name and the model's class, not its configuration."""
+
+    name: str
+    model: nn.Module
+
+    def __repr__(self) -> str:
+        return f"PatchedModel(name={self.name!r}, model={type(self.model).__name__})"
+
+
+def patched_models(obj: Any) -> List[PatchedModel]:
     """The patched models of ``obj`` (a pipeline or a model) as ``(name, module)`` pairs."""
     if isinstance(obj, FlaxDiffusionPipeline):
-        return [(name, m) for name, m in _pipeline_models(obj).items() if is_patched(m)]
-    return [(type(obj).__name__, obj)] if is_patched(obj) else []
+        return [PatchedModel(name, m) for name, m in _pipeline_models(obj).items() if is_patched(m)]
+    return [PatchedModel(type(obj).__name__, obj)] if is_patched(obj) else []

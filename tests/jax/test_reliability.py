@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import tome_core.jax as tome
 from tome_core.adapters import flax as tome_flax
-from tome_core.adapters.flax_models import param_shapes
+from tome_core.adapters.flax_models import build_unet, param_shapes
 from tome_core.presets import TINY_VAE
 
 # The 2-level "small" UNet: 3 blocks at 1/1 (down 0, up 1 x2) and 1 in the middle (1/2); its ControlNet:
@@ -419,3 +419,11 @@ def test_a_patched_model_with_list_fields_hashes_and_jits_as_a_static_argument(a
     sample, timesteps, context = inputs
     expected = np.asarray(apply(tome.patch(unet, ratio=0.5), params, sample, timesteps, context))
     np.testing.assert_array_equal(np.asarray(apply(patched, params, sample, timesteps, context)), expected)
+
+
+def test_patched_models_print_briefly():
+    unet, _ = build_unet("tiny")
+    patched = tome.patch(unet, ratio=0.5)
+    assert repr(tome.patched_models(patched)) == "[PatchedModel(name='FlaxUNet2DConditionModel', model=FlaxUNet2DConditionModel)]"
+    [(name, model)] = tome.patched_models(patched)
+    assert model is patched and name == "FlaxUNet2DConditionModel"
