@@ -27,6 +27,7 @@ from tome_core.bench import image_like_latents, noised, peak_memory_in_fresh_pro
 from tome_core.config import ToMeConfig
 from tome_core.families import TEXT_PREFIX, BlockFamily, Sublayer
 from tome_core.levels import block_grid, downsample_factor, level_grid
+from tome_core.state import ToMeState
 
 MID_TIMESTEP = 500
 # Stable Diffusion's noise schedule; every framework's DDIM scheduler takes these keyword arguments.
@@ -589,10 +590,12 @@ class BenchRunner:
         config = ToMeConfig.from_options(self.options_for(name, ratio))
         if config.mode != "auto":
             return config
-        kv_input = self.spec is None or self.spec.separate_kv
-        finest = self.finest_level() if self.spec is None else 2
-        tokens = (self.latent_hw[0] // finest) * (self.latent_hw[1] // finest)
-        return next(choice for fewest, choice in config.auto_choices(kv_input) if tokens >= fewest)
+        if self.spec is None:
+            latent_hw, finest = self.latent_hw, self.finest_level()
+        else:  # the patch sees a transformer's grid of 2x2 latent patches as its latent
+            latent_hw, finest = (self.latent_hw[0] // 2, self.latent_hw[1] // 2), 1
+        choices = config.auto_choices(self.spec is None or self.spec.separate_kv)
+        return ToMeState(config=config, finest_level=finest, latent_hw=latent_hw, choices=choices).active
 
     def effective(self, name: str, ratio: float) -> Tuple[float, str]:
         """The ratio a row of method ``name`` shows, and a note: 'ours' and the oracle with cell matching show

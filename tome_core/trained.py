@@ -5,7 +5,7 @@ arrangement changes an image. The repository ships two small class-conditional p
 trained here on photos that come with scikit-image (a UNet and a PixArt transformer, ``models/``), and a small
 classifier trained on real crops of the same photos, which judges generated samples. The training script is
 ``python -m tome_core.train``; the benchmark runs them with ``--preset trained-unet`` / ``trained-dit`` and
-then reports PSNR, SSIM and classifier accuracy of the samples (:func:`sample_fidelity`).
+then reports PSNR, SSIM and classifier accuracy of the samples (:class:`tome_core.bench.SampleFidelity`).
 
 Framework-free (numpy and scikit-image); the torch side is ``tome_core.adapters.diffusers_trained``.
 """
@@ -24,9 +24,9 @@ CLASSES: Tuple[str, ...] = (
 )
 IMAGE_SIZE = 32
 
-# Folder names under models/ in a checkout, by preset.
-SHIPPED: Dict[str, str] = {"trained-unet": "trained-unet", "trained-dit": "trained-dit", "classifier": "classifier"}
+# The folders under models/ in a checkout: the bench presets, then the classifier that judges their samples.
 TRAINED_PRESETS = ("trained-unet", "trained-dit")
+SHIPPED = TRAINED_PRESETS + ("classifier",)
 
 
 def models_dir() -> str:
@@ -44,7 +44,7 @@ def shipped(name: str) -> str:
     """
     if name not in SHIPPED:
         raise ValueError(f"name must be one of {', '.join(SHIPPED)}, got {name!r}")
-    folder = os.path.join(models_dir(), SHIPPED[name])
+    folder = os.path.join(models_dir(), name)
     if not os.path.isdir(folder):
         raise FileNotFoundError(
             f"the trained model {name!r} ships with the repository, not the package: {folder} does not exist; "
