@@ -25,15 +25,35 @@ The ``kv`` and ``queries`` arrangements need a processor that takes keys and val
 
 ppdiffusers installs its own ToMe port (``apply_tome``, which swaps block classes); :func:`patch` and
 :func:`remove` also undo that port wherever they find it, so the two never stack.
+
+``paddle.jit.to_static`` (issue #16: patching a model that already ran compiled takes effect on its next call):
+
+* SOT mode (the default, ``full_graph=False``) guards on layer hooks, so it translates again after
+  :func:`patch` and :func:`remove` and reuses its unpatched code after :func:`remove`. It cannot simulate our
+  hooks (their state is a dataclass it does not model), so every hook is registered wrapped in :class:`_Eager`,
+  which asks SOT (``psdb.fallback(recursive=True)``, a no-op outside SOT) to run it as ordinary Python.
+* AST mode (``full_graph=True``) traces the hooks into its program and never looks at them again, so
+  :func:`patch` and :func:`remove` clear the cached programs of every AST static function that traced a
+  parameter of the patched models (:func:`_drop_static_programs`): its next call traces again, once.
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 import paddle
 import paddle.nn.functional as F
+
+try:  # paddle's SOT compiler (paddle >= 2.6): psdb.fallback is a no-op outside SOT
+    from paddle.jit.sot import psdb as _psdb
+except ImportError:  # pragma: no cover - older paddle
+    _psdb = None
+try:
+    from paddle.jit.dy2static.program_translator import ASTStaticFunction as _ASTStaticFunction
+except ImportError:  # pragma: no cover - older paddle
+    _ASTStaticFunction = None
 
 from tome_core import driver
 from tome_core.config import document
@@ -192,6 +212,21 @@ class _Handle:
             getattr(self.layer, name, {}).pop(self.hook_id, None)
 
 
+class _Eager:
+    """A hook that paddle's SOT compiler runs as ordinary Python instead of simulating it (a class, not a
+    closure, so that a deep copy of a patched layer copies the hook it wraps)."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self, hook: Any):
+        self.hook = hook
+
+    def __call__(self, *args: Any) -> Any:
+        if _psdb is not None:
+            _psdb.fallback(recursive=True)
+        return self.hook(*args)
+
+
 def _needs_paddle_3(error: TypeError) -> RuntimeError:
     return RuntimeError(f"ToMe needs paddle >= 3.0 (layer hooks with keyword arguments), found {paddle.__version__}: {error}")
 
@@ -209,14 +244,14 @@ class PaddleFramework:
 
     def add_pre_hook(self, module: Layer, hook: driver.PreHook) -> _Handle:
         try:
-            helper = module.register_forward_pre_hook(hook, with_kwargs=True)
+            helper = module.register_forward_pre_hook(_Eager(hook), with_kwargs=True)
         except TypeError as error:  # paddle before 3.0
             raise _needs_paddle_3(error) from error
         return _Handle(module, "_forward_pre_hooks", helper)
 
     def add_post_hook(self, module: Layer, hook: driver.PostHook) -> _Handle:
         try:
-            helper = module.register_forward_post_hook(hook, with_kwargs=True, always_call=True)
+            helper = module.register_forward_post_hook(_Eager(hook), with_kwargs=True, always_call=True)
         except TypeError as error:
             raise _needs_paddle_3(error) from error
         return _Handle(module, "_forward_post_hooks", helper)
@@ -312,11 +347,45 @@ def _refuse_fused_models(obj: Any) -> None:
                 )
 
 
+def _static_parameters(program: Any) -> List[Any]:
+    """The parameters (and buffers) a ``to_static`` concrete program holds: a list, or with PIR a pair
+    ``(tensors, values)``."""
+    parameters = getattr(program, "parameters", None) or []
+    if isinstance(parameters, tuple) and len(parameters) == 2 and all(isinstance(p, list) for p in parameters):
+        return parameters[0]
+    return list(parameters)
+
+
+def _drop_static_programs(obj: Any) -> int:
+    """Clear the cached programs of every ``paddle.jit.to_static(..., full_graph=True)`` function (a layer's
+    ``forward`` or a function calling it) that traced a parameter of ``obj``'s layers, so that its next call
+    traces again with the hooks as they are now; returns how many were cleared. Static functions that never
+    traced these layers keep their programs."""
+    if _ASTStaticFunction is None:
+        return 0
+    ours = {id(t) for layer in driver.components(FRAMEWORK, obj) for t in (*layer.parameters(), *layer.buffers())}
+    if not ours:
+        return 0
+    cleared = 0
+    for candidate in gc.get_objects():
+        if not isinstance(candidate, _ASTStaticFunction):
+            continue
+        cache = getattr(candidate, "_program_cache", None)
+        if cache is None or not len(cache):
+            continue
+        if any(id(t) in ours for program in cache.concrete_programs() for t in _static_parameters(program)):
+            cache.clear()
+            cleared += 1
+    return cleared
+
+
 def patch(obj: Any, **options: Any) -> Any:
     """Apply ToMe to ``obj`` in place and return it; patching again replaces the earlier options (and
     ppdiffusers' own port)."""
     _refuse_fused_models(obj)
-    return driver.patch(FRAMEWORK, obj, options, undo=_undo)
+    driver.patch(FRAMEWORK, obj, options, undo=_undo)
+    _drop_static_programs(obj)
+    return obj
 
 
 document(patch, """
@@ -327,7 +396,11 @@ DiT) or one such model. A model it cannot handle is refused here with an error s
 
 def remove(obj: Any) -> Any:
     """Undo :func:`patch`, or ppdiffusers' own ``apply_tome``, in place (a no-op when unpatched); return ``obj``."""
-    return driver.remove(FRAMEWORK, obj, undo=_undo)
+    patched = bool(driver.patched_models(FRAMEWORK, obj))
+    driver.remove(FRAMEWORK, obj, undo=_undo)
+    if patched:
+        _drop_static_programs(obj)
+    return obj
 
 
 def patched_models(obj: Any) -> List[Tuple[Layer, ToMeState]]:
