@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.overrides import TorchFunctionMode
 
 from tome_core import driver
@@ -134,7 +135,9 @@ class TorchFramework:
         return isinstance(obj, torch.nn.Module)
 
     def submodules(self, module: torch.nn.Module) -> List[torch.nn.Module]:
-        return list(module.modules())
+        """Without ``torch.compile``'s wrappers: hooks go on the module it compiles, whose class its code
+        guards on."""
+        return [m for m in module.modules() if not isinstance(m, OptimizedModule)]
 
     def add_pre_hook(self, module: torch.nn.Module, hook: driver.PreHook) -> Any:
         return module.register_forward_pre_hook(hook, with_kwargs=True)
@@ -192,9 +195,31 @@ class TorchFramework:
 FRAMEWORK = TorchFramework()
 
 
+def _check_compiled_regions(obj: Any) -> None:
+    """Refuse a patch that torch.compile would refuse at the first call: transformer blocks compiled one by one
+    (``compile_repeated_blocks``, ``block.compile()``) share one compiled code object, and once patched each
+    block compiles on its own (its merges differ), so more of them than ``recompile_limit`` cannot all compile."""
+    limit = torch._dynamo.config.recompile_limit
+    for model in driver.find_models(FRAMEWORK, obj):
+        regions = [
+            m for m in model.modules()
+            if m is not model and getattr(m, "_compiled_call_impl", None) is not None and driver.blocks_of(FRAMEWORK, m)
+        ]
+        if len(regions) >= limit:
+            raise ValueError(
+                f"{len(regions)} {type(regions[0]).__name__}s of {type(model).__name__} are compiled one by one "
+                "(compile_repeated_blocks or module.compile()); once patched each compiles on its own, more "
+                f"compilations of their shared code than torch._dynamo.config.recompile_limit ({limit}) allows: set it "
+                "to at least "
+                f"{len(regions) + 1} per patch you will make (e.g. {4 * (len(regions) + 1)}) before patching, or "
+                "compile the whole model instead (torch.compile(model) compiles once per patch)"
+            )
+
+
 def patch(obj: Any, **options: Any) -> Any:
     """Apply ToMe to ``obj`` in place and return it; patching again replaces the earlier options."""
     get_ops(torch.empty(0))  # resolve the backend now: its import cannot be traced by torch.compile later
+    _check_compiled_regions(obj)
     return driver.patch(FRAMEWORK, obj, options)
 
 

@@ -47,3 +47,23 @@ def test_trained_models_snippet_compares_samples(readme_code, capsys, monkeypatc
     assert 10 < psnr < float("inf") and 0 < ssim < 1
     assert capsys.readouterr().out.strip() == f"PSNR {psnr:.1f} dB, SSIM {ssim:.3f}"
     assert not namespace["tome"].patched_models(namespace["model"].model)  # removed again
+
+
+def test_compiled_models_snippet_patch_and_remove_take_effect(readme_code):
+    """Compiled with dynamo's graph run as captured (backend="eager"): inductor compiles this UNet in minutes on
+    two CPU cores; tests/torch/test_compile.py runs inductor on a smaller model."""
+    import numpy as np
+
+    code = readme_code("Compiled models: patch before or after `torch.compile`, `paddle.jit`, `jax.jit`")
+    assert "torch.compile(pipe.unet, fullgraph=True)" in code
+    namespace: dict = {}
+    exec(compile(code.replace("fullgraph=True)", 'fullgraph=True, backend="eager")'), "README.md", "exec"), namespace)
+    plain, merged, again = namespace["plain"], namespace["merged"], namespace["again"]
+    assert np.abs(merged - plain).max() > 1e-4
+    np.testing.assert_allclose(again, plain, rtol=1e-5, atol=1e-5)
+    pipe, tome = namespace["pipe"], namespace["tome"]
+    eager = pipe.unet._orig_mod
+    tome.patch(eager, ratio=0.5)
+    pipe.unet = eager
+    eager_merged = pipe(**namespace["prompt"], generator=namespace["torch"].manual_seed(0)).images  # the oracle
+    np.testing.assert_allclose(eager_merged, merged, rtol=1e-4, atol=1e-4)
