@@ -3,6 +3,11 @@ PixArt) and each method's patch.
 
 Inputs, method dispatch, the sampling loop and the transformers' oracle are
 :class:`tome_core.bench_runner.BenchRunner`'s; the peer is tomesd (when installed; UNets only).
+
+``--stack`` (:data:`tome_core.bench.STACKS`) runs whole loops of a diffusers pipeline built around the bench's
+model (:meth:`Runner.stack_pipeline`): a ``StableDiffusionPipeline`` for UNets, a ``FluxPipeline`` for Flux,
+with no text encoder or VAE (the embeddings are passed in, ``output_type="latent"``), and sets up DeepCache,
+T-GATE and diffusers' caching hooks as their own READMEs do (:meth:`Runner.apply_stack`).
 """
 
 from __future__ import annotations
@@ -21,14 +26,59 @@ from tome_core.adapters.diffusers import FRAMEWORK, finest_level
 from tome_core.adapters import diffusers_trained as trained_models
 from tome_core.adapters.diffusers_models import build_transformer, build_unet
 from tome_core.bench import serve_peak_request
-from tome_core.bench_runner import MID_TIMESTEP, BenchRunner, OraclePlan, Undo, install_transformer_oracle, median_ms, remover
-from tome_core.presets import TRANSFORMERS
+from tome_core.bench_runner import DDIM_CONFIG, MID_TIMESTEP, BenchRunner, OraclePlan, Undo, install_transformer_oracle, median_ms, remover
+from tome_core.presets import TRANSFORMERS, transformer_config
 from tome_core.trained import model_info, sample_labels, shipped
 
 try:
     import tomesd
 except ImportError:  # the peer is optional
     tomesd = None
+
+
+# The stacked loop's guidance scale per pipeline (their defaults; Flux's is the distilled guidance embedding).
+STACK_GUIDANCE = {"StableDiffusionPipeline": 7.5, "FluxPipeline": 3.5}
+# The pipelines the stacked loop builds around a diffusion transformer, by the transformer's class.
+STACK_PIPELINES = {"FluxTransformer2DModel": "FluxPipeline"}
+
+
+def _transformer_class(args: Any) -> str:
+    """The diffusers class name of the transformer ``--preset`` / ``--model`` names (read, not built)."""
+    if not args.model:
+        return transformer_config(args.preset)[0]
+    import json
+
+    with open(os.path.join(args.model, "transformer", "config.json")) as f:
+        return json.load(f)["_class_name"]
+
+
+def stack_refusal(args: Any, name: str) -> str:
+    """Why ``--stack name`` cannot run on this diffusion transformer ('' when it can): diffusers' caching hooks
+    need the model's ``enable_cache`` (CacheMixin), and the loop a pipeline of :data:`STACK_PIPELINES`."""
+    if args.preset not in TRANSFORMERS and not (args.model and os.path.isdir(os.path.join(args.model, "transformer"))):
+        return ""
+    cls = _transformer_class(args)
+    model = getattr(diffusers, cls, None)
+    fits = [preset for preset, (kind, _) in TRANSFORMERS.items() if kind in STACK_PIPELINES]
+    if model is None or not hasattr(model, "enable_cache"):
+        return (
+            f"--stack {name}: {cls} has no enable_cache in diffusers {diffusers.__version__} (diffusers' caching "
+            f"hooks serve the models with CacheMixin); allowed: the presets {', '.join(fits)}"
+        )
+    if cls not in STACK_PIPELINES:
+        return f"--stack {name}: the stacked loop has no pipeline for {cls}; allowed: the presets {', '.join(fits)}"
+    return ""
+
+
+def _strip_tgate(pipe: Any) -> None:
+    """Take T-GATE (tgate 1.0) off a pipeline: ``TgateSDLoader`` adds ``pipe.tgate``, and each ``pipe.tgate``
+    call replaces every ``Attention`` module's ``forward`` with its own (left in place after the call, set to
+    the last step's reuse) and keeps a ``cache`` on it. tgate has no undo of its own."""
+    pipe.__dict__.pop("tgate", None)
+    for module in pipe.unet.modules():
+        if type(module).__name__ == "Attention":
+            module.__dict__.pop("forward", None)
+            module.__dict__.pop("cache", None)
 
 
 def classifier_folder(model: str) -> str:
@@ -161,6 +211,109 @@ class Runner(BenchRunner):
 
     def peer_note(self) -> str:
         return f"tomesd {getattr(tomesd, '__version__', '0.1.3')}" if self.has_peer else "tomesd is not installed"
+
+    # -- stacked speed-ups (--stack) ---------------------------------------------------------------------
+    _pipeline: Any = None
+    _loop_kwargs: Dict[str, Any] = {}
+
+    def stack_pipeline(self) -> Any:
+        """The pipeline of the stacked loops, built once around the bench's model, and the keyword arguments of
+        its call (in ``_loop_kwargs``).
+
+        UNets: a ``StableDiffusionPipeline`` with no text encoder, tokenizer or VAE (``vae_scale_factor`` 8),
+        ``max(1, --batch // 2)`` images with guidance 7.5, the bench's text embeddings as ``prompt_embeds``
+        (seeded normals as ``negative_prompt_embeds``) and its loop noise as ``latents``; the scheduler is DDIM
+        with SD 1.5's schedule. A trained UNet: its class sample set (every class ``--samples-per-class``
+        times, sample ``i`` from noise seeded ``i``, as :func:`diffusers_trained.generate`), its class tokens,
+        its guidance and its own DDIM scheduler. Flux: a ``FluxPipeline`` with the bench's packed noise, text
+        and pooled embeddings, guidance 3.5, its flow-matching scheduler."""
+        if self._pipeline is not None:
+            return self._pipeline
+        steps = self.args.steps
+        images = max(1, self.args.batch // 2)
+        if self.spec is not None:
+            pipe_name = STACK_PIPELINES[type(self.unet).__name__]
+            scheduler = self.make_scheduler(self.spec.scheduler, self.spec.scheduler_config)
+            pipe = getattr(diffusers, pipe_name)(
+                scheduler=scheduler, vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None,
+                tokenizer_2=None, transformer=self.unet,
+            )
+            size = self.latent_hw[0] * pipe.vae_scale_factor
+            kwargs = dict(
+                prompt_embeds=self.text[:images], pooled_prompt_embeds=self.extra["pooled_projections"][:images],
+                latents=self.noise[:images], guidance_scale=STACK_GUIDANCE[pipe_name],
+            )
+        else:
+            config = DDIMScheduler.from_config(self.scheduler.config, clip_sample=False, steps_offset=1).config
+            pipe = diffusers.StableDiffusionPipeline(
+                vae=None, text_encoder=None, tokenizer=None, unet=self.unet, scheduler=DDIMScheduler.from_config(config),
+                safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+            )
+            size = self.latent_hw[0] * pipe.vae_scale_factor
+            if self.trained is not None:  # its own schedule (the constructor would turn its clipping off)
+                pipe.scheduler = DDIMScheduler.from_config(self.trained.scheduler_config)
+                labels = torch.as_tensor(sample_labels(self.args.samples_per_class), dtype=torch.long)
+                channels, side = self.unet.config.in_channels, self.latent_hw[0]
+                noise = [torch.randn((channels, side, side), generator=torch.Generator().manual_seed(i)) for i in range(len(labels))]
+                kwargs = dict(
+                    prompt_embeds=self.trained.condition(labels),
+                    negative_prompt_embeds=self.trained.condition(torch.full_like(labels, len(self.trained.info["classes"]))),
+                    latents=torch.stack(noise), guidance_scale=float(self.trained.info["guidance"]),
+                )
+            else:  # SD 1.5's DDIM schedule
+                pipe.scheduler = DDIMScheduler(**DDIM_CONFIG, clip_sample=False, set_alpha_to_one=False, steps_offset=1)
+                negative = self.normal_draws(seed=3)((images,) + tuple(self.text.shape[1:]))
+                kwargs = dict(
+                    prompt_embeds=self.text[:images], negative_prompt_embeds=negative, latents=self.noise[:images],
+                    guidance_scale=STACK_GUIDANCE["StableDiffusionPipeline"],
+                )
+        pipe.set_progress_bar_config(disable=True)
+        self._loop_kwargs = dict(
+            kwargs, num_inference_steps=steps, height=size, width=size, output_type="latent", return_dict=False
+        )
+        self._pipeline = pipe
+        return pipe
+
+    def apply_stack(self, name: str, settings: Dict[str, Any]) -> Undo:
+        """Each speed-up as its README sets it up: ``DeepCacheSDHelper(pipe=pipe)``, ``set_params``, ``enable``
+        (undone by ``disable``); ``TgateSDLoader(pipe)`` (its loop is ``pipe.tgate``; undone by
+        :func:`_strip_tgate`); ``transformer.enable_cache(FirstBlockCacheConfig(...))`` or
+        ``PyramidAttentionBroadcastConfig(..., current_timestep_callback=lambda: pipe.current_timestep)``
+        (undone by ``disable_cache``)."""
+        pipe = self.stack_pipeline()
+        if name == "deepcache":
+            from DeepCache import DeepCacheSDHelper
+
+            helper = DeepCacheSDHelper(pipe=pipe)
+            helper.set_params(**settings)
+            helper.enable()
+            return helper.disable
+        if name == "tgate":
+            import tgate
+
+            tgate.TgateSDLoader(pipe)
+            return lambda: _strip_tgate(pipe)
+        if name == "first-block-cache":
+            self.unet.enable_cache(diffusers.FirstBlockCacheConfig(**settings))
+        elif name == "pab":
+            self.unet.enable_cache(
+                diffusers.PyramidAttentionBroadcastConfig(**settings, current_timestep_callback=lambda: pipe.current_timestep)
+            )
+        else:
+            raise ValueError(f"unknown --stack speed-up {name!r}")
+        return self.unet.disable_cache
+
+    def run_loop(self, stack: Any) -> torch.Tensor:
+        """One loop of the pipeline from the fixed noise (T-GATE's through ``pipe.tgate`` with its settings);
+        the final latents, a trained model's samples clipped to [-1, 1] as its sampler clips them."""
+        pipe = self.stack_pipeline()
+        kwargs = dict(self._loop_kwargs, latents=self._loop_kwargs["latents"].clone())
+        with torch.no_grad():
+            if stack == "tgate":
+                out = pipe.tgate(**kwargs, **self.stacks["tgate"])[0]
+            else:
+                out = pipe(**kwargs)[0]
+        return out.clamp(-1, 1) if self.trained is not None else out
 
 
 # -- per-block microbenchmark ------------------------------------------------------------------------

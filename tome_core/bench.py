@@ -50,6 +50,183 @@ from typing import Any, Dict, List, Optional, Sequence
 
 RUNNERS = {"torch": "diffusers_bench", "paddle": "ppdiffusers_bench", "jax": "flax_bench"}
 METHODS = ("unpatched", "ours", "peer", "oracle")
+DEFAULT_STEPS = 4  # --steps: the fid@loop DDIM loop
+DEFAULT_STACK_STEPS = 10  # --steps with --stack: the timed pipeline loop
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A speed-up that ``--stack`` times beside ToMe, in whole sampling loops of a diffusers pipeline.
+
+    models: the models it serves, ``unet`` or ``transformer`` (diffusion transformers).
+    module, attribute: what must import for it (``attribute`` of ``module`` when given).
+    install: the command that installs it.
+    options: its settings and their defaults (``--stack NAME:OPT=VAL,...`` overrides them); ``None`` is
+        resolved from the run (T-GATE's ``gate_step``: 40% of the steps, as its SD 1.5 example gates at step 10
+        of 25).
+    fixed: settings ToMe needs beside it (T-GATE's self-attention reuse hands back merged outputs: refused).
+    label: how the README and the rows' notes name it.
+    """
+
+    models: str
+    module: str
+    install: str
+    options: Dict[str, Any]
+    label: str
+    attribute: Optional[str] = None
+    fixed: Dict[str, Any] = field(default_factory=dict)
+
+
+STACKS: Dict[str, Stack] = {
+    "deepcache": Stack(
+        "unet", "DeepCache", "pip install DeepCache==0.1.1", dict(cache_interval=3, cache_branch_id=0),
+        "DeepCache (DeepCacheSDHelper)",
+    ),
+    "tgate": Stack(
+        "unet", "tgate", "pip install tgate==1.0.0", dict(gate_step=None, sp_interval=1, fi_interval=1, warm_up=2),
+        "T-GATE (TgateSDLoader)", fixed=dict(sp_interval=1, fi_interval=1),
+    ),
+    "first-block-cache": Stack(
+        "transformer", "diffusers", 'pip install "diffusers>=0.35"', dict(threshold=0.2),
+        "FirstBlockCache (transformer.enable_cache)", attribute="FirstBlockCacheConfig",
+    ),
+    "pab": Stack(
+        "transformer", "diffusers", 'pip install "diffusers>=0.35"',
+        dict(spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(100, 800)),
+        "Pyramid Attention Broadcast (transformer.enable_cache)", attribute="PyramidAttentionBroadcastConfig",
+    ),
+}
+
+
+def allowed_stacks() -> str:
+    """``deepcache, tgate (UNets); first-block-cache, pab (diffusion transformers)``."""
+    kinds = {"unet": "UNets", "transformer": "diffusion transformers"}
+    return "; ".join(
+        f"{', '.join(n for n, s in STACKS.items() if s.models == kind)} ({label})" for kind, label in kinds.items()
+    )
+
+
+def parse_stacks(items: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+    """``["deepcache", "tgate:gate_step=5"]`` -> each stack's settings, defaults filled in (``None`` left for
+    :func:`resolve_stacks`). Raises ``SystemExit`` naming ``--stack``, the value and what is allowed."""
+    stacks: Dict[str, Dict[str, Any]] = {}
+    for item in items:
+        name, _, options = item.partition(":")
+        if name not in STACKS:
+            raise SystemExit(f"--stack {item}: unknown speed-up {name!r}; allowed: {allowed_stacks()}")
+        if name in stacks:
+            raise SystemExit(f"--stack {item}: {name} is named twice")
+        stack = STACKS[name]
+        try:
+            given = parse_options([o for o in split_top_level(options) if o])
+        except ValueError as error:
+            raise SystemExit(f"--stack {item}: {error} (NAME:OPT=VAL[,OPT=VAL])") from None
+        unknown = sorted(set(given) - set(stack.options))
+        if unknown:
+            raise SystemExit(
+                f"--stack {item}: {name} has no setting {', '.join(unknown)}; allowed: {', '.join(stack.options)}"
+            )
+        wrong = {k: v for k, v in given.items() if k in stack.fixed and v != stack.fixed[k]}
+        if wrong:
+            need = ", ".join(f"{k}={v}" for k, v in stack.fixed.items())
+            raise SystemExit(
+                f"--stack {item}: beside ToMe {name} must run with {need} (its self-attention reuse hands back "
+                "outputs merged at another step, which ToMe refuses); README, 'Works with'"
+            )
+        stacks[name] = {**stack.options, **given}
+    return stacks
+
+
+def resolve_stacks(stacks: Dict[str, Dict[str, Any]], steps: int) -> None:
+    """Settings left ``None`` from the run's ``steps`` (T-GATE's gate step: 40% of them, at least 1)."""
+    tgate = stacks.get("tgate")
+    if tgate is not None and tgate.get("gate_step") is None:
+        tgate["gate_step"] = max(1, round(0.4 * steps))
+
+
+def model_kind(args: argparse.Namespace) -> str:
+    """``unet``, ``transformer`` or ``trained-dit`` for the model the run would build, read from the preset or the
+    folder (nothing is built). ``sdxl`` UNets (text_time conditions) are ``unet-xl``."""
+    import os
+
+    from tome_core.presets import TRANSFORMERS, UNETS
+    from tome_core.trained import model_info
+
+    if args.model:
+        info = model_info(args.model)
+        if info is not None:
+            return "trained-dit" if info["kind"] == "dit" else "unet"
+        if os.path.isdir(os.path.join(args.model, "transformer")):
+            return "transformer"
+        for config in (os.path.join(args.model, "unet", "config.json"), os.path.join(args.model, "config.json")):
+            if os.path.isfile(config):
+                with open(config) as f:
+                    return "unet-xl" if json.load(f).get("addition_embed_type") == "text_time" else "unet"
+        return "unet"
+    if args.preset in TRANSFORMERS:
+        return "transformer"
+    return "unet-xl" if UNETS.get(args.preset, {}).get("addition_embed_type") == "text_time" else "unet"
+
+
+def check_stacks(args: argparse.Namespace, explicit_methods: bool) -> None:
+    """Fail before anything is built when ``--stack`` cannot run: on another backend, with ``--micro``,
+    ``--methods`` or ``--memory`` (its rows are fixed and timed as whole loops), on a model the speed-up does not
+    serve, or when its package is missing (with the command that installs it)."""
+    names = " ".join(args.stack)
+    if args.backend != "torch":
+        raise SystemExit(f"--stack {names}: stacked speed-ups run on the torch backend only, not --backend {args.backend}")
+    for flag, given in (("--micro", args.micro), ("--memory", args.memory), ("--methods", explicit_methods)):
+        if given:
+            raise SystemExit(
+                f"--stack {names} with {flag}: a stacked run times whole sampling loops, its rows fixed (unpatched, "
+                "ours, each variant, then per speed-up S: S, S+ours, S+ours:VARIANT); leave out " + flag
+            )
+    kind = model_kind(args)
+    what = f"--model {args.model}" if args.model and args.preset not in ("trained-unet", "trained-dit") else f"--preset {args.preset}"
+    for name in args.stacks:
+        stack = STACKS[name]
+        if kind == "unet-xl":
+            raise SystemExit(
+                f"--stack {name}: {what} is an SDXL UNet; the stacked loop is a StableDiffusionPipeline, which serves "
+                "SD 1.x/2.x UNets (sd15, sd15-small, sd21, tiny, trained-unet) and the transformer presets"
+            )
+        if kind == "trained-dit":
+            raise SystemExit(
+                f"--stack {name}: {what} is a trained PixArt transformer, which the stacked loop does not run; "
+                "allowed with --stack: trained-unet, the UNet presets, the transformer presets"
+            )
+        if stack.models != kind:
+            fits = ", ".join(n for n, s in STACKS.items() if s.models == kind)
+            raise SystemExit(
+                f"--stack {name}: {name} serves {'UNets' if stack.models == 'unet' else 'diffusion transformers'}, "
+                f"and {what} is {'a UNet' if kind == 'unet' else 'a diffusion transformer'}; allowed here: {fits}"
+            )
+        try:
+            module = importlib.import_module(stack.module)
+            if stack.attribute and not hasattr(module, stack.attribute):
+                raise ImportError(f"{stack.module} has no {stack.attribute}")
+        except ImportError as error:
+            raise SystemExit(
+                f"--stack {name} needs {stack.module + ('.' + stack.attribute if stack.attribute else '')} "
+                f"({error}), not installed: {stack.install}"
+            ) from None
+        try:
+            adapter = importlib.import_module(f"tome_core.adapters.{RUNNERS[args.backend]}")
+        except ImportError:  # check_dependencies names the framework to install
+            continue
+        refusal = adapter.stack_refusal(args, name)
+        if refusal:
+            raise SystemExit(refusal)
+
+
+def stack_methods(args: argparse.Namespace) -> List[str]:
+    """The rows of a ``--stack`` run in timing order: ``unpatched``, ``ours``, each ``ours:VARIANT``, then per
+    speed-up S: ``S``, ``S+ours``, ``S+ours:VARIANT``."""
+    ours = ["ours"] + [f"ours:{name}" for name in args.variants]
+    methods = ["unpatched"] + ours
+    for name in args.stacks:
+        methods += [name] + [f"{name}+{m}" for m in ours]
+    return methods
 
 
 def image_like_latents(batch: int, channels: int, height: int, width: int, seed: int = 0):
@@ -169,23 +346,27 @@ class Row:
     psnr: Optional[float] = None
     ssim: Optional[float] = None
     accuracy: Optional[float] = None
+    stacked: bool = False  # --stack: a whole pipeline loop; fidelity_sampled compares its final output
 
 
 def measure(
-    runner: Any, ratio: float, methods: Sequence[str], repeats: int, warmup: int, progress, outputs: Optional[Dict[str, Any]] = None
+    runner: Any, ratio: float, methods: Sequence[str], repeats: int, warmup: int, progress,
+    outputs: Optional[Dict[str, Any]] = None, call: Optional[Any] = None,
 ) -> Dict[str, List[float]]:
     """Alternate the methods ``repeats`` times after ``warmup`` rounds; per-method call times in seconds.
 
     ``outputs`` (if given) receives each method's last output as numpy (converted after the timed part), so
-    the fidelity at the mid timestep needs no extra call (a call's output does not depend on its round)."""
+    the fidelity at the mid timestep needs no extra call (a call's output does not depend on its round).
+    ``call`` is what is timed (default ``runner.call``, one model call; ``--stack`` times ``runner.loop``)."""
     import numpy as np
 
+    call = call or runner.call
     times: Dict[str, List[float]] = {m: [] for m in methods}
     for round_index in range(warmup + repeats):
         for method in methods:
             with runner.method(method, ratio):
                 start = time.perf_counter()
-                result = runner.call()
+                result = call()
                 elapsed = time.perf_counter() - start
             if outputs is not None:
                 outputs[method] = np.asarray(result)
@@ -213,7 +394,68 @@ def run(args: argparse.Namespace) -> List[Row]:
     resolutions = args.resolution if isinstance(args.resolution, (list, tuple)) else [args.resolution]
     for resolution in resolutions:
         one = argparse.Namespace(**{**vars(args), "resolution": resolution})
-        rows.extend(run_one(one))
+        rows.extend(run_stacked(one) if getattr(one, "stack", None) else run_one(one))
+    return rows
+
+
+def run_stacked(args: argparse.Namespace) -> List[Row]:
+    """``--stack``: whole sampling loops of a diffusers pipeline around the model (``runner.loop``), timed in
+    alternating rounds like single calls; each row's speedup is against the unpatched loop and its fidelity is
+    the relative L2 of its final latents (a trained model's final samples, with PSNR, SSIM and classifier
+    accuracy) to the unpatched loop's (``fidelity_sampled``; ``fidelity_step`` and the oracle share are NaN)."""
+    from tqdm import tqdm
+
+    runner = importlib.import_module(f"tome_core.adapters.{RUNNERS[args.backend]}").Runner(args)
+    methods = stack_methods(args)
+    rows: List[Row] = []
+    total = len(args.ratio) * len(methods) * (args.warmup + args.repeats) if args.repeats else 0
+    with tqdm(total=total, desc=f"{args.backend} {runner.description} loops of {args.steps} steps", unit="loop") as progress:
+        for ratio in args.ratio:
+            outputs: Dict[str, Any] = {}
+            times = (
+                measure(runner, ratio, methods, args.repeats, args.warmup, progress, outputs, call=runner.loop)
+                if args.repeats else {}
+            )
+            for method in methods:
+                if method not in outputs:
+                    outputs[method] = runner.loop_output(method, ratio)
+            reference = outputs["unpatched"]
+            medians = {m: statistics.median(t) for m, t in times.items()}
+            labels = None
+            if runner.trained is not None:
+                from tome_core.trained import sample_labels
+
+                labels = sample_labels(args.samples_per_class)
+            for method in methods:
+                shown_ratio, note = runner.effective(method, ratio)
+                scores: Dict[str, float] = {}
+                if labels is not None:
+                    import numpy as np
+
+                    from tome_core.trained import accuracy, psnr, ssim
+
+                    images = outputs[method]
+                    with np.errstate(divide="ignore"):  # identical samples: PSNR inf
+                        scores = dict(
+                            psnr=psnr(reference, images), ssim=ssim(reference, images),
+                            accuracy=accuracy(runner.classify(images), labels),
+                        )
+                rows.append(
+                    Row(
+                        ratio=shown_ratio,
+                        method=method,
+                        median_s=medians.get(method, float("nan")),
+                        speedup=medians["unpatched"] / medians[method] if medians else float("nan"),
+                        oracle_share=float("nan"),
+                        fidelity_step=float("nan"),
+                        fidelity_sampled=0.0 if method == "unpatched" else relative_l2(outputs[method], reference),
+                        note=note,
+                        times_s=times.get(method, []),
+                        resolution=args.resolution,
+                        stacked=True,
+                        **scores,
+                    )
+                )
     return rows
 
 
@@ -310,6 +552,8 @@ def format_table(rows: Sequence[Row]) -> str:
     the ratio column means for it (a cell's reduction, the arrangement)."""
     blocks = []
     sampled = any(r.psnr is not None for r in rows)
+    if any(r.stacked for r in rows):
+        return format_stacked_table(rows, sampled)
     for resolution in dict.fromkeys(r.resolution for r in rows):
         header = (
             f"{'ratio':>5}  {'method':<14} {'median':>9} {'spread':>6} {'speedup':>8} {'oracle share':>12} "
@@ -325,6 +569,29 @@ def format_table(rows: Sequence[Row]) -> str:
                 f"{row.ratio:>5.2f}  {row.method:<14} {row.median_s * 1000:7.0f}ms {spread(row.times_s):6.0%} "
                 f"{row.speedup:7.2f}x {row.oracle_share:12.2f} {row.fidelity_step:8.4f} {row.fidelity_sampled:9.4f} "
                 f"{peak:>8}" + (_sample_columns(row) if sampled else "") + f"  {row.note}".rstrip()
+            )
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def format_stacked_table(rows: Sequence[Row], sampled: bool) -> str:
+    """A ``--stack`` run's table: one row per loop, its median, spread and speedup over the unpatched loop, and
+    ``fid@out``, the relative L2 of its final output to the unpatched loop's (a trained model adds PSNR, SSIM
+    and classifier accuracy of its samples)."""
+    blocks = []
+    for resolution in dict.fromkeys(r.resolution for r in rows):
+        header = (
+            f"{'ratio':>5}  {'loop':<22} {'median':>9} {'spread':>6} {'speedup':>8} {'fid@out':>8}"
+            + (f" {'PSNR':>6} {'SSIM':>6} {'acc':>5}" if sampled else "") + "  note"
+        )
+        lines = ([] if resolution is None else [f"{resolution}px"]) + [header, "-" * len(header)]
+        for row in rows:
+            if row.resolution != resolution:
+                continue
+            lines.append(
+                f"{row.ratio:>5.2f}  {row.method:<22} {row.median_s:8.3f}s {spread(row.times_s):6.0%} "
+                f"{row.speedup:7.2f}x {row.fidelity_sampled:8.4f}"
+                + (_sample_columns(row) if sampled else "") + f"  {row.note}".rstrip()
             )
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
@@ -391,7 +658,9 @@ def parser() -> argparse.ArgumentParser:
                    "level's reduction as the ratio and the cells in the note; the peer always runs at --ratio")
     p.add_argument("--latents", choices=("image", "noise"), default="image",
                    help="input latents at the mid timestep: image-like structure, or pure Gaussian noise")
-    p.add_argument("--steps", type=int, default=4, help="sampling-loop steps for the fidelity after a loop (0: skip)")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"sampling-loop steps for the fidelity after a loop (0: skip; default {DEFAULT_STEPS}); with "
+                   f"--stack, the steps of each timed pipeline loop (default {DEFAULT_STACK_STEPS})")
     p.add_argument("--samples-per-class", type=int, default=4,
                    help="trained models (--preset trained-unet|trained-dit): samples per class for PSNR, SSIM and "
                    "classifier accuracy")
@@ -422,6 +691,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="a ToMe option for 'ours' (repeatable; values are Python literals, other text is a "
                    "string), e.g. --option use_rand=False --option mode=kv --option 'level_cells={1:4,2:2}'")
+    p.add_argument("--stack", nargs="+", default=None, metavar="NAME[:OPT=VAL,...]",
+                   help="instead of single model calls, time whole sampling loops of a diffusers pipeline around the "
+                   "model (StableDiffusionPipeline, SD3/Flux/PixArt pipelines; text embeddings passed directly, "
+                   "output_type='latent', one image with guidance when --batch is 2) with each speed-up NAME alone "
+                   "and with ToMe: rows unpatched, ours, ours:VARIANT, then per NAME: NAME, NAME+ours, "
+                   "NAME+ours:VARIANT; speedups against the unpatched loop, fidelity (fid@out) of the final output "
+                   "against the unpatched loop's (a trained model's samples: PSNR, SSIM, accuracy too). NAME: "
+                   "deepcache (DeepCacheSDHelper, cache_interval=3, cache_branch_id=0), tgate (TgateSDLoader, "
+                   "gate_step=40%% of --steps, sp_interval=1, fi_interval=1, warm_up=2: the configuration ToMe "
+                   "accepts) on UNets; first-block-cache (threshold=0.2), pab (Pyramid Attention Broadcast, "
+                   "spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(100, 800)) on "
+                   "the transformer presets; settings as NAME:OPT=VAL,OPT=VAL (e.g. deepcache:cache_interval=2); "
+                   "torch only")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:OPT=VAL[,OPT=VAL]",
                    help="also measure 'ours' with these extra options, as method ours:NAME (repeatable; commas "
                    "inside braces, brackets, parentheses or quotes belong to the value), e.g. --variant "
@@ -559,6 +841,14 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
     if unknown:
         raise SystemExit(f"--variant-oracles {' '.join(unknown)}: no such --variant")
     resolve_trained(args)
+    args.stacks = parse_stacks(args.stack) if args.stack else {}
+    if args.steps is None:
+        args.steps = DEFAULT_STACK_STEPS if args.stack else DEFAULT_STEPS
+    if args.stack:
+        check_stacks(args, explicit_methods)
+        if args.steps < 1:
+            raise SystemExit(f"--steps {args.steps}: a --stack run times sampling loops of at least 1 step")
+        resolve_stacks(args.stacks, args.steps)
     check_dependencies(args, explicit_methods)
     if args.micro:
         module = importlib.import_module(f"tome_core.adapters.{RUNNERS[args.backend]}")
@@ -579,7 +869,8 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
         mine = [r for r in rows if r.resolution == resolution]
         title = (
             f"{args.backend} {args.model or args.preset} {resolution}px batch {args.batch} "
-            f"on {platform.processor() or platform.machine()}"
+            + (f"{args.steps}-step pipeline loops " if args.stack else "")
+            + f"on {platform.processor() or platform.machine()}"
         )
         print(title)
         print(format_table(mine))

@@ -365,6 +365,7 @@ class BenchRunner:
     scheduler_class: Any = None  # the framework's DDIM scheduler, built with DDIM_CONFIG
     latent_scale = 8  # pixels per latent position (1 for a pixel-space model)
     trained: Any = None  # a trained model (tome_core.trained) when ``--model`` is one: sample fidelity applies
+    active_stack: Optional[str] = None  # the speed-up of the current method (``--stack``), set up by apply_stack
 
     def __init__(self, args: Any):
         if getattr(args, "threads", None):
@@ -376,6 +377,7 @@ class BenchRunner:
         self.args = args
         self.options = dict(getattr(args, "options", {}))
         args.variants = getattr(args, "variants", {})
+        self.stacks: Dict[str, Dict[str, Any]] = dict(getattr(args, "stacks", None) or {})
         self.unet = self.load_unet()
         self.spec = transformer_spec(self.unet)
         self.description = f"{args.model or args.preset} {args.resolution}px batch {args.batch}"
@@ -567,6 +569,17 @@ class BenchRunner:
         """What the peer is, or why there is none."""
         return ""
 
+    def apply_stack(self, name: str, settings: Dict[str, Any]) -> Undo:
+        """Set up speed-up ``name`` (``--stack``, :data:`tome_core.bench.STACKS`) with these settings on the loop's
+        pipeline; returns what takes it off again."""
+        raise NotImplementedError(f"--stack runs on the torch backend only, not {type(self).__module__}")
+
+    def run_loop(self, stack: Optional[str]) -> Any:
+        """One whole sampling loop of the pipeline (``--steps`` steps, fixed starting noise and conditioning),
+        through speed-up ``stack``'s own entry point when it has one; its final output (latents, or a trained
+        model's samples)."""
+        raise NotImplementedError(f"--stack runs on the torch backend only, not {type(self).__module__}")
+
     # -- methods -------------------------------------------------------------------------------------------
     def max_downsample(self) -> int:
         """The level bound 'ours' resolves to; the peer and the oracle merge the same levels."""
@@ -601,6 +614,11 @@ class BenchRunner:
         """The ratio a row of method ``name`` shows, and a note: 'ours' and the oracle with cell matching show
         the reduction of the finest merged level's cell (``cell 4x4 (L1), 2x2 (L2)``); other options they set
         are noted too (``mode=kv``)."""
+        stack, base = self.split_stack(name)
+        if stack is not None:
+            settings = ", ".join(f"{k}={v}" for k, v in self.stacks[stack].items())
+            shown, note = self.effective(base, ratio)
+            return shown, f"{stack} {settings}" + (f"; {note}" if note else "")
         if not (name.startswith("ours") or name.startswith("oracle")):
             return ratio, self.note(name)
         config = self.config_for(name, ratio)
@@ -631,7 +649,34 @@ class BenchRunner:
             return OraclePlan(config, self.latent_hw, None)
         return OraclePlan(config, self.latent_hw, self.max_downsample_of(config))
 
+    def split_stack(self, name: str) -> Tuple[Optional[str], str]:
+        """``deepcache+ours:plain`` -> ``("deepcache", "ours:plain")``, ``tgate`` -> ``("tgate", "unpatched")``,
+        ``ours`` -> ``(None, "ours")``: a ``--stack`` method's speed-up and the bench method beside it."""
+        head, sep, rest = name.partition("+")
+        if head in self.stacks:
+            return head, rest if sep else "unpatched"
+        return None, name
+
     def _apply(self, name: str, ratio: float) -> Undo:
+        stack, base = self.split_stack(name)
+        if stack is not None:  # the speed-up first, then ToMe (README: either order works), undone in reverse
+            undo_stack = self.apply_stack(stack, self.stacks[stack])
+            self.active_stack = stack
+            try:
+                undo_base = self._apply(base, ratio)
+            except BaseException:
+                self.active_stack = None
+                undo_stack()
+                raise
+
+            def undo() -> None:
+                try:
+                    undo_base()
+                finally:
+                    self.active_stack = None
+                    undo_stack()
+
+            return undo
         if name.startswith("ours"):
             return self.patch_ours(self.options_for(name, ratio))
         if name == "peer":
@@ -663,6 +708,15 @@ class BenchRunner:
     def call(self) -> Any:
         """One UNet call on the fixed inputs at the mid timestep: what the bench times."""
         return self.done(self.forward(self.sample_in, self.timestep))
+
+    def loop(self) -> Any:
+        """One whole pipeline loop with the current method (``--stack``): what a stacked run times."""
+        return self.done(self.run_loop(self.active_stack))
+
+    def loop_output(self, name: str, ratio: float) -> np.ndarray:
+        """Method ``name``'s final output of :meth:`loop`, as numpy."""
+        with self.method(name, ratio):
+            return np.asarray(self.loop())
 
     def output(self, name: str, ratio: float) -> np.ndarray:
         """Method ``name``'s output of :meth:`call`, as numpy."""

@@ -394,3 +394,185 @@ def test_missing_optional_dependencies_fail_before_anything_is_built(monkeypatch
     monkeypatch.setitem(sys.modules, "skimage", None)
     with pytest.raises(SystemExit, match=r'scikit-image, not installed: pip install "tome-core\[trained\]"'):
         bench.main(["--preset", "trained-unet"])
+
+
+# -- stacked speed-ups (--stack): whole pipeline loops with DeepCache, T-GATE, diffusers' caching hooks -------
+STACK_ARGS = ["--preset", "tiny", "--resolution", "128", "--steps", "4", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def stack_runner():
+    args = bench.parser().parse_args(STACK_ARGS + ["--stack", "deepcache", "tgate"])
+    args.options, args.variants = {}, {}
+    args.stacks = bench.parse_stacks(args.stack)
+    bench.resolve_stacks(args.stacks, args.steps)
+    return Runner(args)
+
+
+def test_stack_rows_exist_for_each_speedup_with_finite_speedups(tmp_path, capsys):
+    out_json = tmp_path / "stacked.json"
+    rows = bench.main(STACK_ARGS + ["--repeats", "1", "--warmup", "0", "--stack", "deepcache", "tgate", "--json", str(out_json)])
+    text = capsys.readouterr().out
+    assert [r.method for r in rows] == ["unpatched", "ours", "deepcache", "deepcache+ours", "tgate", "tgate+ours"]
+    for row in rows:
+        assert row.stacked and np.isfinite(row.median_s) and np.isfinite(row.speedup) and row.speedup > 0
+        assert len(row.times_s) == 1 and np.isnan(row.fidelity_step) and np.isnan(row.oracle_share)
+        if row.method == "unpatched":
+            assert row.speedup == 1.0 and row.fidelity_sampled == 0.0
+        else:
+            assert 0 < row.fidelity_sampled < 1
+    by = {r.method: r for r in rows}
+    assert "cache_interval=3" in by["deepcache+ours"].note and "gate_step=2" in by["tgate"].note  # 40% of 4 steps
+    assert "4-step pipeline loops" in text and "fid@out" in text and "tgate+ours" in text
+    saved = json.loads(out_json.read_text())
+    assert [r["method"] for r in saved["rows"]] == [r.method for r in rows]
+    assert saved["args"]["stacks"]["tgate"] == {"gate_step": 2, "sp_interval": 1, "fi_interval": 1, "warm_up": 2}
+
+
+def test_stack_with_ours_differs_from_each_alone_and_each_method_is_taken_off(stack_runner):
+    runner = stack_runner
+    plain = runner.loop_output("unpatched", 0.5)
+    for stack in ("deepcache", "tgate"):
+        alone, ours, both = (runner.loop_output(m, 0.5) for m in (stack, "ours", f"{stack}+ours"))
+        assert np.isfinite(both).all() and both.shape == plain.shape
+        assert bench.relative_l2(both, alone) > 1e-4 and bench.relative_l2(both, ours) > 1e-4
+        assert bench.relative_l2(alone, plain) > 1e-4  # the speed-up really ran
+        np.testing.assert_array_equal(runner.loop_output("unpatched", 0.5), plain)  # nothing left attached
+    assert runner.split_stack("tgate+ours:reuse+prop") == ("tgate", "ours:reuse+prop")
+    assert runner.split_stack("ours:reuse+prop") == (None, "ours:reuse+prop")
+
+
+def _direct_pipeline(runner):
+    """A StableDiffusionPipeline around the runner's UNet, set up here (not by the bench), and the call on the
+    runner's inputs."""
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+    scheduler = DDIMScheduler(
+        beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False, set_alpha_to_one=False,
+        steps_offset=1,
+    )
+    pipe = StableDiffusionPipeline(
+        vae=None, text_encoder=None, tokenizer=None, unet=runner.unet, scheduler=scheduler, safety_checker=None,
+        feature_extractor=None, requires_safety_checker=False,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    runner.stack_pipeline()
+    inputs = {k: runner._loop_kwargs[k] for k in ("prompt_embeds", "negative_prompt_embeds")}
+    call = dict(
+        inputs, latents=runner.noise[:1].clone(), num_inference_steps=4, guidance_scale=7.5, height=128, width=128,
+        output_type="latent",
+    )
+    return pipe, call
+
+
+def test_stack_alone_matches_deepcache_and_tgate_set_up_directly(stack_runner):
+    """The oracle: DeepCache and T-GATE set up on a pipeline as their READMEs say, run on the same inputs."""
+    from DeepCache import DeepCacheSDHelper
+    import tgate
+
+    runner = stack_runner
+    pipe, call = _direct_pipeline(runner)
+    with torch.no_grad():
+        plain = pipe(**call).images
+        helper = DeepCacheSDHelper(pipe=pipe)
+        helper.set_params(cache_interval=3, cache_branch_id=0)
+        helper.enable()
+        deepcache = pipe(**call).images
+        helper.disable()
+        pipe = tgate.TgateSDLoader(pipe)
+        gated = pipe.tgate(**call, gate_step=2, sp_interval=1, fi_interval=1, warm_up=2).images
+    for module in runner.unet.modules():  # what T-GATE left on the attention modules
+        module.__dict__.pop("forward", None), module.__dict__.pop("cache", None)
+    np.testing.assert_array_equal(runner.loop_output("unpatched", 0.5), plain.numpy())
+    np.testing.assert_array_equal(runner.loop_output("deepcache", 0.5), deepcache.numpy())
+    np.testing.assert_array_equal(runner.loop_output("tgate", 0.5), gated.numpy())
+    assert not torch.equal(deepcache, plain) and not torch.equal(gated, plain)
+
+
+def test_trained_unet_stack_reports_sample_fidelity_of_the_pipeline_loop(capsys):
+    """On the trained UNet the loop is its class sample set; the unpatched pipeline loop is the bench's own
+    sampler (``diffusers_trained.generate``), and each row gets PSNR, SSIM and classifier accuracy."""
+    from tome_core.adapters import diffusers_trained
+    from tome_core.trained import sample_labels
+
+    rows = bench.main(["--preset", "trained-unet", "--steps", "4", "--samples-per-class", "1", "--repeats", "1",
+                       "--warmup", "0", "--threads", "1", "--stack", "deepcache"])
+    assert [r.method for r in rows] == ["unpatched", "ours", "deepcache", "deepcache+ours"]
+    by = {r.method: r for r in rows}
+    assert by["unpatched"].psnr == np.inf and by["unpatched"].ssim == pytest.approx(1.0)
+    for name in ("ours", "deepcache", "deepcache+ours"):
+        row = by[name]
+        assert np.isfinite(row.psnr) and row.psnr > 10 and 0 < row.ssim < 1 and 0 <= row.accuracy <= 1
+    assert "PSNR" in capsys.readouterr().out
+    args = bench.parser().parse_args(["--preset", "trained-unet", "--steps", "4", "--samples-per-class", "1"])
+    bench.resolve_trained(args)
+    args.options, args.variants, args.stacks = {}, {}, {}
+    runner = Runner(args)
+    expected = diffusers_trained.generate(runner.trained, sample_labels(1), 4)
+    np.testing.assert_allclose(runner.loop_output("unpatched", 0.5), expected, atol=1e-4)
+
+
+def test_transformer_caching_hooks_stack_on_flux(capsys):
+    rows = bench.main(["--preset", "tiny-flux", "--resolution", "64", "--text-tokens", "5", "--steps", "4",
+                       "--repeats", "1", "--warmup", "0", "--threads", "1", "--stack", "first-block-cache", "pab"])
+    assert [r.method for r in rows] == ["unpatched", "ours", "first-block-cache", "first-block-cache+ours", "pab", "pab+ours"]
+    assert all(np.isfinite(r.speedup) and np.isfinite(r.fidelity_sampled) for r in rows)
+    by = {r.method: r for r in rows}
+    assert by["pab+ours"].fidelity_sampled != by["pab"].fidelity_sampled
+    assert by["pab+ours"].fidelity_sampled != by["ours"].fidelity_sampled
+
+
+def test_flux_pab_alone_matches_enable_cache_set_up_directly():
+    from diffusers import PyramidAttentionBroadcastConfig
+
+    args = bench.parser().parse_args(["--preset", "tiny-flux", "--resolution", "64", "--text-tokens", "5", "--steps", "4", "--stack", "pab"])
+    args.options, args.variants = {}, {}
+    args.stacks = bench.parse_stacks(args.stack)
+    runner = Runner(args)
+    ours = runner.loop_output("pab", 0.5)
+    pipe = runner.stack_pipeline()
+    pipe.transformer.enable_cache(PyramidAttentionBroadcastConfig(
+        spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(100, 800),
+        current_timestep_callback=lambda: pipe.current_timestep,
+    ))
+    call = {**runner._loop_kwargs, "latents": runner.noise[:1].clone()}
+    with torch.no_grad():
+        direct = pipe(**call)[0]
+    pipe.transformer.disable_cache()
+    np.testing.assert_array_equal(ours, direct.numpy())
+    assert bench.relative_l2(ours, runner.loop_output("unpatched", 0.5)) > 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--stack", "hidiffusion"], r"--stack hidiffusion: unknown speed-up 'hidiffusion'; allowed: deepcache, tgate \(UNets\); first-block-cache, pab"),
+        (["--stack", "deepcache", "--backend", "paddle"], r"--stack deepcache: stacked speed-ups run on the torch backend only, not --backend paddle"),
+        (["--stack", "pab"], r"--stack pab: pab serves diffusion transformers, and --preset tiny is a UNet; allowed here: deepcache, tgate"),
+        (["--stack", "deepcache", "--preset", "tiny-flux"], r"--stack deepcache: deepcache serves UNets, and --preset tiny-flux is a diffusion transformer; allowed here: first-block-cache, pab"),
+        (["--stack", "pab", "--preset", "tiny-sd3"], r"--stack pab: SD3Transformer2DModel has no enable_cache .* allowed: the presets flux-small, tiny-flux"),
+        (["--stack", "tgate", "--preset", "tiny-xl"], r"--stack tgate: --preset tiny-xl is an SDXL UNet"),
+        (["--stack", "tgate:sp_interval=5"], r"--stack tgate:sp_interval=5: beside ToMe tgate must run with sp_interval=1, fi_interval=1"),
+        (["--stack", "deepcache:interval=3"], r"--stack deepcache:interval=3: deepcache has no setting interval; allowed: cache_interval, cache_branch_id"),
+        (["--stack", "deepcache", "--methods", "unpatched", "ours"], r"--stack deepcache with --methods: .* leave out --methods"),
+        (["--stack", "deepcache", "--steps", "0"], r"--steps 0: a --stack run times sampling loops of at least 1 step"),
+        (["--stack", "tgate", "--preset", "trained-dit"], r"--stack tgate: --preset trained-dit is a trained PixArt transformer"),
+    ],
+)
+def test_bad_stack_input_fails_before_anything_is_built(monkeypatch, argv, message):
+    def no_build(self, args):
+        raise AssertionError("the runner was built before --stack was checked")
+
+    monkeypatch.setattr(Runner, "__init__", no_build)
+    with pytest.raises(SystemExit, match=message):
+        bench.main(["--preset", "tiny", *argv])
+
+
+@pytest.mark.parametrize("stack, module, install", [("deepcache", "DeepCache", "pip install DeepCache==0.1.1"), ("tgate", "tgate", "pip install tgate==1.0.0")])
+def test_a_missing_stack_package_is_named_with_its_install_command(monkeypatch, stack, module, install):
+    import sys
+
+    monkeypatch.setattr(Runner, "__init__", lambda self, args: pytest.fail("built before the check"))
+    monkeypatch.setitem(sys.modules, module, None)  # import -> ImportError
+    with pytest.raises(SystemExit, match=rf"--stack {stack} needs {module} .*not installed: {install}"):
+        bench.main(["--preset", "tiny", "--stack", stack])
