@@ -34,7 +34,8 @@ from tome_core.backend import get_ops
 from tome_core.state import ToMeState
 
 ACCEPTED = (
-    "a diffusers DiffusionPipeline, a UNet2DConditionModel, a ControlNetModel (or MultiControlNetModel), an "
+    "a diffusers DiffusionPipeline, a UNet2DConditionModel, a ControlNetModel (or MultiControlNetModel), a video "
+    "UNet (UNetMotionModel, UNetSpatioTemporalConditionModel, UNet3DConditionModel), an "
     "SD3Transformer2DModel, FluxTransformer2DModel, PixArtTransformer2DModel or DiTTransformer2DModel (or their "
     "ControlNets), or a torch.nn.Module containing diffusers transformer blocks"
 )
@@ -225,7 +226,9 @@ def patch(obj: Any, **options: Any) -> Any:
 
 document(patch, """
 obj: a diffusers pipeline (every UNet, ControlNet and diffusion transformer it holds: SD 1.x/2.x/XL, SD3/3.5,
-Flux, PixArt, DiT) or one such model. A model it cannot handle is refused here with an error saying why.
+Flux, PixArt, DiT, and the video UNets of AnimateDiff, SVD and text-to-video, whose spatial blocks merge per
+frame and whose temporal blocks are never merged) or one such model. A model it cannot handle is refused here
+with an error saying why.
 """)
 
 

@@ -31,6 +31,7 @@ from tome_core.presets import (
     TINY_VAE,
     transformer_config,
     unet_config,
+    video_unet_config,
     write_clip_tokenizer_files,
 )
 
@@ -229,3 +230,96 @@ def build_pipeline(kind: str = "sd", seed: int = 0, preset: str = "tiny") -> Any
         return StableDiffusionControlNetPipeline(unet=unet, controlnet=build_controlnet(unet, seed + 3, preset == "tiny"), **common)
     cls = StableDiffusionImg2ImgPipeline if kind == "img2img" else StableDiffusionPipeline
     return cls(unet=unet, **common)
+
+
+VIDEO_UNETS = ("animatediff", "svd", "text-to-video")
+
+
+def build_video_unet(kind: str = "animatediff", seed: int = 0) -> torch.nn.Module:
+    """A tiny video UNet with weights drawn from ``seed``: ``animatediff`` (UNetMotionModel from a tiny
+    UNet2DConditionModel and MotionAdapter), ``svd`` (UNetSpatioTemporalConditionModel) or ``text-to-video``
+    (UNet3DConditionModel)."""
+    if kind not in VIDEO_UNETS:
+        raise ValueError(f"kind must be one of {', '.join(VIDEO_UNETS)}, got {kind!r}")
+    torch.manual_seed(seed)
+    if kind == "animatediff":
+        unet = UNet2DConditionModel(**video_unet_config("tiny-video-sd")[1])
+        adapter = diffusers.MotionAdapter(**video_unet_config("tiny-animatediff")[1])
+        return diffusers.UNetMotionModel.from_unet2d(unet, adapter).eval()
+    name, config = video_unet_config("tiny-svd" if kind == "svd" else "tiny-text-to-video")
+    return getattr(diffusers, name)(**config).eval()
+
+
+def video_unet_inputs(model: torch.nn.Module, frames: int, height: int, width: int, batch: int = 1, seed: int = 0) -> Dict[str, Any]:
+    """Keyword inputs of one call of a UNet from :func:`build_video_unet`: ``frames`` frames of a ``height x
+    width`` latent, timestep 500, seeded text (or image) embeddings."""
+    generator = torch.Generator().manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=generator)
+    config = model.config
+    if type(model).__name__ == "UNetSpatioTemporalConditionModel":  # sample [B, F, C, H, W], one image embedding
+        return dict(
+            sample=randn(batch, frames, config.in_channels, height, width),
+            timestep=torch.tensor(500.0),
+            encoder_hidden_states=randn(batch, 1, config.cross_attention_dim),
+            added_time_ids=torch.tensor([[6.0, 127.0, 0.02]] * batch),
+        )
+    text = randn(batch, 7, config.cross_attention_dim)
+    if type(model).__name__ == "UNetMotionModel":  # takes the text per frame, as AnimateDiffPipeline repeats it
+        text = text.repeat_interleave(frames, dim=0)
+    return dict(sample=randn(batch, config.in_channels, frames, height, width), timestep=torch.tensor(500), encoder_hidden_states=text)
+
+
+VIDEO_PIPELINES = VIDEO_UNETS
+
+
+def build_video_pipeline(kind: str = "animatediff", seed: int = 0) -> Tuple[Any, Dict[str, Any]]:
+    """A tiny video pipeline (``AnimateDiffPipeline``, ``StableVideoDiffusionPipeline`` or
+    ``TextToVideoSDPipeline``) on the UNets of :func:`build_video_unet`, with tiny random-weight VAEs and text
+    or image encoders (a hand-written tokenizer; nothing is downloaded), and the keyword arguments of a call
+    (16x16 pixels: an 8x8 latent; give ``num_frames``, steps and a generator)."""
+    if kind not in VIDEO_PIPELINES:
+        raise ValueError(f"kind must be one of {', '.join(VIDEO_PIPELINES)}, got {kind!r}")
+    unet = build_video_unet(kind, seed)
+    torch.manual_seed(seed + 1)
+    if kind == "svd":
+        from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+        vae = diffusers.AutoencoderKLTemporalDecoder(
+            block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2, latent_channels=4
+        ).eval()
+        vision = CLIPVisionConfig(
+            hidden_size=32, projection_dim=unet.config.cross_attention_dim, intermediate_size=37, num_hidden_layers=2,
+            num_attention_heads=4, image_size=224, patch_size=32,
+        )
+        pipe = diffusers.StableVideoDiffusionPipeline(
+            vae=vae,
+            image_encoder=CLIPVisionModelWithProjection(vision).eval(),
+            unet=unet,
+            scheduler=diffusers.EulerDiscreteScheduler(
+                prediction_type="v_prediction", timestep_spacing="leading", use_karras_sigmas=True,
+                sigma_min=0.002, sigma_max=700.0,
+            ),
+            feature_extractor=CLIPImageProcessor(crop_size=224, size={"shortest_edge": 224}),
+        )
+        import PIL.Image  # a tensor image skips the pipeline's resizing to the image encoder's 224x224
+
+        pixels = torch.randint(0, 256, (16, 16, 3), generator=torch.Generator().manual_seed(seed + 2), dtype=torch.uint8)
+        image = PIL.Image.fromarray(pixels.numpy())
+        return pipe, dict(image=image, height=16, width=16, decode_chunk_size=4, max_guidance_scale=2.0)
+    vae = AutoencoderKL(**TINY_VAE).eval()
+    text = _text_parts(seed + 2, width=unet.config.cross_attention_dim)
+    scheduler = DDIMScheduler(
+        beta_schedule="linear", beta_start=0.00085, beta_end=0.012, clip_sample=False, steps_offset=1
+    )
+    call = dict(prompt="a cat walking", height=16, width=16, guidance_scale=5.0)
+    if kind == "text-to-video":
+        return diffusers.TextToVideoSDPipeline(vae=vae, unet=unet, scheduler=scheduler, **text), call
+    torch.manual_seed(seed + 3)
+    adapter = diffusers.MotionAdapter(**video_unet_config("tiny-animatediff")[1]).eval()
+    adapter.load_state_dict(_motion_modules(unet), strict=False)
+    return diffusers.AnimateDiffPipeline(vae=vae, unet=unet, motion_adapter=adapter, scheduler=scheduler, **text), call
+
+
+def _motion_modules(unet: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The motion-module weights of a UNetMotionModel, keyed as a MotionAdapter holds them."""
+    return {k: v for k, v in unet.state_dict().items() if "motion_modules" in k}

@@ -7,15 +7,19 @@ attention bias. Everything else happens here, once, read from :mod:`tome_core.fa
 * a pre-hook on each patched model starts a call: its timestep (the partition's ``step``) and, from its
   ``sample``/``hidden_states``, the latent size (UNets) or the token grid (transformers: the latent over the
   patch size, or, for packed tokens, the grid of ``img_ids``);
-* a pre-hook on each UNet ``Transformer2DModel`` reads the real grid of the blocks inside;
+* a pre-hook on each UNet ``Transformer2DModel`` (and SVD's ``TransformerSpatioTemporalModel``) reads the real
+  grid of the blocks inside; in video UNets that is one frame's grid (their input is ``(batch * frames, C, H,
+  W)``), so spatial blocks merge per frame;
+* temporal blocks (:data:`~tome_core.families.TEMPORAL`: motion modules, temporal transformers, whose tokens
+  are frames) get no hook at all;
 * a pre-hook on each transformer block computes its matches from its image stream, a post-hook drops them;
 * on each selected sub-layer a pre-hook merges the image tokens of its input (text tokens beside them are
   kept exactly), moves rotary positions to the merged tokens and arms size-aware attention; a post-hook
   unmerges the image stream of its output, before the block adds its residual.
 
 Models (what gets its own :class:`~tome_core.state.ToMeState`) are UNet-like modules (``down_blocks`` and
-``conv_in``: UNets, ControlNets) and diffusion transformers (a config with a ``patch_size``: SD3, Flux, PixArt,
-DiT and their ControlNets) that hold blocks of a known family.
+``conv_in``: UNets, ControlNets, video UNets) and diffusion transformers (a config with a ``patch_size``: SD3,
+Flux, PixArt, DiT and their ControlNets) that hold (spatial) blocks of a known family.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Se
 
 from .backend import get_ops
 from .config import ToMeConfig
-from .families import BLOCK_FAMILIES, TEXT_AFTER, TEXT_NONE, TEXT_PREFIX, BlockFamily, Sublayer, block_family
+from .families import (
+    BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_AFTER, TEXT_NONE, TEXT_PREFIX, BlockFamily, Sublayer, block_family, temporal,
+)
 from .levels import finest_attention_level, warn_if_nothing_merges
 from .match import Match
 from .merge import merge, unmerge
@@ -223,7 +229,8 @@ class _CallStart:
 
 
 class _GridHook:
-    """Pre-hook on a UNet's ``Transformer2DModel``: its 4-D input is the grid of the blocks inside."""
+    """Pre-hook on a UNet's ``Transformer2DModel`` (or another 2-D container): its 4-D input is the grid of the
+    blocks inside."""
 
     def __init__(self, state: ToMeState, data_format: str):
         self.state = state
@@ -465,12 +472,33 @@ class Patch:
         self.retyped.clear()
 
 
+def temporal_modules(fw: Framework, model: Any) -> set:
+    """The ids of the modules inside ``model`` that attend across frames (:data:`~tome_core.families.TEMPORAL`):
+    those containers' blocks (or the blocks under their listed children) and everything inside them."""
+    inside: set = set()
+    for module in fw.submodules(model):
+        if id(module) in inside:
+            continue
+        entry = temporal(type(module))
+        if entry is None:
+            continue
+        roots = [getattr(module, child, None) for child in entry.children] if entry.children else [module]
+        for root in roots:
+            if root is not None and fw.is_module(root):
+                inside.update(id(sub) for sub in fw.submodules(root))
+    return inside
+
+
 def blocks_of(fw: Framework, model: Any) -> List[Tuple[Any, BlockFamily]]:
-    """The transformer blocks of a known family inside ``model``, in module order (their stream index)."""
+    """The spatial transformer blocks of a known family inside ``model``, in module order (their stream index).
+
+    Temporal blocks (tokens = frames: video UNets' motion modules and temporal transformers) are left out:
+    they are never merged, get no hook, and count in no block index, level or statistic."""
     found = []
+    skip = temporal_modules(fw, model)
     for module in fw.submodules(model):
         family = block_family(type(module))
-        if family is not None:
+        if family is not None and id(module) not in skip:
             found.append((module, family))
     return found
 
@@ -483,13 +511,15 @@ def finest_level(fw: Framework, model: Any) -> int:
 
 
 def _grid_modules(fw: Framework, model: Any) -> List[Any]:
-    """The UNet-style ``Transformer2DModel``s in ``model``: their 4-D input is the grid of their blocks."""
-    return [m for m in fw.submodules(model) if type(m).__name__ == "Transformer2DModel"]
+    """The 2-D containers in ``model`` (:data:`~tome_core.families.GRID_CONTAINERS`: UNet-style
+    ``Transformer2DModel``, SVD's ``TransformerSpatioTemporalModel``): their 4-D input ``(batch [* frames], C,
+    H, W)`` is the grid of their spatial blocks."""
+    return [m for m in fw.submodules(model) if type(m).__name__ in GRID_CONTAINERS]
 
 
 def check_grids(fw: Framework, model: Any) -> None:
     """Refuse a model whose blocks cannot know their grid: neither a UNet, a ControlNet or a diffusion
-    transformer, nor inside a 2-D ``Transformer2DModel``."""
+    transformer, nor inside a 2-D container (``Transformer2DModel``, ``TransformerSpatioTemporalModel``)."""
     if is_unet_like(model) or is_transformer_model(model):
         return
     inside = {id(sub) for grid in _grid_modules(fw, model) for sub in fw.submodules(grid)}
@@ -601,9 +631,11 @@ def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any]
     config = ToMeConfig.from_options(options)
     models = find_models(fw, obj)
     if not models:
+        temporal_only = any(temporal_modules(fw, component) for component in components(fw, obj))
         raise ValueError(
             f"nothing to patch: {type(obj).__qualname__} contains no transformer block ToMe knows "
             f"({', '.join(name for family in BLOCK_FAMILIES for name in family.classes)})"
+            + (" outside temporal layers (their tokens are frames, which ToMe does not merge)" if temporal_only else "")
         )
     for model in models:
         check_grids(fw, model)

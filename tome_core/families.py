@@ -98,10 +98,49 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
 _BY_CLASS: Dict[str, BlockFamily] = {name: family for family in BLOCK_FAMILIES for name in family.classes}
 
 
+@dataclass(frozen=True)
+class Temporal:
+    """A module class whose transformer blocks attend across frames (tokens = frames, one sequence per pixel).
+
+    ToMe never hooks a block inside one (nor one of these classes itself): its tokens are not a 2-D grid.
+    children: the attributes that hold its temporal blocks when the module also holds spatial ones (SVD's
+    ``TransformerSpatioTemporalModel``); empty: everything inside it is temporal.
+    """
+
+    name: str
+    children: Tuple[str, ...] = ()
+
+
+TEMPORAL: Tuple[Temporal, ...] = (
+    # UNet3D's (text-to-video, I2VGen-XL) temp_attentions and transformer_in; ppdiffusers' AnimateDiff motion modules
+    Temporal("TransformerTemporalModel"),
+    Temporal("AnimateDiffTransformer3D"),  # diffusers' AnimateDiff motion modules (UNetMotionModel, MotionAdapter)
+    Temporal("TransformerSpatioTemporalModel", ("temporal_transformer_blocks",)),  # SVD: spatial and temporal blocks
+    Temporal("TemporalBasicTransformerBlock"),  # SVD's temporal block (diffusers and ppdiffusers)
+    Temporal("FreeNoiseTransformerBlock"),  # diffusers' FreeNoise replaces AnimateDiff's motion blocks with it
+    Temporal("I2VGenXLTransformerTemporalEncoder"),  # I2VGen-XL: image latents attended over frames
+    Temporal("TransformerTemporal"),  # ppdiffusers' Hotshot-XL temporal layers
+)
+
+# Containers whose 4-D input ``(batch [* frames], C, H, W)`` is the token grid of the (spatial) blocks inside.
+GRID_CONTAINERS: Tuple[str, ...] = ("Transformer2DModel", "TransformerSpatioTemporalModel")
+
+_TEMPORAL: Dict[str, Temporal] = {entry.name: entry for entry in TEMPORAL}
+
+
 def block_family(cls: type) -> Optional[BlockFamily]:
     """The family of a block class (or of the nearest base class named in the table), or None."""
     for base in cls.__mro__:
         family = _BY_CLASS.get(base.__name__)
         if family is not None:
             return family
+    return None
+
+
+def temporal(cls: type) -> Optional[Temporal]:
+    """The :data:`TEMPORAL` entry of a module class (or of the nearest base class named there), or None."""
+    for base in cls.__mro__:
+        entry = _TEMPORAL.get(base.__name__)
+        if entry is not None:
+            return entry
     return None

@@ -191,6 +191,71 @@ TINY_TEXT_ENCODER: Dict[str, Any] = dict(
 TINY_CONTROLNET_CONDITIONING: Dict[str, Any] = dict(conditioning_embedding_out_channels=(16, 32))
 
 
+# Tiny video UNets (diffusers' class name, config), test-sized: two levels, attention at full resolution only.
+# "tiny-animatediff" is a MotionAdapter config; its UNetMotionModel is built from the "tiny-video-sd" UNet2D.
+VIDEO_UNETS: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    "tiny-video-sd": (
+        "UNet2DConditionModel",
+        dict(
+            block_out_channels=(32, 64),
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            layers_per_block=1,
+            cross_attention_dim=32,
+            attention_head_dim=8,
+            sample_size=8,
+        ),
+    ),
+    "tiny-animatediff": (
+        "MotionAdapter",
+        dict(
+            block_out_channels=(32, 64),
+            motion_layers_per_block=1,
+            motion_num_attention_heads=2,
+            motion_norm_num_groups=32,
+            motion_max_seq_length=32,
+        ),
+    ),
+    "tiny-svd": (
+        "UNetSpatioTemporalConditionModel",
+        dict(
+            sample_size=8,
+            in_channels=8,
+            out_channels=4,
+            down_block_types=("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
+            up_block_types=("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"),
+            block_out_channels=(32, 64),
+            addition_time_embed_dim=8,
+            projection_class_embeddings_input_dim=24,  # 3 time ids * 8
+            layers_per_block=1,
+            cross_attention_dim=32,
+            num_attention_heads=(2, 4),
+        ),
+    ),
+    "tiny-text-to-video": (
+        "UNet3DConditionModel",
+        dict(
+            sample_size=8,
+            block_out_channels=(32, 64),
+            down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"),
+            up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"),
+            layers_per_block=1,
+            cross_attention_dim=32,
+            attention_head_dim=8,
+            norm_num_groups=32,
+        ),
+    ),
+}
+
+
+def video_unet_config(preset: str, **overrides: Any) -> Tuple[str, Dict[str, Any]]:
+    """A video preset's class name and a copy of its config with ``overrides`` applied."""
+    if preset not in VIDEO_UNETS:
+        raise ValueError(f"preset must be one of {', '.join(VIDEO_UNETS)}, got {preset!r}")
+    name, config = VIDEO_UNETS[preset]
+    return name, {**config, **overrides}
+
+
 def unet_config(preset: str, **overrides: Any) -> Dict[str, Any]:
     """A copy of a preset's UNet config with ``overrides`` applied."""
     if preset not in UNETS:
