@@ -104,3 +104,45 @@ def readme_code():
         return "\n".join(re.findall(r"```python\n(.*?)```", section, flags=re.S))
 
     return code
+
+
+class ComposeMatrix:
+    """The set-up of a "works with" matrix (tests/*/test_compose.py), the same on every backend: a fresh
+    pipeline of ``kind`` with feature ``name`` and ToMe (ratio 0.5) in either order, and each case's references.
+
+    ``features[name](pipe)`` sets the feature up and returns (the pipeline the user then holds, its seeded call).
+    """
+
+    ORDERS = ("feature_then_patch", "patch_then_feature")
+
+    def __init__(self, build_pipeline, patch, features):
+        self.build_pipeline = build_pipeline
+        self.patch = patch
+        self.features = features
+        self.cache = {}
+
+    def set_up(self, kind: str, name: str, order: str):
+        """(what the user holds, its seeded call) with the feature and ToMe set up in ``order``."""
+        pipe = self.build_pipeline(kind)
+        if order == "feature_then_patch":
+            target, run = self.features[name](pipe)
+            self.patch(target, ratio=0.5)
+        else:
+            self.patch(pipe, ratio=0.5)
+            target, run = self.features[name](pipe)
+        return target, run
+
+    def reference(self, kind: str, name: str):
+        """Outputs of the feature alone (never patched) and of the feature then ToMe, on fresh pipelines,
+        computed once for both orders' tests: ``{"alone": ..., "with_tome": ...}``."""
+        if (kind, name) not in self.cache:
+            _, run = self.features[name](self.build_pipeline(kind))
+            _, run_both = self.set_up(kind, name, "feature_then_patch")
+            self.cache[kind, name] = {"alone": run(), "with_tome": run_both()}
+        return self.cache[kind, name]
+
+
+@pytest.fixture(scope="session")
+def compose_matrix():
+    """:class:`ComposeMatrix`, to build per test module."""
+    return ComposeMatrix

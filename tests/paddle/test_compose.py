@@ -177,32 +177,9 @@ CASES = (
 )
 
 
-def set_up(kind: str, name: str, order: str) -> Tuple[Any, Run]:
-    """A fresh pipeline with feature ``name`` and ToMe (ratio 0.5) set up in ``order``; (what the user holds, run)."""
-    pipe = build_pipeline(kind)
-    if order == "feature_then_patch":
-        target, run = FEATURES[name](pipe)
-        tome.patch(target, ratio=0.5)
-    else:
-        tome.patch(pipe, ratio=0.5)
-        target, run = FEATURES[name](pipe)
-    return target, run
-
-
 @pytest.fixture(scope="module")
-def reference():
-    """``reference(kind, name)``: outputs of the feature alone (never patched) and of the feature then ToMe, on
-    fresh pipelines, computed once for both orders' tests."""
-    cache: Dict[Tuple[str, str], Dict[str, np.ndarray]] = {}
-
-    def get(kind: str, name: str) -> Dict[str, np.ndarray]:
-        if (kind, name) not in cache:
-            _, run = FEATURES[name](build_pipeline(kind))
-            _, run_both = set_up(kind, name, "feature_then_patch")
-            cache[kind, name] = {"alone": run(), "with_tome": run_both()}
-        return cache[kind, name]
-
-    return get
+def matrix(compose_matrix):
+    return compose_matrix(build_pipeline, tome.patch, FEATURES)
 
 
 def attn1_token_counts(models: List[paddle.nn.Layer]) -> Tuple[Dict[str, List[Tuple[str, int]]], List[Any]]:
@@ -228,15 +205,15 @@ def attn1_token_counts(models: List[paddle.nn.Layer]) -> Tuple[Dict[str, List[Tu
 
 @pytest.mark.parametrize("order", ["feature_then_patch", "patch_then_feature"])
 @pytest.mark.parametrize("kind, name", CASES, ids=[f"{k}-{n}" for k, n in CASES])
-def test_feature_composes_with_tome_in_either_order(kind, name, order, reference):
-    target, run = set_up(kind, name, order)
+def test_feature_composes_with_tome_in_either_order(kind, name, order, matrix):
+    target, run = matrix.set_up(kind, name, order)
     models = [target.unet] + ([target.controlnet] if kind == "controlnet" else [])
     seen, handles = attn1_token_counts(models)
     both = run()
     for handle in handles:
         handle.remove()
 
-    expected = reference(kind, name)
+    expected = matrix.reference(kind, name)
     assert np.isfinite(both).all()
     assert np.abs(both - expected["alone"]).max() > 1e-4
     np.testing.assert_allclose(both, expected["with_tome"], rtol=0, atol=1e-6)  # the order of set-up does not matter
