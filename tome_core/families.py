@@ -10,7 +10,7 @@ keeps diffusers' class names.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 # Where a sub-layer's attention finds text tokens beside the (merged) image tokens.
 TEXT_NONE = "none"  # none: self-attention over the image tokens (or cross-attention to a separate context)
@@ -128,19 +128,20 @@ GRID_CONTAINERS: Tuple[str, ...] = ("Transformer2DModel", "TransformerSpatioTemp
 _TEMPORAL: Dict[str, Temporal] = {entry.name: entry for entry in TEMPORAL}
 
 
+def _nearest(table: Dict[str, Any], cls: type) -> Any:
+    """The entry of ``table`` for ``cls`` or for the nearest of its base classes named there, or None."""
+    for base in cls.__mro__:
+        entry = table.get(base.__name__)
+        if entry is not None:
+            return entry
+    return None
+
+
 def block_family(cls: type) -> Optional[BlockFamily]:
     """The family of a block class (or of the nearest base class named in the table), or None."""
-    for base in cls.__mro__:
-        family = _BY_CLASS.get(base.__name__)
-        if family is not None:
-            return family
-    return None
+    return _nearest(_BY_CLASS, cls)
 
 
 def temporal(cls: type) -> Optional[Temporal]:
     """The :data:`TEMPORAL` entry of a module class (or of the nearest base class named there), or None."""
-    for base in cls.__mro__:
-        entry = _TEMPORAL.get(base.__name__)
-        if entry is not None:
-            return entry
-    return None
+    return _nearest(_TEMPORAL, cls)
