@@ -12,6 +12,14 @@ import torch
 from tome_core import bench
 from tome_core.adapters.diffusers_bench import Runner, count_ops, micro
 
+MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "models")
+
+
+@pytest.fixture(autouse=True)
+def checkout_models(monkeypatch):
+    """The trained models ship with the checkout, not with the installed package that nox tests."""
+    monkeypatch.setenv("TOME_CORE_MODELS", MODELS)
+
 
 def test_relative_l2_and_oracle_share_formulas():
     a, b = np.array([3.0, 4.0]), np.array([0.0, 8.0])
@@ -389,8 +397,6 @@ def test_missing_optional_dependencies_fail_before_anything_is_built(monkeypatch
         bench.main(["--preset", "tiny", "--methods", "unpatched", "peer"])
     with pytest.raises(SystemExit, match="no such --variant"):
         bench.main(["--preset", "tiny", "--variant-oracles", "nope"])
-    models = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "models")
-    monkeypatch.setenv("TOME_CORE_MODELS", models)
     monkeypatch.setitem(sys.modules, "skimage", None)
     with pytest.raises(SystemExit, match=r'scikit-image, not installed: pip install "tome-core\[trained\]"'):
         bench.main(["--preset", "trained-unet"])
