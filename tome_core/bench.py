@@ -421,25 +421,10 @@ def run_stacked(args: argparse.Namespace) -> List[Row]:
                     outputs[method] = runner.loop_output(method, ratio)
             reference = outputs["unpatched"]
             medians = {m: statistics.median(t) for m, t in times.items()}
-            labels = None
-            if runner.trained is not None:
-                from tome_core.trained import sample_labels
-
-                labels = sample_labels(args.samples_per_class)
+            samples = SampleFidelity(runner, reference) if runner.trained is not None else None
             for method in methods:
                 shown_ratio, note = runner.effective(method, ratio)
-                scores: Dict[str, float] = {}
-                if labels is not None:
-                    import numpy as np
-
-                    from tome_core.trained import accuracy, psnr, ssim
-
-                    images = outputs[method]
-                    with np.errstate(divide="ignore"):  # identical samples: PSNR inf
-                        scores = dict(
-                            psnr=psnr(reference, images), ssim=ssim(reference, images),
-                            accuracy=accuracy(runner.classify(images), labels),
-                        )
+                scores = samples.compare(outputs[method]) if samples is not None else {}
                 rows.append(
                     Row(
                         ratio=shown_ratio,
@@ -516,20 +501,27 @@ class SampleFidelity:
     seeds through the full sampling loop, unpatched once and with each method, compared by PSNR and SSIM,
     and recognised by the shipped classifier trained on real crops."""
 
-    def __init__(self, runner: Any):
+    def __init__(self, runner: Any, reference: Any = None):
+        """``reference``: the unpatched samples when the caller has them (a ``--stack`` loop's), else sampled."""
         from tome_core.trained import sample_labels
 
         self.runner = runner
         self.labels = sample_labels(runner.args.samples_per_class)
-        self.reference = runner.class_samples("unpatched", 0.0)
+        self.reference = runner.class_samples("unpatched", 0.0) if reference is None else reference
 
     def scores(self, method: str, ratio: float) -> Dict[str, float]:
         """PSNR (dB; inf when identical), SSIM and classifier accuracy of ``method``'s samples."""
+        return self.compare(self.reference if method == "unpatched" else self.runner.class_samples(method, ratio))
+
+    def compare(self, images: Any) -> Dict[str, float]:
+        """PSNR, SSIM and classifier accuracy of ``images`` (one sample per label) against the reference."""
+        import numpy as np
+
         from tome_core.trained import accuracy, psnr, ssim
 
-        images = self.reference if method == "unpatched" else self.runner.class_samples(method, ratio)
-        predicted = self.runner.classify(images)
-        return dict(psnr=psnr(self.reference, images), ssim=ssim(self.reference, images), accuracy=accuracy(predicted, self.labels))
+        with np.errstate(divide="ignore"):  # identical samples: PSNR inf
+            quality = dict(psnr=psnr(self.reference, images), ssim=ssim(self.reference, images))
+        return dict(quality, accuracy=accuracy(self.runner.classify(images), self.labels))
 
 
 def _oracle_of(method: str, medians: Dict[str, float]) -> str:

@@ -569,8 +569,8 @@ def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
     kv_input = all(s.kv_input is not None for *_, s, _ in _sublayers(fw, model, config) if s.kind == "attn")
     state = ToMeState(config=config, finest_level=finest_level(fw, model), choices=config.auto_choices(kv_input))
     patch = Patch(state)
-    data_format = getattr(model, "data_format", "NCHW")
     add = patch.handles.append
+    data_format = getattr(model, "data_format", "NCHW")
     add(fw.add_pre_hook(model, _CallStart(fw, model, state)))
     if not is_transformer_model(model):
         for module in _grid_modules(fw, model):
