@@ -29,7 +29,9 @@ from tome_core.presets import (
     TINY_CONTROLNET_CONDITIONING,
     TINY_TEXT_ENCODER,
     TINY_VAE,
+    VIDEO_PRESETS,
     transformer_config,
+    unet2d_config,
     unet_config,
     video_unet_config,
     write_clip_tokenizer_files,
@@ -318,6 +320,22 @@ def build_video_pipeline(kind: str = "animatediff", seed: int = 0) -> Tuple[Any,
     adapter = diffusers.MotionAdapter(**video_unet_config("tiny-animatediff")[1]).eval()
     adapter.load_state_dict(_motion_modules(unet), strict=False)
     return diffusers.AnimateDiffPipeline(vae=vae, unet=unet, motion_adapter=adapter, scheduler=scheduler, **text), call
+
+
+def build_video_preset(preset: str, seed: int = 0) -> torch.nn.Module:
+    """The video UNet of a benchmark video preset (:data:`tome_core.presets.VIDEO_PRESETS`) with weights drawn
+    from ``seed``: a ``UNetMotionModel`` from its UNet2D and MotionAdapter configs (AnimateDiff), or the named
+    video UNet (SVD's ``UNetSpatioTemporalConditionModel``)."""
+    if preset not in VIDEO_PRESETS:
+        raise ValueError(f"preset must be one of {', '.join(VIDEO_PRESETS)}, got {preset!r}")
+    entry = VIDEO_PRESETS[preset]
+    torch.manual_seed(seed)
+    if "adapter" in entry:
+        unet = UNet2DConditionModel(**unet2d_config(entry["unet"]))
+        adapter = diffusers.MotionAdapter(**video_unet_config(entry["adapter"])[1])
+        return diffusers.UNetMotionModel.from_unet2d(unet, adapter).eval()
+    name, config = video_unet_config(entry["model"])
+    return getattr(diffusers, name)(**config).eval()
 
 
 def _motion_modules(unet: torch.nn.Module) -> Dict[str, torch.Tensor]:

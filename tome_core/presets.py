@@ -290,3 +290,70 @@ def write_clip_tokenizer_files(folder: str) -> Dict[str, str]:
     with open(merges_file, "w", encoding="utf-8") as f:
         f.write("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")
     return {"vocab_file": vocab_file, "merges_file": merges_file}
+
+
+# Video UNets at their released shapes, for the benchmark's video presets (random weights).
+# AnimateDiff's MotionAdapter: guoyww/animatediff-motion-adapter-v1-5-2, config.json (diffusers 0.22): 4 blocks of
+# (320, 640, 1280, 1280) channels, 2 motion layers per block, a motion mid block, 8 heads, 32 positions. Its
+# motion_activation_fn "geglu", motion_attention_bias false and motion_cross_attention_dim null are no longer
+# constructor arguments: diffusers builds every motion module that way.
+VIDEO_UNETS["animatediff-v1-5-2"] = (
+    "MotionAdapter",
+    dict(
+        block_out_channels=(320, 640, 1280, 1280),
+        motion_layers_per_block=2,
+        motion_mid_block_layers_per_block=1,
+        motion_num_attention_heads=8,
+        motion_norm_num_groups=32,
+        motion_max_seq_length=32,
+        use_motion_mid_block=True,
+    ),
+)
+# Stable Video Diffusion: stabilityai/stable-video-diffusion-img2vid, unet/config.json (14 frames; img2vid-xt is
+# the same UNet with num_frames 25).
+VIDEO_UNETS["svd"] = (
+    "UNetSpatioTemporalConditionModel",
+    dict(
+        sample_size=96,
+        in_channels=8,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlockSpatioTemporal",) * 3 + ("DownBlockSpatioTemporal",),
+        up_block_types=("UpBlockSpatioTemporal",) + ("CrossAttnUpBlockSpatioTemporal",) * 3,
+        block_out_channels=(320, 640, 1280, 1280),
+        addition_time_embed_dim=256,
+        projection_class_embeddings_input_dim=768,  # 3 time ids * 256
+        layers_per_block=2,
+        transformer_layers_per_block=1,
+        cross_attention_dim=1024,
+        num_attention_heads=(5, 10, 20, 20),
+        num_frames=14,
+    ),
+)
+
+# The benchmark's video presets (``python -m tome_core.bench --preset NAME``): the model (a UNet2D of UNETS or
+# VIDEO_UNETS plus a MotionAdapter of VIDEO_UNETS, or a VIDEO_UNETS model), the frame count and the default frame
+# size (height, width) in pixels, and the loop's DDIM schedule (the released pipeline's betas).
+# "svd" runs by default at 256x448 (16:9 like its released 576x1024, ``--resolution 576``): on this project's
+# 2-core CPU with one thread, one call on 14 frames at 320x576 already took 5 minutes (3 minutes of CPU, 7 GB).
+VIDEO_PRESETS: Dict[str, Dict[str, Any]] = {
+    "animatediff": dict(
+        unet="sd15", adapter="animatediff-v1-5-2", frames=16, size=(512, 512),
+        scheduler=dict(beta_schedule="linear", beta_start=0.00085, beta_end=0.012),
+    ),
+    "svd": dict(model="svd", frames=14, size=(256, 448), scheduler=dict(prediction_type="v_prediction")),
+    "tiny-animatediff": dict(
+        unet="tiny-video-sd", adapter="tiny-animatediff", frames=4, size=(64, 64),
+        scheduler=dict(beta_schedule="linear", beta_start=0.00085, beta_end=0.012),
+    ),
+    "tiny-svd": dict(model="tiny-svd", frames=4, size=(64, 96), scheduler=dict(prediction_type="v_prediction")),
+}
+
+
+def unet2d_config(name: str) -> Dict[str, Any]:
+    """A UNet2DConditionModel config by name: a preset of :data:`UNETS` or a UNet2D entry of :data:`VIDEO_UNETS`."""
+    if name in UNETS:
+        return unet_config(name)
+    cls, config = video_unet_config(name)
+    if cls != "UNet2DConditionModel":
+        raise ValueError(f"{name!r} is a {cls}, not a UNet2DConditionModel")
+    return dict(config)
