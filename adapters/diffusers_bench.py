@@ -200,14 +200,17 @@ class Runner(BenchRunner):
             return output[:, torch.arange(tokens) % output.shape[1]]
 
         handles = []
-        for block in self.unet.modules():
-            if isinstance(block, BasicTransformerBlock):
-                for name in plan.sublayers:
-                    target = getattr(block, name, None)
-                    if target is not None:
-                        handles.append(target.register_forward_pre_hook(drop(name), with_kwargs=True))
-                        handles.append(target.register_forward_hook(restore, with_kwargs=True))
+        for block in self.oracle_blocks():
+            for name in plan.sublayers:
+                target = getattr(block, name, None)
+                if target is not None:
+                    handles.append(target.register_forward_pre_hook(drop(name), with_kwargs=True))
+                    handles.append(target.register_forward_hook(restore, with_kwargs=True))
         return remover(handles)
+
+    def oracle_blocks(self) -> List[torch.nn.Module]:
+        """The transformer blocks whose sub-layers the oracle cuts: every ``BasicTransformerBlock``."""
+        return [block for block in self.unet.modules() if isinstance(block, BasicTransformerBlock)]
 
     def peer_note(self) -> str:
         return f"tomesd {getattr(tomesd, '__version__', '0.1.3')}" if self.has_peer else "tomesd is not installed"

@@ -347,6 +347,7 @@ class Row:
     ssim: Optional[float] = None
     accuracy: Optional[float] = None
     stacked: bool = False  # --stack: a whole pipeline loop; fidelity_sampled compares its final output
+    metrics: Dict[str, float] = field(default_factory=dict)  # a runner's own columns (video: per frame, temporal)
 
 
 def measure(
@@ -388,6 +389,14 @@ def bench_methods(args: argparse.Namespace, has_peer: bool) -> List[str]:
     return methods
 
 
+def runner_module(args: argparse.Namespace) -> Any:
+    """The adapter module whose ``Runner`` serves the run (the video presets have their own)."""
+    from tome_core import bench_video
+
+    table = bench_video.VIDEO_RUNNERS if bench_video.is_video(args) else RUNNERS
+    return importlib.import_module(f"tome_core.adapters.{table[args.backend]}")
+
+
 def run(args: argparse.Namespace) -> List[Row]:
     """One run per ``--resolution``; the rows of all, each with its resolution."""
     rows: List[Row] = []
@@ -405,7 +414,7 @@ def run_stacked(args: argparse.Namespace) -> List[Row]:
     accuracy) to the unpatched loop's (``fidelity_sampled``; ``fidelity_step`` and the oracle share are NaN)."""
     from tqdm import tqdm
 
-    runner = importlib.import_module(f"tome_core.adapters.{RUNNERS[args.backend]}").Runner(args)
+    runner = runner_module(args).Runner(args)
     methods = stack_methods(args)
     rows: List[Row] = []
     total = len(args.ratio) * len(methods) * (args.warmup + args.repeats) if args.repeats else 0
@@ -447,7 +456,7 @@ def run_stacked(args: argparse.Namespace) -> List[Row]:
 def run_one(args: argparse.Namespace) -> List[Row]:
     from tqdm import tqdm
 
-    runner = importlib.import_module(f"tome_core.adapters.{RUNNERS[args.backend]}").Runner(args)
+    runner = runner_module(args).Runner(args)
     methods = bench_methods(args, runner.has_peer)
     rows: List[Row] = []
     total = len(args.ratio) * len(methods) * (args.warmup + args.repeats) if args.repeats else 0
@@ -463,10 +472,12 @@ def run_one(args: argparse.Namespace) -> List[Row]:
             step_output = lambda method: outputs[method] if method in outputs else runner.output(method, ratio)
             medians = {m: statistics.median(t) for m, t in times.items()}
             for method in methods:
-                fidelity_sampled = float("nan")
+                fidelity_sampled, sampled = float("nan"), reference_sampled if method == "unpatched" else None
                 looped = getattr(args, "sample_methods", None) is None or method in args.sample_methods
                 if args.steps and method != "unpatched" and looped:
-                    fidelity_sampled = relative_l2(runner.sample(method, ratio, args.steps), reference_sampled)
+                    sampled = runner.sample(method, ratio, args.steps)
+                    fidelity_sampled = relative_l2(sampled, reference_sampled)
+                row_metrics = getattr(runner, "row_metrics", None)
                 shown_ratio, note = runner.effective(method, ratio)
                 scores = samples.scores(method, ratio) if samples is not None and looped else {}
                 rows.append(
@@ -488,6 +499,7 @@ def run_one(args: argparse.Namespace) -> List[Row]:
                         note=note,
                         times_s=times.get(method, []),
                         resolution=args.resolution,
+                        metrics=row_metrics(step_output(method), reference_step, sampled, reference_sampled) if row_metrics else {},
                         **scores,
                     )
                 )
@@ -544,13 +556,15 @@ def format_table(rows: Sequence[Row]) -> str:
     the ratio column means for it (a cell's reduction, the arrangement)."""
     blocks = []
     sampled = any(r.psnr is not None for r in rows)
+    extra = list(dict.fromkeys(name for r in rows for name in r.metrics))  # a runner's own columns
     if any(r.stacked for r in rows):
         return format_stacked_table(rows, sampled)
     for resolution in dict.fromkeys(r.resolution for r in rows):
         header = (
             f"{'ratio':>5}  {'method':<14} {'median':>9} {'spread':>6} {'speedup':>8} {'oracle share':>12} "
             f"{'fid@t':>8} {'fid@loop':>9} {'peak MB':>8}"
-            + (f" {'PSNR':>6} {'SSIM':>6} {'acc':>5}" if sampled else "") + "  note"
+            + (f" {'PSNR':>6} {'SSIM':>6} {'acc':>5}" if sampled else "")
+            + "".join(f" {name:>{max(8, len(name))}}" for name in extra) + "  note"
         )
         lines = ([] if resolution is None else [f"{resolution}px"]) + [header, "-" * len(header)]
         for row in rows:
@@ -560,7 +574,9 @@ def format_table(rows: Sequence[Row]) -> str:
             lines.append(
                 f"{row.ratio:>5.2f}  {row.method:<14} {row.median_s * 1000:7.0f}ms {spread(row.times_s):6.0%} "
                 f"{row.speedup:7.2f}x {row.oracle_share:12.2f} {row.fidelity_step:8.4f} {row.fidelity_sampled:9.4f} "
-                f"{peak:>8}" + (_sample_columns(row) if sampled else "") + f"  {row.note}".rstrip()
+                f"{peak:>8}" + (_sample_columns(row) if sampled else "")
+                + "".join(f" {row.metrics.get(name, math.nan):>{max(8, len(name))}.4f}" for name in extra)
+                + f"  {row.note}".rstrip()
             )
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
@@ -696,6 +712,9 @@ def parser() -> argparse.ArgumentParser:
                    "spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(100, 800)) on "
                    "the transformer presets; settings as NAME:OPT=VAL,OPT=VAL (e.g. deepcache:cache_interval=2); "
                    "torch only")
+    from tome_core.bench_video import add_arguments
+
+    add_arguments(p)
     p.add_argument("--variant", action="append", default=[], metavar="NAME:OPT=VAL[,OPT=VAL]",
                    help="also measure 'ours' with these extra options, as method ours:NAME (repeatable; commas "
                    "inside braces, brackets, parentheses or quotes belong to the value), e.g. --variant "
@@ -832,6 +851,9 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
     unknown = [name for name in args.variant_oracles if name not in args.variants]
     if unknown:
         raise SystemExit(f"--variant-oracles {' '.join(unknown)}: no such --variant")
+    from tome_core import bench_video
+
+    bench_video.resolve(args, explicit_methods)
     resolve_trained(args)
     args.stacks = parse_stacks(args.stack) if args.stack else {}
     if args.steps is None:
@@ -860,7 +882,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
     for resolution in args.resolution:
         mine = [r for r in rows if r.resolution == resolution]
         title = (
-            f"{args.backend} {args.model or args.preset} {resolution}px batch {args.batch} "
+            f"{args.backend} {args.model or args.preset} {bench_video.size_label(args, resolution)} batch {args.batch} "
             + (f"{args.steps}-step pipeline loops " if args.stack else "")
             + f"on {platform.processor() or platform.machine()}"
         )
