@@ -36,6 +36,7 @@ from tome_core.presets import (
     TINY_VAE,
     TRANSFORMERS,
     unet_config,
+    video_unet_config,
     write_clip_tokenizer_files,
 )
 
@@ -212,3 +213,109 @@ def build_pipeline(kind: str = "sd", seed: int = 0, preset: str = "tiny") -> Any
         return StableDiffusionControlNetPipeline(unet=unet, controlnet=controlnet, **common)
     cls = StableDiffusionImg2ImgPipeline if kind == "img2img" else StableDiffusionPipeline
     return cls(unet=unet, **common)
+
+
+VIDEO_UNETS = ("animatediff", "svd", "text-to-video")
+
+
+def build_video_unet(kind: str = "animatediff", seed: int = 0) -> paddle.nn.Layer:
+    """A tiny video UNet with weights drawn from ``seed``: ``animatediff`` (UNetMotionModel from a tiny
+    UNet2DConditionModel and MotionAdapter), ``svd`` (UNetSpatioTemporalConditionModel) or ``text-to-video``
+    (UNet3DConditionModel), from the same presets as the torch builder."""
+    if kind not in VIDEO_UNETS:
+        raise ValueError(f"kind must be one of {', '.join(VIDEO_UNETS)}, got {kind!r}")
+    if kind == "animatediff":
+        model = ppdiffusers.UNetMotionModel.from_unet2d(*_animatediff_parts(seed))
+    else:
+        name, config = video_unet_config("tiny-svd" if kind == "svd" else "tiny-text-to-video")
+        paddle.seed(seed)
+        model = getattr(ppdiffusers, name)(**config)
+    model.eval()
+    return model
+
+
+def _animatediff_parts(seed: int) -> Tuple[UNet2DConditionModel, Any]:
+    """The tiny UNet2DConditionModel and MotionAdapter an AnimateDiff UNet is made of, weights from ``seed``."""
+    paddle.seed(seed)
+    unet = UNet2DConditionModel(**video_unet_config("tiny-video-sd")[1])
+    adapter = ppdiffusers.MotionAdapter(**video_unet_config("tiny-animatediff")[1])
+    unet.eval()
+    adapter.eval()
+    return unet, adapter
+
+
+def video_unet_inputs(
+    model: paddle.nn.Layer, frames: int, height: int, width: int, batch: int = 1, seed: int = 0
+) -> Dict[str, Any]:
+    """Keyword inputs of one call of a UNet from :func:`build_video_unet`: ``frames`` frames of a ``height x
+    width`` latent, timestep 500, seeded text (or image) embeddings (numpy draws, so the same arrays can feed a
+    torch model). ppdiffusers' UNetMotionModel takes the text once per video (it repeats it per frame itself)."""
+    rng = np.random.default_rng(seed)
+    randn = lambda *shape: paddle.to_tensor(rng.standard_normal(shape).astype(np.float32))
+    config = model.config
+    if type(model).__name__ == "UNetSpatioTemporalConditionModel":  # sample [B, F, C, H, W], one image embedding
+        return dict(
+            sample=randn(batch, frames, config.in_channels, height, width),
+            timestep=paddle.to_tensor(500.0),
+            encoder_hidden_states=randn(batch, 1, config.cross_attention_dim),
+            added_time_ids=paddle.to_tensor([[6.0, 127.0, 0.02]] * batch),
+        )
+    sample = randn(batch, config.in_channels, frames, height, width)
+    text = randn(batch, 7, config.cross_attention_dim)
+    return dict(sample=sample, timestep=paddle.to_tensor(500), encoder_hidden_states=text)
+
+
+VIDEO_PIPELINES = VIDEO_UNETS
+
+
+def build_video_pipeline(kind: str = "animatediff", seed: int = 0) -> Tuple[Any, Dict[str, Any]]:
+    """A tiny video pipeline (``AnimateDiffPipeline``, ``StableVideoDiffusionPipeline`` or
+    ``TextToVideoSDPipeline``) on the UNets of :func:`build_video_unet` (same weights for the same ``seed``),
+    with tiny random-weight VAEs and text or image encoders (a hand-written tokenizer; nothing is downloaded),
+    and the keyword arguments of a call (16x16 pixels: an 8x8 latent; give ``num_frames``, steps and a
+    generator). ppdiffusers' AnimateDiffPipeline builds its UNetMotionModel itself from a UNet2DConditionModel
+    and the MotionAdapter."""
+    if kind not in VIDEO_PIPELINES:
+        raise ValueError(f"kind must be one of {', '.join(VIDEO_PIPELINES)}, got {kind!r}")
+    if kind == "svd":
+        from ppdiffusers.transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+        unet = build_video_unet(kind, seed)
+        paddle.seed(seed + 1)
+        vae = ppdiffusers.AutoencoderKLTemporalDecoder(
+            block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2, latent_channels=4
+        )
+        vision = CLIPVisionConfig(
+            hidden_size=32, projection_dim=unet.config.cross_attention_dim, intermediate_size=37, num_hidden_layers=2,
+            num_attention_heads=4, image_size=224, patch_size=32,
+        )
+        encoder = CLIPVisionModelWithProjection(vision)
+        for layer in (vae, encoder):
+            layer.eval()
+        pipe = ppdiffusers.StableVideoDiffusionPipeline(
+            vae=vae,
+            image_encoder=encoder,
+            unet=unet,
+            scheduler=ppdiffusers.EulerDiscreteScheduler(
+                prediction_type="v_prediction", timestep_spacing="leading", use_karras_sigmas=True,
+                sigma_min=0.002, sigma_max=700.0,
+            ),
+            feature_extractor=CLIPImageProcessor(crop_size=224, size={"shortest_edge": 224}),
+        )
+        import PIL.Image
+
+        pixels = np.random.default_rng(seed + 2).integers(0, 256, (16, 16, 3), dtype=np.uint8)
+        image = PIL.Image.fromarray(pixels)
+        return pipe, dict(image=image, height=16, width=16, decode_chunk_size=4, max_guidance_scale=2.0)
+    paddle.seed(seed + 1)
+    vae = AutoencoderKL(**TINY_VAE)
+    vae.eval()
+    text = _text_parts(seed + 2, width=video_unet_config("tiny-video-sd")[1]["cross_attention_dim"])
+    scheduler = DDIMScheduler(beta_schedule="linear", beta_start=0.00085, beta_end=0.012, clip_sample=False, steps_offset=1)
+    call = dict(prompt="a cat walking", height=16, width=16, guidance_scale=5.0)
+    if kind == "text-to-video":
+        unet = build_video_unet(kind, seed)
+        return ppdiffusers.TextToVideoSDPipeline(vae=vae, unet=unet, scheduler=scheduler, **text), call
+    unet, adapter = _animatediff_parts(seed)
+    pipe = ppdiffusers.AnimateDiffPipeline(vae=vae, unet=unet, motion_adapter=adapter, scheduler=scheduler, **text)
+    return pipe, call
