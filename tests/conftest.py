@@ -68,6 +68,10 @@ BAD_OPTIONS = [
     ({"matching": "cell", "ratio": 0.5}, ValueError, r"ratio=0.5 contradicts matching='cell' with 2x2 cells.* 0.75"),
     ({"matching": "cell", "level_ratios": {1: 0.5}}, ValueError, "level_ratios cannot be combined with matching='cell'"),
     ({"level_cells": {1: 0}}, ValueError, r"level_cells\[1\] must be an int >= 1, got 0"),
+    ({"frames_per_chunk": 0}, ValueError, "frames_per_chunk must be an int >= 1, got 0"),
+    ({"frame_ratio": 0.5}, ValueError, r"frame_ratio=0.5 merges across frames, which needs frames_per_chunk > 1"),
+    ({"frames_per_chunk": 2, "frame_ratio": 1.5}, ValueError, r"frame_ratio must be in \[0, 1\], got 1.5"),
+    ({"frames_per_chunk": 2, "mode": "kv"}, ValueError, "frames_per_chunk=2 cannot be combined with mode='kv'"),
     ({"rato": 0.5}, TypeError, r"unknown ToMe option\(s\) rato; valid options are ratio, max_downsample"),
 ]
 

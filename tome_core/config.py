@@ -17,7 +17,11 @@ DEFAULT_RATIO = 0.5  # with similarity matching; a cell match's reduction is fix
 # level (README, "High resolution": measured speed and fidelity per resolution).
 AUTO_CELLS = ((128 * 128, 4), (0, 2))
 # Options that say how many tokens to merge or how to match them: giving any of them leaves mode="auto" out.
-_ARRANGING = ("ratio", "matching", "sx", "sy", "level_cells", "attn_ratio", "crossattn_ratio", "mlp_ratio", "level_ratios", "block_ratios")
+_ARRANGING = (
+    "ratio", "matching", "sx", "sy", "level_cells", "attn_ratio", "crossattn_ratio", "mlp_ratio", "level_ratios",
+    "block_ratios", "frames_per_chunk", "frame_ratio",
+)
+DEFAULT_FRAME_RATIO = 0.9  # with frames_per_chunk > 1
 
 
 def _check_bool(name: str, value: Any) -> None:
@@ -78,6 +82,13 @@ class ToMeConfig:
         block.
     block_ratios: ``{block index: ratio}`` replacing ``ratio`` (and level ratios) in those blocks (indices as in
         ``blocks``); a sub-layer ratio still wins.
+    frames_per_chunk: video models: merge across this many consecutive frames (VidToMe's arrangement, README
+        "Video"): the spatial self-attention of each chunk of frames runs once, over the merged tokens of all
+        its frames. ``None`` or 1 (default): each frame merges on its own. Must divide the frame count of every
+        call; needs ``mode="tokens"`` with similarity matching and ``merge_crossattn=False``.
+    frame_ratio: with ``frames_per_chunk > 1``, the share of the other frames' tokens merged into their most
+        similar token of the chunk's reference frame (the rest stay), in ``[0, 1]``; the reference frame
+        merges by ``ratio`` as a single frame does. ``None``: 0.9.
     """
 
     ratio: Optional[float] = None
@@ -103,6 +114,8 @@ class ToMeConfig:
     mode: Optional[str] = None
     matching: Optional[str] = None
     level_cells: Optional[Mapping[int, Any]] = None
+    frames_per_chunk: Optional[int] = None
+    frame_ratio: Optional[float] = None
 
     def __repr__(self) -> str:
         """The options that differ from the defaults (``ToMeConfig()``), as the call that makes them (a cell's
@@ -140,6 +153,7 @@ class ToMeConfig:
         if self.max_downsample not in MAX_DOWNSAMPLE_CHOICES or isinstance(self.max_downsample, bool):
             raise ValueError(f"max_downsample must be one of None, 1, 2, 4, 8, got {self.max_downsample!r}")
         self._check_arrangement()
+        self._check_frames()
         if self.ratio is None:
             object.__setattr__(self, "ratio", self.max_ratio if self.matching == "cell" else DEFAULT_RATIO)
         elif self.matching == "cell":
@@ -178,7 +192,7 @@ class ToMeConfig:
 
     def _resolve_mode(self) -> None:
         """``mode=None``: "auto" when no option says how to merge, else "tokens"; defaults of the rest."""
-        given = [name for name in _ARRANGING if getattr(self, name) is not None]
+        given = [name for name in _ARRANGING if getattr(self, name) is not None and not (name == "frames_per_chunk" and self.frames_per_chunk == 1)]
         if self.mode is None:
             object.__setattr__(self, "mode", "tokens" if given else "auto")
         elif self.mode == "auto" and given:
@@ -245,6 +259,33 @@ class ToMeConfig:
                     "shape only and is built once per shape), so it has nothing to reuse"
                 )
 
+    def _check_frames(self) -> None:
+        """``frames_per_chunk`` and ``frame_ratio``: their values and what cross-frame merging combines with."""
+        if self.frames_per_chunk is not None:
+            _check_int("frames_per_chunk", self.frames_per_chunk, 1)
+            object.__setattr__(self, "frames_per_chunk", int(self.frames_per_chunk))
+        if self.frame_ratio is not None:
+            if isinstance(self.frame_ratio, bool) or not isinstance(self.frame_ratio, numbers.Real):
+                raise TypeError(f"frame_ratio must be a float in [0, 1], got {self.frame_ratio!r} ({type(self.frame_ratio).__name__})")
+            if not (math.isfinite(self.frame_ratio) and 0 <= self.frame_ratio <= 1):
+                raise ValueError(f"frame_ratio must be in [0, 1], got {self.frame_ratio!r}")
+            if self.frames == 1:
+                raise ValueError(
+                    f"frame_ratio={self.frame_ratio!r} merges across frames, which needs frames_per_chunk > 1 "
+                    "(frames_per_chunk=1 merges each frame on its own)"
+                )
+            object.__setattr__(self, "frame_ratio", float(self.frame_ratio))
+        if self.frames == 1:
+            return
+        conflicts = (
+            (self.mode != "tokens", f"mode={self.mode!r}", "mode='tokens' (one attention over the merged chunk)"),
+            (self.matching != "similarity", f"matching={self.matching!r}", "matching='similarity'"),
+            (self.merge_crossattn, "merge_crossattn=True", "merge_crossattn=False (each frame has its own text)"),
+        )
+        for bad, given, needed in conflicts:
+            if bad:
+                raise ValueError(f"frames_per_chunk={self.frames_per_chunk} cannot be combined with {given}; it needs {needed}")
+
     def _check_cell_ratio(self) -> None:
         if self.level_cells and len({self.max_ratio, *(self.max_ratio_at(level) for level in self.level_cells)}) > 1:
             raise ValueError(
@@ -305,6 +346,16 @@ class ToMeConfig:
     def sublayers(self) -> Dict[str, bool]:
         """Which sub-layers are wrapped in merge/unmerge."""
         return {"attn": self.merge_attn, "crossattn": self.merge_crossattn, "mlp": self.merge_mlp}
+
+    @property
+    def frames(self) -> int:
+        """Frames per chunk of cross-frame merging (1: each frame merges on its own)."""
+        return self.frames_per_chunk or 1
+
+    @property
+    def across_frames(self) -> float:
+        """The share of a chunk's other-frame tokens merged into its reference frame (``frame_ratio``)."""
+        return DEFAULT_FRAME_RATIO if self.frame_ratio is None else self.frame_ratio
 
     @property
     def max_ratio(self) -> float:

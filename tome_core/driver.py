@@ -201,7 +201,9 @@ class _CallStart:
         step = _step(argument(args, kwargs, "timestep", where["timestep"]))
         if not self.transformer:  # UNets give their latent; inner Transformer2DModels give the grids
             latent = _spatial(sample, self.data_format) if self.unet else None
-            self.state.begin_call(latent, step)
+            shape = get_ops(sample).shape(sample) if self.unet else ()
+            # a video UNet's sample is 5-D (batch first); its blocks see batch * frames items
+            self.state.begin_call(latent, step, videos=shape[0] if len(shape) == 5 else None)
             return None
         if len(get_ops(sample).shape(sample)) == 4:
             height, width = _spatial(sample, self.data_format)
@@ -636,6 +638,11 @@ def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any]
             f"nothing to patch: {type(obj).__qualname__} contains no transformer block ToMe knows "
             f"({', '.join(name for family in BLOCK_FAMILIES for name in family.classes)})"
             + (" outside temporal layers (their tokens are frames, which ToMe does not merge)" if temporal_only else "")
+        )
+    if config.frames > 1 and not any(temporal_modules(fw, model) for model in models):
+        raise ValueError(
+            f"frames_per_chunk={config.frames} merges across the frames of a video model, but "
+            f"{type(obj).__qualname__} holds no video UNet (no temporal layers); leave frames_per_chunk out"
         )
     for model in models:
         check_grids(fw, model)

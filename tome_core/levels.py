@@ -71,7 +71,7 @@ def warn_if_nothing_merges(config: ToMeConfig, finest_level: int, where: str) ->
         config.max_ratio_at(level) > 0 for level in LEVELS if finest_level <= level <= deepest
     ):
         reason = "matching='cell' with 1x1 cells pools nothing"
-    elif not any(ratio > 0 for ratio in (config.block_ratios or {}).values()) and not any(
+    elif (config.frames == 1 or config.across_frames == 0) and not any(ratio > 0 for ratio in (config.block_ratios or {}).values()) and not any(
         config.ratio_for(sublayer, level) > 0
         for sublayer, on in config.sublayers.items()
         if on

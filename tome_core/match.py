@@ -9,11 +9,11 @@ similar first, as tomesd orders them), then the destinations in grid order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .ops import Array, ArrayOps
-from .partition import cached, cell_table, neighbour_table, split
+from .partition import cached, cell_table, neighbour_table, split, window_table
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class Match:
     merged: int  # r
     representatives: Optional[Array] = None  # [B, N - r] the token each slot stands at (its destination)
     pool: Optional[Tuple[int, int, int, int]] = None  # (h, w, sx, sy) when the match is exact sx*sy pooling
+    frames: int = 1  # K > 1: a cross-frame match; its input [B * K, N / K, C] is read as [B, N, C] chunks
 
     @property
     def kept(self) -> int:
@@ -99,25 +100,45 @@ def assign(
     """
     batch, num_src = ops.shape(order)
     num_dst = ops.shape(dst)[0]
-    tokens = num_src + num_dst
-    kept = tokens - merged
-    rank = ops.reshape(ops.arange(num_src, order), (1, num_src))
-    dst_of_ranked = ops.take_along_axis(best_dst, order, axis=1)
-    ranked_slot = ops.where(rank >= merged, rank - merged, dst_of_ranked + (num_src - merged))
-    ranked_token = ops.reshape(ops.take(src, ops.reshape(order, (batch * num_src,)), axis=0), (batch, num_src))
-    dst_slot = ops.arange(num_dst, order) + (num_src - merged)
+    kept_sources = ops.take(_ranked_tokens(ops, order, src), ops.arange(num_src - merged, order) + merged, axis=1)
     dst_tokens = ops.broadcast_to(ops.reshape(dst, (1, num_dst)), (batch, num_dst))
-    kept_sources = ops.take(ranked_token, ops.arange(num_src - merged, order) + merged, axis=1)
-    representatives = ops.concat([kept_sources, dst_tokens], axis=1)
-    token = ops.concat([ranked_token, dst_tokens], axis=1)
-    row = ops.concat([ranked_slot, ops.broadcast_to(ops.reshape(dst_slot, (1, num_dst)), (batch, num_dst))], axis=1)
+    match = _assign(ops, order, best_dst, src, dst, None, num_dst, merged, like)
+    return replace(match, representatives=ops.concat([kept_sources, dst_tokens], axis=1))
+
+
+def _ranked_tokens(ops: ArrayOps, order: Array, src: Array) -> Array:
+    batch, num_src = ops.shape(order)
+    return ops.reshape(ops.take(src, ops.reshape(order, (batch * num_src,)), axis=0), (batch, num_src))
+
+
+def _assign(
+    ops: ArrayOps, order: Array, best_dst: Array, src: Array, dst: Array, dst_slot: Optional[Array], dst_kept: int,
+    merged: int, like: Array, frames: int = 1,
+) -> Match:
+    """Merge the first ``merged`` ranked sources into their best destinations, where destination ``j`` holds
+    slot ``dst_slot[b, j]`` of ``dst_kept`` destination slots (``None``: its own slot ``j``). Slots: kept
+    sources in rank order, then the destination slots."""
+    batch, num_src = ops.shape(order)
+    num_dst = ops.shape(dst)[0]
+    tokens = num_src + num_dst
+    kept = num_src - merged + dst_kept
+    if dst_slot is None:
+        dst_slot = ops.broadcast_to(ops.reshape(ops.arange(num_dst, order), (1, num_dst)), (batch, num_dst))
+        slot_of_ranked = ops.take_along_axis(best_dst, order, axis=1)
+    else:
+        slot_of_ranked = ops.take_along_axis(dst_slot, ops.take_along_axis(best_dst, order, axis=1), axis=1)
+    rank = ops.reshape(ops.arange(num_src, order), (1, num_src))
+    ranked_slot = ops.where(rank >= merged, rank - merged, slot_of_ranked + (num_src - merged))
+    dst_tokens = ops.broadcast_to(ops.reshape(dst, (1, num_dst)), (batch, num_dst))
+    token = ops.concat([_ranked_tokens(ops, order, src), dst_tokens], axis=1)
+    row = ops.concat([ranked_slot, dst_slot + (num_src - merged)], axis=1)
     row = row + ops.reshape(ops.arange(batch, order) * kept, (batch, 1))
     rows = ops.reshape(ops.scatter(ops.zeros((batch, tokens), order), token, row, axis=1), (batch * tokens,))
     sizes = ops.scatter_add(ops.zeros((batch * kept,), like), rows, ops.ones((batch * tokens,), like), axis=0)
     sizes = ops.reshape(sizes, (batch, kept, 1))
     return Match(
-        ops=ops, rows=rows, sizes=sizes, inverse_sizes=1 / sizes, batch=batch, tokens=tokens, merged=merged,
-        representatives=representatives,
+        ops=ops, rows=rows, sizes=sizes, inverse_sizes=1 / sizes, batch=batch, tokens=tokens, merged=tokens - kept,
+        frames=frames,
     )
 
 
@@ -165,6 +186,65 @@ def bipartite_matches(
                 identity_match(ops, batch, tokens) if count == 0 else assign(ops, order, best_dst, src, dst, count, metric)
             )
     return [matches[count] for count in merged]
+
+
+def chunk_matches(
+    ops: ArrayOps,
+    metric: Array,
+    frames: int,
+    reference: Array,
+    h: int,
+    w: int,
+    sx: int,
+    sy: int,
+    within: Sequence[int],
+    across: int,
+    offsets: Optional[Array],
+    window: int = 0,
+) -> List[Match]:
+    """Cross-frame matches (VidToMe's arrangement) of ``metric`` ``[B * K, N, C]``, the ``h*w`` tokens of each
+    of ``K = frames`` consecutive frames of ``B`` chunks, one :class:`Match` per entry of ``within``; each
+    turns a chunk's ``K * N`` tokens into one merged sequence.
+
+    Two choices, both from the input tokens: every token of the chunk's other frames finds its most similar
+    token of the reference frame (frame ``reference``, a Python int or a 1-element index array), and the
+    ``across`` best matched of them merge into it (the rest stay); the reference frame's own tokens are
+    matched as one frame is (:func:`bipartite_matches` with ``within`` merged, ``offsets``, ``window``), and a
+    token merged across frames follows its reference token into that token's slot. Slots: the other frames'
+    kept tokens, most similar first, then the reference frame's slots. A chunk of identical frames with every
+    other-frame token merged (``across = (K - 1) * N``) therefore merges exactly as its one frame alone. A
+    count that merges nothing at all gives the identity match of the frames (each attends on its own).
+    """
+    batch_frames, tokens, channels = ops.shape(metric)
+    if batch_frames % frames:
+        raise ValueError(f"a batch of {batch_frames} frames does not split into chunks of {frames}")
+    if across > (frames - 1) * tokens:
+        raise ValueError(f"cannot merge {across} of the {(frames - 1) * tokens} tokens of the other frames")
+    batch = batch_frames // frames
+    chunk = ops.reshape(metric, (batch, frames * tokens, channels))
+    position = ops.arange(tokens, metric)
+    ref = position + reference * tokens
+    other_frame = ops.arange(frames - 1, metric)
+    other_frame = other_frame + ops.as_index(other_frame >= reference)
+    src = ops.reshape(ops.reshape(other_frame * tokens, (frames - 1, 1)) + ops.reshape(position, (1, tokens)), ((frames - 1) * tokens,))
+    reference_matches = bipartite_matches(ops, ops.take(chunk, ref, axis=1), h, w, sx, sy, within, offsets, window)
+    num_src = (frames - 1) * tokens
+    if across:
+        near = None
+        if window:
+            table = window_table(ops, metric, h, w, window)
+            width = ops.shape(table)[1]
+            near = ops.reshape(ops.broadcast_to(ops.reshape(table, (1, tokens, width)), (frames - 1, tokens, width)), (num_src, width))
+        best, best_dst = best_destinations(ops, chunk, src, ref, near)
+        order = rank_sources(ops, best)
+    else:  # nothing crosses frames: every other-frame token keeps its own slot
+        order = ops.broadcast_to(ops.reshape(ops.arange(num_src, metric), (1, num_src)), (batch, num_src))
+        best_dst = order * 0
+    return [
+        _assign(ops, order, best_dst, src, ref, match.slot, match.kept, across, metric, frames)
+        if across or match.merged else identity_match(ops, batch_frames, tokens)
+        for match in reference_matches
+    ]
 
 
 def cell_match(ops: ArrayOps, like: Array, batch: int, h: int, w: int, sx: int, sy: int) -> Match:

@@ -12,7 +12,8 @@ from .ops import Array
 
 
 def merge(x: Array, match: Match) -> Array:
-    """``[B, N, C] -> [B, N - r, C]``; the identity when nothing merges."""
+    """``[B, N, C] -> [B, N - r, C]``; the identity when nothing merges. A cross-frame match (``frames = K``)
+    takes ``[B * K, N / K, C]``: each chunk of ``K`` consecutive items is one sequence."""
     if match.merged == 0:
         return x
     ops = match.ops
@@ -23,18 +24,19 @@ def merge(x: Array, match: Match) -> Array:
         return ops.mean(ops.reshape(rows, (batch, match.kept, sx, channels)), (2,))
     index = ops.broadcast_to(ops.reshape(match.rows, (batch * tokens, 1)), (batch * tokens, channels))
     rows = ops.reshape(x, (batch * tokens, channels))
-    summed = ops.scatter_add(ops.zeros((batch * match.kept, channels), x), index, rows, axis=0)
-    return ops.reshape(summed, (batch, match.kept, channels)) * ops.astype_like(match.inverse_sizes, x)
+    summed = ops.scatter_add(ops.zeros((match.batch * match.kept, channels), x), index, rows, axis=0)
+    return ops.reshape(summed, (match.batch, match.kept, channels)) * ops.astype_like(match.inverse_sizes, x)
 
 
 def unmerge(x: Array, match: Match) -> Array:
-    """``[B, N - r, C] -> [B, N, C]``; the identity when nothing merges."""
+    """``[B, N - r, C] -> [B, N, C]`` (``[B * K, N / K, C]`` for a cross-frame match); the identity when
+    nothing merges."""
     if match.merged == 0:
         return x
     ops = match.ops
     batch, kept, channels = ops.shape(x)
     rows = ops.take(ops.reshape(x, (batch * kept, channels)), match.rows, axis=0)
-    return ops.reshape(rows, (batch, match.tokens, channels))
+    return ops.reshape(rows, (batch * match.frames, match.tokens // match.frames, channels))
 
 
 def size_bias(match: Match, like: Array) -> Array:

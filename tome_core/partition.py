@@ -134,12 +134,25 @@ def _neighbours(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, wi
         cols.append(_clamp(ops, leftover % w // sx, wsx - 1))
     row = ops.concat(rows, axis=0) if len(rows) > 1 else rows[0]
     col = ops.concat(cols, axis=0) if len(cols) > 1 else cols[0]
-    num_src = ops.shape(row)[0]
+    return _within(ops, like, row, col, hsy, wsx, window)
+
+
+def window_table(ops: ArrayOps, like: Array, h: int, w: int, window: int) -> Array:
+    """``[h*w, (2*window+1)**2]``: for each token of an ``h x w`` grid, the tokens within ``window`` rows and
+    columns of it (clamped at the borders, so some repeat). Depends on shapes only."""
+    return cached(ops, like, ("window", h, w, window), lambda: _within(
+        ops, like, ops.arange(h * w, like) // w, ops.arange(h * w, like) % w, h, w, window
+    ))
+
+
+def _within(ops: ArrayOps, like: Array, row: Array, col: Array, rows: int, cols: int, window: int) -> Array:
+    """``[S, (2*window+1)**2]`` positions of a ``rows x cols`` grid within ``window`` of each ``(row, col)``."""
+    count = ops.shape(row)[0]
     side = 2 * window + 1
     step = ops.arange(side, like) - window
-    near_row = _clamp(ops, ops.reshape(row, (num_src, 1, 1)) + ops.reshape(step, (1, side, 1)), hsy - 1)
-    near_col = _clamp(ops, ops.reshape(col, (num_src, 1, 1)) + ops.reshape(step, (1, 1, side)), wsx - 1)
-    return ops.reshape(near_row * wsx + near_col, (num_src, side * side))
+    near_row = _clamp(ops, ops.reshape(row, (count, 1, 1)) + ops.reshape(step, (1, side, 1)), rows - 1)
+    near_col = _clamp(ops, ops.reshape(col, (count, 1, 1)) + ops.reshape(step, (1, 1, side)), cols - 1)
+    return ops.reshape(near_row * cols + near_col, (count, side * side))
 
 
 def _clamp(ops: ArrayOps, x: Array, high: int) -> Array:

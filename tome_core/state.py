@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional, Tuple
 from .backend import get_ops
 from .config import ToMeConfig
 from .levels import block_grid, downsample_factor, level_grid
-from .match import Match, bipartite_matches, cell_match, identity_match
+from .match import Match, bipartite_matches, cell_match, chunk_matches, identity_match
 from .partition import random_offsets
 
 
@@ -19,6 +19,7 @@ class LevelStats:
     blocks: int = 0
     tokens: int = 0
     kept: int = 0
+    frames: int = 1  # > 1: tokens and kept count a chunk of this many frames (cross-frame merging)
 
 
 @dataclass
@@ -34,6 +35,7 @@ class ToMeState:
     config: ToMeConfig
     finest_level: int = 1
     latent_hw: Optional[Tuple[int, int]] = None
+    videos: Optional[int] = None  # the batch of a video model's call (its blocks see videos * frames items)
     grid_hw: Optional[Tuple[int, int]] = None
     step: Any = 0
     stats: Dict[int, LevelStats] = field(default_factory=dict)
@@ -64,8 +66,9 @@ class ToMeState:
         config = self.active
         kind = "keys/values" if config.mode == "kv" else "queries" if config.mode == "queries" else "tokens"
         how = lambda factor: "x".join(map(str, config.cell_at(factor))) + " cells" if config.matching == "cell" else "similarity"
+        chunk = lambda level: f" (chunks of {level.frames} frames)" if level.frames > 1 else ""
         lines = [
-            f"  1/{factor} scale: {level.blocks} blocks, {level.tokens} -> {level.kept} {kind}"
+            f"  1/{factor} scale: {level.blocks} blocks, {level.tokens} -> {level.kept} {kind}{chunk(level)}"
             f" ({1 - level.kept / level.tokens:.0%} merged; {config.mode}, {how(factor)})"
             for factor, level in sorted(self.stats.items())
         ]
@@ -75,8 +78,9 @@ class ToMeState:
         """Whether ``sublayer`` ("attn", "crossattn" or "mlp") is wrapped in merge/unmerge."""
         return self.config.sublayers[sublayer]
 
-    def begin_call(self, latent_hw: Optional[Tuple[int, int]], step: Any) -> None:
-        """Start a model call on a latent of ``latent_hw`` (None: the first grid seen) at ``step``."""
+    def begin_call(self, latent_hw: Optional[Tuple[int, int]], step: Any, videos: Optional[int] = None) -> None:
+        """Start a model call on a latent of ``latent_hw`` (None: the first grid seen) at ``step``; ``videos``:
+        the batch of a video model's call (None: not a video call)."""
         if self.config.reuse_steps == 1:
             self.cache = {}  # also where reuse_blocks keeps its matches within the call
         else:  # the call counter is read only here, so compiled models do not specialise on it otherwise
@@ -84,6 +88,7 @@ class ToMeState:
                 self.cache = {}
             self.calls += 1
         self.latent_hw = latent_hw
+        self.videos = videos
         self.grid_hw = None
         self.step = step
         self.stats = {}
@@ -118,28 +123,32 @@ class ToMeState:
             for sublayer, on in config.sublayers.items()
             if on
         }
+        frames = self._chunk(batch) if factor <= self.max_downsample else 1
         reuse = config.reuse_level or config.reuse_steps > 1 or config.reuse_blocks > 1
         first = stream - stream % config.reuse_blocks  # the block whose match a run of reuse_blocks shares
-        key = (factor if config.reuse_level else ("block", first), batch, tokens, shared, block_ratio)
+        key = (factor if config.reuse_level else ("block", first), batch, tokens, shared, block_ratio, frames)
         matches = self.cache.get(key) if reuse else None
         if matches is None:
-            matches = self._match(ops, metric, latent, factor, merged, first, shared)
+            matches = self._match(ops, metric, latent, factor, merged, first, shared, frames)
             if reuse:
                 self.cache[key] = matches
-        if merged and any(merged.values()):
-            shown = matches["attn"] if "attn" in matches else next(iter(matches.values()))
+        shown = matches["attn"] if "attn" in matches else next(iter(matches.values()), None)
+        if (merged and any(merged.values())) or (shown is not None and shown.merged):
             level = self.stats.setdefault(factor, LevelStats())
             level.blocks += 1
-            level.tokens = tokens
+            level.tokens = shown.tokens
             level.kept = shown.kept
+            level.frames = shown.frames
         return matches
 
     def _match(
         self, ops: Any, metric: Any, latent: Tuple[int, int], factor: int, merged: Dict[str, int], stream: int,
-        shared: bool,
+        shared: bool, frames: int = 1,
     ) -> Dict[str, Match]:
         tokens = ops.shape(metric)[1]
-        if not any(merged.values()):
+        config = self.active
+        across = int((frames - 1) * tokens * config.across_frames) if factor <= self.max_downsample else 0
+        if not any(merged.values()) and not across:
             identity = identity_match(ops, ops.shape(metric)[0], tokens)
             return {sublayer: identity for sublayer in merged}
         config = self.active
@@ -153,5 +162,29 @@ class ToMeState:
             if config.use_rand and (h // sy) * (w // sx) > 0
             else None
         )
-        found = bipartite_matches(ops, metric, h, w, sx, sy, list(merged.values()), offsets, config.local_window, shared)
+        if frames > 1:
+            # the reference frame of every chunk: drawn like a destination in a 1 x K cell, from the next seed
+            reference = (
+                ops.reshape(random_offsets(ops, metric, 1, frames, frames, 1, config.seed + 1, self.step, stream), (1,))
+                if config.use_rand
+                else frames // 2
+            )
+            found = chunk_matches(ops, metric, frames, reference, h, w, sx, sy, list(merged.values()), across, offsets, config.local_window)
+        else:
+            found = bipartite_matches(ops, metric, h, w, sx, sy, list(merged.values()), offsets, config.local_window, shared)
         return dict(zip(merged, found))
+
+    def _chunk(self, batch: int) -> int:
+        """Frames per chunk of cross-frame merging for a block whose input holds ``batch`` items: 1 unless the
+        options ask for it and this is a video call."""
+        chunk = self.active.frames
+        if chunk == 1 or not self.videos:
+            return 1
+        frames = batch // self.videos
+        if frames * self.videos != batch or frames % chunk:
+            raise ValueError(
+                f"frames_per_chunk={chunk} must divide the number of frames, but this call has {frames} frames "
+                f"({batch} frame latents for a batch of {self.videos}); choose one of "
+                f"{', '.join(str(d) for d in range(1, frames + 1) if frames % d == 0)}"
+            )
+        return chunk
