@@ -150,3 +150,183 @@ class ComposeMatrix:
 def compose_matrix():
     """:class:`ComposeMatrix`, to build per test module."""
     return ComposeMatrix
+
+
+class VideoChecks:
+    """What the video UNet tests (tests/*/test_video.py) observe and demand, the same on every backend: the shape
+    of the hidden states every attention module (attn1/attn2) receives, unpatched and patched, against the
+    counts the grid gives (spatial self-attention merged per frame, temporal attention always the frame count).
+
+    ``tome``: the backend's module (``patch``, ``remove``, ``patched_models``). ``call(model, frames, height,
+    width, batch)``: one seeded call of a video UNet. ``pre_hook(module, fn)``: registers ``fn(shape)``, called
+    with the shape of the hidden states the module receives, after the hooks registered before it (ToMe's: it
+    sees merged inputs); returns a handle with ``remove()``. ``modules(model)``: its ``(name, module)`` pairs.
+    ``hooked(module)``: whether the module carries any forward hook. ``framework``: the adapter's
+    :class:`tome_core.driver.Framework` (``FRAMEWORK``).
+    """
+
+    # Where the temporal layers of these UNets live (module names): motion modules (AnimateDiff), temporal
+    # transformers (UNet3D), SVD's temporal blocks. Independent of the driver's class table.
+    TEMPORAL_NAMES = ("motion_modules", "temp_attentions", "transformer_in", "temporal_transformer_blocks")
+    SPATIAL_CONTAINERS = ("Transformer2DModel", "TransformerSpatioTemporalModel")
+
+    def __init__(self, tome, call, pre_hook, modules, hooked, framework):
+        self.tome, self.call, self.pre_hook, self.modules, self.hooked = tome, call, pre_hook, modules, hooked
+        self.framework = framework
+
+    @classmethod
+    def is_temporal(cls, name: str) -> bool:
+        return any(part in cls.TEMPORAL_NAMES for part in name.split("."))
+
+    def record_attention(self, model):
+        """``{name: [shape, ...]}`` of the hidden states every attention module receives, and the hook handles."""
+        seen, handles = {}, []
+        for name, module in self.modules(model):
+            if name.rsplit(".", 1)[-1] in ("attn1", "attn2"):
+                handles.append(self.pre_hook(module, lambda shape, name=name: seen.setdefault(name, []).append(shape)))
+        return seen, handles
+
+    def observe(self, model, ratio, frames, hw, **options):
+        """Shapes seen by each attention, unpatched and patched, and the patch's statistics (the model is left
+        unpatched); batch 2."""
+        plain, handles = self.record_attention(model)
+        try:
+            self.call(model, frames, hw, hw, 2)
+        finally:
+            for handle in handles:
+                handle.remove()
+        self.tome.patch(model, ratio=ratio, **options)
+        patched, handles = self.record_attention(model)  # after ToMe's hooks: they see the merged inputs
+        try:
+            self.call(model, frames, hw, hw, 2)
+            stats = dict(self.tome.patched_models(model)[0].state.stats)
+        finally:
+            self.tome.remove(model)
+            for handle in handles:
+                handle.remove()
+        return plain, patched, stats
+
+    def check_blocks_found(self, model):
+        """The driver finds exactly the spatial BasicTransformerBlocks (down, mid, two up at the attention
+        levels), none inside temporal layers; the model is the one to patch; its finest attention level is 1."""
+        from tome_core import driver
+
+        names = {id(m): n for n, m in self.modules(model)}
+        found = [names[id(block)] for block, _ in driver.blocks_of(self.framework, model)]
+        spatial = [n for n, m in self.modules(model) if type(m).__name__ == "BasicTransformerBlock" and not self.is_temporal(n)]
+        assert found == spatial and len(spatial) == 4
+        temporal = [n for n, m in self.modules(model) if n.endswith("attn1") and self.is_temporal(n)]
+        assert temporal  # the model has temporal attention, and none of it is in a found block
+        assert not any(t.startswith(f + ".") for t in temporal for f in found)
+        assert driver.finest_level(self.framework, model) == 1
+        assert driver.find_models(self.framework, model) == [model]
+
+    def check_finest_level_two(self, model):
+        """AnimateDiff on an SDXL-like UNet (no spatial attention at full resolution, motion modules everywhere):
+        the finest attention level is 2, so max_downsample=None merges there, 16 frames being 16 tokens there;
+        motion modules do not count."""
+        from tome_core import driver
+
+        assert driver.finest_level(self.framework, model) == 2
+        plain, patched, stats = self.observe(model, 0.5, 16, 8, max_downsample=None)
+        assert {level: (s.blocks, s.tokens, s.kept) for level, s in stats.items()} == {2: (4, 16, 8)}
+        assert all(plain[name] == patched[name] for name in plain if self.is_temporal(name))
+
+    def check_token_counts(self, model, max_downsample, frames=4, hw=8, ratio=0.5):
+        """Spatial self-attention sees N - int(N * ratio) per frame at the merged levels (N from the grid the
+        unpatched model gives it); every temporal attention sees exactly the frame count, as unpatched."""
+        plain, patched, stats = self.observe(model, ratio, frames, hw, max_downsample=max_downsample)
+        merged_levels = {1: hw * hw, 2: (hw // 2) ** 2}
+        spatial_level_blocks = {}
+        for name, shapes in plain.items():
+            assert patched[name][0][0] == shapes[0][0]  # batch dims unchanged
+            if self.is_temporal(name):
+                assert all(shape[1] == frames for shape in shapes + patched[name]), name
+                continue
+            tokens = shapes[0][1]
+            assert shapes[0][0] == 2 * frames  # (batch * frames) sequences, one per frame
+            level = {v: k for k, v in merged_levels.items()}[tokens]
+            if name.endswith("attn1") and level <= max_downsample:
+                assert patched[name][0][1] == tokens - int(tokens * ratio), name
+                spatial_level_blocks[level] = spatial_level_blocks.get(level, 0) + 1
+            else:  # cross-attention (merge_crossattn=False by default) and levels above max_downsample
+                assert patched[name][0][1] == tokens, name
+        # stats count spatial blocks only
+        assert {level: (s.blocks, s.tokens, s.kept) for level, s in stats.items()} == {
+            level: (count, merged_levels[level], merged_levels[level] // 2) for level, count in spatial_level_blocks.items()
+        }
+
+    def check_frames_equal_level_tokens(self, model):
+        """A 4x4 latent (16 tokens at level 1) with 16 frames (16 tokens per temporal sequence), and
+        max_downsample=2 where the 2x2 level has 4 tokens: temporal attention stays at 16 frames, and the
+        temporal layers carry no hook while patched."""
+        frames, hw = 16, 4
+        plain, patched, stats = self.observe(model, 0.5, frames, hw, max_downsample=2)
+        temporal = [name for name in plain if self.is_temporal(name)]
+        assert temporal
+        for name in temporal:
+            assert plain[name] == patched[name], name
+            assert all(shape[1] == frames for shape in patched[name])
+        for name in plain:
+            if not self.is_temporal(name) and name.endswith("attn1"):
+                tokens = plain[name][0][1]
+                assert patched[name][0][1] == tokens - tokens // 2
+        assert {level: s.blocks for level, s in stats.items()} == {1: 3, 2: 1}  # spatial blocks only
+        self.tome.patch(model, ratio=0.5, max_downsample=2)
+        try:
+            assert [n for n, m in self.modules(model) if self.is_temporal(n) and self.hooked(m)] == []
+        finally:
+            self.tome.remove(model)
+
+    def check_container_grids(self, model, frames=3, height=7, width=5):
+        """Each spatial block's grid is its container's 4-D input (batch * frames, C, H, W), also on a
+        non-square odd latent (batch 1)."""
+        self.tome.patch(model, ratio=0.5, max_downsample=2)
+        state = self.tome.patched_models(model)[0].state
+        last, seen, handles = {}, [], []
+        try:
+            for name, module in self.modules(model):
+                if type(module).__name__ in self.SPATIAL_CONTAINERS:
+                    handles.append(self.pre_hook(module, lambda shape: last.update(grid=tuple(shape[-2:]))))
+                elif name.endswith("attn1") and not self.is_temporal(name):
+                    handles.append(self.pre_hook(module, lambda shape: seen.append((state.grid_hw, last["grid"], shape[0]))))
+            self.call(model, frames, height, width, 1)
+        finally:
+            self.tome.remove(model)
+            for handle in handles:
+                handle.remove()
+        assert len(seen) == 4
+        assert all(grid == container for grid, container, _ in seen)
+        assert {grid for grid, _, _ in seen} == {(height, width), ((height + 1) // 2, (width + 1) // 2)}
+        assert all(rows == frames for _, _, rows in seen)
+
+    def check_block_indices(self, model):
+        """Block indices count spatial blocks only: block 0 merges one spatial self-attention; index 4 (the
+        fifth, of four spatial blocks) is refused."""
+        plain, patched, _ = self.observe(model, 0.5, 4, 8, blocks=[0])
+        merged = [n for n in plain if n.endswith("attn1") and patched[n][0][1] != plain[n][0][1]]
+        assert len(merged) == 1 and not self.is_temporal(merged[0])
+        with pytest.raises(ValueError, match="index 4 is out of range"):
+            self.tome.patch(model, ratio=0.5, blocks=[4])
+
+    def check_pipeline(self, pipe, run):
+        """A video pipeline patched at ratio 0.5 gives finite frames that differ from unpatched, the same on a
+        second call, merges its UNet's three level-1 spatial blocks (64 -> 32 tokens on the 8x8 latent) and
+        nothing else, and gives the unpatched frames again once removed. ``run(pipe)``: its frames (numpy)."""
+        plain = run(pipe)
+        self.tome.patch(pipe, ratio=0.5)
+        assert [type(p.model).__name__ for p in self.tome.patched_models(pipe)] == [type(pipe.unet).__name__]
+        patched = run(pipe)
+        assert np.isfinite(patched).all()
+        assert np.abs(patched - plain).max() > 1e-4
+        np.testing.assert_array_equal(run(pipe), patched)
+        stats = self.tome.patched_models(pipe)[0].state.stats
+        assert {level: (s.blocks, s.tokens, s.kept) for level, s in stats.items()} == {1: (3, 64, 32)}
+        self.tome.remove(pipe)
+        np.testing.assert_array_equal(run(pipe), plain)
+
+
+@pytest.fixture(scope="session")
+def video_checks():
+    """:class:`VideoChecks`, to build per backend."""
+    return VideoChecks
