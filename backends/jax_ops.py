@@ -135,6 +135,9 @@ class JaxOps:
     def mean(self, x, axes):
         return jnp.mean(x, axis=axes)
 
+    def stop_gradient(self, x):
+        return jax.lax.stop_gradient(x)
+
     def vector_norm(self, x):
         return _vector_norm(x)
 

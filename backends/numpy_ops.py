@@ -54,6 +54,9 @@ class NumpyOps:
     def mean(self, x, axes):
         return x.mean(axis=axes)
 
+    def stop_gradient(self, x):
+        return x
+
     def vector_norm(self, x):
         return np.sqrt(np.sum(x * x, axis=-1, keepdims=True))
 

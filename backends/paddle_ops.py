@@ -58,6 +58,9 @@ class PaddleOps:
     def mean(self, x, axes):
         return x.mean(axis=list(axes))
 
+    def stop_gradient(self, x):
+        return x.detach()
+
     def vector_norm(self, x):
         # Not sqrt(sum(x * x)): paddle's vectorised sqrt is off by an ulp from numpy's, which changes which
         # of two tied similarities wins; p_norm matches numpy bit for bit.

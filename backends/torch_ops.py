@@ -53,6 +53,9 @@ class TorchOps:
     def mean(self, x, axes):
         return x.mean(dim=axes)
 
+    def stop_gradient(self, x):
+        return x.detach()
+
     def vector_norm(self, x):
         return torch.linalg.vector_norm(x, dim=-1, keepdim=True)
 

@@ -61,6 +61,10 @@ class ArrayOps(Protocol):
     def mean(self, x: Array, axes: Tuple[int, ...]) -> Array:
         """Mean over ``axes`` (dropped), in ``x``'s dtype."""
 
+    def stop_gradient(self, x: Array) -> Array:
+        """``x`` cut from automatic differentiation (the match is a discrete choice: no gradient flows through
+        it, and nothing of its computation needs to be kept for the backward pass)."""
+
     def vector_norm(self, x: Array) -> Array:
         """Euclidean norm over the last axis, kept as a size-1 axis."""
 

@@ -109,6 +109,7 @@ class ToMeState:
         ``block_ratios``, if any.
         """
         ops = get_ops(metric)
+        metric = ops.stop_gradient(metric)  # a discrete choice: training keeps nothing of it for backward
         batch, tokens = ops.shape(metric)[:2]
         latent = self.latent_hw or self.grid_hw
         if latent is None:
