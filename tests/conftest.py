@@ -309,19 +309,44 @@ class VideoChecks:
         with pytest.raises(ValueError, match="index 4 is out of range"):
             self.tome.patch(model, ratio=0.5, blocks=[4])
 
-    def check_pipeline(self, pipe, run):
-        """A video pipeline patched at ratio 0.5 gives finite frames that differ from unpatched, the same on a
-        second call, merges its UNet's three level-1 spatial blocks (64 -> 32 tokens on the 8x8 latent) and
-        nothing else, and gives the unpatched frames again once removed. ``run(pipe)``: its frames (numpy)."""
+    @staticmethod
+    def chunk_tokens(frames_per_chunk: int, tokens: int, ratio: float, frame_ratio: float = 0.9) -> int:
+        """Tokens a chunk's self-attention sees when merging across frames: the other frames' unmerged tokens
+        and the reference frame's."""
+        other = (frames_per_chunk - 1) * tokens
+        return other - int(other * frame_ratio) + tokens - int(tokens * ratio)
+
+    def check_cross_frame_token_counts(self, model, frames_per_chunk, frames=4, hw=8, ratio=0.5):
+        """With ``frames_per_chunk``, spatial self-attention runs once per chunk on the merged tokens of its
+        frames; cross-attention keeps one sequence per frame; temporal attention is untouched."""
+        plain, patched, stats = self.observe(model, ratio, frames, hw, frames_per_chunk=frames_per_chunk)
+        tokens = hw * hw
+        kept = self.chunk_tokens(frames_per_chunk, tokens, ratio)
+        for name, shapes in plain.items():
+            if self.is_temporal(name) or name.endswith("attn2") or shapes[0][1] != tokens:
+                assert patched[name] == shapes, name
+            else:
+                assert patched[name][0][:2] == (2 * frames // frames_per_chunk, kept), name
+        assert {level: (s.blocks, s.tokens, s.kept, s.frames) for level, s in stats.items()} == {
+            1: (3, tokens * frames_per_chunk, kept, frames_per_chunk)
+        }
+
+    def check_pipeline(self, pipe, run, **options):
+        """A video pipeline patched at ratio 0.5 (and ``options``) gives finite frames that differ from
+        unpatched, the same on a second call, merges its UNet's three level-1 spatial blocks (64 tokens per frame
+        on the 8x8 latent, per frame or per chunk of frames) and nothing else, and gives the unpatched frames
+        again once removed. ``run(pipe)``: its frames (numpy)."""
         plain = run(pipe)
-        self.tome.patch(pipe, ratio=0.5)
+        self.tome.patch(pipe, ratio=0.5, **options)
         assert [type(p.model).__name__ for p in self.tome.patched_models(pipe)] == [type(pipe.unet).__name__]
         patched = run(pipe)
         assert np.isfinite(patched).all()
         assert np.abs(patched - plain).max() > 1e-4
         np.testing.assert_array_equal(run(pipe), patched)
         stats = self.tome.patched_models(pipe)[0].state.stats
-        assert {level: (s.blocks, s.tokens, s.kept) for level, s in stats.items()} == {1: (3, 64, 32)}
+        chunk = options.get("frames_per_chunk", 1)
+        kept = self.chunk_tokens(chunk, 64, 0.5) if chunk > 1 else 32
+        assert {level: (s.blocks, s.tokens, s.kept) for level, s in stats.items()} == {1: (3, 64 * chunk, kept)}
         self.tome.remove(pipe)
         np.testing.assert_array_equal(run(pipe), plain)
 

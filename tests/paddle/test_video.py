@@ -1,8 +1,8 @@
 """Video UNets (ppdiffusers 0.29): AnimateDiff's UNetMotionModel, SVD's UNetSpatioTemporalConditionModel and the
 text-to-video UNet3DConditionModel, and their pipelines, on the tiny random-weight configs of the torch tests.
 
-Spatial transformer blocks merge per frame on their real grid; temporal blocks (tokens = frames) are never
-merged and get no hook. Oracles: the unpatched model, and token counts from the grid (what each attention
+Spatial transformer blocks merge per frame on their real grid, or across the frames of a chunk
+(``frames_per_chunk``); temporal blocks (tokens = frames) are never merged and get no hook. Oracles: the unpatched model, and token counts from the grid (what each attention
 layer really receives, recorded by forward pre-hooks that run after ToMe's). The checks themselves are
 framework-free and shared with the torch suite (tests/conftest.py ``VideoChecks``).
 """
@@ -87,11 +87,12 @@ def test_ratio_zero_is_exact(video):
         tome.remove(model)
 
 
-def test_patch_changes_output_and_remove_is_exact(video):
+@pytest.mark.parametrize("options", [{}, dict(frames_per_chunk=2, frame_ratio=0.5)], ids=["per-frame", "across-frames"])
+def test_patch_changes_output_and_remove_is_exact(video, options):
     kind, model = video
     state = {k: v.numpy().copy() for k, v in model.state_dict().items()}
     plain = call(model).numpy()
-    tome.patch(model, ratio=0.5)
+    tome.patch(model, ratio=0.5, **options)
     try:
         patched = call(model).numpy()
         np.testing.assert_array_equal(call(model).numpy(), patched)
@@ -153,3 +154,28 @@ def test_pipeline_end_to_end(kind, checks):
     pipe, kwargs = build_video_pipeline(kind)
     pipe.set_progress_bar_config(disable=True)
     checks.check_pipeline(pipe, lambda pipe: run_pipeline(pipe, kwargs))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Merging across frames (frames_per_chunk); tests/paddle/test_torch_parity.py checks its outputs against torch's
+
+
+@pytest.mark.parametrize("frames_per_chunk", [2, 4])
+def test_cross_frame_token_counts(video, checks, frames_per_chunk):
+    checks.check_cross_frame_token_counts(video[1], frames_per_chunk)
+
+
+def test_cross_frame_count_must_divide_the_frames(video):
+    kind, model = video
+    tome.patch(model, ratio=0.5, frames_per_chunk=4)
+    try:
+        with pytest.raises(ValueError, match="frames_per_chunk=4 must divide the number of frames, but this call has 6"):
+            call(model, frames=6)
+    finally:
+        tome.remove(model)
+
+
+def test_cross_frame_pipeline(checks):
+    pipe, kwargs = build_video_pipeline("animatediff")
+    pipe.set_progress_bar_config(disable=True)
+    checks.check_pipeline(pipe, lambda pipe: run_pipeline(pipe, kwargs), frames_per_chunk=2)
