@@ -1,5 +1,5 @@
-"""Cross-framework parity: one UNet's (and one SD3 transformer's) weights in torch diffusers and in ppdiffusers,
-patched by each adapter.
+"""Cross-framework parity: one UNet's (and one SD3 transformer's, and the video UNets') weights in torch diffusers
+and in ppdiffusers, patched by each adapter.
 
 The partition is a hash of (seed, timestep, block) computed by the shared core, so the patched outputs agree
 with use_rand=True as well as with use_rand=False. Needs torch + diffusers beside paddle + ppdiffusers: runs
@@ -18,7 +18,9 @@ import pytest
 import tome_core.paddle as tome_paddle
 from tome_core.adapters.ppdiffusers_models import build_transformer as build_paddle_transformer
 from tome_core.adapters.ppdiffusers_models import build_unet as build_paddle_unet
-from tome_core.presets import transformer_config, unet_config
+from tome_core.adapters.ppdiffusers_models import build_video_unet as build_paddle_video_unet
+from tome_core.adapters.ppdiffusers_models import video_unet_inputs
+from tome_core.presets import transformer_config, unet_config, video_unet_config
 
 if "torch" not in os.environ.get("TOME_TEST_BACKENDS", "").split(","):
     pytest.skip("torch not in TOME_TEST_BACKENDS (run nox -s tests-paddle-torch)", allow_module_level=True)
@@ -243,3 +245,84 @@ def test_sd3_cell_matching_agrees(sd3_pair, options):
         sd3_pair.torch_model, sd3_pair.paddle_model, sd3_pair.run_torch, sd3_pair.run_paddle,
         {**options, "use_rand": False}, (500.0, 37.0),
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Video UNets (#14): AnimateDiff's UNetMotionModel and the text-to-video UNet3DConditionModel with the same
+# weights, spatial blocks merged per frame or across frames; SVD at batch 1 (see test_ppdiffusers_svd_mixes_the_batch)
+
+
+def torch_video_unet(kind: str) -> torch.nn.Module:
+    """The torch twin of ppdiffusers_models.build_video_unet (diffusers_models' own builder imports
+    transformers, which this session does not install)."""
+    torch.manual_seed(0)
+    if kind == "animatediff":
+        unet = diffusers.UNet2DConditionModel(**video_unet_config("tiny-video-sd")[1])
+        return diffusers.UNetMotionModel.from_unet2d(unet, diffusers.MotionAdapter(**video_unet_config("tiny-animatediff")[1])).eval()
+    name, config = video_unet_config("tiny-svd" if kind == "svd" else "tiny-text-to-video")
+    return getattr(diffusers, name)(**config).eval()
+
+
+class VideoPair:
+    """One tiny video UNet and its inputs (4 frames of an 8x8 latent) in both frameworks."""
+
+    def __init__(self, kind: str, batch: int = 2):
+        self.torch_model = torch_video_unet(kind)
+        self.paddle_model = build_paddle_video_unet(kind)
+        torch_to_paddle(self.torch_model, self.paddle_model)
+        self.inputs = video_unet_inputs(self.paddle_model, 4, 8, 8, batch=batch, seed=1)
+
+    def run_torch(self, timestep: float) -> np.ndarray:
+        kwargs = {k: torch.from_numpy(v.numpy()) for k, v in self.inputs.items()}
+        kwargs["timestep"] = torch.tensor(timestep, dtype=kwargs["timestep"].dtype)
+        if isinstance(self.torch_model, diffusers.UNetMotionModel):  # diffusers takes the text per frame
+            kwargs["encoder_hidden_states"] = kwargs["encoder_hidden_states"].repeat_interleave(4, dim=0)
+        with torch.no_grad():
+            return self.torch_model(**kwargs).sample.numpy()
+
+    def run_paddle(self, timestep: float) -> np.ndarray:
+        kwargs = dict(self.inputs, timestep=paddle.to_tensor(timestep, dtype=self.inputs["timestep"].dtype))
+        with paddle.no_grad():
+            return self.paddle_model(**kwargs).sample.numpy()
+
+
+@pytest.fixture(scope="module", params=["animatediff", "text-to-video", "svd"])
+def video_pair(request):
+    return VideoPair(request.param, batch=1 if request.param == "svd" else 2)
+
+
+VIDEO_CASES = [
+    dict(),
+    dict(max_downsample=2, merge_crossattn=True, merge_mlp=True),
+    # merging across frames: chunks of frames around a reference frame (the reference drawn per step with use_rand)
+    dict(frames_per_chunk=2),
+    dict(frames_per_chunk=4, frame_ratio=0.5),
+]
+
+
+def test_unpatched_video_models_agree(video_pair):
+    assert relative_error(video_pair.run_paddle(500), video_pair.run_torch(500)) < 1e-5
+
+
+@pytest.mark.parametrize("use_rand", [False, True])
+@pytest.mark.parametrize("options", VIDEO_CASES, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "defaults")
+def test_patched_video_models_agree(video_pair, options, use_rand):
+    """At timesteps 500 and 250 (per frame, the similarity scores on either side of every cut are at least 6.7e-5
+    apart there); at 37 the random partition of text-to-video's block 1 leaves two sources 1.2e-7 apart at one
+    frame's cut, which float rounding (~1e-6 between the frameworks) decides either way."""
+    options = {"ratio": 0.5, **options, "use_rand": use_rand}
+    assert_patched_agree(
+        video_pair.torch_model, video_pair.paddle_model, video_pair.run_torch, video_pair.run_paddle, options, (500, 250)
+    )
+
+
+def test_ppdiffusers_svd_mixes_the_batch():
+    """ppdiffusers 0.29's TransformerSpatioTemporalModel broadcasts the image embedding (the temporal blocks'
+    cross-attention context) in (pixel, video) order but reads it in (video, pixel) order: with two videos in a
+    batch (a pipeline's guided and unguided halves) pixels attend to the other video's embedding. diffusers fixed
+    this; unpatched outputs then differ, and agree again when both videos share one embedding."""
+    pair = VideoPair("svd", batch=2)
+    assert relative_error(pair.run_paddle(500.0), pair.run_torch(500.0)) > 1e-2
+    text = pair.inputs["encoder_hidden_states"]
+    pair.inputs["encoder_hidden_states"] = paddle.concat([text[:1], text[:1]])
+    assert relative_error(pair.run_paddle(500.0), pair.run_torch(500.0)) < 1e-5
