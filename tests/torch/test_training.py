@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import os
 import socket
 import time
@@ -31,6 +32,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from diffusers import Transformer2DModel
 from torch.func import functional_call
 
@@ -152,7 +154,18 @@ def count_block_calls(unet: torch.nn.Module) -> List[int]:
     return counter
 
 
-def test_gradient_checkpointing_gives_the_same_gradients():
+def enable_checkpointing(unet: torch.nn.Module, reentrant: bool) -> None:
+    """diffusers' checkpointing: non-reentrant (its default), or torch's reentrant variant (which runs the forward
+    without grad and recomputes from detached copies of the inputs)."""
+    if reentrant:
+        checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=True)
+        unet.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint)
+    else:
+        unet.enable_gradient_checkpointing()
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_gradient_checkpointing_gives_the_same_gradients(reentrant: bool):
     """With use_rand=True the recomputed forward draws the same partition: gradients equal those without
     checkpointing; another seed (another partition) gives other gradients, so the comparison can fail."""
     unet = build_unet("tiny", seed=0).train()
@@ -162,11 +175,12 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     loss_plain, plain = step_grads(unet, lambda: unet_loss(unet, batch))
     summary = merged_summary(unet)
     assert calls[0] == 1
-    unet.enable_gradient_checkpointing()
+    enable_checkpointing(unet, reentrant)
     loss_checkpointed, checkpointed = step_grads(unet, lambda: unet_loss(unet, batch))
     assert calls[0] == 3  # forward + recomputation in backward: checkpointing was on
-    assert merged_summary(unet) == summary  # recomputed blocks are not counted twice
-    assert torch.equal(loss_plain, loss_checkpointed)
+    if not reentrant:  # (a reentrant recomputation is not recognised as one: see the two-call test)
+        assert merged_summary(unet) == summary  # recomputed blocks are not counted twice
+    torch.testing.assert_close(loss_checkpointed, loss_plain, rtol=1e-6, atol=0)
     assert relative_error(checkpointed, plain) < 1e-6
     unet.disable_gradient_checkpointing()
     tome.patch(unet, ratio=0.5, use_rand=True, seed=1)
@@ -174,8 +188,17 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert relative_error(other_partition, plain) > 1e-3
 
 
+REENTRANT_BUG = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="library bug: reentrant checkpointing recomputes a block from a detached copy of its input, which the "
+    "driver does not recognise as a recomputation: it matches again with the state of the model's last call",
+)
+
+
+@pytest.mark.parametrize("reentrant", [False, pytest.param(True, marks=REENTRANT_BUG)], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("second", ["other-timestep", "other-size"])
-def test_gradient_checkpointing_two_calls_before_backward(second: str):
+def test_gradient_checkpointing_two_calls_before_backward(second: str, reentrant: bool):
     """Two UNet calls, one backward (a loss over two noise levels, or two resolutions): checkpointed gradients
     equal the plain ones. The first call's blocks are recomputed after the second call has run, when the
     model's state is the second call's: a recomputed block must use the match of its own forward (reading the
@@ -195,7 +218,7 @@ def test_gradient_checkpointing_two_calls_before_backward(second: str):
         other = (latent, first[1], first[2], target)
     loss = lambda: unet_loss(unet, first) + unet_loss(unet, other)
     _, plain = step_grads(unet, loss)
-    unet.enable_gradient_checkpointing()
+    enable_checkpointing(unet, reentrant)
     _, checkpointed = step_grads(unet, loss)
     assert relative_error(checkpointed, plain) < 1e-6
 
