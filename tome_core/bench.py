@@ -3,6 +3,8 @@
 Diffusion transformers too (``--preset sd3|sd3-small|flux-small|pixart|tiny-*``, random weights, torch):
 their inputs follow the released pipelines (flow matching for SD3 and Flux, Flux's packed tokens, the
 prompt lengths), the loop runs the model's own scheduler, and the oracle slices image tokens only.
+Video UNets too (``--preset animatediff|svd|tiny-animatediff|tiny-svd``, ``--frames``, torch): panning videos,
+fidelity per frame and temporal consistency, :mod:`tome_core.bench_video`.
 
 For each ratio it times one UNet call per method, alternating the methods (A B C A B C ...) after a warm-up,
 and reports medians:
@@ -647,7 +649,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=sorted(RUNNERS), default="torch")
     p.add_argument("--preset", default="sd15-small",
                    help="UNet or diffusion transformer architecture with random weights (tome_core.presets: UNETS, "
-                   "TRANSFORMERS: sd3, sd3-small, flux-small, pixart, tiny-sd3, tiny-flux, tiny-pixart), or a "
+                   "TRANSFORMERS: sd3, sd3-small, flux-small, pixart, tiny-sd3, tiny-flux, tiny-pixart), a video "
+                   "UNet (VIDEO_PRESETS: animatediff, svd, tiny-animatediff, tiny-svd; see --frames), or a "
                    "small trained pixel-space model shipped in the repository's models/ (trained-unet, "
                    "trained-dit; torch): then sample fidelity (PSNR, SSIM, classifier accuracy) is reported too")
     p.add_argument("--model", help="local diffusers/ppdiffusers pipeline or UNet folder (from_pretrained), or a "
