@@ -149,6 +149,10 @@ class TorchFramework:
     def host_ints(self, x: torch.Tensor) -> List[int]:
         return [int(v) for v in x.tolist()]
 
+    def may_run_again(self, x: torch.Tensor) -> bool:
+        # compiled code traces a checkpointed block once; the hooks do not run again in its backward
+        return x.requires_grad and not torch.compiler.is_compiling()
+
     def size_aware(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: driver.SizeBias):
         processor = getattr(module, "processor", None)
         if type(processor).__name__ in MASK_PROCESSORS:

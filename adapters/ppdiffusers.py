@@ -259,6 +259,9 @@ class PaddleFramework:
     def host_ints(self, x: paddle.Tensor) -> List[int]:
         return [int(v) for v in x.numpy().reshape(-1).tolist()]
 
+    def may_run_again(self, x: paddle.Tensor) -> bool:
+        return not x.stop_gradient and paddle.in_dynamic_mode()
+
     def size_aware(self, module: Layer, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: driver.SizeBias):
         processor = getattr(module, "processor", None)
         if type(processor).__name__ in MASK_PROCESSORS:

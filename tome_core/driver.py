@@ -77,6 +77,10 @@ class Framework(Protocol):
         """Whether ``module``'s attention (its processor now) computes keys and values from its ``kv_input``
         argument when one is given (the ``kv`` and ``queries`` arrangements need it)."""
 
+    def may_run_again(self, x: Any) -> bool:
+        """Whether a block called on ``x`` may be run again on the very same ``x`` in the backward pass
+        (gradient checkpointing recomputes it then): true in an eager forward that records gradients."""
+
     def output_cache(self, module: Any) -> Optional[str]:
         """How another library caches ``module``'s output across calls: None (it does not), ``REUSED`` (it
         returns the very output object of an earlier call), or raises ValueError naming a cache that builds
@@ -250,15 +254,23 @@ class _GridHook:
 
 
 class _BlockRun:
-    """The matches of one transformer block while it runs, shared by the hooks of its sub-layers."""
+    """The matches of one transformer block while it runs, shared by the hooks of its sub-layers.
 
-    def __init__(self, state: ToMeState, family: BlockFamily, stream: int, block: Any, ratio: Optional[float]):
+    A block that gradient checkpointing runs again in the backward pass gets its input tensor back, but the
+    model's state may by then be another call's (another timestep, latent size or arrangement): so a forward
+    that records gradients remembers, per input tensor (while it lives), the matches and options it used,
+    and a run on the same tensor takes them back instead of matching again."""
+
+    def __init__(self, fw: Framework, state: ToMeState, family: BlockFamily, stream: int, block: Any, ratio: Optional[float]):
+        self.fw = fw
         self.state = state
         self.family = family
         self.stream = stream
         self.block = block
         self.ratio = ratio  # its block_ratios entry
         self.matches: Dict[str, Match] = {}
+        self.config = state.active
+        self.ran: Dict[int, Tuple[Any, Dict[str, Match], ToMeConfig]] = {}  # id(input): (weakref, matches, options)
 
     def begin(self, module, args, kwargs):
         if self.state.merges("mlp") and getattr(self.block, "_chunk_size", None) is not None:
@@ -267,7 +279,15 @@ class _BlockRun:
                 "feed-forward runs on chunks of the merged tokens; disable one of them"
             )
         metric = argument(args, kwargs, "hidden_states", 0)
+        earlier = self.ran.get(id(metric))
+        if earlier is not None and earlier[0]() is metric:
+            _, self.matches, self.config = earlier
+            return None
+        self.config = self.state.active
         self.matches = self.state.block_matches(metric, self.stream, self.family.rotary is not None, self.ratio)
+        if self.fw.may_run_again(metric):
+            self.ran = {key: entry for key, entry in self.ran.items() if entry[0]() is not None}
+            self.ran[id(metric)] = (weakref.ref(metric), self.matches, self.config)
         return None
 
     def end(self, module, args, kwargs, output):
@@ -293,7 +313,7 @@ class _MergeInput:
         match = self.run.matches.get(self.sublayer.kind)
         if match is None or match.merged == 0:
             return None
-        mode, size_aware = arrangement(self.run.state, self.sublayer)
+        mode, size_aware = self.run.config.arrangement(self.sublayer.kind, self.sublayer.attention)
         self.fw.output_cache(module)  # a cache set after patch is checked here
         x = argument(args, kwargs, "hidden_states", 0)
         if self.sublayer.text == TEXT_PREFIX:
@@ -344,11 +364,6 @@ class _MergeInput:
         return self.fw.size_aware(module, args, kwargs, SizeBias(match, self.sublayer.text, merged))
 
 
-def arrangement(state: ToMeState, sublayer: Sublayer) -> Tuple[str, bool]:
-    """How ``sublayer`` runs in this call: its mode and whether size-aware attention applies."""
-    return state.active.arrangement(sublayer.kind, sublayer.attention)
-
-
 def _merge_positions(rotary: Any, match: Match) -> Any:
     """Rotary embeddings ``(cos, sin)`` of ``[text; image]`` tokens moved to ``[text; merged image]``: each
     merged token takes the position of the token it stands at (its destination). The match is shared by
@@ -380,7 +395,7 @@ class _UnmergeOutput:
     def __call__(self, module, args, kwargs, output):
         cached = output is not None and self.fw.output_cache(module) == REUSED  # None: the sub-layer raised
         reused = cached and output is self.stored[0]
-        mode, size_aware = arrangement(self.run.state, self.sublayer)
+        mode, size_aware = self.run.config.arrangement(self.sublayer.kind, self.sublayer.attention)
         if size_aware:
             self.fw.size_aware_done(module, computed=output is not None and not reused)  # None: it raised
         if reused:
@@ -581,7 +596,7 @@ def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
     for stream, block, family, ratio, sublayer, target in _sublayers(fw, model, config):
         run = runs.get(stream)
         if run is None:
-            run = runs[stream] = _BlockRun(state, family, stream, block, ratio)
+            run = runs[stream] = _BlockRun(fw, state, family, stream, block, ratio)
             add(fw.add_pre_hook(block, run.begin))
             add(fw.add_post_hook(block, run.end))
         add(fw.add_pre_hook(target, _MergeInput(fw, run, sublayer)))
