@@ -67,3 +67,25 @@ def test_compiled_models_snippet_patch_and_remove_take_effect(readme_code):
     pipe.unet = eager
     eager_merged = pipe(**namespace["prompt"], generator=namespace["torch"].manual_seed(0)).images  # the oracle
     np.testing.assert_allclose(eager_merged, merged, rtol=1e-4, atol=1e-4)
+
+
+def test_video_snippet_merges_per_frame_then_across_frames(readme_code, capsys):
+    namespace: dict = {}
+    exec(compile(readme_code("Video: AnimateDiff, Stable Video Diffusion, text-to-video"), "README.md", "exec"), namespace)
+    printed = [line.strip() for line in capsys.readouterr().out.splitlines() if "scale:" in line]
+    assert printed == [
+        "1/1 scale: 3 blocks, 64 -> 32 tokens (50% merged; tokens, similarity)",
+        "1/1 scale: 3 blocks, 256 -> 52 tokens (chunks of 4 frames) (80% merged; tokens, similarity)",
+    ]
+    assert namespace["video"].shape[:2] == (1, 8)
+    assert not namespace["tome"].patched_models(namespace["pipe"])
+
+
+def test_training_snippet_trains_lora_and_leaves_an_unpatched_lora_unet(readme_code):
+    namespace: dict = {}
+    exec(compile(readme_code("Training and fine-tuning (torch)"), "README.md", "exec"), namespace)
+    unet, lora = namespace["unet"], namespace["lora"]
+    assert lora and all("lora" in key for key in lora)
+    assert not namespace["tome"].patched_models(unet)
+    assert bool(namespace["loss"].isfinite())
+    assert all(("lora" in name) == p.requires_grad for name, p in unet.named_parameters())
