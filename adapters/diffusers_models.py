@@ -341,3 +341,65 @@ def build_video_preset(preset: str, seed: int = 0) -> torch.nn.Module:
 def _motion_modules(unet: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """The motion-module weights of a UNetMotionModel, keyed as a MotionAdapter holds them."""
     return {k: v for k, v in unet.state_dict().items() if "motion_modules" in k}
+
+
+VIDEO_CONTROLNET_PIPELINES = ("animatediff-controlnet", "animatediff-sparsectrl")
+
+
+def build_video_controlnet(kind: str = "animatediff-controlnet", seed: int = 0) -> torch.nn.Module:
+    """The ControlNet of a video ControlNet pipeline (:data:`VIDEO_CONTROLNET_PIPELINES`), shaped like the tiny
+    AnimateDiff UNet, with weights drawn from ``seed`` and its zero-initialised output convolutions given random
+    values (so its blocks show in the video):
+
+    - ``animatediff-controlnet``: an image ``ControlNetModel`` (``from_unet`` of the "tiny-video-sd" UNet2D and
+      its weights); ``AnimateDiffControlNetPipeline`` feeds it the frames as a batch (4-D sample).
+    - ``animatediff-sparsectrl``: a ``SparseControlNetModel`` (SparseCtrl: spatial blocks plus motion modules of
+      the "tiny-animatediff" adapter's shape; the simplified condition embedding, on VAE latents), fed the 5-D
+      video latent."""
+    if kind not in VIDEO_CONTROLNET_PIPELINES:
+        raise ValueError(f"kind must be one of {', '.join(VIDEO_CONTROLNET_PIPELINES)}, got {kind!r}")
+    unet_config2d = video_unet_config("tiny-video-sd")[1]
+    torch.manual_seed(seed)
+    if kind == "animatediff-controlnet":
+        controlnet = ControlNetModel.from_unet(UNet2DConditionModel(**unet_config2d), **TINY_CONTROLNET_CONDITIONING)
+        return randomize_zero_outputs(controlnet.eval(), seed)
+    adapter = video_unet_config("tiny-animatediff")[1]
+    controlnet = diffusers.SparseControlNetModel(
+        **{k: unet_config2d[k] for k in ("block_out_channels", "layers_per_block", "cross_attention_dim", "attention_head_dim")},
+        down_block_types=tuple(t.replace("2D", "Motion") for t in unet_config2d["down_block_types"]),
+        motion_num_attention_heads=adapter["motion_num_attention_heads"],
+        motion_max_seq_length=adapter["motion_max_seq_length"],
+        conditioning_channels=TINY_VAE["latent_channels"],
+    ).eval()
+    zero_convs = list(controlnet.controlnet_down_blocks) + [controlnet.controlnet_mid_block, controlnet.controlnet_cond_embedding]
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for conv in zero_convs:
+            conv.weight.copy_(torch.randn(conv.weight.shape, generator=generator) * 0.05)
+            conv.bias.copy_(torch.randn(conv.bias.shape, generator=generator) * 0.05)
+    return controlnet
+
+
+def build_video_controlnet_pipeline(kind: str = "animatediff-controlnet", seed: int = 0, frames: int = 4) -> Tuple[Any, Dict[str, Any]]:
+    """AnimateDiff with a ControlNet (:data:`VIDEO_CONTROLNET_PIPELINES`): ``AnimateDiffControlNetPipeline`` or
+    ``AnimateDiffSparseControlNetPipeline`` on the parts of :func:`build_video_pipeline` ("animatediff") and the
+    ControlNet of :func:`build_video_controlnet`, and the keyword arguments of a call of ``frames`` frames at
+    16x16 pixels (an 8x8 latent; give steps and a generator). Conditioning frames: for the ControlNet a list of
+    ``frames`` tensors ``[3, 16, 16]`` in [0, 1] (the pipeline wants a list, one image per frame); for SparseCtrl two PIL key frames, at the first and
+    last frame. Nothing is downloaded.
+
+    SparseCtrl's pipeline encodes its key frames with the VAE by sampling the latent distribution from torch's
+    global generator (not the call's): seed it (``torch.manual_seed``) before each call to repeat a video."""
+    base, call = build_video_pipeline("animatediff", seed)
+    parts = {k: v for k, v in base.components.items() if k not in ("feature_extractor", "image_encoder")}
+    controlnet = build_video_controlnet(kind, seed + 4)
+    generator = torch.Generator().manual_seed(seed + 5)
+    call = dict(call, num_frames=frames, controlnet_conditioning_scale=1.0)
+    if kind == "animatediff-controlnet":
+        call.update(conditioning_frames=list(torch.rand(frames, 3, 16, 16, generator=generator)))
+        return diffusers.AnimateDiffControlNetPipeline(controlnet=controlnet, **parts), call
+    import PIL.Image
+
+    pixels = torch.randint(0, 256, (2, 16, 16, 3), generator=generator, dtype=torch.uint8).numpy()
+    call.update(conditioning_frames=[PIL.Image.fromarray(key) for key in pixels], controlnet_frame_indices=[0, frames - 1])
+    return diffusers.AnimateDiffSparseControlNetPipeline(controlnet=controlnet, **parts), call
