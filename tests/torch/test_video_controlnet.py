@@ -269,3 +269,29 @@ def test_sparsectrl_temporal_never_merged_when_frames_equal_level_tokens(video_c
         assert [n for n, m in model.named_modules() if is_temporal(n) and hooked(m)] == []
     finally:
         tome.remove(model)
+
+
+def test_multi_controlnet(video_checks):
+    """Two image ControlNets (diffusers wraps them in a MultiControlNetModel): ToMe patches the UNet and both
+    nets; with frames_per_chunk=2 the UNet merges across frames, each ControlNet per frame; remove is exact."""
+    import diffusers
+
+    pipe, kwargs = build_video_controlnet_pipeline("animatediff-controlnet")
+    parts = {k: v for k, v in pipe.components.items() if k not in ("feature_extractor", "image_encoder")}
+    parts["controlnet"] = [pipe.controlnet, build_video_controlnet("animatediff-controlnet", seed=9)]
+    multi = diffusers.AnimateDiffControlNetPipeline(**parts)
+    multi.set_progress_bar_config(disable=True)
+    kwargs = dict(kwargs, conditioning_frames=[kwargs["conditioning_frames"]] * 2, controlnet_conditioning_scale=[1.0, 0.5])
+    plain = run(multi, kwargs)
+    tome.patch(multi, ratio=0.5, frames_per_chunk=2)
+    try:
+        across = run(multi, kwargs)
+        patched = tome.patched_models(multi)
+        assert [p.model for p in patched] == [multi.unet, *multi.controlnet.nets]
+        stats = [{level: (s.blocks, s.tokens, s.kept, s.frames) for level, s in p.state.stats.items()} for p in patched]
+    finally:
+        tome.remove(multi)
+    chunk_kept = video_checks.chunk_tokens(2, TOKENS, 0.5)
+    assert stats == [{1: (3, 2 * TOKENS, chunk_kept, 2)}, {1: (1, TOKENS, TOKENS // 2, 1)}, {1: (1, TOKENS, TOKENS // 2, 1)}]
+    assert np.isfinite(across).all() and np.abs(across - plain).max() > 1e-4
+    np.testing.assert_array_equal(run(multi, kwargs), plain)
