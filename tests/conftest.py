@@ -48,6 +48,24 @@ def xp(request) -> Converter:
     return Converter(request.param)
 
 
+def _numpy_partition(case, offsets) -> np.ndarray:
+    """Brute-force partition of an ``h x w`` grid (``case`` holds h, w, sx, sy): walk the cells and mark each
+    destination (``offsets[i, j]``: its position in cell (i, j); None: the first). ``[h*w]`` booleans."""
+    h, w, sx, sy = case["h"], case["w"], case["sx"], case["sy"]
+    is_dst = np.zeros((h, w), bool)
+    for i in range(h // sy):
+        for j in range(w // sx):
+            o = 0 if offsets is None else int(offsets[i, j])
+            is_dst[i * sy + o // sx, j * sx + o % sx] = True
+    return is_dst.reshape(-1)
+
+
+@pytest.fixture(scope="session")
+def numpy_partition():
+    """The brute-force partition oracle of the core tests (:func:`_numpy_partition`)."""
+    return _numpy_partition
+
+
 # Bad options and the error every entry point of every backend must raise (argument, value, what is allowed).
 BAD_OPTIONS = [
     ({"ratio": 1.0}, ValueError, r"ratio must be in \[0, 1\), got 1.0"),

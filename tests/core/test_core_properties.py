@@ -42,20 +42,9 @@ def make(case, xp, data_seed):
     return metric, x, offsets, match
 
 
-def numpy_partition(case, offsets):
-    """Brute-force partition: walk the cells and mark each destination."""
-    h, w, sx, sy = case["h"], case["w"], case["sx"], case["sy"]
-    is_dst = np.zeros((h, w), bool)
-    for i in range(h // sy):
-        for j in range(w // sx):
-            o = 0 if offsets is None else int(offsets[i, j])
-            is_dst[i * sy + o // sx, j * sx + o % sx] = True
-    return is_dst.reshape(-1)
-
-
 @settings(max_examples=60, deadline=None)
 @given(case=cases(), data_seed=st.integers(0, 2**32 - 1))
-def test_match_properties_against_brute_force(xp, case, data_seed):
+def test_match_properties_against_brute_force(xp, numpy_partition, case, data_seed):
     metric, x, offsets, match = make(case, xp, data_seed)
     n, r = case["h"] * case["w"], case["merged"]
     merged = xp.numpy(merge(xp.asarray(x), match))
@@ -133,7 +122,7 @@ def test_backend_equals_numpy_reference(xp, case, data_seed):
 
 @settings(max_examples=40, deadline=None)
 @given(case=cases())
-def test_partition_is_a_permutation_with_one_destination_per_cell(xp, case):
+def test_partition_is_a_permutation_with_one_destination_per_cell(xp, numpy_partition, case):
     h, w, sx, sy = case["h"], case["w"], case["sx"], case["sy"]
     like = xp.asarray(np.zeros((1,), np.float32))
     offsets = None
@@ -177,7 +166,7 @@ def test_grid_must_hold_the_tokens(xp):
 
 @settings(max_examples=40, deadline=None)
 @given(case=cases(), data_seed=st.integers(0, 2**32 - 1))
-def test_shared_match_follows_the_batch_mean_similarity_and_slots_stand_at_their_destination(xp, case, data_seed):
+def test_shared_match_follows_the_batch_mean_similarity_and_slots_stand_at_their_destination(xp, numpy_partition, case, data_seed):
     """shared=True (rotary models): one match for every item, chosen by the mean over the batch of the
     per-item cosine similarities; each slot's representative is its destination (or the kept source)."""
     from tome_core.match import bipartite_matches
