@@ -66,13 +66,16 @@ def best_destinations(
     b = ops.take(unit, dst, axis=1)
     if neighbours is None:
         return ops.max_argmax(ops.matmul(a, ops.matrix_transpose(b)))
-    batch, num_src, channels = ops.shape(a)
-    width = ops.shape(neighbours)[1]
-    near = ops.reshape(ops.take(b, ops.reshape(neighbours, (num_src * width,)), axis=1), (batch * num_src, width, channels))
-    scores = ops.matmul(ops.reshape(a, (batch * num_src, 1, channels)), ops.matrix_transpose(near))
-    best, which = ops.max_argmax(ops.reshape(scores, (batch, num_src, width)))
-    flat = ops.reshape(ops.arange(num_src, which) * width, (1, num_src)) + which
-    return best, ops.reshape(ops.take(ops.reshape(neighbours, (num_src * width,)), ops.reshape(flat, (batch * num_src,)), axis=0), (batch, num_src))
+    best = which = None
+    for k in range(ops.shape(neighbours)[1]):  # one candidate per source at a time: no [S, W, C] gather
+        candidate = neighbours[:, k]
+        score = ops.mean(a * ops.take(b, candidate, axis=1), (2,))
+        if best is None:
+            best, which = score, ops.broadcast_to(ops.reshape(candidate, (1, -1)), ops.shape(score))
+        else:
+            better = score > best  # strictly: the first of equal candidates wins, as an argmax
+            best, which = ops.where(better, score, best), ops.where(better, ops.reshape(candidate, (1, -1)), which)
+    return best, which
 
 
 def batch_as_channels(ops: ArrayOps, metric: Array) -> Array:
