@@ -9,7 +9,7 @@ similar first, as tomesd orders them), then the destinations in grid order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .ops import Array, ArrayOps
@@ -101,17 +101,7 @@ def assign(
 
     Slots: kept sources in rank order, then the destinations in cell order.
     """
-    batch, num_src = ops.shape(order)
-    num_dst = ops.shape(dst)[0]
-    kept_sources = ops.take(_ranked_tokens(ops, order, src), ops.arange(num_src - merged, order) + merged, axis=1)
-    dst_tokens = ops.broadcast_to(ops.reshape(dst, (1, num_dst)), (batch, num_dst))
-    match = _assign(ops, order, best_dst, src, dst, None, num_dst, merged, like)
-    return replace(match, representatives=ops.concat([kept_sources, dst_tokens], axis=1))
-
-
-def _ranked_tokens(ops: ArrayOps, order: Array, src: Array) -> Array:
-    batch, num_src = ops.shape(order)
-    return ops.reshape(ops.take(src, ops.reshape(order, (batch * num_src,)), axis=0), (batch, num_src))
+    return _assign(ops, order, best_dst, src, dst, None, ops.shape(dst)[0], merged, like)
 
 
 def _assign(
@@ -119,29 +109,36 @@ def _assign(
     merged: int, like: Array, frames: int = 1,
 ) -> Match:
     """Merge the first ``merged`` ranked sources into their best destinations, where destination ``j`` holds
-    slot ``dst_slot[b, j]`` of ``dst_kept`` destination slots (``None``: its own slot ``j``). Slots: kept
-    sources in rank order, then the destination slots."""
+    slot ``dst_slot[b, j]`` of ``dst_kept`` destination slots (``None``: its own slot ``j``, and the match
+    records the token each slot stands at). Slots: kept sources in rank order, then the destination slots."""
     batch, num_src = ops.shape(order)
     num_dst = ops.shape(dst)[0]
     tokens = num_src + num_dst
     kept = num_src - merged + dst_kept
-    if dst_slot is None:
-        dst_slot = ops.broadcast_to(ops.reshape(ops.arange(num_dst, order), (1, num_dst)), (batch, num_dst))
-        slot_of_ranked = ops.take_along_axis(best_dst, order, axis=1)
-    else:
-        slot_of_ranked = ops.take_along_axis(dst_slot, ops.take_along_axis(best_dst, order, axis=1), axis=1)
     rank = ops.reshape(ops.arange(num_src, order), (1, num_src))
-    ranked_slot = ops.where(rank >= merged, rank - merged, slot_of_ranked + (num_src - merged))
+    dst_of_ranked = ops.take_along_axis(best_dst, order, axis=1)
     dst_tokens = ops.broadcast_to(ops.reshape(dst, (1, num_dst)), (batch, num_dst))
-    token = ops.concat([_ranked_tokens(ops, order, src), dst_tokens], axis=1)
-    row = ops.concat([ranked_slot, dst_slot + (num_src - merged)], axis=1)
+    if dst_slot is None:
+        own = ops.arange(num_dst, order) + (num_src - merged)
+        dst_row = ops.broadcast_to(ops.reshape(own, (1, num_dst)), (batch, num_dst))
+    else:
+        dst_of_ranked = ops.take_along_axis(dst_slot, dst_of_ranked, axis=1)
+        dst_row = dst_slot + (num_src - merged)
+    ranked_slot = ops.where(rank >= merged, rank - merged, dst_of_ranked + (num_src - merged))
+    ranked_token = ops.reshape(ops.take(src, ops.reshape(order, (batch * num_src,)), axis=0), (batch, num_src))
+    token = ops.concat([ranked_token, dst_tokens], axis=1)
+    row = ops.concat([ranked_slot, dst_row], axis=1)
     row = row + ops.reshape(ops.arange(batch, order) * kept, (batch, 1))
     rows = ops.reshape(ops.scatter(ops.zeros((batch, tokens), order), token, row, axis=1), (batch * tokens,))
     sizes = ops.scatter_add(ops.zeros((batch * kept,), like), rows, ops.ones((batch * tokens,), like), axis=0)
     sizes = ops.reshape(sizes, (batch, kept, 1))
+    representatives = None
+    if dst_slot is None:
+        kept_sources = ops.take(ranked_token, ops.arange(num_src - merged, order) + merged, axis=1)
+        representatives = ops.concat([kept_sources, dst_tokens], axis=1)
     return Match(
         ops=ops, rows=rows, sizes=sizes, inverse_sizes=1 / sizes, batch=batch, tokens=tokens, merged=tokens - kept,
-        frames=frames,
+        representatives=representatives, frames=frames,
     )
 
 
