@@ -26,6 +26,7 @@ import collections
 import datetime
 import functools
 import os
+import pathlib
 import socket
 import time
 from typing import Any, Callable, Dict, List, Tuple
@@ -324,9 +325,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ddp_gloo_ranks_stay_identical_and_equal_the_mean_gradient(tmp_path):
+def test_ddp_gloo_ranks_stay_identical_and_equal_the_mean_gradient(tmp_path, monkeypatch):
     import torch.multiprocessing as mp
 
+    # spawned ranks unpickle the worker from this module (tests.torch.test_training): the checkout's root must
+    # be on their path, also when pytest runs as a script (nox) rather than as ``python -m pytest``
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    monkeypatch.syspath_prepend(root)  # spawn gives the children a copy of this process's sys.path
     world = 2
     arguments = (world, free_port(), str(tmp_path))
     context = mp.start_processes(_ddp_worker, args=arguments, nprocs=world, join=False, start_method="spawn")
