@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import pathlib
+
+import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -23,3 +27,39 @@ def test_quickstart_reports_merged_tokens_and_a_real_change(capsys):
     assert 0 < result["change"] < 1 and result["speedup"] > 0
     [(model, state)] = result["models"]
     assert state.stats[1].kept == 512
+
+
+def test_finetune_lora_prints_finite_curves_that_differ_and_ratio_zero_equals_unpatched(capsys):
+    argv = ["--steps", "3", "--batch", "2", "--log-every", "1", "--per-class", "4", "--held-out", "2", "--samples-per-class", "1",
+            "--sample-steps", "2", "--methods", "unpatched", "tokens-0.5", "kv-cell+stop", "ratio-0", "--stop-tome-at", "1"]
+    with pytest.warns(UserWarning, match="merges no tokens"):  # ratio-0
+        result = load("finetune_lora").main(argv)
+    out = capsys.readouterr().out
+    # the printed loss table: a header naming the runs, then one row per logged step, every value finite
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("training loss (")) + 1
+    assert lines[header].split() == ["step", "unpatched", "tokens-0.5", "kv-cell+stop", "ratio-0"]
+    rows = [[float(v) for v in line.split()] for line in lines[header + 1 : header + 4]]
+    assert [row[0] for row in rows] == [1, 2, 3] and all(math.isfinite(v) for row in rows for v in row[1:])
+    losses = result["losses"]
+    assert [row[1:] for row in rows] == [[round(losses[n][i], 4) for n in result["losses"]] for i in range(3)]
+    # reduction changes the training: from the first step on (the same batch, the same initial weights)
+    assert losses["tokens-0.5"][0] != losses["unpatched"][0] and losses["kv-cell+stop"][0] != losses["unpatched"][0]
+    # the schedule: merged in step 1, tome.remove before step 2
+    assert result["merged"]["kv-cell+stop"] == [True, False, False] and result["merged"]["tokens-0.5"] == [True] * 3
+    assert "step 2: tome.remove(unet) in kv-cell+stop" in out
+    held_out = result["held_out"]  # without reduction, before training and at every logged step
+    assert [step for step, _ in held_out["tokens-0.5"]] == [0, 1, 2, 3]
+    assert all(math.isfinite(loss) for curve in held_out.values() for _, loss in curve)
+    assert held_out["tokens-0.5"][0] == held_out["unpatched"][0] and held_out["tokens-0.5"][1] != held_out["unpatched"][1]
+    # ratio 0 merges nothing: the unpatched run exactly (losses, trained adapter, samples)
+    assert losses["ratio-0"] == losses["unpatched"] and held_out["ratio-0"] == held_out["unpatched"]
+    assert result["reduced_loss"]["ratio-0"] == result["held_loss"]["unpatched"] and math.isnan(result["reduced_loss"]["unpatched"])
+    lora = result["lora"]
+    assert lora["ratio-0"].keys() == lora["unpatched"].keys() and lora["unpatched"]
+    assert all(torch.equal(lora["ratio-0"][k], lora["unpatched"][k]) for k in lora["unpatched"])
+    assert not all(torch.equal(lora["tokens-0.5"][k], lora["unpatched"][k]) for k in lora["unpatched"])
+    quality = result["quality"]
+    assert quality["ratio-0"]["psnr"] == math.inf and quality["unpatched"]["psnr"] == math.inf
+    assert math.isfinite(quality["tokens-0.5"]["psnr"]) and 0 <= quality["tokens-0.5"]["accuracy"] <= 1
+    assert all(t > 0 for times in result["times"].values() for t in times)
