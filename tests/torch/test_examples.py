@@ -1,4 +1,4 @@
-"""The README's example runs as documented and reports what ToMe did (checked against its own outputs)."""
+"""The examples run as documented and report what they did (checked against their own outputs)."""
 
 from __future__ import annotations
 
