@@ -29,7 +29,8 @@ def test_quickstart_reports_merged_tokens_and_a_real_change(capsys):
     assert state.stats[1].kept == 512
 
 
-def test_finetune_lora_prints_finite_curves_that_differ_and_ratio_zero_equals_unpatched(capsys):
+def test_finetune_lora_prints_finite_curves_that_differ_and_ratio_zero_equals_unpatched(capsys, monkeypatch):
+    monkeypatch.setenv("TOME_CORE_MODELS", str(ROOT / "models"))  # nox tests the installed package, without models/
     argv = ["--steps", "3", "--batch", "2", "--log-every", "1", "--per-class", "4", "--held-out", "2", "--samples-per-class", "1",
             "--sample-steps", "2", "--methods", "unpatched", "tokens-0.5", "kv-cell+stop", "ratio-0", "--stop-tome-at", "1"]
     with pytest.warns(UserWarning, match="merges no tokens"):  # ratio-0
