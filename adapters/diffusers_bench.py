@@ -8,6 +8,8 @@ Inputs, method dispatch, the sampling loop and the transformers' oracle are
 model (:meth:`Runner.stack_pipeline`): a ``StableDiffusionPipeline`` for UNets, a ``FluxPipeline`` for Flux,
 with no text encoder or VAE (the embeddings are passed in, ``output_type="latent"``), and sets up DeepCache,
 T-GATE and diffusers' caching hooks as their own READMEs do (:meth:`Runner.apply_stack`).
+
+``--train`` (:mod:`tome_core.bench_train`) times :meth:`Runner.train_step`, one forward + backward of the UNet.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import tome_core.torch as tome
 from tome_core.adapters.diffusers import FRAMEWORK, finest_level
 from tome_core.adapters import diffusers_trained as trained_models
 from tome_core.adapters.diffusers_models import build_transformer, build_unet
+from tome_core import bench_train
 from tome_core.bench import serve_peak_request
 from tome_core.bench_runner import DDIM_CONFIG, MID_TIMESTEP, BenchRunner, OraclePlan, Undo, install_transformer_oracle, median_ms, remover
 from tome_core.presets import TRANSFORMERS, transformer_config
@@ -92,6 +95,69 @@ class Runner(BenchRunner):
 
     has_peer = tomesd is not None
     scheduler_class = DDIMScheduler
+    train_inputs: Any = None  # --train: the fixed batch of every step (bench_train.train_batch, as tensors)
+
+    def __init__(self, args: Any):
+        super().__init__(args)
+        if getattr(args, "train", None):
+            self.prepare_training()
+
+    # -- training steps (--train) --------------------------------------------------------------------------
+    def prepare_training(self) -> None:
+        """The training batch as tensors and, with ``--train lora``, the LoRA adapter (peft, rank
+        :data:`bench_train.LORA_RANK` on the attention projections), added once: every method trains it."""
+        batch = bench_train.train_batch(self)
+        self.train_inputs = bench_train.TrainBatch(
+            sample=torch.from_numpy(batch.sample), target=torch.from_numpy(batch.target),
+            timesteps=torch.from_numpy(batch.timesteps),
+        )
+        if self.args.train == "lora":
+            from peft import LoraConfig
+
+            self.unet.add_adapter(LoraConfig(r=bench_train.LORA_RANK, lora_alpha=bench_train.LORA_RANK,
+                                             target_modules=list(bench_train.LORA_TARGETS)))
+
+    def trains(self, name: str) -> bool:
+        """Whether the weight ``name`` trains: every weight in a full fine-tune, the adapters' with LoRA."""
+        return self.args.train != "lora" or "lora_" in name
+
+    def train_step(self, keep_grads: bool = False) -> torch.Tensor:
+        """One training step with the current method: the UNet in training mode, the weights of :meth:`trains`
+        requiring gradients, ``mse(unet(x_t, t, text).sample, noise)`` and its backward. Returns the gradient
+        of the loss with respect to ``x_t``. Afterwards the training mode and every ``requires_grad`` are as
+        they were and the weights' gradients are dropped (kept with ``keep_grads``)."""
+        batch = self.train_inputs
+        device = next(self.unet.parameters()).device
+        params = list(self.unet.named_parameters())
+        flags, training = [p.requires_grad for _, p in params], self.unet.training
+        sample = batch.sample.to(device, copy=True).requires_grad_(True)  # a fresh leaf: its own gradient
+        try:
+            for name, p in params:
+                p.requires_grad_(self.trains(name))
+            self.unet.train()
+            out = self.unet(sample, batch.timesteps.to(device), self.text.to(device), added_cond_kwargs=self.added).sample
+            torch.nn.functional.mse_loss(out.float(), batch.target.to(device)).backward()
+        finally:
+            self.unet.train(training)
+            for (_, p), flag in zip(params, flags):
+                p.requires_grad_(flag)
+                if not keep_grads:
+                    p.grad = None
+        return sample.grad.cpu()
+
+    def peak_memory_mb(self, name: str, ratio: float) -> float:
+        """A training step's extra peak memory: on CUDA ``torch.cuda.max_memory_allocated`` over the step,
+        in this process; else (and for inference calls) the extra peak resident memory of a fresh process."""
+        device = next(self.unet.parameters()).device
+        if not getattr(self.args, "train", None) or device.type != "cuda":
+            return super().peak_memory_mb(name, ratio)
+        with self.method(name, ratio):
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            self.train_step()
+            torch.cuda.synchronize(device)
+            return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
     def set_threads(self, threads: int) -> None:
         torch.set_num_threads(threads)

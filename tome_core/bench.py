@@ -5,6 +5,8 @@ their inputs follow the released pipelines (flow matching for SD3 and Flux, Flux
 prompt lengths), the loop runs the model's own scheduler, and the oracle slices image tokens only.
 Video UNets too (``--preset animatediff|svd|tiny-animatediff|tiny-svd``, ``--frames``, torch): panning videos,
 fidelity per frame and temporal consistency, :mod:`tome_core.bench_video`.
+Training steps too (``--train [full|lora]``, torch, UNets): forward + backward per method, the gradient's
+distance to the unpatched step's in place of fidelity, :mod:`tome_core.bench_train`.
 
 For each ratio it times one UNet call per method, alternating the methods (A B C A B C ...) after a warm-up,
 and reports medians:
@@ -295,9 +297,10 @@ def serve_peak_request(runner_class: Any) -> None:
 
     request = json.loads(sys.stdin.read())
     runner = runner_class(argparse.Namespace(**request["args"]))
+    call = runner.train_step if request["args"].get("train") else runner.call  # --train: one training step
     with runner.method(request["method"], request["ratio"]):
         before = _restart_peak_kb()
-        runner.call()
+        call()
     print((_peak_kb() - before) / 1024)
 
 
@@ -349,6 +352,8 @@ class Row:
     ssim: Optional[float] = None
     accuracy: Optional[float] = None
     stacked: bool = False  # --stack: a whole pipeline loop; fidelity_sampled compares its final output
+    train: Optional[str] = None  # --train: a training step ('full' or 'lora'); grad_l2 in place of fidelity
+    grad_l2: Optional[float] = None  # --train: the input latent's gradient against the unpatched step's
     metrics: Dict[str, float] = field(default_factory=dict)  # a runner's own columns (video: per frame, temporal)
 
 
@@ -405,7 +410,12 @@ def run(args: argparse.Namespace) -> List[Row]:
     resolutions = args.resolution if isinstance(args.resolution, (list, tuple)) else [args.resolution]
     for resolution in resolutions:
         one = argparse.Namespace(**{**vars(args), "resolution": resolution})
-        rows.extend(run_stacked(one) if getattr(one, "stack", None) else run_one(one))
+        if getattr(one, "train", None):
+            from tome_core.bench_train import run_train
+
+            rows.extend(run_train(one))
+        else:
+            rows.extend(run_stacked(one) if getattr(one, "stack", None) else run_one(one))
     return rows
 
 
@@ -561,6 +571,10 @@ def format_table(rows: Sequence[Row]) -> str:
     extra = list(dict.fromkeys(name for r in rows for name in r.metrics))  # a runner's own columns
     if any(r.stacked for r in rows):
         return format_stacked_table(rows, sampled)
+    if any(r.train for r in rows):
+        from tome_core import bench_train
+
+        return bench_train.format_table(rows)
     for resolution in dict.fromkeys(r.resolution for r in rows):
         header = (
             f"{'ratio':>5}  {'method':<14} {'median':>9} {'spread':>6} {'speedup':>8} {'oracle share':>12} "
@@ -715,9 +729,10 @@ def parser() -> argparse.ArgumentParser:
                    "spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(100, 800)) on "
                    "the transformer presets; settings as NAME:OPT=VAL,OPT=VAL (e.g. deepcache:cache_interval=2); "
                    "torch only")
-    from tome_core.bench_video import add_arguments
+    from tome_core import bench_train, bench_video
 
-    add_arguments(p)
+    bench_video.add_arguments(p)
+    bench_train.add_arguments(p)
     p.add_argument("--variant", action="append", default=[], metavar="NAME:OPT=VAL[,OPT=VAL]",
                    help="also measure 'ours' with these extra options, as method ours:NAME (repeatable; commas "
                    "inside braces, brackets, parentheses or quotes belong to the value), e.g. --variant "
@@ -854,8 +869,10 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
     unknown = [name for name in args.variant_oracles if name not in args.variants]
     if unknown:
         raise SystemExit(f"--variant-oracles {' '.join(unknown)}: no such --variant")
-    from tome_core import bench_video
+    from tome_core import bench_train, bench_video
 
+    if args.train:
+        bench_train.refuse(args)
     bench_video.resolve(args, explicit_methods)
     resolve_trained(args)
     args.stacks = parse_stacks(args.stack) if args.stack else {}
@@ -887,6 +904,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
         title = (
             f"{args.backend} {args.model or args.preset} {bench_video.size_label(args, resolution)} batch {args.batch} "
             + (f"{args.steps}-step pipeline loops " if args.stack else "")
+            + (f"training steps ({args.train}) " if args.train else "")
             + f"on {platform.processor() or platform.machine()}"
         )
         print(title)
