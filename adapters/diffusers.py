@@ -146,8 +146,8 @@ class TorchFramework:
     def add_post_hook(self, module: torch.nn.Module, hook: driver.PostHook) -> Any:
         return module.register_forward_hook(hook, with_kwargs=True, always_call=True)
 
-    def host_ints(self, x: torch.Tensor) -> List[int]:
-        return [int(v) for v in x.tolist()]
+    def host_values(self, x: torch.Tensor) -> List[float]:
+        return x.reshape(-1).tolist()
 
     def may_run_again(self, x: torch.Tensor) -> bool:
         # compiled code traces a checkpointed block once; the hooks do not run again in its backward

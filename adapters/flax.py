@@ -246,6 +246,12 @@ def _check_supported(config: ToMeConfig) -> None:
                 "(max_downsample, level_ratios); diffusion transformers, where block choice matters, exist in torch "
                 "and paddle only"
             )
+    if config.timestep_range is not None:
+        raise ValueError(
+            f"timestep_range={config.timestep_range} is not supported on jax: whether a call merges would depend on "
+            "its timestep, which jax.jit traces; patch the model for the steps that should merge and use the "
+            "unpatched one for the others (both share the parameters)"
+        )
     if config.reuse_steps != 1:
         raise ValueError(
             f"reuse_steps={config.reuse_steps} is not supported on jax: a match is computed inside a traced model "

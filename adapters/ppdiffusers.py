@@ -256,8 +256,8 @@ class PaddleFramework:
             raise _needs_paddle_3(error) from error
         return _Handle(module, "_forward_post_hooks", helper)
 
-    def host_ints(self, x: paddle.Tensor) -> List[int]:
-        return [int(v) for v in x.numpy().reshape(-1).tolist()]
+    def host_values(self, x: paddle.Tensor) -> List[float]:
+        return x.numpy().reshape(-1).tolist()
 
     def may_run_again(self, x: paddle.Tensor) -> bool:
         return not x.stop_gradient and paddle.in_dynamic_mode()

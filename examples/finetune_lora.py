@@ -37,7 +37,11 @@ Choices (each is an argument):
   init from ``--seed`` + 1: how far two plain fine-tunes land apart by chance). ``NAME+stop`` is the training
   schedule: merging on for steps 1 to ``--stop-tome-at`` (default: half the steps), then the loop calls
   ``tome.remove(unet)`` and the remaining steps run unpatched (the kohya-ss PR's ``stop_tome``). ToMe's random
-  partition is a seeded hash (``seed=0``), so every run repeats exactly.
+  partition is a seeded hash (``seed=0``), so every run repeats exactly. ``NAME+noisy`` is the schedule by
+  timestep: ``timestep_range=(T/2, T)`` merges only the calls at the noisier half of the schedule (T: the
+  scheduler's training timesteps), the others run unmerged. A call merges only when its whole batch is in the
+  range, so when any run is ``+noisy`` every batch (of every run alike) draws its timesteps from one half of
+  the schedule, chosen per batch: each timestep is still uniform over the schedule.
 * Two loss curves per run: the training loss (its own batches, with reduction as it trains; mean over
   ``--log-every`` steps) and the held-out loss WITHOUT reduction (a fixed batch of unseen crops of the subject,
   fixed noise and timesteps spread over the schedule; the patch comes off for the evaluation and goes back
@@ -96,10 +100,10 @@ DEFAULT_METHODS = ["unpatched", "tokens-0.5", "kv-cell", "kv-cell+stop"]
 class Run:
     """One configuration's fine-tune: its model copy, optimizer and record."""
 
-    def __init__(self, name: str, args: argparse.Namespace, base: diffusers_trained.TrainedModel, stop_at: int):
-        options, scheduled = method(name)
+    def __init__(self, name: str, args: argparse.Namespace, base: diffusers_trained.TrainedModel, stop_at: int, halves: int):
+        options, schedule = method(name, halves)
         self.name, self.options = name, options
-        self.stop_at = stop_at if scheduled else None  # merging on for steps 1..stop_at, then tome.remove
+        self.stop_at = stop_at if schedule == "stop" else None  # merging on for steps 1..stop_at, then tome.remove
         seed = args.seed + 1 if name == "unpatched-reseeded" else args.seed
         self.generator = torch.Generator().manual_seed(seed) if seed != args.seed else None  # None: shared batches
         self.model = copy.deepcopy(base)
@@ -113,8 +117,9 @@ class Run:
         self.optimizer = torch.optim.AdamW(self.parameters, lr=args.lr, weight_decay=0.0)
         self.losses: List[float] = []
         self.times: List[float] = []
-        self.merged: List[bool] = []  # whether each step ran patched
+        self.merged: List[bool] = []  # whether each step merged (patched, and its timesteps in any timestep_range)
         self.held_out: List[List[float]] = []  # [step, loss of the model without reduction on the held-out batch]
+        self.timesteps: List[List[int]] = []  # of each step's batch
 
     @property
     def unet(self) -> torch.nn.Module:
@@ -122,6 +127,10 @@ class Run:
 
     def patched(self) -> bool:
         return bool(tome.patched_models(self.unet))
+
+    def merging(self) -> bool:
+        """Whether the last model call merged."""
+        return any(state.merging for _, state in tome.patched_models(self.unet))
 
     def step(self, batch) -> None:
         """One optimizer step (timed: forward, backward, clipping, AdamW)."""
@@ -134,7 +143,8 @@ class Run:
         self.optimizer.step()
         self.times.append(time.perf_counter() - start)
         self.losses.append(loss.item())
-        self.merged.append(self.patched())
+        self.merged.append(self.merging())
+        self.timesteps.append(timesteps.tolist())
 
     def evaluate(self, step: int, batch) -> None:
         """The held-out loss of the model as it is now, without token reduction (a patch comes off and back)."""
@@ -160,12 +170,20 @@ class Run:
         return statistics.median(times) if times else math.nan
 
 
-def method(name: str):
-    """``(options, scheduled)`` of a ``--methods`` entry: a name of OPTIONS, or NAME+stop for a patched one."""
+SCHEDULES = ("stop", "noisy")
+
+
+def method(name: str, halves: int):
+    """``(options, schedule)`` of a ``--methods`` entry: a name of OPTIONS (schedule None), or NAME+stop /
+    NAME+noisy for a patched one; ``halves``: the timestep dividing the schedule's halves (T/2)."""
     base, plus, rest = name.partition("+")
-    if base not in OPTIONS or (plus and rest != "stop") or (plus and OPTIONS[base] is None):
-        raise SystemExit(f"unknown method {name!r}: choose from {', '.join(OPTIONS)}, or NAME+stop for a patched one")
-    return OPTIONS[base], bool(plus)
+    if base not in OPTIONS or (plus and rest not in SCHEDULES) or (plus and OPTIONS[base] is None):
+        raise SystemExit(
+            f"unknown method {name!r}: choose from {', '.join(OPTIONS)}, or NAME+stop / NAME+noisy for a patched one"
+        )
+    if rest == "noisy":
+        return {**OPTIONS[base], "timestep_range": (halves, 2 * halves)}, rest
+    return OPTIONS[base], rest or None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -191,16 +209,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def draw_batch(images: torch.Tensor, batch: int, label: int, null: int, generator: torch.Generator, scheduler: Any):
+def draw_batch(
+    images: torch.Tensor, batch: int, label: int, null: int, generator: torch.Generator, scheduler: Any, halves: bool = False
+):
     """``(noisy, timesteps, labels, noise)`` as ``train_diffusion`` draws a batch: crops, left-right flips,
-    the class dropped to the null class with probability DROP_CLASS, noise and timesteps."""
+    the class dropped to the null class with probability DROP_CLASS, noise and timesteps (``halves``: all from
+    the lower or all from the upper half of the schedule, one chosen per batch)."""
     index = torch.randint(0, len(images), (batch,), generator=generator)
     clean = images[index]
     flip = torch.rand(batch, generator=generator) < 0.5
     clean = torch.where(flip[:, None, None, None], clean.flip(-1), clean)
     labels = torch.where(torch.rand(batch, generator=generator) < DROP_CLASS, null, label)
     noise = torch.randn(clean.shape, generator=generator)
-    timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (batch,), generator=generator)
+    total = scheduler.config.num_train_timesteps
+    if halves:
+        upper = int(torch.randint(0, 2, (), generator=generator))
+        timesteps = torch.randint(0, total // 2, (batch,), generator=generator) + upper * (total // 2)
+    else:
+        timesteps = torch.randint(0, total, (batch,), generator=generator)
     return scheduler.add_noise(clean, noise, timesteps), timesteps, labels, noise
 
 
@@ -250,24 +276,28 @@ def main(argv=None) -> Dict[str, Any]:
     null = len(base.info["classes"])
     scheduler = DDPMScheduler.from_config(base.scheduler_config)
     held = held_out_batch(held_images, subject, scheduler)
-    runs = [Run(name, args, base, stop_at) for name in args.methods]
+    half = scheduler.config.num_train_timesteps // 2
+    runs = [Run(name, args, base, stop_at, half) for name in args.methods]
+    halves = any(name.endswith("+noisy") for name in args.methods)
+    draw = lambda generator: draw_batch(images, args.batch, subject, null, generator, scheduler, halves)
 
     print(f"LoRA fine-tune of {folder} on {len(images)} fresh crops of {args.subject!r}")
     print(f"rank {args.rank} on {', '.join(args.lora_targets)}: {sum(p.numel() for p in runs[0].parameters):,} trainable "
           f"parameters (the UNet has {sum(p.numel() for p in base.model.parameters()):,}); {args.steps} steps of "
           f"{args.batch}, AdamW lr {args.lr:g}, seed {args.seed}, {torch.get_num_threads()} threads; the runs take "
-          "their steps in turn on the same batches (unpatched-reseeded on its own)")
+          "their steps in turn on the same batches (unpatched-reseeded on its own)"
+          + (f"; each batch's timesteps all below or all from {half} (for +noisy)" if halves else ""))
     generator = torch.Generator().manual_seed(args.seed)
     for run in runs:
         run.evaluate(0, held)
     for step in range(1, args.steps + 1):
-        batch = draw_batch(images, args.batch, subject, null, generator, scheduler)
+        batch = draw(generator)
         for run in runs if step % 2 else reversed(runs):  # alternate the order: drift hits every run alike
             if run.stop_at is not None and step == run.stop_at + 1:
                 tome.remove(run.unet)  # the schedule: merging off from here on
                 print(f"step {step}: tome.remove(unet) in {run.name}; its remaining steps run unpatched")
             if run.generator is not None:  # a reseeded run draws its own
-                run.step(draw_batch(images, args.batch, subject, null, run.generator, scheduler))
+                run.step(draw(run.generator))
             else:
                 run.step(batch)
         if step % args.log_every == 0 or step == args.steps:
@@ -287,9 +317,10 @@ def main(argv=None) -> Dict[str, Any]:
           f"so compare within this run only; {train_seconds:.0f} s of training in all)")
     for run in runs:
         line = f"  {run.name:<19} {run.median_time() * 1000:7.1f} ms  {base_time / run.median_time():5.2f}x"
-        if run.stop_at is not None:
-            line += (f"   (steps 1-{run.stop_at} merged: {run.median_time(True) * 1000:.1f} ms, "
-                     f"{base_time / run.median_time(True):.2f}x; after remove: {run.median_time(False) * 1000:.1f} ms)")
+        if run.stop_at is not None or any(run.merged) and not all(run.merged):
+            first = f"steps 1-{run.stop_at}" if run.stop_at is not None else f"{sum(run.merged)} steps"
+            line += (f"   ({first} merged: {run.median_time(True) * 1000:.1f} ms, "
+                     f"{base_time / run.median_time(True):.2f}x; unmerged: {run.median_time(False) * 1000:.1f} ms)")
         print(line + f"   total {sum(run.times):.1f} s")
 
     # Quality of the fine-tuned models themselves: every patch removed.
@@ -342,6 +373,7 @@ def main(argv=None) -> Dict[str, Any]:
         held_out={run.name: run.held_out for run in runs},
         times={run.name: run.times for run in runs},
         merged={run.name: run.merged for run in runs},
+        timesteps={run.name: run.timesteps for run in runs},
         held_loss=held_loss,
         reduced_loss=reduced_loss,
         quality=quality,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, fields, replace
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 MAX_DOWNSAMPLE_CHOICES = (None, 1, 2, 4, 8)
 LEVELS = (1, 2, 4, 8)
@@ -89,6 +89,13 @@ class ToMeConfig:
     frame_ratio: with ``frames_per_chunk > 1``, the share of the other frames' tokens merged into their most
         similar token of the chunk's reference frame (the rest stay), in ``[0, 1]``; the reference frame
         merges by ``ratio`` as a single frame does. ``None``: 0.9.
+    timestep_range: ``(low, high)``: merge only in model calls whose timesteps all lie in ``[low, high]``, in
+        the units the model receives (0-1000 for diffusers UNets, SD3 and PixArt; 0-1 for Flux); other calls run
+        the unpatched model. High timesteps are high noise, where merging costs least fidelity: e.g.
+        ``(500, 1000)`` merges in the first half of sampling, or in the noisier half of training steps. A call
+        whose batch has timesteps on both sides of a bound runs unmerged (the token count is one for the whole
+        batch). Reading the timesteps costs one host sync per call when they are a device array. ``None``
+        (default): every call merges. Not on jax, where the timestep is traced.
     """
 
     ratio: Optional[float] = None
@@ -116,6 +123,7 @@ class ToMeConfig:
     level_cells: Optional[Mapping[int, Any]] = None
     frames_per_chunk: Optional[int] = None
     frame_ratio: Optional[float] = None
+    timestep_range: Optional[Tuple[float, float]] = None
 
     def __repr__(self) -> str:
         """The options that differ from the defaults (``ToMeConfig()``), as the call that makes them (a cell's
@@ -154,6 +162,7 @@ class ToMeConfig:
             raise ValueError(f"max_downsample must be one of None, 1, 2, 4, 8, got {self.max_downsample!r}")
         self._check_arrangement()
         self._check_frames()
+        self._check_timestep_range()
         if self.ratio is None:
             object.__setattr__(self, "ratio", self.max_ratio if self.matching == "cell" else DEFAULT_RATIO)
         elif self.matching == "cell":
@@ -285,6 +294,27 @@ class ToMeConfig:
         for bad, given, needed in conflicts:
             if bad:
                 raise ValueError(f"frames_per_chunk={self.frames_per_chunk} cannot be combined with {given}; it needs {needed}")
+
+    def _check_timestep_range(self) -> None:
+        value = self.timestep_range
+        if value is None:
+            return
+        allowed = "a pair (low, high) of numbers with low <= high, or None"
+        if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) or len(value) != 2:
+            raise TypeError(f"timestep_range must be {allowed}, got {value!r}")
+        for bound in value:
+            if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or math.isnan(bound):
+                raise TypeError(f"timestep_range must be {allowed}, got {value!r} (bound {bound!r})")
+        if value[0] > value[1]:
+            raise ValueError(f"timestep_range must be {allowed}, got {value!r} (low > high)")
+        object.__setattr__(self, "timestep_range", (float(value[0]), float(value[1])))
+
+    def merges_at(self, timesteps: Sequence[float]) -> bool:
+        """Whether a model call at ``timesteps`` (its batch's, on the host) merges under ``timestep_range``."""
+        if self.timestep_range is None:
+            return True
+        low, high = self.timestep_range
+        return all(low <= t <= high for t in timesteps)
 
     def _check_cell_ratio(self) -> None:
         if self.level_cells and len({self.max_ratio, *(self.max_ratio_at(level) for level in self.level_cells)}) > 1:

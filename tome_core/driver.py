@@ -63,8 +63,8 @@ class Framework(Protocol):
     def add_post_hook(self, module: Any, hook: PostHook) -> Any:
         """Register ``hook(module, args, kwargs, output)`` to run after ``module`` (also when it raises)."""
 
-    def host_ints(self, x: Any) -> List[int]:
-        """A small integer array's values on the host."""
+    def host_values(self, x: Any) -> List[float]:
+        """A small array's values on the host, flattened (Python ints or floats)."""
 
     def size_aware(self, module: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: "SizeBias") -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
         """Make ``module``'s attention add ``bias`` to its logits during this call; returns its arguments."""
@@ -202,7 +202,9 @@ class _CallStart:
             sample = argument(args, kwargs, "hidden_states", where["hidden_states"])
         if sample is None and args:
             sample = args[0]
-        step = _step(argument(args, kwargs, "timestep", where["timestep"]))
+        timestep = argument(args, kwargs, "timestep", where["timestep"])
+        step = _step(timestep)
+        self.state.merging = self._merges_at(timestep)
         if not self.transformer:  # UNets give their latent; inner Transformer2DModels give the grids
             latent = _spatial(sample, self.data_format) if self.unet else None
             shape = get_ops(sample).shape(sample) if self.unet else ()
@@ -218,6 +220,15 @@ class _CallStart:
         self.state.enter_grid(grid)
         return None
 
+    def _merges_at(self, timestep: Any) -> bool:
+        """Whether this call merges under ``timestep_range`` (read on the host only when it is set)."""
+        if self.state.config.timestep_range is None:
+            return True
+        if timestep is None:
+            raise ValueError(f"timestep_range={self.state.config.timestep_range} needs the model's timestep, and this call gave none")
+        values = [timestep] if isinstance(timestep, (int, float)) else self.fw.host_values(timestep)
+        return self.state.config.merges_at(values)
+
     def _packed_grid(self, img_ids: Any) -> Tuple[int, int]:
         """The grid of packed image tokens from their ids ``[N, 3]`` (row, column in the last two columns).
 
@@ -228,7 +239,7 @@ class _CallStart:
             return self.ids_grid[1]
         shape = get_ops(img_ids).shape(img_ids)
         last = get_ops(img_ids).reshape(img_ids, (-1, shape[-1]))[-1]
-        row, column = self.fw.host_ints(last)[-2:]
+        row, column = (int(v) for v in self.fw.host_values(last)[-2:])
         grid = (row + 1, column + 1)
         self.ids_grid = (img_ids, grid)
         return grid

@@ -42,6 +42,7 @@ class ToMeState:
     calls: int = 0
     cache: Dict[Any, Dict[str, Match]] = field(default_factory=dict)
     choices: Tuple[Tuple[int, ToMeConfig], ...] = ()  # ToMeConfig.auto_choices; empty: the config itself
+    merging: bool = True  # False: this call's timestep is outside timestep_range (it runs unmerged)
 
     def __repr__(self) -> str:
         return f"ToMeState(config={self.config!r}, finest_level={self.finest_level}, calls={self.calls})"
@@ -72,6 +73,8 @@ class ToMeState:
             f" ({1 - level.kept / level.tokens:.0%} merged; {config.mode}, {how(factor)})"
             for factor, level in sorted(self.stats.items())
         ]
+        if not self.merging:
+            return f"  no block merged: the timestep is outside timestep_range={self.config.timestep_range}"
         return "\n".join(lines) if lines else "  no block merged"
 
     def merges(self, sublayer: str) -> bool:
@@ -108,6 +111,8 @@ class ToMeState:
         the whole batch (blocks whose tokens carry rotary positions). ``block_ratio``: this block's entry of
         ``block_ratios``, if any.
         """
+        if not self.merging:
+            return {}
         ops = get_ops(metric)
         metric = ops.stop_gradient(metric)  # a discrete choice: training keeps nothing of it for backward
         batch, tokens = ops.shape(metric)[:2]

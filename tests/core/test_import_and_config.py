@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -39,6 +40,10 @@ def test_import_loads_no_framework():
         ({"use_rand": 1}, TypeError, "use_rand must be True or False, got 1"),
         ({"merge_mlp": "yes"}, TypeError, "merge_mlp must be True or False"),
         ({"seed": -1}, ValueError, "seed must be an int >= 0, got -1"),
+        ({"timestep_range": 500}, TypeError, r"timestep_range must be a pair \(low, high\) of numbers with low <= high, or None, got 500"),
+        ({"timestep_range": (0, "1000")}, TypeError, "timestep_range must be a pair.*bound '1000'"),
+        ({"timestep_range": (0, float("nan"))}, TypeError, "timestep_range must be a pair"),
+        ({"timestep_range": (900, 100)}, ValueError, r"got \(900, 100\) \(low > high\)"),
         ({"ration": 0.5}, TypeError, "unknown ToMe option\\(s\\) ration; valid options are ratio, max_downsample"),
     ],
 )
@@ -104,6 +109,14 @@ def test_numpy_numbers_are_accepted_as_option_values():
         ToMeConfig(ratio=np.bool_(True))
     with pytest.raises(ValueError, match="reuse_blocks must be an int >= 1, got 0"):
         ToMeConfig(reuse_blocks=0)
+
+
+def test_timestep_range_merges_a_call_only_when_its_whole_batch_is_inside():
+    config = ToMeConfig(timestep_range=[np.int64(500), np.inf])
+    assert config.timestep_range == (500.0, math.inf)
+    assert config.merges_at([500]) and config.merges_at([999.5, 700]) and config.merges_at([1e9])
+    assert not config.merges_at([499.9]) and not config.merges_at([700, 100])  # one side of the bound each
+    assert ToMeConfig().merges_at([0]) and ToMeConfig(timestep_range=(3, 3)).merges_at([3.0])
 
 
 def test_the_package_imports_from_the_repository_root():

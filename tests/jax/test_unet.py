@@ -133,6 +133,7 @@ def test_controlnet_blocks_are_merged_and_change_its_residuals(small_controlnet,
         ({"use_rand": 1}, TypeError, "use_rand must be True or False"),
         ({"ration": 0.5}, TypeError, "unknown ToMe option"),
         ({"reuse_steps": 2}, ValueError, "reuse_steps=2 is not supported on jax"),
+        ({"timestep_range": (500, 1000)}, ValueError, r"timestep_range=\(500.0, 1000.0\) is not supported on jax"),
     ],
 )
 def test_bad_options_raise_clear_errors(tiny, options, error, message):

@@ -134,3 +134,18 @@ def test_proportional_attn_leaves_text_keys_unsized_under_only_cross_attention(i
     flat = call(tome.patch(copy.deepcopy(unet), ratio=0.5, proportional_attn=False), inputs)
     np.testing.assert_array_equal(sized, flat)
     assert np.abs(sized - plain).max() > 1e-5  # the queries were merged
+
+
+def test_timestep_range_merges_inside_it_and_runs_the_unpatched_model_outside(tiny_unet, inputs, call):
+    everywhere = tome.patch(copy.deepcopy(tiny_unet), ratio=0.5)
+    ranged = tome.patch(copy.deepcopy(tiny_unet), ratio=0.5, timestep_range=(400, 1000))
+    seen = token_counts(ranged, names=("attn1",))["attn1"]
+    for t, inside in ((500, True), ([700, 600], True), (100, False), ([700, 100], False)):
+        seen.clear()
+        out = call(ranged, at(inputs, t))
+        if inside:
+            np.testing.assert_array_equal(out, call(everywhere, at(inputs, t)))
+            assert 256 not in seen and 128 in seen  # 16x16 latent: 256 -> 128 tokens
+        else:
+            np.testing.assert_array_equal(out, call(tiny_unet, at(inputs, t)))
+            assert 128 not in seen and 256 in seen

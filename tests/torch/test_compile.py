@@ -244,3 +244,13 @@ def test_blocks_compiled_one_by_one_beyond_the_recompile_limit_are_refused_at_pa
             tome.patch(model, ratio=0.5)
     assert not tome.patched_models(model)
     torch.testing.assert_close(run(model, inputs[500]), eager[None][500], rtol=1e-5, atol=1e-5)
+
+
+def test_timestep_range_under_torch_compile_switches_between_merged_and_unpatched(unet, inputs, eager):
+    """The range is read on the host at the model's entry (a graph break there, so not fullgraph); the blocks
+    compiled inside follow each call's decision."""
+    model = tome.patch(copy.deepcopy(unet), ratio=0.5, timestep_range=(400, 1000))
+    wrapper = torch.compile(model, backend="aot_eager")
+    for t in (500, 300, 500):
+        expected = eager[0.5][t] if t >= 400 else eager[None][t]
+        torch.testing.assert_close(run(wrapper, inputs[t]), expected, rtol=1e-5, atol=1e-5)

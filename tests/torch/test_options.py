@@ -146,3 +146,38 @@ def test_proportional_attn_leaves_text_keys_unsized_under_only_cross_attention(i
     flat = call(tome.patch(copy.deepcopy(unet), ratio=0.5, proportional_attn=False), inputs)
     torch.testing.assert_close(sized, flat, rtol=0, atol=0)
     assert not torch.allclose(sized, plain, atol=1e-5)  # the queries were merged
+
+
+def test_timestep_range_merges_inside_it_and_runs_the_unpatched_model_outside(unet, inputs):
+    plain = lambda t: call(unet, inputs, t)
+    everywhere = tome.patch(copy.deepcopy(unet), ratio=0.5)
+    ranged = tome.patch(copy.deepcopy(unet), ratio=0.5, timestep_range=(500, 1000))
+    [(_, state)] = tome.patched_models(ranged)
+    seen = token_counts(ranged, names=("attn1",))["attn1"]
+    for t, inside in ((torch.tensor(700), True), (700, True), (torch.tensor([1000.0, 500.0]), True),
+                      (torch.tensor(100), False), (torch.tensor([700, 100]), False), (499.5, False)):
+        seen.clear()
+        out = call(ranged, inputs, t)
+        if inside:
+            assert torch.equal(out, call(everywhere, inputs, t)) and not torch.equal(out, plain(t))
+            assert 256 not in seen and 128 in seen and "merged" in state.summary()  # 16x16 latent: 256 -> 128
+        else:
+            assert torch.equal(out, plain(t)), t
+            assert 128 not in seen and 256 in seen and "outside timestep_range=(500.0, 1000.0)" in state.summary()
+
+
+def test_timestep_range_merges_the_first_steps_of_a_pipeline():
+    from tome_core.adapters.diffusers_models import build_pipeline
+
+    pipe = build_pipeline("sd")
+    tome.patch(pipe, ratio=0.5, timestep_range=(500, 1000))
+    timesteps, smallest = [], []
+    pipe.unet.register_forward_pre_hook(lambda m, a, k: timesteps.append(float(a[1])) or smallest.append([]), with_kwargs=True)
+    for path, module in pipe.unet.named_modules():
+        if path.endswith("attn1"):
+            module.register_forward_pre_hook(lambda m, a, k: smallest[-1].append(a[0].shape[1]), with_kwargs=True)
+    pipe("a prompt", num_inference_steps=4, guidance_scale=1.0, height=32, width=32, output_type="latent",
+         generator=torch.Generator().manual_seed(0))
+    full = max(max(call) for call in smallest)  # the finest level's token count, seen only unmerged
+    merged = [full not in call for call in smallest]
+    assert merged == [500 <= t <= 1000 for t in timesteps] and any(merged) and not all(merged)
