@@ -248,6 +248,93 @@ def test_sd3_cell_matching_agrees(sd3_pair, options):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# One training step (#19): the same weights give the same gradients in both frameworks
+
+
+TRAINING_ARRANGEMENTS = {
+    "tokens": dict(mode="tokens", ratio=0.5),
+    "kv": dict(mode="kv", ratio=0.5),
+    "queries": dict(mode="queries", ratio=0.5),
+    "kv-cell": dict(mode="kv", matching="cell"),
+}
+
+
+def training_target(pair: Pair) -> np.ndarray:
+    return np.random.default_rng(9).standard_normal(pair.arrays["sample"].shape).astype(np.float32)
+
+
+def torch_training_step(pair: Pair, target: np.ndarray):
+    """Loss and gradients of ``mse(unet(sample, 500, text), target)`` on torch: every parameter's, and the
+    sample's and text's (as ``input.<name>``)."""
+    model = pair.torch_unet
+    model.zero_grad(set_to_none=True)
+    inputs = {k: torch.from_numpy(v).requires_grad_() for k, v in pair.arrays.items()}
+    added = {k: torch.from_numpy(v) for k, v in pair.added.items()} or None
+    output = model(timestep=torch.tensor(500), added_cond_kwargs=added, **inputs).sample
+    loss = torch.nn.functional.mse_loss(output, torch.from_numpy(target))
+    loss.backward()
+    grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+    grads.update({f"input.{k}": v.grad.numpy() for k, v in inputs.items()})
+    model.zero_grad(set_to_none=True)
+    return float(loss.detach()), grads
+
+
+def paddle_training_step(pair: Pair, target: np.ndarray):
+    """:func:`torch_training_step` on paddle, Linear weights' gradients transposed to torch's layout."""
+    model = pair.paddle_unet
+    model.clear_gradients(set_to_zero=False)
+    inputs = {k: paddle.to_tensor(v, stop_gradient=False) for k, v in pair.arrays.items()}
+    added = {k: paddle.to_tensor(v) for k, v in pair.added.items()} or None
+    output = model(timestep=paddle.to_tensor(500), added_cond_kwargs=added, **inputs).sample
+    loss = paddle.nn.functional.mse_loss(output, paddle.to_tensor(target))
+    loss.backward()
+    linear = {f"{name}.weight" for name, layer in model.named_sublayers() if isinstance(layer, paddle.nn.Linear)}
+    grads = {
+        n: p.grad.numpy().T.copy() if n in linear else p.grad.numpy().copy()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
+    grads.update({f"input.{k}": v.grad.numpy() for k, v in inputs.items()})
+    model.clear_gradients(set_to_zero=False)
+    return float(loss), grads
+
+
+def flat_relative_error(a: dict, b: dict) -> float:
+    """Relative L2 distance of two gradient sets over all their tensors (same keys)."""
+    assert a.keys() == b.keys()
+    flat = lambda g: np.concatenate([g[k].ravel().astype(np.float64) for k in sorted(g)])
+    return relative_error(flat(a), flat(b))
+
+
+@pytest.mark.parametrize("arrangement", list(TRAINING_ARRANGEMENTS))
+def test_training_step_gradients_agree(pair, arrangement):
+    """One patched training step (use_rand=False, size-aware attention on) gives the same loss and the same
+    gradients with respect to every parameter, the sample and the text in torch and in paddle; torch's differ
+    from its unpatched step's, so merging is in both backward passes."""
+    target = training_target(pair)
+    _, unpatched = torch_training_step(pair, target)
+    options = {**TRAINING_ARRANGEMENTS[arrangement], "use_rand": False}
+    tome_torch.patch(pair.torch_unet, **options)
+    tome_paddle.patch(pair.paddle_unet, **options)
+    try:
+        loss_torch, grads_torch = torch_training_step(pair, target)
+        loss_paddle, grads_paddle = paddle_training_step(pair, target)
+        (_, torch_state), (_, paddle_state) = tome_torch.patched_models(pair.torch_unet)[0], tome_paddle.patched_models(pair.paddle_unet)[0]
+        assert torch_state.stats == paddle_state.stats and torch_state.stats
+    finally:
+        tome_torch.remove(pair.torch_unet)
+        tome_paddle.remove(pair.paddle_unet)
+    assert flat_relative_error(grads_torch, unpatched) > 1e-3
+    assert relative_error(np.array(loss_paddle), np.array(loss_torch)) < 1e-5
+    assert grads_paddle.keys() == grads_torch.keys() == unpatched.keys()
+    assert len(grads_torch) == len(list(pair.torch_unet.parameters())) + len(pair.arrays)
+    assert flat_relative_error(grads_paddle, grads_torch) < 1e-5
+    scale = max(np.abs(g).max() for g in grads_torch.values())
+    for key, expected in grads_torch.items():  # each tensor, up to float32 noise of the largest gradient
+        np.testing.assert_allclose(grads_paddle[key], expected, rtol=1e-4, atol=1e-5 * scale, err_msg=key)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Video UNets (#14): AnimateDiff's UNetMotionModel and the text-to-video UNet3DConditionModel with the same
 # weights, spatial blocks merged per frame or across frames; SVD at batch 1 (see test_ppdiffusers_svd_mixes_the_batch)
 
