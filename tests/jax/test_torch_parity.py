@@ -1,7 +1,8 @@
 """Cross-framework parity: the same tiny UNet weights in torch diffusers and in Flax, patched with the same
 options, give the same output (relative L2 < 1e-4), with the fixed partition and with the hashed one (the
 partition depends only on seed, timestep and the block's position, not on the framework), and in every
-arrangement around self-attention (``mode`` tokens / kv / queries, ``matching`` similarity / cell).
+arrangement around self-attention (``mode`` tokens / kv / queries, ``matching`` similarity / cell). One patched
+training step gives the same loss and the same gradients for every parameter and the sample (#19).
 
 The torch model is the oracle (diffusers 0.39.0 torch models + tome_core.torch in this environment); weights
 move by diffusers' own ``convert_pytorch_state_dict_to_flax``. Cross-framework float noise (~1e-6) could flip a
@@ -11,7 +12,10 @@ well above that noise: a failure there means the test data are unsuitable, not t
 
 from __future__ import annotations
 
+from functools import partial
+
 import diffusers
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -141,3 +145,103 @@ def test_patched_flax_unet_equals_patched_torch_unet(models, apply, rel, preset,
     got = run_flax(apply, tome_jax.patch(flax_unet, **config), params, sample, context, added)
     assert rel(expected, plain_torch) > 1e-3  # merging changed the output
     assert rel(got, expected) < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One training step (#19): the same weights give the same gradients in torch and in jax
+
+# "tiny" cut to one level (attention in the down block, the middle and the up block, all at 1/1): one short
+# compilation of the loss and its gradient per arrangement.
+ONE_LEVEL = dict(
+    block_out_channels=(32,), down_block_types=("CrossAttnDownBlock2D",), up_block_types=("CrossAttnUpBlock2D",)
+)
+TRAINING_SEED = 0
+TRAINING_ARRANGEMENTS = {
+    "tokens": dict(mode="tokens", ratio=0.5),
+    "kv": dict(mode="kv", ratio=0.5),
+    "queries": dict(mode="queries", ratio=0.5),
+    "kv-cell": dict(mode="kv", matching="cell"),
+}
+
+
+class _StateDict:
+    """Hands a dict of torch tensors to ``params_from_torch`` as a model's state dict (to move gradients into
+    the Flax parameter layout by the same converter as the weights)."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def state_dict(self):
+        return self.tensors
+
+
+@pytest.fixture(scope="module")
+def training_pair():
+    """``(torch UNet, Flax UNet, converted params, (sample, context, target))`` of the one-level UNet."""
+    torch_unet = build_torch_unet("tiny", seed=0, **ONE_LEVEL)
+    flax_unet = diffusers.FlaxUNet2DConditionModel(**unet_config("tiny", **ONE_LEVEL))
+    rng = np.random.default_rng(TRAINING_SEED)
+    sample, target = (rng.standard_normal((2, 4, 8, 8)).astype(np.float32) for _ in range(2))
+    context = rng.standard_normal((2, 7, 32)).astype(np.float32)
+    return torch_unet, flax_unet, params_from_torch(torch_unet, flax_unet), (sample, context, target)
+
+
+def torch_training_step(unet, sample, context, target):
+    """Loss and gradients of ``mse(unet(sample, 500, context), target)``: the parameters' (torch names) and the
+    sample's."""
+    unet.zero_grad(set_to_none=True)
+    sample = torch.from_numpy(sample).requires_grad_()
+    prediction = unet(sample, torch.tensor([TIMESTEP] * 2), torch.from_numpy(context)).sample
+    loss = torch.nn.functional.mse_loss(prediction, torch.from_numpy(target))
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in unet.named_parameters()}
+    unet.zero_grad(set_to_none=True)
+    return float(loss.detach()), grads, sample.grad.numpy()
+
+
+@partial(jax.jit, static_argnums=0)
+def flax_training_step(unet, params, sample, context, target):
+    def loss(params, sample):
+        prediction = unet.apply({"params": params}, sample, jnp.array([TIMESTEP] * 2, jnp.int32), context).sample
+        return jnp.mean((prediction - target) ** 2)
+
+    return jax.value_and_grad(loss, argnums=(0, 1))(params, sample)
+
+
+@pytest.mark.parametrize("arrangement", list(TRAINING_ARRANGEMENTS))
+def test_training_step_gradients_agree_with_torch(training_pair, rel, arrangement):
+    """One patched training step (use_rand=False, size-aware attention on): ``jax.grad`` of the Flax UNet's
+    mean squared error equals torch's backward, for every parameter (moved to the Flax layout by diffusers'
+    converter) and the sample; torch's gradients differ from its unpatched step's, so merging is in both."""
+    torch_unet, flax_unet, params, (sample, context, target) = training_pair
+    _, unpatched, _ = torch_training_step(torch_unet, sample, context, target)
+    options = {**TRAINING_ARRANGEMENTS[arrangement], "use_rand": False}
+    captured = []
+    tome_torch.patch(torch_unet, **options)
+    try:
+        run_torch(torch_unet, sample, context, None, capture=captured)
+        loss_torch, grads_torch, sample_torch = torch_training_step(torch_unet, sample, context, target)
+    finally:
+        tome_torch.remove(torch_unet)
+    assert len(captured) == 4  # four blocks at 1/1, every one merged
+    for _, metric in captured if options.get("matching") != "cell" else ():
+        assert margin(metric, 8, 8, 32, None) > 2e-5, "near-tie: pick other data"
+    flat = lambda grads: np.concatenate([g.numpy().ravel() for g in grads.values()])
+    assert rel(flat(grads_torch), flat(unpatched)) > 1e-2  # far beyond the tolerance below
+
+    loss_flax, (grads_flax, sample_flax) = flax_training_step(
+        tome_jax.patch(flax_unet, **options), params, jnp.asarray(sample), jnp.asarray(context), jnp.asarray(target)
+    )
+    expected = params_from_torch(_StateDict(grads_torch), flax_unet)
+    assert jax.tree_util.tree_structure(grads_flax) == jax.tree_util.tree_structure(expected)
+    assert abs(float(loss_flax) - loss_torch) < 1e-5 * loss_torch
+    # float32 noise between the frameworks: the unpatched step's gradients agree to ~7e-5 (relative L2)
+    assert rel(sample_flax, sample_torch) < 3e-4
+    leaves = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(tree)])
+    assert rel(leaves(grads_flax), leaves(expected)) < 3e-4
+    scale = np.abs(leaves(expected)).max()
+    for path, got in jax.tree_util.tree_flatten_with_path(grads_flax)[0]:  # each tensor, up to float32 noise
+        want = expected
+        for key in path:
+            want = want[key.key]
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-3, atol=3e-4 * scale, err_msg=jax.tree_util.keystr(path))
