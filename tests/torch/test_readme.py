@@ -83,7 +83,7 @@ def test_video_snippet_merges_per_frame_then_across_frames(readme_code, capsys):
 
 def test_training_snippet_trains_lora_and_leaves_an_unpatched_lora_unet(readme_code):
     namespace: dict = {}
-    exec(compile(readme_code("Training and fine-tuning (torch)"), "README.md", "exec"), namespace)
+    exec(compile(readme_code("Training and fine-tuning"), "README.md", "exec"), namespace)
     unet, lora = namespace["unet"], namespace["lora"]
     assert lora and all("lora" in key for key in lora)
     assert not namespace["tome"].patched_models(unet)
