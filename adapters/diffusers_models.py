@@ -30,6 +30,7 @@ from tome_core.presets import (
     TINY_TEXT_ENCODER,
     TINY_VAE,
     VIDEO_PRESETS,
+    VIDEO_TRANSFORMERS,
     transformer_config,
     unet2d_config,
     unet_config,
@@ -272,6 +273,35 @@ def video_unet_inputs(model: torch.nn.Module, frames: int, height: int, width: i
 
 
 VIDEO_PIPELINES = VIDEO_UNETS
+
+
+def build_wan(seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """The tiny Wan video transformer (``WanTransformer3DModel``, preset ``tiny-wan``) with weights from ``seed``;
+    zero-initialised output layers get small random values, as trained weights have."""
+    name, config = VIDEO_TRANSFORMERS["tiny-wan"]
+    torch.manual_seed(seed)
+    model = getattr(diffusers, name)(**{**config, **overrides}).eval()
+    _randomize_zeros(model, seed + 1)
+    return model
+
+
+def build_wan_pipeline(seed: int = 0) -> Tuple[Any, Dict[str, Any]]:
+    """A ``WanPipeline`` on :func:`build_wan` with a tiny random-weight ``AutoencoderKLWan`` (2x spatial, no
+    temporal compression) and text embeddings in place of the text encoder, and the keyword arguments of a
+    call (give ``height``, ``width``, ``num_frames``, steps and a generator)."""
+    transformer = build_wan(seed)
+    torch.manual_seed(seed + 1)
+    vae = diffusers.AutoencoderKLWan(
+        base_dim=8, z_dim=transformer.config.in_channels, dim_mult=[1, 1], num_res_blocks=1,
+        temperal_downsample=[False], scale_factor_spatial=2, scale_factor_temporal=1,
+    ).eval()
+    pipe = diffusers.WanPipeline(
+        tokenizer=None, text_encoder=None, transformer=transformer, vae=vae,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
+    )
+    generator = torch.Generator().manual_seed(seed + 2)
+    text = lambda: torch.randn(1, 5, transformer.config.text_dim, generator=generator)
+    return pipe, dict(prompt_embeds=text(), negative_prompt_embeds=text())
 
 
 def build_video_pipeline(kind: str = "animatediff", seed: int = 0) -> Tuple[Any, Dict[str, Any]]:

@@ -211,9 +211,13 @@ class _CallStart:
             # a video UNet's sample is 5-D (batch first); its blocks see batch * frames items
             self.state.begin_call(latent, step, videos=shape[0] if len(shape) == 5 else None)
             return None
-        if len(get_ops(sample).shape(sample)) == 4:
+        shape = get_ops(sample).shape(sample)
+        if len(shape) == 4:
             height, width = _spatial(sample, self.data_format)
             grid = (height // self.patch_size, width // self.patch_size)
+        elif len(shape) == 5:  # a video transformer (Wan): (batch, C, frames, H, W), its frames' grids stacked
+            frames, height, width = (n // p for n, p in zip(shape[2:], self.patch_size))
+            grid = (frames * height, width)
         else:
             grid = self._packed_grid(argument(args, kwargs, "img_ids", where["img_ids"]))
         self.state.begin_call(grid, step)
@@ -319,6 +323,7 @@ class _MergeInput:
         self.run = run
         self.sublayer = sublayer
         self.rotary = run.family.rotary
+        self.rotary_at: Dict[type, Optional[int]] = {}  # the rotary argument's position in a module class's forward
 
     def __call__(self, module, args, kwargs):
         match = self.run.matches.get(self.sublayer.kind)
@@ -335,8 +340,8 @@ class _MergeInput:
         if mode != "tokens":
             return self._arrange(module, args, kwargs, x, merged, match, mode, size_aware)
         args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
-        if self.rotary is not None and kwargs.get(self.rotary) is not None:
-            kwargs = {**kwargs, self.rotary: _merge_positions(kwargs[self.rotary], match)}
+        if self.rotary is not None:
+            args, kwargs = self._merge_rotary(module, args, kwargs, match)
         if not size_aware:
             return args, kwargs
         # With only_cross_attention, a BasicTransformerBlock's attn1 attends to text: its keys are not merged.
@@ -366,6 +371,16 @@ class _MergeInput:
             return self._size_aware(module, args, kwargs, match, merged)
         return args, kwargs
 
+    def _merge_rotary(self, module, args, kwargs, match):
+        if type(module) not in self.rotary_at:
+            self.rotary_at[type(module)] = _positions(type(module).forward, self.rotary)[self.rotary]
+        position = self.rotary_at[type(module)]
+        rotary = argument(args, kwargs, self.rotary, position)
+        if rotary is None:
+            return args, kwargs
+        moved = _merge_positions(rotary, match, self.run.family.rotary_axis)
+        return replace_argument(args, kwargs, self.rotary, position, moved)
+
     def _size_aware(self, module, args, kwargs, match, merged):
         if kwargs.get("attention_mask") is not None:
             raise ValueError(
@@ -375,18 +390,19 @@ class _MergeInput:
         return self.fw.size_aware(module, args, kwargs, SizeBias(match, self.sublayer.text, merged))
 
 
-def _merge_positions(rotary: Any, match: Match) -> Any:
-    """Rotary embeddings ``(cos, sin)`` of ``[text; image]`` tokens moved to ``[text; merged image]``: each
-    merged token takes the position of the token it stands at (its destination). The match is shared by
-    the batch, so batch item 0 tells every item's positions."""
+def _merge_positions(rotary: Any, match: Match, axis: int = 0) -> Any:
+    """Rotary embeddings ``(cos, sin)`` of ``[text; image]`` tokens (along ``axis``) moved to ``[text; merged
+    image]``: each merged token takes the position of the token it stands at (its destination). The match is
+    shared by the batch, so batch item 0 tells every item's positions."""
     if match.representatives is None:
         return rotary
     moved = []
     for table in rotary:
         ops = get_ops(table)
-        text = ops.shape(table)[0] - match.tokens
-        image = ops.take(table[text:], match.representatives[0], axis=0)
-        moved.append(ops.concat([table[:text], image], axis=0))
+        text = ops.shape(table)[axis] - match.tokens
+        image = match.representatives[0] + text
+        rows = ops.concat([ops.astype_like(ops.arange(text, image), image), image], axis=0) if text else image
+        moved.append(ops.take(table, rows, axis=axis))
     return tuple(moved)
 
 
@@ -668,7 +684,8 @@ def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any]
     if config.frames > 1 and not any(temporal_modules(fw, model) for model in models):
         raise ValueError(
             f"frames_per_chunk={config.frames} merges across the frames of a video model, but "
-            f"{type(obj).__qualname__} holds no video UNet (no temporal layers); leave frames_per_chunk out"
+            f"{type(obj).__qualname__} holds no video UNet (no temporal layers); leave frames_per_chunk out (a video "
+            "transformer such as Wan runs one sequence over all frames, where a token merges with any frame's)"
         )
     for model in models:
         check_grids(fw, model)

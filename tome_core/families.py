@@ -45,15 +45,18 @@ class BlockFamily:
     """A transformer block class (by name) and the sub-layers ToMe wraps.
 
     The block's first input (``hidden_states``) is its image stream: the match is computed from it.
-    rotary: keyword argument of the sub-layers carrying rotary position embeddings ``(cos, sin)`` of
-        ``[text; image]`` tokens; merged tokens then take their destination's position, and the match is
-        shared by the batch so that every merged token has one position.
+    rotary: argument of the sub-layers carrying rotary position embeddings ``(cos, sin)`` of ``[text; image]``
+        tokens (by keyword or at its place in the sub-layer's ``forward``); merged tokens then take their
+        destination's position, and the match is shared by the batch so that every merged token has one
+        position.
+    rotary_axis: the token axis of those tables (Flux: ``[tokens, dim]``; Wan: ``[1, tokens, 1, dim]``).
     """
 
     name: str
     classes: Tuple[str, ...]
     sublayers: Tuple[Sublayer, ...]
     rotary: Optional[str] = None
+    rotary_axis: int = 0
 
 
 BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
@@ -92,6 +95,17 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
             Sublayer("proj_mlp", "mlp", text=TEXT_PREFIX),
         ),
         rotary="image_rotary_emb",
+    ),
+    BlockFamily(
+        "wan",  # Wan 2.1/2.2: one sequence of frames x height x width tokens with 3-D rotary positions
+        ("WanTransformerBlock",),
+        (
+            Sublayer("attn1", "attn", attention=True),
+            Sublayer("attn2", "crossattn"),
+            Sublayer("ffn", "mlp"),
+        ),
+        rotary="rotary_emb",
+        rotary_axis=1,
     ),
 )
 

@@ -248,6 +248,19 @@ VIDEO_UNETS: Dict[str, Tuple[str, Dict[str, Any]]] = {
 }
 
 
+# Video transformers (diffusers' class name, config): one sequence of frames x height x width tokens.
+VIDEO_TRANSFORMERS: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    "tiny-wan": (
+        "WanTransformer3DModel",
+        dict(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+            text_dim=16, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+        ),
+    ),
+}
+
+
 def video_unet_config(preset: str, **overrides: Any) -> Tuple[str, Dict[str, Any]]:
     """A video preset's class name and a copy of its config with ``overrides`` applied."""
     if preset not in VIDEO_UNETS:

@@ -1,0 +1,125 @@
+"""Wan's video transformer (``WanTransformer3DModel``, diffusers) and ``WanPipeline``, on a tiny random-weight
+config: one sequence of frames x height x width tokens with 3-D rotary positions.
+
+ToMe reads the sequence as the frames' token grids stacked in rows (``frames * height`` by ``width``): every
+2x2 cell lies in one frame, and a token may merge into a destination of any frame (the bipartite search spans
+the clip). Merged tokens take their destination's rotary position. Oracles: the unpatched model, the token
+counts each sub-layer receives, the rotary table of the unmerged sequence, and numpy bipartite matching."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import tome_core.torch as tome
+from tome_core import bipartite_match, get_ops
+from tome_core.match import batch_as_channels
+from tome_core.adapters.diffusers_models import build_wan, build_wan_pipeline
+
+FRAMES, HEIGHT, WIDTH = 3, 8, 12  # latent: 3 frames of 4x6 tokens after the (1, 2, 2) patch
+TOKENS = FRAMES * (HEIGHT // 2) * (WIDTH // 2)
+
+
+@pytest.fixture(scope="module")
+def wan():
+    return build_wan()
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    generator = torch.Generator().manual_seed(3)
+    return dict(
+        hidden_states=torch.randn(2, 4, FRAMES, HEIGHT, WIDTH, generator=generator),
+        timestep=torch.tensor([500, 500]),
+        encoder_hidden_states=torch.randn(2, 5, 16, generator=generator),
+    )
+
+
+def call(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).sample
+
+
+def seen_by(model, child):
+    """``[(tokens, rotary table)]`` that each block's ``child`` sub-layer receives (hooks run after ToMe's)."""
+    seen = []
+    for block in model.blocks:
+        module = getattr(block, child)
+        module.register_forward_pre_hook(
+            lambda m, a, k: seen.append((a[0].shape[1], a[3] if len(a) > 3 else None)), with_kwargs=True
+        )
+    return seen
+
+
+def test_ratio_zero_is_exact_and_remove_restores_the_model(wan, inputs):
+    plain = call(wan, inputs)
+    model = copy.deepcopy(wan)
+    with pytest.warns(UserWarning, match="merges no tokens"):
+        tome.patch(model, ratio=0.0)
+    assert torch.equal(call(model, inputs), plain)
+    tome.patch(model, ratio=0.5)
+    merged = call(model, inputs)
+    assert torch.isfinite(merged).all() and not torch.allclose(merged, plain, atol=1e-3)
+    tome.remove(model)
+    assert torch.equal(call(model, inputs), plain)
+
+
+@pytest.mark.parametrize("options, attn, cross, ffn", [
+    (dict(ratio=0.5), TOKENS // 2, TOKENS, TOKENS),
+    (dict(ratio=0.5, merge_crossattn=True, merge_mlp=True, mlp_ratio=0.25), TOKENS // 2, TOKENS // 2, TOKENS * 3 // 4),
+    ({}, TOKENS // 2, TOKENS, TOKENS),  # mode "auto": ToMe for SD's arrangement (Wan's keys carry rotary positions)
+])
+def test_token_counts_seen_by_each_sublayer(wan, inputs, options, attn, cross, ffn):
+    model = tome.patch(copy.deepcopy(wan), **options)
+    counts = {child: seen_by(model, child) for child in ("attn1", "attn2", "ffn")}
+    call(model, inputs)
+    assert [n for n, _ in counts["attn1"]] == [attn] * 2
+    assert [n for n, _ in counts["attn2"]] == [cross] * 2
+    assert [n for n, _ in counts["ffn"]] == [ffn] * 2
+    [(_, state)] = tome.patched_models(model)
+    assert f"{TOKENS} -> {attn} tokens" in state.summary()
+
+
+def test_merged_tokens_carry_their_destinations_rotary_position(wan, inputs):
+    """The rotary rows given to self-attention are the full table's rows at the match's destinations, which
+    numpy bipartite matching of the block's input finds (use_rand=False, shared by the batch)."""
+    model = tome.patch(copy.deepcopy(wan), ratio=0.5, use_rand=False)
+    block = model.blocks[0]
+    captured = {}
+    block.attn1.register_forward_pre_hook(lambda m, a, k: captured.update(rotary=a[3]), with_kwargs=True)
+    block.register_forward_pre_hook(lambda m, a, k: captured.update(x=a[0]), with_kwargs=True)
+    call(model, inputs)
+    full_cos, _ = wan.rope(inputs["hidden_states"])
+    cos = captured["rotary"][0]
+    assert cos.shape == (1, TOKENS // 2, 1, full_cos.shape[-1])
+    # the match is computed from the block input, read as a (frames * 4) x 6 grid, batch items side by side
+    x = captured["x"].numpy()
+    ops = get_ops(x)
+    match = bipartite_match(ops, batch_as_channels(ops, x), FRAMES * HEIGHT // 2, WIDTH // 2, 2, 2, TOKENS // 2, None)
+    kept = np.asarray(match.representatives)[0]
+    torch.testing.assert_close(cos[0, :, 0], full_cos[0, torch.from_numpy(kept), 0])
+
+
+def test_frames_per_chunk_is_refused_on_wan(wan):
+    with pytest.raises(ValueError, match="frames_per_chunk"):
+        tome.patch(copy.deepcopy(wan), frames_per_chunk=2)
+
+
+def test_wan_pipeline_merges_and_remove_is_exact():
+    pipe, call_kwargs = build_wan_pipeline()
+    run = lambda: pipe(
+        height=16, width=16, num_frames=3, num_inference_steps=2, generator=torch.Generator().manual_seed(0),
+        output_type="latent", **call_kwargs,
+    ).frames
+    plain = run()
+    tome.patch(pipe, ratio=0.5)
+    seen = seen_by(pipe.transformer, "attn1")
+    merged = run()
+    assert torch.isfinite(merged).all() and not torch.allclose(merged, plain, atol=1e-4)
+    tokens = plain.shape[2] * (plain.shape[3] // 2) * (plain.shape[4] // 2)
+    assert {n for n, _ in seen} == {tokens // 2}
+    tome.remove(pipe)
+    assert torch.equal(run(), plain)
