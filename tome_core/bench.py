@@ -296,7 +296,11 @@ def serve_peak_request(runner_class: Any) -> None:
     import sys
 
     request = json.loads(sys.stdin.read())
-    runner = runner_class(argparse.Namespace(**request["args"]))
+    args = argparse.Namespace(**request["args"])
+    # JSON turned the options' int keys (level_cells={1: 4}) into strings: read them again from the command line
+    args.options = parse_options(getattr(args, "option", None) or [])
+    args.variants = variant_options(getattr(args, "variant", None) or [])
+    runner = runner_class(args)
     call = runner.train_step if request["args"].get("train") else runner.call  # --train: one training step
     with runner.method(request["method"], request["ratio"]):
         before = _restart_peak_kb()
