@@ -454,9 +454,7 @@ def run_stacked(args: argparse.Namespace) -> List[Row]:
                     Row(
                         ratio=shown_ratio,
                         method=method,
-                        median_s=medians.get(method, float("nan")),
-                        speedup=medians["unpatched"] / medians[method] if medians else float("nan"),
-                        oracle_share=float("nan"),
+                        **{**timing_columns(medians, method), "oracle_share": float("nan")},
                         fidelity_step=float("nan"),
                         fidelity_sampled=0.0 if method == "unpatched" else relative_l2(outputs[method], reference),
                         note=note,
@@ -500,13 +498,7 @@ def run_one(args: argparse.Namespace) -> List[Row]:
                     Row(
                         ratio=shown_ratio,
                         method=method,
-                        median_s=medians.get(method, float("nan")),
-                        speedup=medians["unpatched"] / medians[method] if "unpatched" in medians else float("nan"),
-                        oracle_share=(
-                            oracle_share(medians["unpatched"], medians[method], medians[_oracle_of(method, medians)])
-                            if _oracle_of(method, medians) in medians and "unpatched" in medians
-                            else float("nan")
-                        ),
+                        **timing_columns(medians, method),
                         fidelity_step=0.0
                         if method == "unpatched"
                         else relative_l2(step_output(method), reference_step),
@@ -550,6 +542,19 @@ class SampleFidelity:
         with np.errstate(divide="ignore"):  # identical samples: PSNR inf
             quality = dict(psnr=psnr(self.reference, images), ssim=ssim(self.reference, images))
         return dict(quality, accuracy=accuracy(self.runner.classify(images), self.labels))
+
+
+def timing_columns(medians: Dict[str, float], method: str) -> Dict[str, float]:
+    """A row's ``median_s``, ``speedup`` over the unpatched median and ``oracle_share`` (against the method's
+    oracle, :func:`_oracle_of`), NaN where the medians lack what a column needs."""
+    nan = float("nan")
+    unpatched, oracle = medians.get("unpatched"), medians.get(_oracle_of(method, medians))
+    mine = medians.get(method, nan)
+    return dict(
+        median_s=mine,
+        speedup=unpatched / mine if unpatched is not None and method in medians else nan,
+        oracle_share=oracle_share(unpatched, mine, oracle) if unpatched is not None and oracle is not None else nan,
+    )
 
 
 def _oracle_of(method: str, medians: Dict[str, float]) -> str:

@@ -163,17 +163,11 @@ def run_train(args: argparse.Namespace) -> List[Any]:
             medians = {m: statistics.median(t) for m, t in times.items()}
             for method in methods:
                 shown_ratio, note = runner.effective(method, ratio)
-                oracle = bench._oracle_of(method, medians)
                 rows.append(
                     bench.Row(
                         ratio=shown_ratio,
                         method=method,
-                        median_s=medians.get(method, float("nan")),
-                        speedup=medians["unpatched"] / medians[method] if "unpatched" in medians else float("nan"),
-                        oracle_share=(
-                            bench.oracle_share(medians["unpatched"], medians[method], medians[oracle])
-                            if oracle in medians and "unpatched" in medians else float("nan")
-                        ),
+                        **bench.timing_columns(medians, method),
                         fidelity_step=float("nan"),
                         fidelity_sampled=float("nan"),
                         peak_mb=runner.peak_memory_mb(method, ratio) if args.memory else None,
