@@ -203,13 +203,12 @@ class _CallStart:
         if sample is None and args:
             sample = args[0]
         timestep = argument(args, kwargs, "timestep", where["timestep"])
-        step = _step(timestep)
-        self.state.merging = self._merges_at(timestep)
+        step, merging = _step(timestep), self._merges_at(timestep)
         if not self.transformer:  # UNets give their latent; inner Transformer2DModels give the grids
             latent = _spatial(sample, self.data_format) if self.unet else None
             shape = get_ops(sample).shape(sample) if self.unet else ()
             # a video UNet's sample is 5-D (batch first); its blocks see batch * frames items
-            self.state.begin_call(latent, step, videos=shape[0] if len(shape) == 5 else None)
+            self.state.begin_call(latent, step, videos=shape[0] if len(shape) == 5 else None, merging=merging)
             return None
         shape = get_ops(sample).shape(sample)
         if len(shape) == 4:
@@ -220,7 +219,7 @@ class _CallStart:
             grid = (frames * height, width)
         else:
             grid = self._packed_grid(argument(args, kwargs, "img_ids", where["img_ids"]))
-        self.state.begin_call(grid, step)
+        self.state.begin_call(grid, step, merging=merging)
         self.state.enter_grid(grid)
         return None
 
@@ -318,12 +317,13 @@ class _MergeInput:
     ``kv`` keeps its queries and hands it the merged tokens as keys and values, ``queries`` merges its
     queries and hands it every token as keys and values."""
 
-    def __init__(self, fw: Framework, run: _BlockRun, sublayer: Sublayer):
+    def __init__(self, fw: Framework, run: _BlockRun, sublayer: Sublayer, module: Any):
         self.fw = fw
         self.run = run
         self.sublayer = sublayer
         self.rotary = run.family.rotary
-        self.rotary_at: Dict[type, Optional[int]] = {}  # the rotary argument's position in a module class's forward
+        # where ``module``'s forward takes the rotary argument by position (None: by keyword only)
+        self.rotary_at = _positions(type(module).forward, self.rotary)[self.rotary] if self.rotary else None
 
     def __call__(self, module, args, kwargs):
         match = self.run.matches.get(self.sublayer.kind)
@@ -341,7 +341,7 @@ class _MergeInput:
             return self._arrange(module, args, kwargs, x, merged, match, mode, size_aware)
         args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
         if self.rotary is not None:
-            args, kwargs = self._merge_rotary(module, args, kwargs, match)
+            args, kwargs = self._merge_rotary(args, kwargs, match)
         if not size_aware:
             return args, kwargs
         # With only_cross_attention, a BasicTransformerBlock's attn1 attends to text: its keys are not merged.
@@ -371,15 +371,12 @@ class _MergeInput:
             return self._size_aware(module, args, kwargs, match, merged)
         return args, kwargs
 
-    def _merge_rotary(self, module, args, kwargs, match):
-        if type(module) not in self.rotary_at:
-            self.rotary_at[type(module)] = _positions(type(module).forward, self.rotary)[self.rotary]
-        position = self.rotary_at[type(module)]
-        rotary = argument(args, kwargs, self.rotary, position)
+    def _merge_rotary(self, args, kwargs, match):
+        rotary = argument(args, kwargs, self.rotary, self.rotary_at)
         if rotary is None:
             return args, kwargs
         moved = _merge_positions(rotary, match, self.run.family.rotary_axis)
-        return replace_argument(args, kwargs, self.rotary, position, moved)
+        return replace_argument(args, kwargs, self.rotary, self.rotary_at, moved)
 
     def _size_aware(self, module, args, kwargs, match, merged):
         if kwargs.get("attention_mask") is not None:
@@ -626,7 +623,7 @@ def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
             run = runs[stream] = _BlockRun(fw, state, family, stream, block, ratio)
             add(fw.add_pre_hook(block, run.begin))
             add(fw.add_post_hook(block, run.end))
-        add(fw.add_pre_hook(target, _MergeInput(fw, run, sublayer)))
+        add(fw.add_pre_hook(target, _MergeInput(fw, run, sublayer, target)))
         add(fw.add_post_hook(target, _UnmergeOutput(fw, run, sublayer)))
         patch.retype(target)
     model.__dict__["_tome_patch"] = patch

@@ -64,6 +64,8 @@ class ToMeState:
     def summary(self) -> str:
         """One line per level of the last call (named by its scale: ``1/2`` is the level at half the latent's
         width): the blocks that ran on fewer tokens, tokens before and after, and the arrangement."""
+        if not self.merging:
+            return f"  no block merged: the timestep is outside timestep_range={self.config.timestep_range}"
         config = self.active
         kind = "keys/values" if config.mode == "kv" else "queries" if config.mode == "queries" else "tokens"
         how = lambda factor: "x".join(map(str, config.cell_at(factor))) + " cells" if config.matching == "cell" else "similarity"
@@ -73,17 +75,18 @@ class ToMeState:
             f" ({1 - level.kept / level.tokens:.0%} merged; {config.mode}, {how(factor)})"
             for factor, level in sorted(self.stats.items())
         ]
-        if not self.merging:
-            return f"  no block merged: the timestep is outside timestep_range={self.config.timestep_range}"
         return "\n".join(lines) if lines else "  no block merged"
 
     def merges(self, sublayer: str) -> bool:
         """Whether ``sublayer`` ("attn", "crossattn" or "mlp") is wrapped in merge/unmerge."""
         return self.config.sublayers[sublayer]
 
-    def begin_call(self, latent_hw: Optional[Tuple[int, int]], step: Any, videos: Optional[int] = None) -> None:
+    def begin_call(
+        self, latent_hw: Optional[Tuple[int, int]], step: Any, videos: Optional[int] = None, merging: bool = True
+    ) -> None:
         """Start a model call on a latent of ``latent_hw`` (None: the first grid seen) at ``step``; ``videos``:
-        the batch of a video model's call (None: not a video call)."""
+        the batch of a video model's call (None: not a video call); ``merging``: False runs the call unmerged
+        (its timestep is outside ``timestep_range``)."""
         if self.config.reuse_steps == 1:
             self.cache = {}  # also where reuse_blocks keeps its matches within the call
         else:  # the call counter is read only here, so compiled models do not specialise on it otherwise
@@ -92,6 +95,7 @@ class ToMeState:
             self.calls += 1
         self.latent_hw = latent_hw
         self.videos = videos
+        self.merging = merging
         self.grid_hw = None
         self.step = step
         self.stats = {}
