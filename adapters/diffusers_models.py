@@ -52,7 +52,12 @@ def build_transformer(preset: str = "tiny-sd3", seed: int = 0, **overrides: Any)
 
     Zero-initialised output layers (adaLN-zero modulations, final projections) get small random values, as
     trained weights have, so every block shows in the output."""
-    name, config = transformer_config(preset, **overrides)
+    return _random_transformer(*transformer_config(preset, **overrides), seed)
+
+
+def _random_transformer(name: str, config: Dict[str, Any], seed: int) -> torch.nn.Module:
+    """diffusers' class ``name`` built from ``config`` with weights drawn from ``seed``, zero-initialised output
+    layers given small random values."""
     torch.manual_seed(seed)
     model = getattr(diffusers, name)(**config).eval()
     _randomize_zeros(model, seed + 1)
@@ -279,10 +284,7 @@ def build_wan(seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """The tiny Wan video transformer (``WanTransformer3DModel``, preset ``tiny-wan``) with weights from ``seed``;
     zero-initialised output layers get small random values, as trained weights have."""
     name, config = VIDEO_TRANSFORMERS["tiny-wan"]
-    torch.manual_seed(seed)
-    model = getattr(diffusers, name)(**{**config, **overrides}).eval()
-    _randomize_zeros(model, seed + 1)
-    return model
+    return _random_transformer(name, {**config, **overrides}, seed)
 
 
 def build_wan_pipeline(seed: int = 0) -> Tuple[Any, Dict[str, Any]]:
