@@ -116,6 +116,32 @@ def nothing_merges(request):
     return request.param
 
 
+def _check_central_differences(checked, central, rng, atol, directions=None) -> None:
+    """Analytic gradients ``checked`` (name -> numpy array) against ``central(shift)``, the central difference of
+    the loss along ``shift`` (name -> array of the same shape): on three coordinates of each (its largest
+    gradient and two random ones, relative 1e-5, absolute ``atol``), then along one random direction through
+    every tensor of ``directions`` (name -> its analytic gradient; default ``checked``), relative 1e-6."""
+    for name, gradient in checked.items():
+        flat = gradient.reshape(-1)
+        coordinates = {int(np.argmax(np.abs(flat))), *rng.choice(flat.size, 2, replace=False).tolist()}
+        for index in coordinates:
+            unit = np.zeros(flat.size)
+            unit[index] = 1.0
+            numeric = central({name: unit.reshape(gradient.shape)})
+            assert numeric == pytest.approx(flat[index], rel=1e-5, abs=atol), (name, index)
+    everything = checked if directions is None else directions
+    direction = {name: rng.standard_normal(gradient.shape) for name, gradient in everything.items()}
+    expected = sum(float((everything[name] * d).sum()) for name, d in direction.items())
+    assert central(direction) == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.fixture(scope="session")
+def central_differences():
+    """``central_differences(checked, central, rng, atol, directions=None)``: analytic gradients against central
+    differences of the loss, on a few coordinates and along a random direction (paddle and jax training tests)."""
+    return _check_central_differences
+
+
 @pytest.fixture(scope="session")
 def readme_code():
     """``readme_code(title)``: the python code blocks of the README section ``## title``, joined."""

@@ -46,6 +46,7 @@ CHECKED_WEIGHTS = (
     ("mid_block", "attentions_0", "transformer_blocks_0", "attn1", "to_v", "kernel"),
 )
 EPS = 1e-6
+SAMPLE = ("sample",)  # the sample's key beside the parameter paths in a shift
 
 
 @pytest.fixture(autouse=True)
@@ -127,7 +128,7 @@ def merged_summary(calls) -> str:
 
 
 @pytest.mark.parametrize("arrangement", list(ARRANGEMENTS))
-def test_gradients_equal_central_differences_in_each_arrangement(setup, unpatched, arrangement):
+def test_gradients_equal_central_differences_in_each_arrangement(setup, unpatched, arrangement, central_differences):
     """``jax.jit(jax.value_and_grad(...))`` of the patched UNet's mean squared error: the gradient w.r.t. the
     sample and five weights equals central differences (float64, eps 1e-6) on three coordinates of each (the
     largest gradient and two random ones), and along one random direction through every parameter and the
@@ -149,30 +150,20 @@ def test_gradients_equal_central_differences_in_each_arrangement(setup, unpatche
             shifted_params = shifted(shifted_params, path, delta)
         return run(model, shifted_params, {**inputs, "sample": inputs["sample"] + sample_shift})[0]
 
-    def central(params_shift: Dict[Tuple[str, ...], np.ndarray], sample_shift: Any = 0.0) -> float:
-        scale = lambda shift, s: {path: delta * s for path, delta in shift.items()}
-        plus = loss_at(scale(params_shift, EPS), sample_shift * EPS)
-        minus = loss_at(scale(params_shift, -EPS), sample_shift * -EPS)
+    def central(shift: Dict[Tuple[str, ...], np.ndarray]) -> float:
+        """The central difference along ``shift``: parameter paths, and the sample under ``SAMPLE``."""
+        params_shift = {path: delta for path, delta in shift.items() if path != SAMPLE}
+        sample_shift = shift.get(SAMPLE, 0.0)
+        scale = lambda s: {path: delta * s for path, delta in params_shift.items()}
+        plus = loss_at(scale(EPS), sample_shift * EPS)
+        minus = loss_at(scale(-EPS), sample_shift * -EPS)
         return (plus - minus) / (2 * EPS)
 
     rng = np.random.default_rng(2)
-    checked = {("sample",): grad_sample, **{path: leaf(grad_params, path) for path in CHECKED_WEIGHTS}}
-    for path, gradient in checked.items():
-        flat = gradient.reshape(-1)
-        coordinates = {int(np.argmax(np.abs(flat))), *rng.choice(flat.size, 2, replace=False).tolist()}
-        for index in coordinates:
-            unit = np.zeros(flat.size)
-            unit[index] = 1.0
-            unit = unit.reshape(gradient.shape)
-            numeric = central({}, unit) if path == ("sample",) else central({path: unit})
-            assert numeric == pytest.approx(flat[index], rel=1e-5, abs=1e-10), (path, index)
-
+    checked = {SAMPLE: grad_sample, **{path: leaf(grad_params, path) for path in CHECKED_WEIGHTS}}
     paths = [tuple(k.key for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    direction = {path: rng.standard_normal(leaf(params, path).shape) for path in paths}
-    sample_direction = rng.standard_normal(grad_sample.shape)
-    expected = sum(float((leaf(grad_params, p) * d).sum()) for p, d in direction.items())
-    expected += float((grad_sample * sample_direction).sum())
-    assert central(direction, sample_direction) == pytest.approx(expected, rel=1e-6)
+    every = {**{path: leaf(grad_params, path) for path in paths}, SAMPLE: grad_sample}
+    central_differences(checked, central, rng, atol=1e-10, directions=every)
 
 
 def test_ratio_zero_gives_the_unpatched_gradients_exactly(setup, unpatched):
