@@ -100,8 +100,8 @@ DEFAULT_METHODS = ["unpatched", "tokens-0.5", "kv-cell", "kv-cell+stop"]
 class Run:
     """One configuration's fine-tune: its model copy, optimizer and record."""
 
-    def __init__(self, name: str, args: argparse.Namespace, base: diffusers_trained.TrainedModel, stop_at: int, halves: int):
-        options, schedule = method(name, halves)
+    def __init__(self, name: str, args: argparse.Namespace, base: diffusers_trained.TrainedModel, stop_at: int, half: int):
+        options, schedule = method(name, half)
         self.name, self.options = name, options
         self.stop_at = stop_at if schedule == "stop" else None  # merging on for steps 1..stop_at, then tome.remove
         seed = args.seed + 1 if name == "unpatched-reseeded" else args.seed
@@ -173,16 +173,16 @@ class Run:
 SCHEDULES = ("stop", "noisy")
 
 
-def method(name: str, halves: int):
+def method(name: str, half: int):
     """``(options, schedule)`` of a ``--methods`` entry: a name of OPTIONS (schedule None), or NAME+stop /
-    NAME+noisy for a patched one; ``halves``: the timestep dividing the schedule's halves (T/2)."""
+    NAME+noisy for a patched one; ``half``: the timestep dividing the schedule's halves (T/2)."""
     base, plus, rest = name.partition("+")
     if base not in OPTIONS or (plus and rest not in SCHEDULES) or (plus and OPTIONS[base] is None):
         raise SystemExit(
             f"unknown method {name!r}: choose from {', '.join(OPTIONS)}, or NAME+stop / NAME+noisy for a patched one"
         )
     if rest == "noisy":
-        return {**OPTIONS[base], "timestep_range": (halves, 2 * halves)}, rest
+        return {**OPTIONS[base], "timestep_range": (half, 2 * half)}, rest
     return OPTIONS[base], rest or None
 
 
