@@ -61,7 +61,7 @@ def best_destinations(
     produce NaN there).
     """
     norm = ops.vector_norm(metric)
-    unit = metric / ops.where(norm == 0, 1.0, norm)
+    unit = metric / (norm + ops.astype_like(norm == 0, norm))  # a zero norm divides by 1
     a = ops.take(unit, src, axis=1)
     b = ops.take(unit, dst, axis=1)
     if neighbours is None:
@@ -83,7 +83,7 @@ def batch_as_channels(ops: ArrayOps, metric: Array) -> Array:
     two such tokens is the mean over the batch of their per-item cosine similarities."""
     batch, tokens, channels = ops.shape(metric)
     norm = ops.vector_norm(metric)
-    unit = metric / ops.where(norm == 0, 1.0, norm)
+    unit = metric / (norm + ops.astype_like(norm == 0, norm))  # a zero norm divides by 1
     per_token = ops.reshape(ops.matrix_transpose(ops.reshape(unit, (batch, tokens * channels))), (tokens, channels * batch))
     return ops.reshape(per_token, (1, tokens, channels * batch))
 
