@@ -236,7 +236,11 @@ class _OracleBlock:
     tokens (text tokens untouched, rotary positions sliced alike) and its image output is restored by
     repeating them (index ``arange(N) % kept``); self-attention in ``kv`` or ``queries`` mode gets the first
     ``kept`` tokens as keys/values or as queries instead (:class:`OracleCut`). ``kept`` is the count 'ours'
-    keeps of the block's ``N`` image tokens (:class:`OraclePlan`)."""
+    keeps of the block's ``N`` image tokens (:class:`OraclePlan`).
+
+    The rotary tables are found as the patch finds them (:class:`~tome_core.families.BlockFamily`): by keyword
+    or at their place in the sub-layer's ``forward`` (Wan's attention takes them positionally), tokens on the
+    family's ``rotary_axis`` (Flux: 0, Wan: 1)."""
 
     def __init__(self, plan: OraclePlan, family: BlockFamily):
         self.plan = plan
@@ -248,8 +252,12 @@ class _OracleBlock:
         self.image_tokens = get_ops(x).shape(x)[1]
         return None
 
-    def pre_hook(self, sublayer: Sublayer) -> driver.PreHook:
+    def pre_hook(self, sublayer: Sublayer, target: Any) -> driver.PreHook:
+        """The hook slicing the input of ``target``, the block's ``sublayer``."""
         arrangement = self.plan.arrangement(sublayer.kind)
+        rotary, axis = self.family.rotary, self.family.rotary_axis
+        # where the sub-layer's forward takes the rotary tables by position (None: by keyword only), read once
+        rotary_at = driver._positions(type(target).forward, rotary)[rotary] if rotary else None
 
         def drop(module, args, kwargs):
             tokens = self.image_tokens
@@ -266,11 +274,11 @@ class _OracleBlock:
                 return args, {**kwargs, sublayer.kv_input: x}
             text = get_ops(x).shape(x)[1] - tokens if sublayer.text == TEXT_PREFIX else 0
             args, kwargs = driver.replace_argument(args, kwargs, "hidden_states", 0, x[:, : text + kept])
-            rotary = self.family.rotary
-            if rotary is not None and kwargs.get(rotary) is not None:
-                tables = kwargs[rotary]
-                before = get_ops(tables[0]).shape(tables[0])[0] - tokens  # text positions come first
-                kwargs = {**kwargs, rotary: tuple(table[: before + kept] for table in tables)}
+            tables = driver.argument(args, kwargs, rotary, rotary_at) if rotary else None
+            if tables is not None:
+                before = get_ops(tables[0]).shape(tables[0])[axis] - tokens  # text positions come first
+                rows = (slice(None),) * axis + (slice(0, before + kept),)
+                args, kwargs = driver.replace_argument(args, kwargs, rotary, rotary_at, tuple(t[rows] for t in tables))
             module.__dict__["_tome_oracle"] = (tokens, kept, text)
             return args, kwargs
 
@@ -311,7 +319,7 @@ def install_transformer_oracle(fw: "driver.Framework", model: Any, config: ToMeC
             target = getattr(block, sublayer.child, None)
             if target is None or not fw.is_module(target) or not config.sublayers[sublayer.kind]:
                 continue
-            handles.append(fw.add_pre_hook(target, oracle.pre_hook(sublayer)))
+            handles.append(fw.add_pre_hook(target, oracle.pre_hook(sublayer, target)))
             handles.append(fw.add_post_hook(target, oracle.post_hook(sublayer)))
     return handles
 
