@@ -1,8 +1,9 @@
-"""The torch side of the bench's video presets (:mod:`tome_core.bench_video`): AnimateDiff's UNetMotionModel
-and SVD's UNetSpatioTemporalConditionModel built from :data:`tome_core.presets.VIDEO_PRESETS`.
+"""The torch side of the bench's video presets (:mod:`tome_core.bench_video`): AnimateDiff's UNetMotionModel,
+SVD's UNetSpatioTemporalConditionModel and Wan's WanTransformer3DModel built from
+:data:`tome_core.presets.VIDEO_PRESETS`.
 
-Everything but building the model and calling it is shared: the video inputs and metrics are
-:class:`tome_core.bench_video.VideoBench`'s, the methods, the oracle and the timing
+Everything but building the model and calling a UNet is shared: the video inputs and metrics are
+:class:`tome_core.bench_video.VideoBench`'s, the methods, the oracle, the timing and a transformer's call
 :class:`tome_core.adapters.diffusers_bench.Runner`'s.
 """
 
@@ -15,15 +16,22 @@ import torch
 from tome_core import driver
 from tome_core.adapters.diffusers import FRAMEWORK
 from tome_core.adapters.diffusers_bench import Runner as ImageRunner
-from tome_core.adapters.diffusers_models import build_video_preset
+from tome_core.adapters.diffusers_models import _random_transformer, build_video_preset
 from tome_core.bench import serve_peak_request
 from tome_core.bench_video import VideoBench
+from tome_core.presets import VIDEO_PRESETS, VIDEO_TRANSFORMERS
 
 
 class Runner(VideoBench, ImageRunner):
-    """A video UNet with random weights; the oracle slices the spatial blocks only (per frame)."""
+    """A video UNet or video transformer with random weights; a UNet's oracle slices the spatial blocks only
+    (per frame), a transformer's is the transformer presets' (its one sequence)."""
 
     def load_unet(self) -> torch.nn.Module:
+        """The preset's model: a VIDEO_TRANSFORMERS entry (Wan; zero-initialised output layers given small random
+        values, as for the transformer presets) or a video UNet."""
+        transformer = VIDEO_PRESETS[self.args.preset].get("transformer")
+        if transformer is not None:
+            return _random_transformer(*VIDEO_TRANSFORMERS[transformer], seed=0)
         return build_video_preset(self.args.preset)
 
     def unet_call(self, sample: torch.Tensor, timestep: Any) -> torch.Tensor:

@@ -3,8 +3,9 @@
 Diffusion transformers too (``--preset sd3|sd3-small|flux-small|pixart|tiny-*``, random weights, torch):
 their inputs follow the released pipelines (flow matching for SD3 and Flux, Flux's packed tokens, the
 prompt lengths), the loop runs the model's own scheduler, and the oracle slices image tokens only.
-Video UNets too (``--preset animatediff|svd|tiny-animatediff|tiny-svd``, ``--frames``, torch): panning videos,
-fidelity per frame and temporal consistency, :mod:`tome_core.bench_video`.
+Video models too (UNets: ``--preset animatediff|svd|tiny-animatediff|tiny-svd``; Wan's video transformer:
+``--preset wan|tiny-wan``; ``--frames``, torch): panning videos, fidelity per frame and temporal consistency,
+:mod:`tome_core.bench_video`.
 Training steps too (``--train [full|lora]``, torch, UNets): forward + backward per method, the gradient's
 distance to the unpatched step's in place of fidelity, :mod:`tome_core.bench_train`.
 
@@ -673,7 +674,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="sd15-small",
                    help="UNet or diffusion transformer architecture with random weights (tome_core.presets: UNETS, "
                    "TRANSFORMERS: sd3, sd3-small, flux-small, pixart, tiny-sd3, tiny-flux, tiny-pixart), a video "
-                   "UNet (VIDEO_PRESETS: animatediff, svd, tiny-animatediff, tiny-svd; see --frames), or a "
+                   "model (VIDEO_PRESETS: animatediff, svd, wan (Wan 2.1 T2V 1.3B), tiny-animatediff, tiny-svd, "
+                   "tiny-wan; see --frames), or a "
                    "small trained pixel-space model shipped in the repository's models/ (trained-unet, "
                    "trained-dit; torch): then sample fidelity (PSNR, SSIM, classifier accuracy) is reported too")
     p.add_argument("--model", help="local diffusers/ppdiffusers pipeline or UNet folder (from_pretrained), or a "
@@ -685,7 +687,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=2, help="model batch (2 = one image with classifier-free guidance)")
     p.add_argument("--text-tokens", type=int, default=None,
                    help="transformers: text tokens per prompt (default: the released pipeline's, SD3 333, Flux 512, "
-                   "PixArt 120)")
+                   "PixArt 120, Wan 512)")
     p.add_argument("--ratio", type=float, nargs="+", default=[0.5],
                    help="ratios to run; 'ours' (and its oracle) get it unless their options set matching='cell', "
                    "where the cell fixes the reduction (1 - 1/(sx*sy) per level): their rows show the finest "

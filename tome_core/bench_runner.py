@@ -4,9 +4,9 @@
 Everything the frameworks share lives here, written once: the UNet inputs (image-like latents noised to the
 mid timestep, seeded text embeddings, SDXL's added conditions), which ToMe options each method uses, the
 level bound the peer and the oracle copy from 'ours', the token counts the oracle keeps, and the DDIM loop.
-Diffusion transformers (SD3, Flux, PixArt: :data:`TRANSFORMER_SPECS`) get their own inputs (flow-matching
-or DDPM noising, Flux's packed tokens and ids), their own scheduler, and an oracle that slices image tokens
-only, placed by :mod:`tome_core.families` through the patch driver's framework hooks.
+Diffusion transformers (SD3, Flux, PixArt, and Wan's video transformer: :data:`TRANSFORMER_SPECS`) get their
+own inputs (flow-matching or DDPM noising, Flux's packed tokens and ids), their own scheduler, and an oracle
+that slices image tokens only, placed by :mod:`tome_core.families` through the patch driver's framework hooks.
 A subclass supplies the framework: building the model, moving numpy arrays in, calling the UNet, and
 patching and unpatching each method. No framework is imported here (numpy only).
 """
@@ -155,7 +155,8 @@ class TransformerSpec:
         with the scheduler's cumulative alphas (PixArt).
     packed: 2x2 latent patches are packed into one token, placed by ``img_ids`` (Flux).
     text_dim, pooled_dim: config fields giving the width of the text embeddings and of the pooled projection.
-    text_tokens: the released pipelines' prompt length (SD3: 77 CLIP + 256 T5; Flux dev: 512 T5; PixArt: 120).
+    text_tokens: the released pipelines' prompt length (SD3: 77 CLIP + 256 T5; Flux dev: 512 T5; PixArt: 120;
+        Wan: 512 umT5).
     timestep_scale: the model's timestep per scheduler timestep (Flux takes ``t / 1000``).
     scheduler, scheduler_config: the released pipelines' scheduler (class name and config).
     dynamic_shift: the loop's sigmas are shifted by the image token count (Flux's ``mu``).
@@ -192,6 +193,12 @@ TRANSFORMER_SPECS: Dict[str, TransformerSpec] = {
         flow=False, text_dim="caption_channels", text_tokens=120, scheduler="DPMSolverMultistepScheduler",
         scheduler_config=dict(beta_schedule="linear", beta_start=0.0001, beta_end=0.02),
         added_cond=True, separate_kv=True,
+    ),
+    # Wan 2.1 (a video transformer: :mod:`tome_core.bench_video` feeds it panning videos ``[B, C, F, H, W]``); the
+    # released 480p pipeline's scheduler, UniPC on flow-matching sigmas shifted by 3 (5 at 720p).
+    "WanTransformer3DModel": TransformerSpec(
+        flow=True, text_dim="text_dim", text_tokens=512, scheduler="UniPCMultistepScheduler",
+        scheduler_config=dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0),
     ),
 }
 NO_TRANSFORMER_PEER = (
@@ -398,18 +405,26 @@ class BenchRunner:
             self.scheduler = own or self.make_scheduler(self.spec.scheduler, self.spec.scheduler_config)
             self._build_transformer_inputs(self.unet.config)
 
-    def _build_inputs(self, config: Any) -> None:
-        """Noised image-like (or noise) latents at the mid timestep, the starting noise of the sampling
-        loop, text embeddings and, for SDXL-style UNets, the added text and time conditions."""
+    def clean_latents(self, channels: int) -> Tuple[np.ndarray, np.ndarray]:
+        """The clean latents of the timed calls and the noise drawn for them (also the loop's starting noise),
+        numpy in the model's layout, seeded: image-like (``--latents image``) or Gaussian latents ``[batch,
+        channels, latent, latent]`` at ``--resolution``. Sets ``latent_hw``, the grid ToMe and the oracle see
+        (a video runner gives videos, :class:`tome_core.bench_video.VideoBench`)."""
         args = self.args
         latent = args.resolution // self.latent_scale
         self.latent_hw = (latent, latent)
-        shape = (args.batch, config.in_channels, latent, latent)
+        shape = (args.batch, channels, latent, latent)
         if getattr(args, "latents", "image") == "image":
             clean = image_like_latents(*shape, seed=0)
         else:
             clean = np.random.default_rng(0).standard_normal(shape).astype("float32")
-        noise = np.random.default_rng(1).standard_normal(shape).astype("float32")
+        return clean, np.random.default_rng(1).standard_normal(shape).astype("float32")
+
+    def _build_inputs(self, config: Any) -> None:
+        """Noised image-like (or noise) latents at the mid timestep, the starting noise of the sampling
+        loop, text embeddings and, for SDXL-style UNets, the added text and time conditions."""
+        args = self.args
+        clean, noise = self.clean_latents(config.in_channels)
         self.sample_in = self.to_tensor(noised(clean, noise, self.alpha_bar(MID_TIMESTEP)))
         self.noise = self.to_tensor(noise)
         self.timestep = self.as_timestep(MID_TIMESTEP)
@@ -418,28 +433,21 @@ class BenchRunner:
         self.added = None
         if config.addition_embed_type == "text_time":
             pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
-            size = latent * 8
+            size = self.latent_hw[0] * 8
             self.added = {
                 "text_embeds": draw((args.batch, pooled)),
                 "time_ids": self.to_tensor(np.array([[size, size, 0, 0, size, size]] * args.batch, dtype="float32")),
             }
 
     def _build_transformer_inputs(self, config: Any) -> None:
-        """A diffusion transformer's inputs: image-like (or noise) latents noised to the mid timestep (flow
-        matching or DDPM, :class:`TransformerSpec`), packed into tokens with their ids for Flux; the loop's
-        starting noise; seeded text embeddings of the released prompt length (``--text-tokens`` overrides it),
-        the pooled projection and Flux's guidance."""
+        """A diffusion transformer's inputs: image-like (or noise) latents (:meth:`clean_latents`; a video
+        transformer's are videos) noised to the mid timestep (flow matching or DDPM, :class:`TransformerSpec`),
+        packed into tokens with their ids for Flux; the loop's starting noise; seeded text embeddings of the
+        released prompt length (``--text-tokens`` overrides it), the pooled projection and Flux's guidance."""
         args, spec = self.args, self.spec
-        latent = args.resolution // self.latent_scale
-        self.latent_hw = (latent, latent)
         channels = config.in_channels // 4 if spec.packed else config.in_channels
         self.latent_channels = channels
-        shape = (args.batch, channels, latent, latent)
-        if getattr(args, "latents", "image") == "image":
-            clean = image_like_latents(*shape, seed=0)
-        else:
-            clean = np.random.default_rng(0).standard_normal(shape).astype("float32")
-        noise = np.random.default_rng(1).standard_normal(shape).astype("float32")
+        clean, noise = self.clean_latents(channels)
         if spec.flow:
             sigma = MID_TIMESTEP / 1000
             start = ((1 - sigma) * clean + sigma * noise).astype("float32")
@@ -457,8 +465,9 @@ class BenchRunner:
         if spec.pooled_dim:
             self.extra["pooled_projections"] = draw((args.batch, config[spec.pooled_dim]))
         if spec.packed:
-            self.image_tokens = (latent // 2) ** 2
-            self.extra["img_ids"] = self.to_tensor(packed_ids(latent // 2, latent // 2))
+            side = self.latent_hw[0] // 2
+            self.image_tokens = side**2
+            self.extra["img_ids"] = self.to_tensor(packed_ids(side, side))
             self.extra["txt_ids"] = self.to_tensor(np.zeros((text_tokens, 3), dtype="float32"))
             if config.get("guidance_embeds"):
                 self.extra["guidance"] = self.to_tensor(np.full((args.batch,), 3.5, dtype="float32"))

@@ -258,6 +258,15 @@ VIDEO_TRANSFORMERS: Dict[str, Tuple[str, Dict[str, Any]]] = {
             qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
         ),
     ),
+    # Wan 2.1 T2V 1.3B: Wan-AI/Wan2.1-T2V-1.3B-Diffusers, transformer/config.json (30 blocks of 12 heads x 128).
+    "wan-1.3b": (
+        "WanTransformer3DModel",
+        dict(
+            patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+            text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True, eps=1e-6,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=1024,
+        ),
+    ),
 }
 
 
@@ -360,6 +369,13 @@ VIDEO_PRESETS: Dict[str, Dict[str, Any]] = {
     ),
     "tiny-svd": dict(model="tiny-svd", frames=4, size=(64, 96), scheduler=dict(prediction_type="v_prediction")),
 }
+# Wan's video presets: a VIDEO_TRANSFORMERS model, frames counted in pixel frames, which Wan's VAE compresses 4x
+# in time (the first frame alone, then each 4 into one latent frame: (frames - 1) / 4 + 1 latent frames, so frames
+# are 4k + 1) and 8x in space; frame sides are multiples of 16 px (8x VAE, 2x2 patches). "wan" runs 17 frames (5
+# latent frames) at 480x832, the released 480p size; the release's default is 81 frames (21 latent frames), which
+# --frames 81 gives. Its loop's scheduler is the transformer's (tome_core.bench_runner.TRANSFORMER_SPECS).
+VIDEO_PRESETS["wan"] = dict(transformer="wan-1.3b", frames=17, size=(480, 832), time_compression=4, size_multiple=16)
+VIDEO_PRESETS["tiny-wan"] = dict(transformer="tiny-wan", frames=9, size=(64, 96), time_compression=4, size_multiple=16)
 
 
 def unet2d_config(name: str) -> Dict[str, Any]:
