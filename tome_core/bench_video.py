@@ -20,21 +20,22 @@ the oracle, ``--variant``): only the inputs, the model call and the metrics belo
 * Wan is a diffusion transformer, so everything but the latents is the transformer presets'
   (:data:`tome_core.bench_runner.TRANSFORMER_SPECS`): flow-matching noising at sigma 0.5 (timestep 500, given
   per batch entry as ``WanPipeline`` gives it), seeded text embeddings of umT5's 512 tokens (``--text-tokens``),
-  the transformer oracle. ``--frames`` counts video frames, which Wan's VAE compresses 4x in time: the first
-  frame alone, then every 4 into one latent frame, so it takes 4k + 1 frames ((frames - 1) / 4 + 1 latent
-  frames, at least 2) and 8x in space. The loop runs the release's 480p scheduler, UniPC on flow-matching sigmas
-  with ``flow_shift`` 3 (the scheduler a released Wan is sampled with, rather than SD3's flow-matching Euler).
+  the transformer oracle. ``--frames`` counts video frames, which Wan's VAE compresses 8x in space and 4x in
+  time (the first frame alone, then every 4 into one latent frame), so it takes 4k + 1 frames, (frames - 1) / 4
+  + 1 latent frames, at least 2. The loop runs the release's 480p scheduler, UniPC on flow-matching sigmas with
+  ``flow_shift`` 3 (what a released Wan is sampled with, rather than the flow-matching Euler of the SD3 preset).
 * Metrics, for any method or variant (per-frame merging, cross-frame merging, the oracle), on the model's
-  output at the mid timestep (and ``tdiff@loop ratio`` on the final latents of ``--steps`` DDIM steps):
+  output at the mid timestep (and ``tdiff@loop ratio`` on the final latents of the ``--steps``-step loop):
   ``fid@t/frame`` and ``fid@t worst``, the relative L2 distance to the unpatched output per frame (mean over
   frames, worst frame); ``tdiff@t``, temporal consistency: the mean absolute difference between consecutive
   frames of the output, and ``tdiff@t ratio``, that over the unpatched output's (1: as steady as unpatched;
   above 1: more flicker); ``motion err``, the relative L2 distance of the consecutive-frame differences to the
   unpatched output's (how much of the frame-to-frame change merging alters, whatever its size).
-* The peer (tomesd 0.1.3) is skipped (on Wan no ToMe for diffusion transformers exists): it takes the latent size from dimensions 2 and 3 of the UNet's first
+* The peer (tomesd 0.1.3) is skipped: it takes the latent size from dimensions 2 and 3 of the UNet's first
   argument (a 4-D image batch) and hooks every ``BasicTransformerBlock``. On AnimateDiff (``[B, C, F, H, W]``,
   motion modules made of such blocks) a call raises ZeroDivisionError; on SVD (``[B, F, C, H, W]``) it takes
-  channels x height for the grid, right only when the latent is 8 high.
+  channels x height for the grid, right only when the latent is 8 high. No ToMe for diffusion transformers
+  (Wan) exists besides ours.
 * The oracle removes the token counts of per-frame merging from every frame (spatial blocks see
   ``batch * frames`` sequences); it cannot follow cross-frame merging (``frames_per_chunk > 1``), whose
   oracle the bench refuses. On Wan, whose one self-attention already spans the clip, it keeps the first tokens of
