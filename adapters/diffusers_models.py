@@ -280,11 +280,18 @@ def video_unet_inputs(model: torch.nn.Module, frames: int, height: int, width: i
 VIDEO_PIPELINES = VIDEO_UNETS
 
 
-def build_wan(seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """The tiny Wan video transformer (``WanTransformer3DModel``, preset ``tiny-wan``) with weights from ``seed``;
+def build_video_transformer(preset: str = "tiny-wan", seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A video transformer of :data:`VIDEO_TRANSFORMERS` (``WanTransformer3DModel``) with weights from ``seed``;
     zero-initialised output layers get small random values, as trained weights have."""
-    name, config = VIDEO_TRANSFORMERS["tiny-wan"]
+    if preset not in VIDEO_TRANSFORMERS:
+        raise ValueError(f"preset must be one of {', '.join(VIDEO_TRANSFORMERS)}, got {preset!r}")
+    name, config = VIDEO_TRANSFORMERS[preset]
     return _random_transformer(name, {**config, **overrides}, seed)
+
+
+def build_wan(seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """The tiny Wan video transformer (preset ``tiny-wan``, :func:`build_video_transformer`)."""
+    return build_video_transformer("tiny-wan", seed, **overrides)
 
 
 def build_wan_pipeline(seed: int = 0) -> Tuple[Any, Dict[str, Any]]:

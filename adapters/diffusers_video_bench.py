@@ -16,10 +16,10 @@ import torch
 from tome_core import driver
 from tome_core.adapters.diffusers import FRAMEWORK
 from tome_core.adapters.diffusers_bench import Runner as ImageRunner
-from tome_core.adapters.diffusers_models import _random_transformer, build_video_preset
+from tome_core.adapters.diffusers_models import build_video_preset, build_video_transformer
 from tome_core.bench import serve_peak_request
 from tome_core.bench_video import VideoBench
-from tome_core.presets import VIDEO_PRESETS, VIDEO_TRANSFORMERS
+from tome_core.presets import VIDEO_PRESETS
 
 
 class Runner(VideoBench, ImageRunner):
@@ -31,7 +31,7 @@ class Runner(VideoBench, ImageRunner):
         values, as for the transformer presets) or a video UNet."""
         transformer = VIDEO_PRESETS[self.args.preset].get("transformer")
         if transformer is not None:
-            return _random_transformer(*VIDEO_TRANSFORMERS[transformer], seed=0)
+            return build_video_transformer(transformer)
         return build_video_preset(self.args.preset)
 
     def unet_call(self, sample: torch.Tensor, timestep: Any) -> torch.Tensor:

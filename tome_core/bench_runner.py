@@ -264,7 +264,7 @@ class _OracleBlock:
         arrangement = self.plan.arrangement(sublayer.kind)
         rotary, axis = self.family.rotary, self.family.rotary_axis
         # where the sub-layer's forward takes the rotary tables by position (None: by keyword only), read once
-        rotary_at = driver._positions(type(target).forward, rotary)[rotary] if rotary else None
+        rotary_at = driver.argument_positions(type(target).forward, rotary)[rotary] if rotary else None
 
         def drop(module, args, kwargs):
             tokens = self.image_tokens

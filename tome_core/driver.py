@@ -136,7 +136,7 @@ def replace_argument(
     return args[:position] + (value,) + args[position + 1 :], kwargs
 
 
-def _positions(function: Callable[..., Any], *names: str) -> Dict[str, Optional[int]]:
+def argument_positions(function: Callable[..., Any], *names: str) -> Dict[str, Optional[int]]:
     """Positional index (after ``self``) of each named parameter of a ``forward``, or None."""
     try:
         parameters = [p.name for p in inspect.signature(function).parameters.values()][1:]
@@ -192,7 +192,7 @@ class _CallStart:
         self.patch_size = _config_value(model, "patch_size") if self.transformer else None
         self.data_format = getattr(model, "data_format", "NCHW")
         forward = type(model).forward
-        self.where = _positions(forward, "sample", "hidden_states", "timestep", "img_ids")
+        self.where = argument_positions(forward, "sample", "hidden_states", "timestep", "img_ids")
         self.ids_grid: Tuple[Any, Tuple[int, int]] = (None, (0, 0))
 
     def __call__(self, module, args, kwargs):
@@ -323,7 +323,7 @@ class _MergeInput:
         self.sublayer = sublayer
         self.rotary = run.family.rotary
         # where ``module``'s forward takes the rotary argument by position (None: by keyword only)
-        self.rotary_at = _positions(type(module).forward, self.rotary)[self.rotary] if self.rotary else None
+        self.rotary_at = argument_positions(type(module).forward, self.rotary)[self.rotary] if self.rotary else None
 
     def __call__(self, module, args, kwargs):
         match = self.run.matches.get(self.sublayer.kind)

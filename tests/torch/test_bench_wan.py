@@ -125,6 +125,6 @@ def test_main_runs_tiny_wan_with_the_video_columns(capsys):
 def test_bad_wan_arguments_fail_before_anything_is_built(monkeypatch, argv, message):
     from tome_core.adapters import diffusers_video_bench
 
-    monkeypatch.setattr(diffusers_video_bench, "_random_transformer", lambda *a, **k: pytest.fail("built a model"))
+    monkeypatch.setattr(diffusers_video_bench, "build_video_transformer", lambda *a, **k: pytest.fail("built a model"))
     with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+").replace(".", r"\.")):
         bench.main(argv)
