@@ -151,41 +151,32 @@ def transformer_runner(request):
     return Runner(args)
 
 
-def _sublayer_tokens(runner, name, ratio, options=None):
-    """Per merged sub-layer call: (tokens of its hidden_states, tokens of its encoder_hidden_states or None),
-    counted by hooks added after the method's own (so they see what the sub-layer really gets)."""
+def _attention_modules(runner):
+    """Every merged self-attention sub-layer of the runner's model, as ``(child name, module)``."""
     from tome_core import driver
     from tome_core.adapters.diffusers import FRAMEWORK
 
-    runner.options = dict(options or {})
-    seen = []
+    return [
+        (sublayer.child, getattr(block, sublayer.child))
+        for block, family in driver.blocks_of(FRAMEWORK, runner.unet)
+        for sublayer in family.sublayers
+        if sublayer.kind == "attn" and getattr(block, sublayer.child, None) is not None
+    ]
 
-    def count(module, args, kwargs):
-        x = args[0] if args else kwargs["hidden_states"]
-        context = kwargs.get("encoder_hidden_states")
-        seen.append((x.shape[1], None if context is None else context.shape[1]))
 
-    try:
-        with runner.method(name, ratio):
-            handles = [
-                getattr(block, sublayer.child).register_forward_pre_hook(count, with_kwargs=True)
-                for block, family in driver.blocks_of(FRAMEWORK, runner.unet)
-                for sublayer in family.sublayers
-                if sublayer.kind == "attn" and getattr(block, sublayer.child, None) is not None
-            ]
-            runner.call()
-        for handle in handles:
-            handle.remove()
-    finally:
-        runner.options = {}
-    return seen
+def _tokens(name, args, kwargs):
+    """(tokens of hidden_states, tokens of encoder_hidden_states or None) of one sub-layer call."""
+    x = args[0] if args else kwargs["hidden_states"]
+    context = kwargs.get("encoder_hidden_states")
+    return x.shape[1], None if context is None else context.shape[1]
 
 
 @pytest.mark.parametrize("options", [{}, {"blocks": [0]}, {"merge_mlp": True}])
-def test_transformer_oracle_runs_on_the_token_counts_of_tome_with_text_untouched(transformer_runner, options):
-    plain = _sublayer_tokens(transformer_runner, "unpatched", 0.5)
-    ours = _sublayer_tokens(transformer_runner, "ours", 0.5, options)
-    oracle = _sublayer_tokens(transformer_runner, "oracle", 0.5, options)
+def test_transformer_oracle_runs_on_the_token_counts_of_tome_with_text_untouched(transformer_runner, sublayer_calls, options):
+    seen = lambda method, options: sublayer_calls(
+        transformer_runner, method, options, lambda: _attention_modules(transformer_runner), _tokens
+    )
+    plain, ours, oracle = seen("unpatched", {}), seen("ours", options), seen("oracle", options)
     assert ours == oracle and ours != plain
     for (tokens, text), (full, full_text) in zip(ours, plain):
         assert text == full_text  # the text stream keeps every token

@@ -50,30 +50,21 @@ def test_inputs_are_panning_video_latents_noised_by_flow_matching(runner):
     assert type(runner.scheduler).__name__ == "UniPCMultistepScheduler" and runner.scheduler.config.flow_shift == 3.0
 
 
-def _seen(runner, method, options):
-    """Per sub-layer call of every block: (sub-layer, tokens of its input, rotary rows or None), seen by hooks
-    added after the method's own (so they see what the sub-layer really gets)."""
-    runner.options = dict(options)
-    seen = []
-    spy = lambda child: lambda m, a, k: seen.append((child, a[0].shape[1], a[3][0].shape[1] if len(a) > 3 and a[3] is not None else None))
-    try:
-        with runner.method(method, 0.5):
-            handles = [
-                getattr(block, child).register_forward_pre_hook(spy(child), with_kwargs=True)
-                for block in runner.unet.blocks for child in ("attn1", "attn2", "ffn")
-            ]
-            runner.call()
-        for handle in handles:
-            handle.remove()
-    finally:
-        runner.options = {}
-    return seen
+def _sublayers(runner):
+    """Every block's sub-layers, as ``(child name, module)``."""
+    return [(child, getattr(block, child)) for block in runner.unet.blocks for child in ("attn1", "attn2", "ffn")]
+
+
+def _tokens_and_rotary(child, args, kwargs):
+    """(sub-layer, tokens of its input, rotary rows or None) of one sub-layer call."""
+    rotary = args[3] if len(args) > 3 else None
+    return child, args[0].shape[1], None if rotary is None else rotary[0].shape[1]
 
 
 @pytest.mark.parametrize("options", [{}, {"blocks": [0]}, {"merge_crossattn": True, "merge_mlp": True, "mlp_ratio": 0.25}])
-def test_oracle_gives_each_sublayer_the_token_counts_of_ours(runner, options):
-    plain = _seen(runner, "unpatched", {})
-    ours, oracle = _seen(runner, "ours", options), _seen(runner, "oracle", options)
+def test_oracle_gives_each_sublayer_the_token_counts_of_ours(runner, sublayer_calls, options):
+    seen = lambda method, options: sublayer_calls(runner, method, options, lambda: _sublayers(runner), _tokens_and_rotary)
+    plain, ours, oracle = seen("unpatched", {}), seen("ours", options), seen("oracle", options)
     assert ours == oracle and ours != plain
     assert ("attn1", TOKENS // 2, TOKENS // 2) in ours  # self-attention: half the clip, one rotary row per token
     assert all(tokens == TOKENS for _, tokens, _ in plain)
