@@ -238,6 +238,16 @@ def flux_mu(image_tokens: int) -> float:
     return image_tokens * slope + FLOW_SHIFT["base_shift"] - slope * FLOW_SHIFT["base_image_seq_len"]
 
 
+def draw_latents(args: Any, shape: Tuple[int, ...], image_like: Callable[..., np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
+    """The clean latents of ``shape`` (``image_like(*shape, seed=0)`` under ``--latents image``, else Gaussian
+    from seed 0) and the noise drawn for them (Gaussian from seed 1), float32 numpy."""
+    if getattr(args, "latents", "image") == "image":
+        clean = image_like(*shape, seed=0)
+    else:
+        clean = np.random.default_rng(0).standard_normal(shape).astype("float32")
+    return clean, np.random.default_rng(1).standard_normal(shape).astype("float32")
+
+
 class _OracleBlock:
     """Free removal in one transformer block: each chosen sub-layer runs on the block's first ``kept`` image
     tokens (text tokens untouched, rotary positions sliced alike) and its image output is restored by
@@ -413,12 +423,7 @@ class BenchRunner:
         args = self.args
         latent = args.resolution // self.latent_scale
         self.latent_hw = (latent, latent)
-        shape = (args.batch, channels, latent, latent)
-        if getattr(args, "latents", "image") == "image":
-            clean = image_like_latents(*shape, seed=0)
-        else:
-            clean = np.random.default_rng(0).standard_normal(shape).astype("float32")
-        return clean, np.random.default_rng(1).standard_normal(shape).astype("float32")
+        return draw_latents(args, (args.batch, channels, latent, latent), image_like_latents)
 
     def _build_inputs(self, config: Any) -> None:
         """Noised image-like (or noise) latents at the mid timestep, the starting noise of the sampling

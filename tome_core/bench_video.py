@@ -55,7 +55,7 @@ import numpy as np
 
 from tome_core.backend import get_ops
 from tome_core.bench import image_like_latents, noised, relative_l2
-from tome_core.bench_runner import DDIM_CONFIG, MID_TIMESTEP, NO_TRANSFORMER_PEER
+from tome_core.bench_runner import DDIM_CONFIG, MID_TIMESTEP, NO_TRANSFORMER_PEER, draw_latents
 from tome_core.presets import VIDEO_PRESETS, VIDEO_TRANSFORMERS, VIDEO_UNETS
 
 VIDEO_RUNNERS = {"torch": "diffusers_video_bench"}
@@ -303,12 +303,7 @@ class VideoBench:
         latent = (height // self.latent_scale, width // self.latent_scale)
         self.latent_hw = (frames * latent[0], latent[1]) if self.video.stacked else latent
         self.description = f"{args.preset} {size_label(args, args.resolution)} batch {args.batch}"
-        shape = (args.batch, frames, channels) + latent
-        if getattr(args, "latents", "image") == "image":
-            clean = video_latents(*shape, seed=0)
-        else:
-            clean = np.random.default_rng(0).standard_normal(shape).astype("float32")
-        noise = np.random.default_rng(1).standard_normal(shape).astype("float32")
+        clean, noise = draw_latents(args, (args.batch, frames, channels) + latent, video_latents)
         layout = lambda x: np.ascontiguousarray(np.moveaxis(x, 1, self.video.frame_axis))
         return layout(clean), layout(noise)
 
