@@ -2,7 +2,8 @@
 the recommended fine-tuning options: the ceiling any attention reduction can reach on this machine.
 
 One full fine-tune step (forward + backward, every weight trained, random weights, batch 1, one thread, torch's
-CPU profiler, self time per operator) after a warm-up step, at 512 and 768 px. ``attention`` is every
+CPU profiler, self time per operator) after a warm-up step, at 512 and 768 px; and the unpatched step with every
+weight frozen (gradients for the input only: what a LoRA step computes besides its small adapters). ``attention`` is every
 scaled-dot-product attention (self- and cross-attention, forward and backward), ``convolution`` every
 convolution, ``linear`` every matrix product of the projections and feed-forward. ``ceiling`` is the step time
 over the step without its attention: the speedup if attention cost nothing. Run: ``python
@@ -22,9 +23,11 @@ import tome_core.torch as tome
 from tome_core.adapters.diffusers_models import build_unet
 
 torch.set_num_threads(1)
+# name: (ToMe options or None, weights frozen)
 CONFIGS = {
-    "unpatched": None,
-    "kv 4x4 + 2x2 (recommended)": dict(mode="kv", matching="cell", level_cells={1: 4, 2: 2}, max_downsample=2),
+    "unpatched": (None, False),
+    "kv 4x4 + 2x2 (recommended)": (dict(mode="kv", matching="cell", level_cells={1: 4, 2: 2}, max_downsample=2), False),
+    "unpatched, weights frozen": (None, True),
 }
 GROUPS = ("attention", "convolution", "linear", "other")
 
@@ -39,10 +42,11 @@ def group(op: str) -> str:
     return "other"
 
 
-def profiled_step(unet: torch.nn.Module, resolution: int) -> tuple:
+def profiled_step(unet: torch.nn.Module, resolution: int, frozen: bool) -> tuple:
     latent = resolution // 8
     generator = torch.Generator().manual_seed(0)
-    sample = torch.randn(1, 4, latent, latent, generator=generator)
+    sample = torch.randn(1, 4, latent, latent, generator=generator).requires_grad_(frozen)
+    unet.requires_grad_(not frozen)
     text = torch.randn(1, 77, 768, generator=generator)
 
     def step():
@@ -62,15 +66,15 @@ def profiled_step(unet: torch.nn.Module, resolution: int) -> tuple:
 
 def main() -> None:
     unet = build_unet("sd15")
-    print(f"{'':8}{'configuration':30}{'step s':>8}" + "".join(f"{g:>16}" for g in GROUPS) + f"{'ceiling':>9}")
+    print(f"{'':8}{'configuration':32}{'step s':>8}" + "".join(f"{g:>16}" for g in GROUPS) + f"{'ceiling':>9}")
     for resolution in (512, 768):
-        for name, options in CONFIGS.items():
+        for name, (options, frozen) in CONFIGS.items():
             if options is not None:
                 tome.patch(unet, **options)
-            total, seconds = profiled_step(unet, resolution)
+            total, seconds = profiled_step(unet, resolution, frozen)
             tome.remove(unet)
             shares = "".join(f"{seconds[g]:>8.1f}s ({seconds[g] / total:3.0%})" for g in GROUPS)
-            print(f"{resolution:>4} px {name:30}{total:>8.1f}{shares}{total / (total - seconds['attention']):>8.2f}x")
+            print(f"{resolution:>4} px {name:32}{total:>8.1f}{shares}{total / (total - seconds['attention']):>8.2f}x")
 
 
 if __name__ == "__main__":
