@@ -104,13 +104,16 @@ class Runner(BenchRunner):
 
     # -- training steps (--train) --------------------------------------------------------------------------
     def prepare_training(self) -> None:
-        """The training batch as tensors and, with ``--train lora``, the LoRA adapter (peft, rank
-        :data:`bench_train.LORA_RANK` on the attention projections), added once: every method trains it."""
+        """The training batch as tensors, the UNet's gradient checkpointing with ``--gradient-checkpointing``
+        and, with ``--train lora``, the LoRA adapter (peft, rank :data:`bench_train.LORA_RANK` on the attention
+        projections), added once: every method trains it."""
         batch = bench_train.train_batch(self)
         self.train_inputs = bench_train.TrainBatch(
             sample=torch.from_numpy(batch.sample), target=torch.from_numpy(batch.target),
             timesteps=torch.from_numpy(batch.timesteps),
         )
+        if getattr(self.args, "gradient_checkpointing", False):
+            self.unet.enable_gradient_checkpointing()
         if self.args.train == "lora":
             from peft import LoraConfig
 

@@ -882,8 +882,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
         raise SystemExit(f"--variant-oracles {' '.join(unknown)}: no such --variant")
     from tome_core import bench_train, bench_video
 
-    if args.train:
-        bench_train.refuse(args)
+    bench_train.refuse(args)
     bench_video.resolve(args, explicit_methods)
     resolve_trained(args)
     args.stacks = parse_stacks(args.stack) if args.stack else {}

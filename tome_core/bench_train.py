@@ -21,6 +21,11 @@ L2 distance of the gradient of the loss with respect to the noisy input latent t
 same training signal reaches the input; it gathers every layer's backward). The step computes that gradient
 besides the weights' (one more convolution backward, a negligible part of the step).
 
+``--gradient-checkpointing`` turns on the UNet's own gradient checkpointing (diffusers'
+``enable_gradient_checkpointing``) for every method: each block's forward runs again in backward instead of
+keeping its activations, the memory a trainer trades for time to fit SDXL at 1024 px. ToMe's match is a seeded,
+deterministic function of the block's input, so the recomputed forward merges the same tokens.
+
 ``--memory``: the extra peak memory of one step, per method. On a CPU: the extra peak resident memory of a fresh
 process that builds the model, patches it and runs one step (:func:`tome_core.bench.peak_memory_in_fresh_process`;
 the high-water mark restarts once the method is in place, so it counts the gradients and the activations kept for
@@ -60,13 +65,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "oracle (free removal of the same tokens), the speedup, and 'grad L2' (relative L2 of the "
                    "input latent's gradient to the unpatched step's) in place of fidelity; --memory: a step's "
                    "peak memory (torch, UNets)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="--train: enable the UNet's gradient checkpointing (diffusers' enable_gradient_checkpointing:"
+                   " each block's activations are recomputed in backward instead of kept), as trainers do to fit "
+                   "SDXL at 1024 px")
 
 
 def refuse(args: argparse.Namespace) -> None:
-    """Fail before anything is built when ``--train`` meets what a training step cannot honour, naming the
-    argument, its value and what is allowed."""
+    """Fail before anything is built when ``--train`` meets what a training step cannot honour (or
+    ``--gradient-checkpointing`` comes without ``--train``), naming the argument, its value and what is allowed."""
     from tome_core import bench, bench_video
 
+    if not args.train:
+        if getattr(args, "gradient_checkpointing", False):
+            raise SystemExit("--gradient-checkpointing without --train: it changes training steps only (an "
+                             "inference call keeps no activations for backward); add --train or leave it out")
+        return
     train = f"--train {args.train}"
     if args.backend not in TRAIN_BACKENDS:
         raise SystemExit(

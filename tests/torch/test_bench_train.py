@@ -156,6 +156,38 @@ def test_lora_steps_train_only_the_adapters():
     assert any(g.abs().sum() > 0 for n, g in grads.items() if "lora_B" in n or "lora_A" in n)
 
 
+def test_gradient_checkpointing_recomputes_blocks_and_gives_the_same_gradients(runner):
+    """``--gradient-checkpointing``: every self-attention runs twice per step (forward, then again in backward),
+    and the gradients of the input and of every weight equal those of the step without checkpointing, for the
+    unpatched step and for ToMe's seeded random partition (the recomputed forward merges the same tokens)."""
+    checkpointed = train_runner("--train", "--gradient-checkpointing")
+    assert checkpointed.unet.is_gradient_checkpointing and not runner.unet.is_gradient_checkpointing
+    calls = []
+    attn1 = next(m.attn1 for m in checkpointed.unet.modules() if hasattr(m, "attn1"))
+    handle = attn1.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        for method in ("unpatched", "ours"):
+            grads = []
+            for one in (runner, checkpointed):
+                with one.method(method, 0.5):
+                    x = one.train_step(keep_grads=True)
+                grads.append((x, {n: p.grad for n, p in one.unet.named_parameters()}))
+                one.unet.zero_grad(set_to_none=True)
+            (x, weights), (x_ck, weights_ck) = grads
+            torch.testing.assert_close(x_ck, x, rtol=1e-5, atol=1e-8)
+            assert weights.keys() == weights_ck.keys()
+            for name, grad in weights.items():
+                torch.testing.assert_close(weights_ck[name], grad, rtol=1e-5, atol=1e-8, msg=f"{method} {name}")
+    finally:
+        handle.remove()
+    assert len(calls) == 4  # two steps, each with its recomputation
+
+
+def test_gradient_checkpointing_without_train_is_refused():
+    with pytest.raises(SystemExit, match="--gradient-checkpointing without --train: .* add --train or leave it out"):
+        bench.main(["--preset", "tiny", "--gradient-checkpointing"])
+
+
 def test_the_fresh_process_runs_a_training_step_for_memory(runner, monkeypatch, capsys):
     """serve_peak_request's --train branch, run in this process: it times a step, not an inference call."""
     args = {**vars(runner.args), "resolution": 64}
