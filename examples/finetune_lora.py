@@ -36,7 +36,8 @@ Choices (each is an argument):
   ``unpatched`` exactly, a check) and ``unpatched-reseeded`` (no reduction, but its own batches and adapter
   init from ``--seed`` + 1: how far two plain fine-tunes land apart by chance). ``NAME+stop`` is the training
   schedule: merging on for steps 1 to ``--stop-tome-at`` (default: half the steps), then the loop calls
-  ``tome.remove(unet)`` and the remaining steps run unpatched (the kohya-ss PR's ``stop_tome``). ToMe's random
+  ``tome.remove(unet)`` and the remaining steps run unpatched (the kohya-ss PR's ``stop_tome``);
+  ``NAME+stopN`` stops after step N instead, so one run compares several stops. ToMe's random
   partition is a seeded hash (``seed=0``), so every run repeats exactly. ``NAME+noisy`` is the schedule by
   timestep: ``timestep_range=(T/2, T)`` merges only the calls at the noisier half of the schedule (T: the
   scheduler's training timesteps), the others run unmerged. A call merges only when its whole batch is in the
@@ -101,9 +102,8 @@ class Run:
     """One configuration's fine-tune: its model copy, optimizer and record."""
 
     def __init__(self, name: str, args: argparse.Namespace, base: diffusers_trained.TrainedModel, stop_at: int, half: int):
-        options, schedule = method(name, half)
+        options, self.stop_at = method(name, half, stop_at)  # stop schedule: merging on for steps 1..stop_at
         self.name, self.options = name, options
-        self.stop_at = stop_at if schedule == "stop" else None  # merging on for steps 1..stop_at, then tome.remove
         seed = args.seed + 1 if name == "unpatched-reseeded" else args.seed
         self.generator = torch.Generator().manual_seed(seed) if seed != args.seed else None  # None: shared batches
         self.model = copy.deepcopy(base)
@@ -170,20 +170,23 @@ class Run:
         return statistics.median(times) if times else math.nan
 
 
-SCHEDULES = ("stop", "noisy")
-
-
-def method(name: str, half: int):
-    """``(options, schedule)`` of a ``--methods`` entry: a name of OPTIONS (schedule None), or NAME+stop /
-    NAME+noisy for a patched one; ``half``: the timestep dividing the schedule's halves (T/2)."""
+def method(name: str, half: int, stop_at: int):
+    """``(options, stop)`` of a ``--methods`` entry: a name of OPTIONS, or for a patched one NAME+stop (merging
+    off after step ``stop_at``), NAME+stopN (after step N) or NAME+noisy (``timestep_range`` of the noisier
+    half; ``half``: T/2). ``stop``: the last merged step of a stop schedule, else None."""
     base, plus, rest = name.partition("+")
-    if base not in OPTIONS or (plus and rest not in SCHEDULES) or (plus and OPTIONS[base] is None):
+    step = rest[len("stop"):]
+    known = rest in ("", "stop", "noisy") or (rest.startswith("stop") and step.isdigit() and int(step) > 0)
+    if base not in OPTIONS or not known or (plus and OPTIONS[base] is None):
         raise SystemExit(
-            f"unknown method {name!r}: choose from {', '.join(OPTIONS)}, or NAME+stop / NAME+noisy for a patched one"
+            f"unknown method {name!r}: choose from {', '.join(OPTIONS)}, or for a patched one NAME+stop, "
+            "NAME+stopN (N: the last merged step, at least 1) or NAME+noisy"
         )
     if rest == "noisy":
-        return {**OPTIONS[base], "timestep_range": (half, 2 * half)}, rest
-    return OPTIONS[base], rest or None
+        return {**OPTIONS[base], "timestep_range": (half, 2 * half)}, None
+    if rest.startswith("stop"):
+        return OPTIONS[base], int(step) if step else stop_at
+    return OPTIONS[base], None
 
 
 def parser() -> argparse.ArgumentParser:
