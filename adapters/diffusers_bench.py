@@ -112,7 +112,7 @@ class Runner(BenchRunner):
             sample=torch.from_numpy(batch.sample), target=torch.from_numpy(batch.target),
             timesteps=torch.from_numpy(batch.timesteps),
         )
-        if getattr(self.args, "gradient_checkpointing", False):
+        if self.args.gradient_checkpointing:
             self.unet.enable_gradient_checkpointing()
         if self.args.train == "lora":
             from peft import LoraConfig

@@ -289,16 +289,12 @@ def build_video_transformer(preset: str = "tiny-wan", seed: int = 0, **overrides
     return _random_transformer(name, {**config, **overrides}, seed)
 
 
-def build_wan(seed: int = 0, **overrides: Any) -> torch.nn.Module:
-    """The tiny Wan video transformer (preset ``tiny-wan``, :func:`build_video_transformer`)."""
-    return build_video_transformer("tiny-wan", seed, **overrides)
-
-
 def build_wan_pipeline(seed: int = 0) -> Tuple[Any, Dict[str, Any]]:
-    """A ``WanPipeline`` on :func:`build_wan` with a tiny random-weight ``AutoencoderKLWan`` (2x spatial, no
-    temporal compression) and text embeddings in place of the text encoder, and the keyword arguments of a
-    call (give ``height``, ``width``, ``num_frames``, steps and a generator)."""
-    transformer = build_wan(seed)
+    """A ``WanPipeline`` on the tiny Wan transformer (``build_video_transformer("tiny-wan")``) with a tiny
+    random-weight ``AutoencoderKLWan`` (2x spatial, no temporal compression) and text embeddings in place of the
+    text encoder, and the keyword arguments of a call (give ``height``, ``width``, ``num_frames``, steps and a
+    generator)."""
+    transformer = build_video_transformer("tiny-wan", seed)
     torch.manual_seed(seed + 1)
     vae = diffusers.AutoencoderKLWan(
         base_dim=8, z_dim=transformer.config.in_channels, dim_mult=[1, 1], num_res_blocks=1,

@@ -77,7 +77,7 @@ def refuse(args: argparse.Namespace) -> None:
     from tome_core import bench, bench_video
 
     if not args.train:
-        if getattr(args, "gradient_checkpointing", False):
+        if args.gradient_checkpointing:
             raise SystemExit("--gradient-checkpointing without --train: it changes training steps only (an "
                              "inference call keeps no activations for backward); add --train or leave it out")
         return
@@ -137,15 +137,11 @@ def train_batch(runner: Any) -> TrainBatch:
     noise at each sample's timestep, ``x_t = sqrt(a_t) x_0 + sqrt(1 - a_t) noise`` with the runner scheduler's
     cumulative alphas (SD's schedule, or a trained model's own)."""
     from tome_core.bench import image_like_latents
+    from tome_core.bench_runner import draw_latents
 
     args = runner.args
-    channels = runner.unet.config.in_channels
-    shape = (args.batch, channels) + tuple(runner.latent_hw)
-    if getattr(args, "latents", "image") == "image":
-        clean = image_like_latents(*shape, seed=0)
-    else:
-        clean = np.random.default_rng(0).standard_normal(shape).astype("float32")
-    noise = np.random.default_rng(1).standard_normal(shape).astype("float32")
+    shape = (args.batch, runner.unet.config.in_channels) + tuple(runner.latent_hw)
+    clean, noise = draw_latents(args, shape, image_like_latents)
     timesteps = train_timesteps(args.batch)
     alphas = np.array([runner.alpha_bar(int(t)) for t in timesteps], dtype="float64").reshape(-1, 1, 1, 1)
     sample = (np.sqrt(alphas) * clean + np.sqrt(1 - alphas) * noise).astype("float32")
