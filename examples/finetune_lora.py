@@ -31,18 +31,23 @@ Choices (each is an argument):
   zero, so every run starts from the shipped model exactly.
 * Token reduction: ``tome.patch(unet, ...)`` after ``add_adapter``; ``--methods`` from ``unpatched``,
   ``tokens-0.5`` (``ratio=0.5``: ToMe for SD, similarity matching, size-aware attention), ``kv-cell``
-  (``mode="kv", matching="cell"``: ToDo-like, keys/values pooled in 2x2 cells, every query kept),
-  ``tokens-0.75``, ``kv-0.5`` (``mode="kv", ratio=0.5``), ``ratio-0`` (``ratio=0.0`` merges nothing: equals
-  ``unpatched`` exactly, a check) and ``unpatched-reseeded`` (no reduction, but its own batches and adapter
-  init from ``--seed`` + 1: how far two plain fine-tunes land apart by chance). ``NAME+stop`` is the training
-  schedule: merging on for steps 1 to ``--stop-tome-at`` (default: half the steps), then the loop calls
-  ``tome.remove(unet)`` and the remaining steps run unpatched (the kohya-ss PR's ``stop_tome``);
-  ``NAME+stopN`` stops after step N instead, so one run compares several stops. ToMe's random
-  partition is a seeded hash (``seed=0``), so every run repeats exactly. ``NAME+noisy`` is the schedule by
-  timestep: ``timestep_range=(T/2, T)`` merges only the calls at the noisier half of the schedule (T: the
-  scheduler's training timesteps), the others run unmerged. A call merges only when its whole batch is in the
-  range, so when any run is ``+noisy`` every batch (of every run alike) draws its timesteps from one half of
-  the schedule, chosen per batch: each timestep is still uniform over the schedule.
+  (``mode="kv", matching="cell"``: ToDo-like, keys/values pooled in 2x2 cells, every query kept), ``kv-42``
+  (the README's advice for fine-tuning: keys/values pooled in 4x4 cells at the finest level, 32x32 here, and
+  2x2 at the next), ``tokens-0.75``, ``kv-0.5`` (``mode="kv", ratio=0.5``), ``ratio-0`` (``ratio=0.0`` merges
+  nothing: equals ``unpatched`` exactly, a check) and ``unpatched-reseeded`` (no reduction, but its own
+  batches and adapter init from ``--seed`` + 1: how far two plain fine-tunes land apart by chance). ToMe's
+  random partition is a seeded hash (``seed=0``), so every run repeats exactly.
+* Schedules, added to a patched method's name, each at most once (``kv-42+after10+stop50``):
+  ``+afterN`` is an unmerged warm-up: the first N steps run unpatched, then the loop calls ``tome.patch``
+  and merging goes on from step N + 1 (the README's advice: Adam's first steps weigh their gradients most, so
+  a gradient changed by merging there leaves a lasting mark on the adapter). ``+stop`` is the kohya-ss PR's
+  ``stop_tome``: merging off after step ``--stop-tome-at`` (default: half the steps), when the loop calls
+  ``tome.remove(unet)`` and the remaining steps run unpatched; ``+stopN`` stops after step N instead, so one
+  run compares several stops. ``+noisy`` is the schedule by timestep: ``timestep_range=(T/2, T)`` merges
+  only the calls at the noisier half of the schedule (T: the scheduler's training timesteps), the others run
+  unmerged. A call merges only when its whole batch is in the range, so when any run is ``+noisy`` every
+  batch (of every run alike) draws its timesteps from one half of the schedule, chosen per batch: each
+  timestep is still uniform over the schedule.
 * Two loss curves per run: the training loss (its own batches, with reduction as it trains; mean over
   ``--log-every`` steps) and the held-out loss WITHOUT reduction (a fixed batch of unseen crops of the subject,
   fixed noise and timesteps spread over the schedule; the patch comes off for the evaluation and goes back
@@ -67,7 +72,7 @@ import math
 import statistics
 import time
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from tome_core.console import quiet_known_notices
 
@@ -88,6 +93,7 @@ OPTIONS: Dict[str, Optional[Dict[str, Any]]] = {
     "tokens-0.5": {"ratio": 0.5},
     "tokens-0.75": {"ratio": 0.75},
     "kv-cell": {"mode": "kv", "matching": "cell"},
+    "kv-42": {"mode": "kv", "matching": "cell", "level_cells": {1: 4, 2: 2}, "max_downsample": 2},  # README's advice
     "kv-0.5": {"mode": "kv", "ratio": 0.5},
     "ratio-0": {"ratio": 0.0},
     "unpatched-reseeded": None,  # its own batches and adapter init (seed + 1): how far a fine-tune moves by chance
@@ -102,7 +108,7 @@ class Run:
     """One configuration's fine-tune: its model copy, optimizer and record."""
 
     def __init__(self, name: str, args: argparse.Namespace, base: diffusers_trained.TrainedModel, stop_at: int, half: int):
-        options, self.stop_at = method(name, half, stop_at)  # stop schedule: merging on for steps 1..stop_at
+        options, self.start_at, self.stop_at = method(name, half, stop_at)  # merging on for steps start_at..stop_at
         self.name, self.options = name, options
         seed = args.seed + 1 if name == "unpatched-reseeded" else args.seed
         self.generator = torch.Generator().manual_seed(seed) if seed != args.seed else None  # None: shared batches
@@ -112,7 +118,7 @@ class Run:
         self.model.model.add_adapter(config)  # freezes the base weights: only the adapter trains
         self.parameters = [p for p in self.model.model.parameters() if p.requires_grad]
         self.model.model.train()
-        if options is not None:
+        if options is not None and self.start_at == 1:
             tome.patch(self.model.model, **options)
         self.optimizer = torch.optim.AdamW(self.parameters, lr=args.lr, weight_decay=0.0)
         self.losses: List[float] = []
@@ -170,23 +176,31 @@ class Run:
         return statistics.median(times) if times else math.nan
 
 
-def method(name: str, half: int, stop_at: int):
-    """``(options, stop)`` of a ``--methods`` entry: a name of OPTIONS, or for a patched one NAME+stop (merging
-    off after step ``stop_at``), NAME+stopN (after step N) or NAME+noisy (``timestep_range`` of the noisier
-    half; ``half``: T/2). ``stop``: the last merged step of a stop schedule, else None."""
-    base, plus, rest = name.partition("+")
-    step = rest[len("stop"):]
-    known = rest in ("", "stop", "noisy") or (rest.startswith("stop") and step.isdigit() and int(step) > 0)
-    if base not in OPTIONS or not known or (plus and OPTIONS[base] is None):
+def method(name: str, half: int, stop_at: int) -> Tuple[Optional[Dict[str, Any]], int, Optional[int]]:
+    """``(options, start, stop)`` of a ``--methods`` entry: merging on for steps ``start`` to ``stop`` (None: to
+    the end). The name is one of OPTIONS, and a patched one may add schedules, each at most once: ``+afterN``
+    (an unmerged warm-up: merging from step N + 1), ``+stop`` (off after step ``stop_at``), ``+stopN`` (off after
+    step N) and ``+noisy`` (``timestep_range`` of the noisier half; ``half``: T/2)."""
+    base, *parts = name.split("+")
+    start, stop, options = 1, None, OPTIONS.get(base)
+    known = base in OPTIONS and (options is not None or not parts) and len(set(p.rstrip("0123456789") for p in parts)) == len(parts)
+    for part in parts if known else []:
+        kind, number = part.rstrip("0123456789"), part[len(part.rstrip("0123456789")):]
+        if kind == "noisy" and not number:
+            options = {**options, "timestep_range": (half, 2 * half)}
+        elif kind == "stop" and (not number or int(number) > 0):
+            stop = int(number) if number else stop_at
+        elif kind == "after" and number:
+            start = int(number) + 1
+        else:
+            known = False
+    if not known or (stop is not None and stop < start):
         raise SystemExit(
-            f"unknown method {name!r}: choose from {', '.join(OPTIONS)}, or for a patched one NAME+stop, "
-            "NAME+stopN (N: the last merged step, at least 1) or NAME+noisy"
+            f"unknown method {name!r}: choose from {', '.join(OPTIONS)}, and for a patched one add any of +afterN "
+            "(merging from step N + 1), +stop or +stopN (merging off after step --stop-tome-at or N, at least 1 and "
+            "not before the first merged step) and +noisy, each at most once; e.g. kv-42+after10, kv-cell+stop25"
         )
-    if rest == "noisy":
-        return {**OPTIONS[base], "timestep_range": (half, 2 * half)}, None
-    if rest.startswith("stop"):
-        return OPTIONS[base], int(step) if step else stop_at
-    return OPTIONS[base], None
+    return options, start, stop
 
 
 def parser() -> argparse.ArgumentParser:
@@ -255,10 +269,11 @@ def curve(losses: List[float], every: int) -> List[List[float]]:
 
 
 def print_table(title: str, runs: List[Run], columns: Dict[str, List[List[float]]]) -> None:
+    width = max(19, *(len(run.name) + 2 for run in runs))
     print(f"\n{title}")
-    print("  step  " + "".join(f"{run.name:>19}" for run in runs))
+    print("  step  " + "".join(f"{run.name:>{width}}" for run in runs))
     for i, (step, _) in enumerate(columns[runs[0].name]):
-        print(f"{step:6d}  " + "".join(f"{columns[run.name][i][1]:19.4f}" for run in runs))
+        print(f"{step:6d}  " + "".join(f"{columns[run.name][i][1]:{width}.4f}" for run in runs))
 
 
 def main(argv=None) -> Dict[str, Any]:
@@ -281,7 +296,7 @@ def main(argv=None) -> Dict[str, Any]:
     held = held_out_batch(held_images, subject, scheduler)
     half = scheduler.config.num_train_timesteps // 2
     runs = [Run(name, args, base, stop_at, half) for name in args.methods]
-    halves = any(name.endswith("+noisy") for name in args.methods)
+    halves = any("noisy" in name.split("+")[1:] for name in args.methods)
     draw = lambda generator: draw_batch(images, args.batch, subject, null, generator, scheduler, halves)
 
     print(f"LoRA fine-tune of {folder} on {len(images)} fresh crops of {args.subject!r}")
@@ -296,6 +311,9 @@ def main(argv=None) -> Dict[str, Any]:
     for step in range(1, args.steps + 1):
         batch = draw(generator)
         for run in runs if step % 2 else reversed(runs):  # alternate the order: drift hits every run alike
+            if run.options is not None and step == run.start_at > 1:
+                tome.patch(run.unet, **run.options)  # after the unmerged warm-up
+                print(f"step {step}: tome.patch(unet) in {run.name}; it merges from here on")
             if run.stop_at is not None and step == run.stop_at + 1:
                 tome.remove(run.unet)  # the schedule: merging off from here on
                 print(f"step {step}: tome.remove(unet) in {run.name}; its remaining steps run unpatched")
@@ -319,9 +337,10 @@ def main(argv=None) -> Dict[str, Any]:
     print(f"\ntime per training step (forward + backward + AdamW; median over the steps; the machine may be shared, "
           f"so compare within this run only; {train_seconds:.0f} s of training in all)")
     for run in runs:
-        line = f"  {run.name:<19} {run.median_time() * 1000:7.1f} ms  {base_time / run.median_time():5.2f}x"
-        if run.stop_at is not None or any(run.merged) and not all(run.merged):
-            first = f"steps 1-{run.stop_at}" if run.stop_at is not None else f"{sum(run.merged)} steps"
+        line = f"  {run.name:<21} {run.median_time() * 1000:7.1f} ms  {base_time / run.median_time():5.2f}x"
+        if run.start_at > 1 or run.stop_at is not None or any(run.merged) and not all(run.merged):
+            scheduled = run.start_at > 1 or run.stop_at is not None
+            first = f"steps {run.start_at}-{run.stop_at or args.steps}" if scheduled else f"{sum(run.merged)} steps"
             line += (f"   ({first} merged: {run.median_time(True) * 1000:.1f} ms, "
                      f"{base_time / run.median_time(True):.2f}x; unmerged: {run.median_time(False) * 1000:.1f} ms)")
         print(line + f"   total {sum(run.times):.1f} s")

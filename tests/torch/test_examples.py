@@ -34,14 +34,14 @@ def test_finetune_lora_prints_finite_curves_that_differ_and_ratio_zero_equals_un
     monkeypatch.setenv("TOME_CORE_MODELS", str(ROOT / "models"))  # nox tests the installed package, without models/
     argv = ["--steps", "3", "--batch", "2", "--log-every", "1", "--per-class", "4", "--held-out", "2", "--samples-per-class", "1",
             "--sample-steps", "2", "--methods", "unpatched", "tokens-0.5", "kv-cell+stop", "ratio-0", "tokens-0.5+noisy",
-            "kv-cell+stop2", "--stop-tome-at", "1", "--seed", "2"]
+            "kv-cell+after1+stop2", "--stop-tome-at", "1", "--seed", "2"]
     with pytest.warns(UserWarning, match="merges no tokens"):  # ratio-0
         result = load("finetune_lora").main(argv)
     out = capsys.readouterr().out
     # the printed loss table: a header naming the runs, then one row per logged step, every value finite
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("training loss (")) + 1
-    assert lines[header].split() == ["step", "unpatched", "tokens-0.5", "kv-cell+stop", "ratio-0", "tokens-0.5+noisy", "kv-cell+stop2"]
+    assert lines[header].split() == ["step", "unpatched", "tokens-0.5", "kv-cell+stop", "ratio-0", "tokens-0.5+noisy", "kv-cell+after1+stop2"]
     rows = [[float(v) for v in line.split()] for line in lines[header + 1 : header + 4]]
     assert [row[0] for row in rows] == [1, 2, 3] and all(math.isfinite(v) for row in rows for v in row[1:])
     losses = result["losses"]
@@ -51,7 +51,10 @@ def test_finetune_lora_prints_finite_curves_that_differ_and_ratio_zero_equals_un
     # the schedule: merged in step 1, tome.remove before step 2
     assert result["merged"]["kv-cell+stop"] == [True, False, False] and result["merged"]["tokens-0.5"] == [True] * 3
     assert "step 2: tome.remove(unet) in kv-cell+stop;" in out
-    assert result["merged"]["kv-cell+stop2"] == [True, True, False] and "step 3: tome.remove(unet) in kv-cell+stop2" in out
+    # an unmerged warm-up of one step, then merging in step 2 only: the same batches, so step 1 is unpatched's
+    assert result["merged"]["kv-cell+after1+stop2"] == [False, True, False]
+    assert "step 2: tome.patch(unet) in kv-cell+after1+stop2;" in out and "step 3: tome.remove(unet) in kv-cell+after1+stop2;" in out
+    assert losses["kv-cell+after1+stop2"][0] == losses["unpatched"][0] and losses["kv-cell+after1+stop2"][1] != losses["unpatched"][1]
     # the timestep schedule: a batch draws all its timesteps from one half, and merges only in the upper one
     halves = [{t >= 500 for t in batch} for batch in result["timesteps"]["tokens-0.5+noisy"]]
     assert all(len(half) == 1 for half in halves) and result["timesteps"]["unpatched"] == result["timesteps"]["tokens-0.5+noisy"]
@@ -73,15 +76,21 @@ def test_finetune_lora_prints_finite_curves_that_differ_and_ratio_zero_equals_un
     assert all(t > 0 for times in result["times"].values() for t in times)
 
 
-@pytest.mark.parametrize("name", ["kv-cell+stop0", "kv-cell+stopx", "unpatched+stop5", "kv-cell+later", "kv-2"])
+@pytest.mark.parametrize("name", ["kv-cell+stop0", "kv-cell+stopx", "unpatched+stop5", "kv-cell+later", "kv-2",
+                                  "kv-cell+after", "kv-cell+stop5+stop6", "kv-cell+after10+stop5", "unpatched+after3"])
 def test_finetune_lora_refuses_an_unknown_method_naming_what_is_allowed(name):
-    with pytest.raises(SystemExit, match=rf"unknown method {re.escape(repr(name))}: choose from unpatched, .*NAME\+stopN"):
+    with pytest.raises(SystemExit, match=rf"unknown method {re.escape(repr(name))}: choose from unpatched, .*\+afterN"):
         load("finetune_lora").method(name, 500, 50)
 
 
-def test_finetune_lora_stop_schedules():
-    method = load("finetune_lora").method
-    assert method("kv-cell+stop", 500, 50) == ({"mode": "kv", "matching": "cell"}, 50)
-    assert method("kv-cell+stop12", 500, 50) == ({"mode": "kv", "matching": "cell"}, 12)
-    assert method("tokens-0.5+noisy", 500, 50) == ({"ratio": 0.5, "timestep_range": (500, 1000)}, None)
-    assert method("unpatched", 500, 50) == (None, None)
+def test_finetune_lora_schedules():
+    method, cell = load("finetune_lora").method, {"mode": "kv", "matching": "cell"}
+    assert method("kv-cell", 500, 50) == (cell, 1, None)
+    assert method("kv-cell+stop", 500, 50) == (cell, 1, 50)
+    assert method("kv-cell+stop12", 500, 50) == (cell, 1, 12)
+    assert method("kv-cell+after10", 500, 50) == (cell, 11, None)
+    assert method("kv-cell+stop20+after10", 500, 50) == (cell, 11, 20)
+    assert method("tokens-0.5+noisy", 500, 50) == ({"ratio": 0.5, "timestep_range": (500, 1000)}, 1, None)
+    assert method("kv-42+after5+noisy", 500, 50) == (
+        {"mode": "kv", "matching": "cell", "level_cells": {1: 4, 2: 2}, "max_downsample": 2, "timestep_range": (500, 1000)}, 6, None)
+    assert method("unpatched", 500, 50) == (None, 1, None)
