@@ -101,7 +101,7 @@ OPTIONS: Dict[str, Optional[Dict[str, Any]]] = {
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_in", "proj_out", "conv1", "conv2"]
 DROP_CLASS = 0.1  # as diffusers_trained.train_diffusion
 INFERENCE_TOME = {"ratio": 0.5}  # the inference-time reference row
-DEFAULT_METHODS = ["unpatched", "tokens-0.5", "kv-cell", "kv-cell+stop"]
+DEFAULT_METHODS = ["unpatched", "kv-cell", "kv-cell+stop", "kv-cell+after10+stop30"]  # throughout, kohya's stop, the advice
 
 
 class Run:
