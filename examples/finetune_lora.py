@@ -69,6 +69,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import re
 import statistics
 import time
 from types import SimpleNamespace
@@ -183,9 +184,10 @@ def method(name: str, half: int, stop_at: int) -> Tuple[Optional[Dict[str, Any]]
     step N) and ``+noisy`` (``timestep_range`` of the noisier half; ``half``: T/2)."""
     base, *parts = name.split("+")
     start, stop, options = 1, None, OPTIONS.get(base)
-    known = base in OPTIONS and (options is not None or not parts) and len(set(p.rstrip("0123456789") for p in parts)) == len(parts)
-    for part in parts if known else []:
-        kind, number = part.rstrip("0123456789"), part[len(part.rstrip("0123456789")):]
+    schedules = [re.fullmatch(r"(after|stop|noisy)(\d*)", part) for part in parts]
+    kinds = [schedule[1] for schedule in schedules if schedule]
+    known = base in OPTIONS and (options is not None or not parts) and all(schedules) and len(set(kinds)) == len(parts)
+    for kind, number in (schedule.groups() for schedule in schedules) if known else ():
         if kind == "noisy" and not number:
             options = {**options, "timestep_range": (half, 2 * half)}
         elif kind == "stop" and (not number or int(number) > 0):
@@ -338,8 +340,8 @@ def main(argv=None) -> Dict[str, Any]:
           f"so compare within this run only; {train_seconds:.0f} s of training in all)")
     for run in runs:
         line = f"  {run.name:<21} {run.median_time() * 1000:7.1f} ms  {base_time / run.median_time():5.2f}x"
-        if run.start_at > 1 or run.stop_at is not None or any(run.merged) and not all(run.merged):
-            scheduled = run.start_at > 1 or run.stop_at is not None
+        scheduled = run.start_at > 1 or run.stop_at is not None
+        if scheduled or any(run.merged) and not all(run.merged):
             first = f"steps {run.start_at}-{run.stop_at or args.steps}" if scheduled else f"{sum(run.merged)} steps"
             line += (f"   ({first} merged: {run.median_time(True) * 1000:.1f} ms, "
                      f"{base_time / run.median_time(True):.2f}x; unmerged: {run.median_time(False) * 1000:.1f} ms)")
