@@ -94,7 +94,9 @@ OPTIONS: Dict[str, Optional[Dict[str, Any]]] = {
     "tokens-0.5": {"ratio": 0.5},
     "tokens-0.75": {"ratio": 0.75},
     "kv-cell": {"mode": "kv", "matching": "cell"},
-    "kv-42": {"mode": "kv", "matching": "cell", "level_cells": {1: 4, 2: 2}, "max_downsample": 2},  # README's advice
+    "kv-42": {"mode": "kv", "matching": "cell", "level_cells": {1: 4, 2: 2}, "max_downsample": 2},  # README's speed set
+    "kv-sample": {"mode": "kv", "matching": "cell", "cell_pool": "sample"},
+    "kv-42-sample": {"mode": "kv", "matching": "cell", "level_cells": {1: 4, 2: 2}, "max_downsample": 2, "cell_pool": "sample"},
     "kv-0.5": {"mode": "kv", "ratio": 0.5},
     "ratio-0": {"ratio": 0.0},
     "unpatched-reseeded": None,  # its own batches and adapter init (seed + 1): how far a fine-tune moves by chance

@@ -12,6 +12,7 @@ LEVELS = (1, 2, 4, 8)
 SUBLAYERS = ("attn", "crossattn", "mlp")
 MODES = ("auto", "tokens", "kv", "queries")
 MATCHINGS = ("similarity", "cell")
+CELL_POOLS = ("mean", "sample")
 DEFAULT_RATIO = 0.5  # with similarity matching; a cell match's reduction is fixed by its cell
 # mode="auto" on UNets: keys/values pooled in n x n cells, n chosen by the token count of the finest merged
 # level (README, "High resolution": measured speed and fidelity per resolution).
@@ -74,6 +75,11 @@ class ToMeConfig:
     matching: how tokens are grouped: ``"similarity"`` (bipartite soft matching) or ``"cell"`` (every token
         joins its own sx*sy cell: average pooling, no similarity computed; the reduction is fixed by the cell,
         so ``ratio`` may be left out).
+    cell_pool: with ``matching="cell"``, what stands for a cell's tokens: ``"mean"`` (default: average pooling)
+        or ``"sample"``: one of its tokens, drawn per call and block from ``seed`` and the timestep as ``use_rand``
+        places destinations (the cell's first token with ``use_rand=False``: strided downsampling). A mean is
+        the same bias in every step; samples average out over steps, so a fine-tune that merges in every step
+        stays close to an unpatched one (README, "Faster fine-tuning, measured").
     level_cells: ``{downsample factor: n or (sx, sy)}``: the cell at those levels instead of ``sx``, ``sy``
         (with ``matching="cell"``, e.g. ``{1: 4, 2: 2}`` pools 4x4 at the finest level and 2x2 at the next).
     blocks: indices of the transformer blocks that merge, counted in the model's module order (negative
@@ -121,6 +127,7 @@ class ToMeConfig:
     mode: Optional[str] = None
     matching: Optional[str] = None
     level_cells: Optional[Mapping[int, Any]] = None
+    cell_pool: str = "mean"
     frames_per_chunk: Optional[int] = None
     frame_ratio: Optional[float] = None
     timestep_range: Optional[Tuple[float, float]] = None
@@ -251,7 +258,14 @@ class ToMeConfig:
                     _check_int(f"level_cells[{level}]", value, 1)
                 cells[int(level)] = (int(pair[0]), int(pair[1]))
             object.__setattr__(self, "level_cells", cells)
+        if self.cell_pool not in CELL_POOLS:
+            raise ValueError(f"cell_pool must be one of {', '.join(map(repr, CELL_POOLS))}, got {self.cell_pool!r}")
         if self.matching != "cell":
+            if self.cell_pool != "mean":
+                raise ValueError(
+                    f"cell_pool={self.cell_pool!r} says what stands for a cell of matching='cell', but matching is "
+                    f"{self.matching!r}; pass matching='cell' (and mode='kv', 'tokens' or 'queries')"
+                )
             return
         for name in ("level_ratios", "block_ratios", "attn_ratio", "crossattn_ratio", "mlp_ratio"):
             if getattr(self, name) is not None:

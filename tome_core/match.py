@@ -9,7 +9,7 @@ similar first, as tomesd orders them), then the destinations in grid order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .ops import Array, ArrayOps
@@ -30,6 +30,7 @@ class Match:
     representatives: Optional[Array] = None  # [B, N - r] the token each slot stands at (its destination)
     pool: Optional[Tuple[int, int, int, int]] = None  # (h, w, sx, sy) when the match is exact sx*sy pooling
     frames: int = 1  # K > 1: a cross-frame match; its input [B * K, N / K, C] is read as [B, N, C] chunks
+    picked: Optional[Array] = None  # [B * (N - r)] when each slot takes one token's value: the row of that token
 
     @property
     def kept(self) -> int:
@@ -281,6 +282,30 @@ def _cell_match(ops: ArrayOps, like: Array, batch: int, h: int, w: int, sx: int,
         representatives=ops.broadcast_to(ops.reshape(representatives, (1, kept)), (batch, kept)),
         pool=(h, w, sx, sy) if leftover is None else None,
     )
+
+
+def sampled_cell_match(
+    ops: ArrayOps, like: Array, batch: int, h: int, w: int, sx: int, sy: int, offsets: Optional[Array]
+) -> Match:
+    """The cells of :func:`cell_match`, each standing as one of its tokens instead of their mean.
+
+    ``offsets [h//sy, w//sx]`` is the picked token's row-major position inside each cell (the same for every
+    batch item); ``None`` picks each cell's first token (strided downsampling). Slots, sizes and unmerge are
+    the cell match's: every token of a cell takes the output of the token that stands for it. Drawn afresh
+    per call, the picks are an unbiased sample of each cell's tokens, where the cell's mean is a fixed bias.
+    """
+    pooled = cell_match(ops, like, batch, h, w, sx, sy)
+    if pooled.merged == 0:
+        return pooled
+    cells, leftover = cached(ops, like, ("cells", h, w, sx, sy), lambda: cell_table(ops, like, h, w, sx, sy))
+    num_cells = ops.shape(cells)[0]
+    offsets = ops.zeros((num_cells, 1), cells) if offsets is None else ops.reshape(offsets, (num_cells, 1))
+    tokens = ops.reshape(ops.take_along_axis(cells, offsets, axis=1), (num_cells,))
+    if leftover is not None:
+        tokens = ops.concat([tokens, leftover], axis=0)
+    tokens = ops.broadcast_to(ops.reshape(tokens, (1, pooled.kept)), (batch, pooled.kept))
+    rows = ops.reshape(tokens + ops.reshape(ops.arange(batch, tokens) * pooled.tokens, (batch, 1)), (batch * pooled.kept,))
+    return replace(pooled, representatives=tokens, pool=None, picked=rows)
 
 
 def bipartite_match(

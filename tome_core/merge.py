@@ -18,6 +18,9 @@ def merge(x: Array, match: Match) -> Array:
         return x
     ops = match.ops
     batch, tokens, channels = ops.shape(x)
+    if match.picked is not None:  # each slot is one token: a row gather
+        picked = ops.take(ops.reshape(x, (batch * tokens, channels)), match.picked, axis=0)
+        return ops.reshape(picked, (match.batch, match.kept, channels))
     if match.pool is not None:  # every token in a full cell: two strided means (rows, then columns), no scatter
         h, w, sx, sy = match.pool  # (one mean over both axes is ~15x slower on torch's CPU kernels)
         rows = ops.mean(ops.reshape(x, (batch, h // sy, sy, w * channels)), (2,))

@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional, Tuple
 from .backend import get_ops
 from .config import ToMeConfig
 from .levels import block_grid, downsample_factor, level_grid
-from .match import Match, bipartite_matches, cell_match, chunk_matches, identity_match
+from .match import Match, bipartite_matches, cell_match, chunk_matches, identity_match, sampled_cell_match
 from .partition import random_offsets
 
 
@@ -161,17 +161,21 @@ class ToMeState:
         if not any(merged.values()) and not across:
             identity = identity_match(ops, ops.shape(metric)[0], tokens)
             return {sublayer: identity for sublayer in merged}
-        config = self.active
         h, w = block_grid(latent, factor, self.grid_hw, tokens)
         sx, sy = config.cell_at(factor)
-        if config.matching == "cell":
-            pooled = cell_match(ops, metric, ops.shape(metric)[0], h, w, sx, sy)
-            return {sublayer: pooled if count else identity_match(ops, pooled.batch, tokens) for sublayer, count in merged.items()}
+        picks = config.matching == "similarity" or config.cell_pool == "sample"  # a token per cell, placed per call
         offsets = (
             random_offsets(ops, metric, h, w, sx, sy, config.seed, self.step, stream)
-            if config.use_rand and (h // sy) * (w // sx) > 0
+            if picks and config.use_rand and (h // sy) * (w // sx) > 0
             else None
         )
+        if config.matching == "cell":
+            batch = ops.shape(metric)[0]
+            if config.cell_pool == "sample":
+                pooled = sampled_cell_match(ops, metric, batch, h, w, sx, sy, offsets)
+            else:
+                pooled = cell_match(ops, metric, batch, h, w, sx, sy)
+            return {sublayer: pooled if count else identity_match(ops, pooled.batch, tokens) for sublayer, count in merged.items()}
         if frames > 1:
             # the reference frame of every chunk: drawn like a destination in a 1 x K cell, from the next seed
             reference = (

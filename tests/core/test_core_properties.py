@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tome_core import bipartite_match, cell_match, load_backend, merge, unmerge
+from tome_core.match import sampled_cell_match
 from tome_core.partition import random_offsets, split
 
 NUMPY = load_backend("numpy")
@@ -237,3 +238,42 @@ def test_cell_match_pools_each_full_cell_and_keeps_leftovers(xp, case, data_seed
     np.testing.assert_allclose(
         xp.numpy(unmerge(merge(xp.asarray(x), match), match)), expected.reshape(batch, h * w, -1), rtol=1e-5, atol=1e-6
     )
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=cell_cases(), data_seed=st.integers(0, 2**32 - 1), first=st.booleans())
+def test_sampled_cell_match_takes_one_token_of_each_cell(xp, case, data_seed, first):
+    """Brute force: each full cell becomes the token at its offset (the first without offsets), leftover tokens
+    stay, unmerge gives the cell's tokens that token's value; and over the sx*sy offsets shared by every cell
+    the picks average to the cell's mean (cell_match, the oracle of average pooling)."""
+    batch, h, w, sx, sy = (case[k] for k in ("batch", "h", "w", "sx", "sy"))
+    rng = np.random.default_rng(data_seed)
+    x = rng.standard_normal((batch, h * w, case["channels"])).astype(np.float32)
+    offsets = None if first else rng.integers(0, sx * sy, (h // sy, w // sx))
+    picked = lambda offsets: sampled_cell_match(
+        xp.ops, xp.asarray(x), batch, h, w, sx, sy, None if offsets is None else xp.asarray(offsets)
+    )
+    match = picked(offsets)
+    pooled = cell_match(xp.ops, xp.asarray(x), batch, h, w, sx, sy)
+    assert match.merged == pooled.merged
+    if not pooled.merged:
+        np.testing.assert_array_equal(xp.numpy(merge(xp.asarray(x), match)), x)
+        return
+    grid = x.reshape(batch, h, w, -1)
+    expected, cells = grid.copy(), []
+    for i in range(h // sy):
+        for j in range(w // sx):
+            o = 0 if offsets is None else int(offsets[i, j])
+            token = grid[:, i * sy + o // sx, j * sx + o % sx]
+            expected[:, i * sy : (i + 1) * sy, j * sx : (j + 1) * sx] = token[:, None, None]
+            cells.append(token)
+    full = h // sy * sy, w // sx * sx
+    leftover = [grid[:, r, c] for r in range(full[0]) for c in range(full[1], w)] + [
+        grid[:, r, c] for r in range(full[0], h) for c in range(w)
+    ]
+    merged = merge(xp.asarray(x), match)
+    np.testing.assert_array_equal(xp.numpy(merged), np.stack(cells + leftover, axis=1))
+    np.testing.assert_array_equal(xp.numpy(unmerge(merged, match)), expected.reshape(batch, h * w, -1))
+    np.testing.assert_array_equal(xp.numpy(match.sizes), xp.numpy(pooled.sizes))
+    every = [xp.numpy(merge(xp.asarray(x), picked(np.full((h // sy, w // sx), o)))) for o in range(sx * sy)]
+    np.testing.assert_allclose(np.mean(every, axis=0), xp.numpy(merge(xp.asarray(x), pooled)), rtol=1e-5, atol=1e-6)

@@ -44,6 +44,8 @@ def test_import_loads_no_framework():
         ({"timestep_range": (0, "1000")}, TypeError, "timestep_range must be a pair.*bound '1000'"),
         ({"timestep_range": (0, float("nan"))}, TypeError, "timestep_range must be a pair"),
         ({"timestep_range": (900, 100)}, ValueError, r"got \(900, 100\) \(low > high\)"),
+        ({"mode": "kv", "matching": "cell", "cell_pool": "max"}, ValueError, "cell_pool must be one of 'mean', 'sample', got 'max'"),
+        ({"cell_pool": "sample"}, ValueError, "cell_pool='sample' says what stands for a cell of matching='cell', but matching is 'similarity'"),
         ({"ration": 0.5}, TypeError, "unknown ToMe option\\(s\\) ration; valid options are ratio, max_downsample"),
     ],
 )
@@ -135,7 +137,7 @@ def test_the_package_imports_from_the_repository_root():
 
 @pytest.mark.parametrize("options", [
     {}, {"ratio": 0.5}, {"ratio": 0.3, "merge_mlp": True, "blocks": [0, 2]},
-    {"mode": "kv", "matching": "cell", "level_cells": {1: 4, 2: 2}}, {"level_ratios": {1: 0.25}, "proportional_attn": False},
+    {"mode": "kv", "matching": "cell", "level_cells": {1: 4, 2: 2}, "cell_pool": "sample"}, {"level_ratios": {1: 0.25}, "proportional_attn": False},
 ])
 def test_config_prints_as_the_call_that_makes_it(options):
     """A config prints only what differs from the defaults, and that text builds an equal config."""

@@ -40,6 +40,7 @@ ARRANGEMENTS = {
     "kv": dict(mode="kv", ratio=0.5),
     "queries": dict(mode="queries", ratio=0.5),
     "kv-cell": dict(mode="kv", matching="cell"),
+    "kv-cell-sample": dict(mode="kv", matching="cell", cell_pool="sample"),  # use_rand=False: each cell's first token
 }
 
 

@@ -83,6 +83,41 @@ def test_kv_with_cells_attends_to_pooled_keys_and_values(unet, inputs):
         np.testing.assert_allclose(as_numpy(entry["out"]), expected, rtol=1e-4, atol=1e-5)
 
 
+def picked_in_cells(unet, options, inputs):
+    """``[blocks, 64]``: for every level-1 attn1 of a patched copy, which token of each 2x2 cell (0-3) its keys
+    are, found by brute force (each key must equal exactly one token of its own cell)."""
+    model = tome.patch(copy.deepcopy(unet), **options)
+    seen = []
+    for name, module in model.named_modules():
+        if name.endswith("attn1"):
+            module.register_forward_pre_hook(lambda m, a, k: seen.append((a[0] if a else k["hidden_states"], k.get("encoder_hidden_states"))), with_kwargs=True)
+    call(model, inputs)
+    picks = []
+    for h, keys in seen:
+        if h.shape[1] != 256:
+            continue
+        cells = as_numpy(h).reshape(h.shape[0], 8, 2, 8, 2, -1).transpose(0, 1, 3, 2, 4, 5).reshape(h.shape[0], 64, 4, -1)
+        equal = (cells == as_numpy(keys)[:, :, None]).all(-1)  # [B, 64 cells, 4 tokens]
+        assert (equal.sum(-1) == 1).all() and (equal[0] == equal).all()  # one token per cell, the same in the batch
+        picks.append(equal[0].argmax(-1))
+    return np.stack(picks)
+
+
+def test_kv_with_sampled_cells_attends_to_one_token_of_each_cell(unet, inputs):
+    """use_rand=False: each cell's first token (strided downsampling; numpy oracle). use_rand: one token of each
+    cell, drawn again for another timestep and in every block, and the same draw for the same call."""
+    options = {"mode": "kv", "matching": "cell", "cell_pool": "sample"}
+    for entry in recorded_attn1(unet, {**options, "use_rand": False}, inputs):
+        h = as_numpy(entry["h"])
+        strided = h.reshape(h.shape[0], 16, 16, -1)[:, ::2, ::2].reshape(h.shape[0], 64, -1)
+        np.testing.assert_allclose(as_numpy(entry["out"]), numpy_attention(entry["attn"], h, strided), rtol=1e-4, atol=1e-5)
+    sample, _, text = inputs
+    drawn = [picked_in_cells(unet, options, (sample, torch.tensor(t), text)) for t in (500, 500, 499)]
+    assert drawn[0].shape == (3, 64) and (drawn[0] == drawn[1]).all() and (drawn[0] != drawn[2]).mean() > 0.5
+    assert (drawn[0][0] != drawn[0][1]).mean() > 0.5 and set(drawn[0].ravel()) == {0, 1, 2, 3}
+    assert (picked_in_cells(unet, {**options, "use_rand": False}, inputs) == 0).all()
+
+
 def test_kv_with_similarity_attends_to_merged_keys_weighted_by_their_sizes(unet, inputs):
     records = recorded_attn1(unet, {"mode": "kv", "ratio": 0.5, "use_rand": False}, inputs)
     for entry in records:
@@ -144,6 +179,8 @@ def lengths_seen(model, inputs):
         ({"mode": "kv", "matching": "cell"}, {(256, 64), (64, 64), (16, 16)}),  # N -> N / (2*2) at level 1 only
         ({"mode": "kv", "matching": "cell", "sx": 4, "sy": 4}, {(256, 16), (64, 64), (16, 16)}),
         ({"mode": "kv", "matching": "cell", "level_cells": {1: 4, 2: 2}, "max_downsample": 2}, {(256, 16), (64, 16), (16, 16)}),
+        ({"mode": "kv", "matching": "cell", "level_cells": {1: 4, 2: 2}, "max_downsample": 2, "cell_pool": "sample"}, {(256, 16), (64, 16), (16, 16)}),
+        ({"mode": "tokens", "matching": "cell", "cell_pool": "sample"}, {(64, 64), (16, 16)}),
         ({"mode": "kv", "ratio": 0.75}, {(256, 64), (64, 64), (16, 16)}),
         ({"mode": "queries", "ratio": 0.5}, {(128, 256), (64, 64), (16, 16)}),
         ({"mode": "tokens", "matching": "cell"}, {(64, 64), (16, 16)}),

@@ -50,6 +50,7 @@ ARRANGEMENTS = {
     "kv": dict(mode="kv", ratio=0.5),
     "queries": dict(mode="queries", ratio=0.5),
     "kv-cell": dict(mode="kv", matching="cell"),
+    "kv-cell-sample": dict(mode="kv", matching="cell", cell_pool="sample"),
 }
 
 
@@ -165,14 +166,16 @@ def enable_checkpointing(unet: torch.nn.Module, reentrant: bool) -> None:
         unet.enable_gradient_checkpointing()
 
 
+@pytest.mark.parametrize("options", [{"ratio": 0.5}, ARRANGEMENTS["kv-cell-sample"]], ids=["tokens", "kv-cell-sample"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_gradient_checkpointing_gives_the_same_gradients(reentrant: bool):
-    """With use_rand=True the recomputed forward draws the same partition: gradients equal those without
-    checkpointing; another seed (another partition) gives other gradients, so the comparison can fail."""
+def test_gradient_checkpointing_gives_the_same_gradients(reentrant: bool, options: Dict[str, Any]):
+    """With use_rand=True the recomputed forward draws the same partition (or the same sampled cells):
+    gradients equal those without checkpointing; another seed (another draw) gives other gradients, so the
+    comparison can fail."""
     unet = build_unet("tiny", seed=0).train()
     calls = count_block_calls(unet)
     batch = unet_batch(1)
-    tome.patch(unet, ratio=0.5, use_rand=True)
+    tome.patch(unet, use_rand=True, **options)
     loss_plain, plain = step_grads(unet, lambda: unet_loss(unet, batch))
     summary = merged_summary(unet)
     assert calls[0] == 1
@@ -184,7 +187,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(reentrant: bool):
     torch.testing.assert_close(loss_checkpointed, loss_plain, rtol=1e-6, atol=0)
     assert relative_error(checkpointed, plain) < 1e-6
     unet.disable_gradient_checkpointing()
-    tome.patch(unet, ratio=0.5, use_rand=True, seed=1)
+    tome.patch(unet, use_rand=True, seed=1, **options)
     _, other_partition = step_grads(unet, lambda: unet_loss(unet, batch))
     assert relative_error(other_partition, plain) > 1e-3
 
