@@ -32,8 +32,10 @@ Choices (each is an argument):
 * Token reduction: ``tome.patch(unet, ...)`` after ``add_adapter``; ``--methods`` from ``unpatched``,
   ``tokens-0.5`` (``ratio=0.5``: ToMe for SD, similarity matching, size-aware attention), ``kv-cell``
   (``mode="kv", matching="cell"``: ToDo-like, keys/values pooled in 2x2 cells, every query kept), ``kv-42``
-  (the README's advice for fine-tuning: keys/values pooled in 4x4 cells at the finest level, 32x32 here, and
-  2x2 at the next), ``tokens-0.75``, ``kv-0.5`` (``mode="kv", ratio=0.5``), ``ratio-0`` (``ratio=0.0`` merges
+  (the README's speed set for fine-tuning: keys/values pooled in 4x4 cells at the finest level, 32x32 here,
+  and 2x2 at the next), ``kv-sample`` and ``kv-42-sample`` (the same cells with ``cell_pool="sample"``: each
+  cell's keys and values are one of its tokens, drawn per call, instead of their mean; the README's advice),
+  ``tokens-0.75``, ``kv-0.5`` (``mode="kv", ratio=0.5``), ``ratio-0`` (``ratio=0.0`` merges
   nothing: equals ``unpatched`` exactly, a check) and ``unpatched-reseeded`` (no reduction, but its own
   batches and adapter init from ``--seed`` + 1: how far two plain fine-tunes land apart by chance). ToMe's
   random partition is a seeded hash (``seed=0``), so every run repeats exactly.
@@ -104,7 +106,7 @@ OPTIONS: Dict[str, Optional[Dict[str, Any]]] = {
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_in", "proj_out", "conv1", "conv2"]
 DROP_CLASS = 0.1  # as diffusers_trained.train_diffusion
 INFERENCE_TOME = {"ratio": 0.5}  # the inference-time reference row
-DEFAULT_METHODS = ["unpatched", "kv-cell", "kv-cell+stop", "kv-cell+after10+stop30"]  # throughout, kohya's stop, the advice
+DEFAULT_METHODS = ["unpatched", "kv-cell", "kv-sample+after10", "kv-42-sample+after10+stop30"]  # mean cells to the end; the advice
 
 
 class Run:

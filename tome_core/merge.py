@@ -1,7 +1,8 @@
 """Merge and unmerge: move a ``[B, N, C]`` sequence to the ``N - r`` slots of a :class:`Match` and back.
 
 Merge is one row scatter-add over slots times the inverse slot sizes (each destination becomes the mean of
-itself and the sources merged into it); unmerge is one row gather (every token takes its slot's value).
+itself and the sources merged into it), or one row gather where each slot takes one token's value (sampled
+cells); unmerge is one row gather (every token takes its slot's value).
 Both work on the batch flattened into rows, which is several times faster than gathering along axis 1.
 """
 

@@ -34,14 +34,14 @@ def test_finetune_lora_prints_finite_curves_that_differ_and_ratio_zero_equals_un
     monkeypatch.setenv("TOME_CORE_MODELS", str(ROOT / "models"))  # nox tests the installed package, without models/
     argv = ["--steps", "3", "--batch", "2", "--log-every", "1", "--per-class", "4", "--held-out", "2", "--samples-per-class", "1",
             "--sample-steps", "2", "--methods", "unpatched", "tokens-0.5", "kv-cell+stop", "ratio-0", "tokens-0.5+noisy",
-            "kv-cell+after1+stop2", "--stop-tome-at", "1", "--seed", "2"]
+            "kv-42-sample+after1+stop2", "--stop-tome-at", "1", "--seed", "2"]
     with pytest.warns(UserWarning, match="merges no tokens"):  # ratio-0
         result = load("finetune_lora").main(argv)
     out = capsys.readouterr().out
     # the printed loss table: a header naming the runs, then one row per logged step, every value finite
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("training loss (")) + 1
-    assert lines[header].split() == ["step", "unpatched", "tokens-0.5", "kv-cell+stop", "ratio-0", "tokens-0.5+noisy", "kv-cell+after1+stop2"]
+    assert lines[header].split() == ["step", "unpatched", "tokens-0.5", "kv-cell+stop", "ratio-0", "tokens-0.5+noisy", "kv-42-sample+after1+stop2"]
     rows = [[float(v) for v in line.split()] for line in lines[header + 1 : header + 4]]
     assert [row[0] for row in rows] == [1, 2, 3] and all(math.isfinite(v) for row in rows for v in row[1:])
     losses = result["losses"]
@@ -52,9 +52,9 @@ def test_finetune_lora_prints_finite_curves_that_differ_and_ratio_zero_equals_un
     assert result["merged"]["kv-cell+stop"] == [True, False, False] and result["merged"]["tokens-0.5"] == [True] * 3
     assert "step 2: tome.remove(unet) in kv-cell+stop;" in out
     # an unmerged warm-up of one step, then merging in step 2 only: the same batches, so step 1 is unpatched's
-    assert result["merged"]["kv-cell+after1+stop2"] == [False, True, False]
-    assert "step 2: tome.patch(unet) in kv-cell+after1+stop2;" in out and "step 3: tome.remove(unet) in kv-cell+after1+stop2;" in out
-    assert losses["kv-cell+after1+stop2"][0] == losses["unpatched"][0] and losses["kv-cell+after1+stop2"][1] != losses["unpatched"][1]
+    assert result["merged"]["kv-42-sample+after1+stop2"] == [False, True, False]
+    assert "step 2: tome.patch(unet) in kv-42-sample+after1+stop2;" in out and "step 3: tome.remove(unet) in kv-42-sample+after1+stop2;" in out
+    assert losses["kv-42-sample+after1+stop2"][0] == losses["unpatched"][0] and losses["kv-42-sample+after1+stop2"][1] != losses["unpatched"][1]
     # the timestep schedule: a batch draws all its timesteps from one half, and merges only in the upper one
     halves = [{t >= 500 for t in batch} for batch in result["timesteps"]["tokens-0.5+noisy"]]
     assert all(len(half) == 1 for half in halves) and result["timesteps"]["unpatched"] == result["timesteps"]["tokens-0.5+noisy"]
