@@ -172,10 +172,10 @@ class ToMeState:
         if config.matching == "cell":
             batch = ops.shape(metric)[0]
             if config.cell_pool == "sample":
-                pooled = sampled_cell_match(ops, metric, batch, h, w, sx, sy, offsets)
+                cells = sampled_cell_match(ops, metric, batch, h, w, sx, sy, offsets)
             else:
-                pooled = cell_match(ops, metric, batch, h, w, sx, sy)
-            return {sublayer: pooled if count else identity_match(ops, pooled.batch, tokens) for sublayer, count in merged.items()}
+                cells = cell_match(ops, metric, batch, h, w, sx, sy)
+            return {sublayer: cells if count else identity_match(ops, batch, tokens) for sublayer, count in merged.items()}
         if frames > 1:
             # the reference frame of every chunk: drawn like a destination in a 1 x K cell, from the next seed
             reference = (

@@ -88,9 +88,13 @@ def picked_in_cells(unet, options, inputs):
     are, found by brute force (each key must equal exactly one token of its own cell)."""
     model = tome.patch(copy.deepcopy(unet), **options)
     seen = []
+
+    def hook(module, args, kwargs):
+        seen.append((args[0] if args else kwargs["hidden_states"], kwargs.get("encoder_hidden_states")))
+
     for name, module in model.named_modules():
         if name.endswith("attn1"):
-            module.register_forward_pre_hook(lambda m, a, k: seen.append((a[0] if a else k["hidden_states"], k.get("encoder_hidden_states"))), with_kwargs=True)
+            module.register_forward_pre_hook(hook, with_kwargs=True)
     call(model, inputs)
     picks = []
     for h, keys in seen:
