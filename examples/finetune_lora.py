@@ -123,8 +123,6 @@ class Run:
         self.model.model.add_adapter(config)  # freezes the base weights: only the adapter trains
         self.parameters = [p for p in self.model.model.parameters() if p.requires_grad]
         self.model.model.train()
-        if options is not None and self.start_at == 1:
-            tome.patch(self.model.model, **options)
         self.optimizer = torch.optim.AdamW(self.parameters, lr=args.lr, weight_decay=0.0)
         self.losses: List[float] = []
         self.times: List[float] = []
@@ -317,9 +315,10 @@ def main(argv=None) -> Dict[str, Any]:
     for step in range(1, args.steps + 1):
         batch = draw(generator)
         for run in runs if step % 2 else reversed(runs):  # alternate the order: drift hits every run alike
-            if run.options is not None and step == run.start_at > 1:
-                tome.patch(run.unet, **run.options)  # after the unmerged warm-up
-                print(f"step {step}: tome.patch(unet) in {run.name}; it merges from here on")
+            if run.options is not None and step == run.start_at:
+                tome.patch(run.unet, **run.options)
+                if step > 1:  # after an unmerged warm-up
+                    print(f"step {step}: tome.patch(unet) in {run.name}; it merges from here on")
             if run.stop_at is not None and step == run.stop_at + 1:
                 tome.remove(run.unet)  # the schedule: merging off from here on
                 print(f"step {step}: tome.remove(unet) in {run.name}; its remaining steps run unpatched")
