@@ -21,7 +21,7 @@ per call from the attention module's processor at that moment (so processors set
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -147,6 +147,14 @@ class TorchFramework:
         return module.register_forward_hook(hook, with_kwargs=True, always_call=True)
 
     def host_values(self, x: torch.Tensor) -> List[float]:
+        if torch.compiler.is_compiling():
+            # a graph break: compiled code cannot branch on a tensor's value; fullgraph=True stops here, so say why
+            torch._dynamo.graph_break(msg=(
+                "tome_core reads the timestep on the host at the model's entry (timestep_range or reuse_steps > 1 "
+                "decide from its value whether and how the call merges), a graph break: under "
+                "torch.compile(fullgraph=True) pass the timestep as a Python number, or compile without "
+                "fullgraph, or leave those options out"
+            ))
         return x.reshape(-1).tolist()
 
     def may_run_again(self, x: torch.Tensor) -> bool:
@@ -161,6 +169,12 @@ class TorchFramework:
         module.__dict__["_tome_size_bias"] = mode
         mode.__enter__()
         return args, kwargs
+
+    def bias_problem(self, module: torch.nn.Module) -> Optional[str]:
+        processor = getattr(module, "processor", None)
+        return driver.unbiased_processor(
+            processor, MASK_PROCESSORS, "diffusers", ("scaled_dot_product_attention", "dispatch_attention_fn")
+        )
 
     def separate_kv(self, module: torch.nn.Module) -> bool:
         return type(getattr(module, "processor", None)).__name__ in SEPARATE_KV_PROCESSORS
@@ -221,11 +235,23 @@ def _check_compiled_regions(obj: Any) -> None:
             )
 
 
+def _drop_hook(module: torch.nn.Module, handle: Any) -> None:
+    """Drop one of tomesd's pre-hooks from ``module``; by id, which also works on a deep copy."""
+    if module._forward_pre_hooks.pop(getattr(handle, "id", None), None) is None:
+        handle.remove()
+
+
+def _undo(module: torch.nn.Module) -> None:
+    """Everything :func:`remove` undoes on one module: our patch and tomesd's (``tomesd.apply_patch``)."""
+    driver.detach(module)
+    driver.undo_tomesd(module, _drop_hook)
+
+
 def patch(obj: Any, **options: Any) -> Any:
     """Apply ToMe to ``obj`` in place and return it; patching again replaces the earlier options."""
     get_ops(torch.empty(0))  # resolve the backend now: its import cannot be traced by torch.compile later
     _check_compiled_regions(obj)
-    return driver.patch(FRAMEWORK, obj, options)
+    return driver.patch(FRAMEWORK, obj, options, undo=_undo)
 
 
 document(patch, """
@@ -238,7 +264,7 @@ with an error saying why.
 
 def remove(obj: Any) -> Any:
     """Undo :func:`patch` in place (a no-op on an unpatched object) and return ``obj``."""
-    return driver.remove(FRAMEWORK, obj)
+    return driver.remove(FRAMEWORK, obj, undo=_undo)
 
 
 def patched_models(obj: Any) -> List[Tuple[torch.nn.Module, ToMeState]]:

@@ -269,6 +269,9 @@ class PaddleFramework:
         _SDPA_WRAPPER.arm(_Armed(module, bias))
         return args, kwargs
 
+    def bias_problem(self, module: Layer) -> Optional[str]:
+        return driver.unbiased_processor(getattr(module, "processor", None), MASK_PROCESSORS, "ppdiffusers", (SDPA,))
+
     def separate_kv(self, module: Layer) -> bool:
         if type(getattr(module, "processor", None)).__name__ not in SEPARATE_KV_PROCESSORS:
             return False
@@ -295,25 +298,16 @@ FRAMEWORK = PaddleFramework()
 # ppdiffusers' own ToMe port
 
 
-def _undo_ppdiffusers_port(layer: Layer) -> None:
-    """Undo ppdiffusers' own ``apply_tome`` on one layer: its size hook, its info, its swapped block class."""
-    info = layer.__dict__.pop("_tome_info", None)
-    if isinstance(info, dict):
-        own_hooks = getattr(layer, "_forward_pre_hooks", {})
-        for hook in info.get("hooks", ()):
-            # Its hooks sit on the layer holding the info; removing by id also works on a deep copy.
-            if own_hooks.pop(getattr(hook, "_hook_id", None), None) is None:
-                hook.remove()
-        info.get("hooks", []).clear()
-    cls = type(layer)
-    if cls.__name__.startswith("ToMe") and "_parent" in cls.__dict__:
-        layer.__class__ = cls._parent
+def _drop_hook(layer: Layer, hook: Any) -> None:
+    """Drop one of ppdiffusers' port's hooks from ``layer``; by id, which also works on a deep copy."""
+    if getattr(layer, "_forward_pre_hooks", {}).pop(getattr(hook, "_hook_id", None), None) is None:
+        hook.remove()
 
 
 def _undo(layer: Layer) -> None:
     """Everything :func:`remove` undoes on one layer: our patch and ppdiffusers' port."""
     driver.detach(layer)
-    _undo_ppdiffusers_port(layer)
+    driver.undo_tomesd(layer, _drop_hook)
 
 
 def ppdiffusers_targets(obj: Any) -> List[Layer]:

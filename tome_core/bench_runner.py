@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import numpy as np
 
-from tome_core import driver
+from tome_core import driver, selection
 from tome_core.backend import get_ops
 from tome_core.bench import image_like_latents, noised, peak_memory_in_fresh_process
 from tome_core.config import ToMeConfig
@@ -324,7 +324,7 @@ def install_transformer_oracle(fw: "driver.Framework", model: Any, config: ToMeC
     sub-layer it wraps (:mod:`tome_core.families`); returns the hook handles. ``latent_hw`` (the latent
     grid) places the tokens on a grid for cell matching's counts."""
     blocks = driver.blocks_of(fw, model)
-    chosen = set(driver.selected_blocks(config, len(blocks), type(model).__qualname__))
+    chosen = set(selection.selected_blocks(config, len(blocks), type(model).__qualname__))
     plan = OraclePlan(config, latent_hw or (0, 0), None)
     handles = []
     for index, (block, family) in enumerate(blocks):

@@ -172,9 +172,11 @@ class ToMeConfig:
         self._check_timestep_range()
         if self.ratio is None:
             object.__setattr__(self, "ratio", self.max_ratio if self.matching == "cell" else DEFAULT_RATIO)
-        elif self.matching == "cell":
-            self._check_cell_ratio()
-        self._check_ratio("ratio", self.ratio)
+        else:
+            self._check_ratio_type("ratio", self.ratio)
+            if self.matching == "cell":
+                self._check_cell_ratio()
+        self._check_ratio("ratio", self.ratio, self._cells_of_ratio())
         object.__setattr__(self, "ratio", float(self.ratio))
         for sublayer in SUBLAYERS:
             if getattr(self, f"{sublayer}_ratio") is not None:
@@ -360,16 +362,36 @@ class ToMeConfig:
         sx, sy = self.cell_at(level)
         return 1 - 1 / (sx * sy)
 
-    def _check_ratio(self, name: str, ratio: Any) -> None:
+    @staticmethod
+    def _check_ratio_type(name: str, ratio: Any) -> None:
         if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real):
             raise TypeError(f"{name} must be a float in [0, 1), got {ratio!r} ({type(ratio).__name__})")
+
+    def _cells_of_ratio(self) -> Optional[Tuple[int, int]]:
+        """The cell that bounds ``ratio`` when the config alone tells it: ``(sx, sy)``, or None when
+        ``level_cells`` gives some levels other cells (then each merged level's cell bounds it, checked at
+        ``patch``, which knows the levels: :func:`tome_core.levels.check_levels`)."""
+        if self.level_cells and any(cell != (self.sx, self.sy) for cell in self.level_cells.values()):
+            return None
+        return self.sx, self.sy
+
+    def _check_ratio(self, name: str, ratio: Any, cell: Optional[Tuple[int, int]] = None) -> None:
+        """A ratio's type and range, and that keeping one token per ``cell`` leaves room for it (None: the
+        largest cell of this config, ``(sx, sy)`` without ``level_cells``; each merged level's own cell is
+        checked at ``patch``)."""
+        self._check_ratio_type(name, ratio)
         if not (math.isfinite(ratio) and 0 <= ratio < 1):
             raise ValueError(f"{name} must be in [0, 1), got {ratio!r}")
-        reachable = self.max_ratio
+        if cell is None:
+            cells = [(self.sx, self.sy), *(self.level_cells or {}).values()]
+            cell = max(cells, key=lambda c: c[0] * c[1])
+        sx, sy = cell
+        reachable = 1 - 1 / (sx * sy)
         if ratio > reachable:
+            where = "" if cell == (self.sx, self.sy) else f" (the largest cell of level_cells={self.level_cells})"
             raise ValueError(
-                f"{name}={ratio!r} cannot be reached with sx={self.sx}, sy={self.sy}: one token per "
-                f"{self.sx}x{self.sy} cell is kept, so {name} must be at most 1 - 1/(sx*sy) = {reachable:g}"
+                f"{name}={ratio!r} cannot be reached with sx={sx}, sy={sy}{where}: one token per "
+                f"{sx}x{sy} cell is kept, so {name} must be at most 1 - 1/(sx*sy) = {reachable:g}"
             )
 
     def ratio_for(self, sublayer: str, level: int, block_ratio: Optional[float] = None) -> float:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import copyreg
 import inspect
 import itertools
-import warnings
+import numbers
 import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
@@ -36,9 +36,10 @@ from .config import ToMeConfig
 from .families import (
     BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_AFTER, TEXT_NONE, TEXT_PREFIX, BlockFamily, Sublayer, block_family, temporal,
 )
-from .levels import finest_attention_level, warn_if_nothing_merges
+from .levels import finest_attention_level
 from .match import Match
 from .merge import merge, unmerge
+from .selection import ModelFacts, block_ratios, check_model, selected_blocks
 from .state import ToMeState
 
 REUSED = "reused"  # an output cache that hands back the same object it stored
@@ -72,6 +73,10 @@ class Framework(Protocol):
     def size_aware_done(self, module: Any, computed: bool) -> None:
         """The call of ``module`` armed by :meth:`size_aware` has returned; ``computed`` is False when an
         output cache returned a stored output instead of running attention."""
+
+    def bias_problem(self, module: Any) -> Optional[str]:
+        """Why ``module``'s attention (its processor now) cannot add a size bias to its logits, or None (it
+        can, or its processor's code does not tell): checked at ``patch`` where size-aware attention applies."""
 
     def separate_kv(self, module: Any) -> bool:
         """Whether ``module``'s attention (its processor now) computes keys and values from its ``kv_input``
@@ -145,15 +150,72 @@ def argument_positions(function: Callable[..., Any], *names: str) -> Dict[str, O
     return {name: parameters.index(name) if name in parameters else None for name in names}
 
 
+def unbiased_processor(processor: Any, trusted: Sequence[str], library: str, functions: Sequence[str]) -> Optional[str]:
+    """Why an attention ``processor`` cannot take a size bias, judged from its classes' code: when none of its
+    classes is ``trusted`` by name or comes from the ``library`` (whose processors take it through an
+    attention mask or the attention ``functions`` the adapter biases) and none of their code names one of
+    ``functions``. None when it can, or when its code cannot be read."""
+    classes = [cls for cls in type(processor).__mro__ if cls is not object]
+    if not classes or any(cls.__name__ in trusted or cls.__module__.split(".")[0] == library for cls in classes):
+        return None
+    try:
+        sources = [inspect.getsource(cls) for cls in classes]
+    except (OSError, TypeError):
+        return None
+    if any(name in source for source in sources for name in functions):
+        return None
+    return f"processor {type(processor).__name__} computes attention without {' or '.join(functions)} (read from its code)"
+
+
+def arrangement_problem(fw: Framework, block: Any, sublayer: Sublayer, module: Any) -> Optional[str]:
+    """Why a self-attention cannot run the ``kv`` or ``queries`` arrangement now (None: it can): they hand it
+    keys and values apart from its queries, through its ``kv_input``."""
+    where = f"{type(block).__name__}.{sublayer.child}"
+    if sublayer.kv_input is None:
+        return f"{where} runs joint attention over text and image tokens"
+    if sublayer.text_if is not None and getattr(block, sublayer.text_if, False):
+        return f"{where} attends to the text ({sublayer.text_if}=True), not to its own tokens"
+    if not fw.separate_kv(module):
+        processor = type(getattr(module, "processor", None)).__name__
+        return (
+            f"{where}'s processor {processor} does not compute keys and values from {sublayer.kv_input} "
+            "(fused projections, perturbed-attention guidance, or a processor of its own)"
+        )
+    return None
+
+
+def arrangement_error(mode: str, where: str, problem: str) -> ValueError:
+    return ValueError(
+        f"mode={mode!r} needs self-attention that takes keys and values apart from its queries, and in {where} "
+        f"{problem}; pass mode='tokens' there, or leave mode out (the default runs ToMe for SD's arrangement where "
+        "kv cannot run)"
+    )
+
+
+def _on_host(timestep: Any) -> bool:
+    """Whether a timestep is already on the host: a Python or numpy number, or a numpy array."""
+    return isinstance(timestep, numbers.Number) or type(timestep).__module__ == "numpy"
+
+
 def _step(timestep: Any) -> Any:
-    """The timestep as the partition hash takes it: a Python number or the first element of an array (no
-    host sync)."""
+    """The timestep as the partition hash takes it: a Python number (from a Python or numpy number or array)
+    or the first element of a framework array (no host sync)."""
     if timestep is None:
         return 0
-    if isinstance(timestep, (int, float)):
-        return timestep
+    if _on_host(timestep):
+        return _host_timesteps(None, timestep)[0]
     ops = get_ops(timestep)
     return ops.reshape(timestep, (-1,))[0]
+
+
+def _host_timesteps(fw: Optional["Framework"], timestep: Any) -> List[float]:
+    """Every timestep of a call as Python numbers (0-d and 1-d, Python, numpy or framework arrays; the last
+    read on the host through ``fw``)."""
+    if isinstance(timestep, numbers.Number):
+        return [timestep.item() if hasattr(timestep, "item") else timestep]
+    if type(timestep).__module__ == "numpy":
+        return timestep.reshape(-1).tolist()
+    return fw.host_values(timestep)
 
 
 def _spatial(x: Any, data_format: str) -> Tuple[int, int]:
@@ -204,6 +266,8 @@ class _CallStart:
             sample = args[0]
         timestep = argument(args, kwargs, "timestep", where["timestep"])
         step, merging = _step(timestep), self._merges_at(timestep)
+        if self.state.config.reuse_steps > 1 and timestep is not None:  # matches live within one generation
+            self.state.follow_generation(max(_host_timesteps(self.fw, timestep)))
         if not self.transformer:  # UNets give their latent; inner Transformer2DModels give the grids
             latent = _spatial(sample, self.data_format) if self.unet else None
             shape = get_ops(sample).shape(sample) if self.unet else ()
@@ -229,8 +293,7 @@ class _CallStart:
             return True
         if timestep is None:
             raise ValueError(f"timestep_range={self.state.config.timestep_range} needs the model's timestep, and this call gave none")
-        values = [timestep] if isinstance(timestep, (int, float)) else self.fw.host_values(timestep)
-        return self.state.config.merges_at(values)
+        return self.state.config.merges_at(_host_timesteps(self.fw, timestep))
 
     def _packed_grid(self, img_ids: Any) -> Tuple[int, int]:
         """The grid of packed image tokens from their ids ``[N, 3]`` (row, column in the last two columns).
@@ -275,38 +338,66 @@ class _BlockRun:
     that records gradients remembers, per input tensor (while it lives), the matches and options it used,
     and a run on the same tensor takes them back instead of matching again."""
 
-    def __init__(self, fw: Framework, state: ToMeState, family: BlockFamily, stream: int, block: Any, ratio: Optional[float]):
+    def __init__(
+        self, fw: Framework, state: ToMeState, family: BlockFamily, stream: int, block: Any, ratio: Optional[float],
+        where: str,
+    ):
         self.fw = fw
         self.state = state
         self.family = family
         self.stream = stream
         self.block = block
         self.ratio = ratio  # its block_ratios entry
+        self.where = where
+        self.attentions: List[Tuple[Sublayer, Any]] = []  # its merged self-attentions (what kv/queries arrange)
         self.matches: Dict[str, Match] = {}
         self.config = state.active
         self.ran: Dict[int, Tuple[Any, Dict[str, Match], ToMeConfig]] = {}  # id(input): (weakref, matches, options)
 
     def begin(self, module, args, kwargs):
-        if self.state.merges("mlp") and getattr(self.block, "_chunk_size", None) is not None:
-            raise ValueError(
-                "merge_mlp=True cannot be combined with feed-forward chunking (enable_forward_chunking): the "
-                "feed-forward runs on chunks of the merged tokens; disable one of them"
-            )
+        block_problem(self.block, self.state.config)
         metric = argument(args, kwargs, "hidden_states", 0)
         earlier = self.ran.get(id(metric))
         if earlier is not None and earlier[0]() is metric:
             _, self.matches, self.config = earlier
             return None
-        self.config = self.state.active
-        self.matches = self.state.block_matches(metric, self.stream, self.family.rotary is not None, self.ratio)
+        self.config, fallback = self._arrangement(self.state.active)
+        self.matches = self.state.block_matches(
+            metric, self.stream, self.family.rotary is not None, self.ratio, self.config, fallback
+        )
         if self.fw.may_run_again(metric):
             self.ran = {key: entry for key, entry in self.ran.items() if entry[0]() is not None}
             self.ran[id(metric)] = (weakref.ref(metric), self.matches, self.config)
         return None
 
+    def _arrangement(self, config: ToMeConfig) -> Tuple[ToMeConfig, Optional[str]]:
+        """The options this block runs with now, and why they are a fallback (None: they are not):
+        ``config``, unless its self-attention (its processor at this call) cannot take keys and values apart
+        from its queries; then ``mode="auto"`` runs ToMe for SD's arrangement here
+        (:meth:`ToMeState.fallback`), and an explicit ``kv`` or ``queries`` is refused."""
+        if config.mode not in ("kv", "queries"):
+            return config, None
+        for sublayer, module in self.attentions:
+            problem = arrangement_problem(self.fw, self.block, sublayer, module)
+            if problem is None:
+                continue
+            if self.state.config.mode != "auto":
+                raise arrangement_error(config.mode, f"block {self.stream} of {self.where}", problem)
+            return self.state.fallback(self.fw.bias_problem(module) is None), problem
+        return config, None
+
     def end(self, module, args, kwargs, output):
         self.matches = {}
         return None
+
+
+def block_problem(block: Any, config: ToMeConfig) -> None:
+    """Refuse options that this block, as it is now set up, cannot run (at ``patch`` and at each call)."""
+    if config.merge_mlp and getattr(block, "_chunk_size", None) is not None:
+        raise ValueError(
+            f"merge_mlp=True cannot be combined with feed-forward chunking (enable_forward_chunking) of "
+            f"{type(block).__name__}: the feed-forward runs on chunks of the merged tokens; disable one of them"
+        )
 
 
 class _MergeInput:
@@ -352,17 +443,6 @@ class _MergeInput:
     def _arrange(self, module, args, kwargs, x, merged, match, mode, size_aware):
         """The ``kv`` or ``queries`` arrangement of a self-attention."""
         name = self.sublayer.kv_input
-        if argument(args, kwargs, name, None) is not None:
-            raise ValueError(
-                f"mode={mode!r}: this {type(module).__name__} attends to {name} (e.g. only_cross_attention), "
-                "not to its own tokens, so it has no self-attention keys to arrange; use mode='tokens'"
-            )
-        if not self.fw.separate_kv(module):
-            raise ValueError(
-                f"mode={mode!r} needs an attention that computes keys and values from {name}; this "
-                f"{type(module).__name__} (processor {type(getattr(module, 'processor', None)).__name__}) does not: use the "
-                "default, classic, sliced or xformers attention processor, unfuse fused projections, or mode='tokens'"
-            )
         if mode == "queries":
             args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
             return args, {**kwargs, name: x}
@@ -551,6 +631,34 @@ def finest_level(fw: Framework, model: Any) -> int:
     return finest_attention_level([bool(blocks_of(fw, block)) for block in model.down_blocks])
 
 
+def block_levels(fw: Framework, model: Any) -> List[Optional[int]]:
+    """The level (downsample factor) of each block of :func:`blocks_of`: 1 in a diffusion transformer; in a
+    UNet-like model, doubled after each down block that downsamples and halved after each up block that
+    upsamples (the middle block at the deepest level); ``None`` where the model does not tell."""
+    blocks = blocks_of(fw, model)
+    if not is_unet_like(model):
+        return [1 if is_transformer_model(model) else None for _ in blocks]
+    level: Dict[int, int] = {}
+    factor = 1
+    path = [(down, "downsamplers") for down in model.down_blocks]
+    middle = getattr(model, "mid_block", None)
+    path += [(middle, None)] if middle is not None else []
+    path += [(up, "upsamplers") for up in getattr(model, "up_blocks", None) or ()]
+    for part, resamples in path:
+        for sub in fw.submodules(part):
+            level.setdefault(id(sub), factor)
+        if resamples is not None and getattr(part, resamples, None) is not None:
+            factor = factor * 2 if resamples == "downsamplers" else max(factor // 2, 1)
+    return [level.get(id(block)) for block, _ in blocks]
+
+
+def model_facts(fw: Framework, model: Any) -> ModelFacts:
+    """What :func:`~tome_core.selection.check_model` checks the options against."""
+    families = {family for _, family in blocks_of(fw, model)}
+    timesteps = max(family.timesteps for family in families) if families else None
+    return ModelFacts(type(model).__qualname__, finest_level(fw, model), block_levels(fw, model), timesteps)
+
+
 def _grid_modules(fw: Framework, model: Any) -> List[Any]:
     """The 2-D containers in ``model`` (:data:`~tome_core.families.GRID_CONTAINERS`: UNet-style
     ``Transformer2DModel``, SVD's ``TransformerSpatioTemporalModel``): their 4-D input ``(batch [* frames], C,
@@ -570,24 +678,6 @@ def check_grids(fw: Framework, model: Any) -> None:
             f"cannot patch {type(model).__qualname__}: its {lost[0]}s are outside a UNet, a ControlNet, a "
             "diffusion transformer or a 2-D Transformer2DModel, so nothing tells them their token grid"
         )
-
-
-def _block_index(name: str, index: int, count: int, where: str) -> int:
-    if not -count <= index < count:
-        raise ValueError(f"{name}: index {index} is out of range for {where}, which has {count} transformer blocks")
-    return index % count
-
-
-def selected_blocks(config: ToMeConfig, count: int, where: str) -> List[int]:
-    """Indices of the blocks that merge (``config.blocks``, negative from the end), checked against ``count``."""
-    if config.blocks is None:
-        return list(range(count))
-    return sorted({_block_index("blocks", index, count, where) for index in config.blocks})
-
-
-def block_ratios(config: ToMeConfig, count: int, where: str) -> Dict[int, float]:
-    """``config.block_ratios`` with indices resolved against ``count`` blocks."""
-    return {_block_index("block_ratios", i, count, where): r for i, r in (config.block_ratios or {}).items()}
 
 
 def _sublayers(fw: Framework, model: Any, config: ToMeConfig):
@@ -620,9 +710,11 @@ def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
     for stream, block, family, ratio, sublayer, target in _sublayers(fw, model, config):
         run = runs.get(stream)
         if run is None:
-            run = runs[stream] = _BlockRun(fw, state, family, stream, block, ratio)
+            run = runs[stream] = _BlockRun(fw, state, family, stream, block, ratio, type(model).__qualname__)
             add(fw.add_pre_hook(block, run.begin))
             add(fw.add_post_hook(block, run.end))
+        if sublayer.kind == "attn":
+            run.attentions.append((sublayer, target))
         add(fw.add_pre_hook(target, _MergeInput(fw, run, sublayer, target)))
         add(fw.add_post_hook(target, _UnmergeOutput(fw, run, sublayer)))
         patch.retype(target)
@@ -633,6 +725,21 @@ def detach(model: Any) -> None:
     patch = model.__dict__.pop("_tome_patch", None)
     if patch is not None:
         patch.remove()
+
+
+def undo_tomesd(module: Any, drop_hook: Callable[[Any, Any], None]) -> None:
+    """Undo a tomesd-style patch on one module (``tomesd.apply_patch``, and ppdiffusers' port of it): the
+    info dict it keeps as ``_tome_info`` on the model and its blocks, the pre-hooks listed there (each dropped
+    from ``module`` by ``drop_hook(module, handle)``), and the block class it swapped in (a subclass whose
+    ``_parent`` is the original). :func:`patch` runs it first, so such a patch is taken over, never stacked."""
+    info = module.__dict__.pop("_tome_info", None)
+    if isinstance(info, dict):
+        for hook in info.get("hooks", ()):
+            drop_hook(module, hook)
+        info.get("hooks", []).clear()
+    cls = type(module)
+    if cls.__name__.startswith("ToMe") and "_parent" in cls.__dict__:
+        module.__class__ = cls._parent
 
 
 def components(fw: Framework, obj: Any) -> List[Any]:
@@ -686,24 +793,40 @@ def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any]
         )
     for model in models:
         check_grids(fw, model)
-        for _, block, _, _, sublayer, target in _sublayers(fw, model, config):
-            fw.output_cache(target)
-            if config.mode in ("kv", "queries") and sublayer.kind == "attn" and sublayer.kv_input is None:
-                raise ValueError(
-                    f"mode={config.mode!r} needs self-attention that takes keys and values apart from its queries "
-                    f"(BasicTransformerBlock's attn1: SD 1.x/2.x/XL UNets, ControlNets, PixArt, DiT); "
-                    f"{type(block).__name__}.{sublayer.child} in {type(model).__qualname__} runs joint attention "
-                    "over text and image tokens and supports mode='tokens' only"
-                )
+        check_model(config, model_facts(fw, model))
+        check_sublayers(fw, model, config)
     remove(fw, obj, undo)
     for model in models:
-        where = type(model).__qualname__
-        if config.blocks is not None and not config.blocks:
-            warnings.warn(f"ToMe patch on {where} merges no tokens: blocks=[] selects no block", UserWarning, stacklevel=3)
-        else:
-            warn_if_nothing_merges(config, finest_level(fw, model), where)
         attach(fw, model, config)
     return obj
+
+
+def check_sublayers(fw: Framework, model: Any, config: ToMeConfig) -> None:
+    """Refuse, before anything is attached, what a merged sub-layer as it is now set up cannot run: an output
+    cache that extrapolates, an explicit ``kv`` or ``queries`` arrangement without separate keys and values,
+    size-aware attention through a processor that cannot take the bias, MLP merging with chunked feed-forward.
+    A processor swapped in after ``patch`` is checked at its first call with the same messages."""
+    where = type(model).__qualname__
+    kv_input = all(s.kv_input is not None for *_, s, _ in _sublayers(fw, model, config) if s.kind == "attn")
+    choices = [choice for _, choice in config.auto_choices(kv_input)]
+    for stream, block, _, _, sublayer, target in _sublayers(fw, model, config):
+        fw.output_cache(target)
+        block_problem(block, config)
+        if sublayer.kind != "attn":
+            continue
+        problem = arrangement_problem(fw, block, sublayer, target)
+        if problem is not None and config.mode in ("kv", "queries"):
+            raise arrangement_error(config.mode, f"block {stream} of {where}", problem)
+        if sublayer.text_if is not None and getattr(block, sublayer.text_if, False):
+            continue  # it attends to the text: no merged keys, no sizes
+        size_aware = any(choice.arrangement(sublayer.kind, sublayer.attention)[1] for choice in choices)
+        bias = fw.bias_problem(target) if size_aware else None
+        if bias is not None:
+            raise ValueError(
+                f"proportional_attn=True (size-aware attention) needs the merged tokens' sizes in the attention "
+                f"logits, and in block {stream} of {where} {type(block).__name__}.{sublayer.child}'s {bias}; pass "
+                "proportional_attn=False, or use an SDPA attention processor"
+            )
 
 
 def remove(fw: Framework, obj: Any, undo: Callable[[Any], None] = detach) -> Any:

@@ -18,9 +18,16 @@ def tomesd_functions(patch: Callable[..., Any], remove: Callable[[Any], Any]) ->
         merge_attn: bool = True,
         merge_crossattn: bool = False,
         merge_mlp: bool = False,
+        **unknown: Any,
     ) -> Any:
         """Drop-in for ``tomesd.apply_patch``: the same signature, defaults and arithmetic (``max_downsample=1``,
         ``proportional_attn=False``)."""
+        if unknown:
+            raise TypeError(
+                f"apply_patch got unknown option(s) {', '.join(sorted(unknown))}; tomesd's apply_patch takes ratio, "
+                "max_downsample, sx, sy, use_rand, merge_attn, merge_crossattn, merge_mlp (patch() takes the "
+                "options beyond tomesd's)"
+            )
         return patch(
             model,
             ratio=ratio,

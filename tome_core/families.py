@@ -30,6 +30,8 @@ class Sublayer:
     attention: its keys are its own merged tokens, so size-aware attention applies.
     kv_input: the keyword argument through which the attention takes keys and values apart from its queries
         (diffusers' ``encoder_hidden_states``); the ``kv`` and ``queries`` arrangements need one.
+    text_if: a flag of the block that, when true, makes this attention attend to the text instead of its own
+        tokens (``BasicTransformerBlock.only_cross_attention``): it has no self-attention keys to arrange.
     """
 
     child: str
@@ -38,6 +40,7 @@ class Sublayer:
     output: Optional[int] = None
     attention: bool = False
     kv_input: Optional[str] = None
+    text_if: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,9 @@ class BlockFamily:
         destination's position, and the match is shared by the batch so that every merged token has one
         position.
     rotary_axis: the token axis of those tables (Flux: ``[tokens, dim]``; Wan: ``[1, tokens, 1, dim]``).
+    timesteps: the largest timestep a model of this family receives from its pipeline (1000 for DDPM-style
+        and most flow-matching models; 1 where the pipeline passes sigmas, as Flux's do): ``timestep_range``
+        outside ``[0, timesteps]`` is refused.
     """
 
     name: str
@@ -57,6 +63,7 @@ class BlockFamily:
     sublayers: Tuple[Sublayer, ...]
     rotary: Optional[str] = None
     rotary_axis: int = 0
+    timesteps: float = 1000.0
 
 
 BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
@@ -64,7 +71,7 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
         "basic",  # SD 1.x/2.x/XL UNets, ControlNets, PixArt, DiT
         ("BasicTransformerBlock",),
         (
-            Sublayer("attn1", "attn", attention=True, kv_input="encoder_hidden_states"),
+            Sublayer("attn1", "attn", attention=True, kv_input="encoder_hidden_states", text_if="only_cross_attention"),
             Sublayer("attn2", "crossattn"),
             Sublayer("ff", "mlp"),
         ),
@@ -86,6 +93,7 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
             Sublayer("ff", "mlp"),
         ),
         rotary="image_rotary_emb",
+        timesteps=1.0,
     ),
     BlockFamily(
         "flux-single",  # attention and MLP side by side on one normalised [text; image] sequence
@@ -95,6 +103,7 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
             Sublayer("proj_mlp", "mlp", text=TEXT_PREFIX),
         ),
         rotary="image_rotary_emb",
+        timesteps=1.0,
     ),
     BlockFamily(
         "wan",  # Wan 2.1/2.2: one sequence of frames x height x width tokens with 3-D rotary positions

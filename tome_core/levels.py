@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Optional, Sequence, Tuple
 
-from .config import LEVELS, ToMeConfig
+from .config import ToMeConfig
 
 
 def downsample_factor(latent_hw: Tuple[int, int], tokens: int, seen_hw: Optional[Tuple[int, int]] = None) -> int:
@@ -56,28 +55,8 @@ def finest_attention_level(down_blocks_with_attention: Sequence[bool]) -> int:
 
 
 def warn_if_nothing_merges(config: ToMeConfig, finest_level: int, where: str) -> None:
-    """Say so when a patch would merge no token (level selection, ratio 0 or every sub-layer off)."""
-    reason = None
-    # max_downsample=None merges the finest attention level only (see ToMeState.max_downsample).
-    deepest = finest_level if config.max_downsample is None else config.max_downsample
-    if config.max_downsample is not None and config.max_downsample < finest_level:
-        reason = (
-            f"max_downsample={config.max_downsample} but the finest level with attention is downsampled "
-            f"{finest_level}x; use max_downsample=None or >= {finest_level}"
-        )
-    elif not any(config.sublayers.values()):
-        reason = "merge_attn, merge_crossattn and merge_mlp are all False"
-    elif config.matching == "cell" and not any(
-        config.max_ratio_at(level) > 0 for level in LEVELS if finest_level <= level <= deepest
-    ):
-        reason = "matching='cell' with 1x1 cells pools nothing"
-    elif (config.frames == 1 or config.across_frames == 0) and not any(ratio > 0 for ratio in (config.block_ratios or {}).values()) and not any(
-        config.ratio_for(sublayer, level) > 0
-        for sublayer, on in config.sublayers.items()
-        if on
-        for level in LEVELS
-        if finest_level <= level <= deepest
-    ):
-        reason = f"ratio={config.ratio} (and no sub-layer or level ratio above 0)"
-    if reason:
-        warnings.warn(f"ToMe patch on {where} merges no tokens: {reason}", UserWarning, stacklevel=4)
+    """Check ``config`` against a UNet known only by its finest level with attention (Flax: no module tree
+    to read block levels from): refuse levels that never merge, warn when nothing merges."""
+    from .selection import ModelFacts, check_model
+
+    check_model(config, ModelFacts(where, finest_level, [None]))

@@ -48,10 +48,21 @@ def random_offsets(
         whole = ops.as_index(step)
         step = ((whole % _PRIME) * 1000 + ops.as_index((step - whole) * 1000)) % _PRIME
     x = (step + key) * _MIX[2] % _PRIME
-    x = (x + cell) % _PRIME
+    x = _scramble((x + cell) % _PRIME)
+    # The seed's higher digits in base p, each mixed in by a further round (none for seeds below p), so that
+    # distinct seeds give distinct partitions far beyond p (every seed below p**3 > 2**45 has its own digits).
+    high = seed // _PRIME
+    while high:
+        x = _scramble((x + (high % _PRIME) * _MIX[0] % _PRIME) % _PRIME)
+        high //= _PRIME
+    return ops.reshape(x % (sx * sy), (hsy, wsx))
+
+
+def _scramble(x: Array) -> Array:
+    """Two rounds of a quadratic mix modulo p (every intermediate below 2**31)."""
     for mix in _MIX[2:]:
         x = (x * x % _PRIME + mix) * mix % _PRIME
-    return ops.reshape(x % (sx * sy), (hsy, wsx))
+    return x
 
 
 def cell_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int) -> Tuple[Array, Optional[Array]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Optional, Tuple
 
 from .backend import get_ops
@@ -43,6 +43,9 @@ class ToMeState:
     cache: Dict[Any, Dict[str, Match]] = field(default_factory=dict)
     choices: Tuple[Tuple[int, ToMeConfig], ...] = ()  # ToMeConfig.auto_choices; empty: the config itself
     merging: bool = True  # False: this call's timestep is outside timestep_range (it runs unmerged)
+    last_timestep: Optional[float] = None  # with reuse_steps > 1: the previous call's (largest) timestep
+    fallbacks: Dict[Tuple[int, str], LevelStats] = field(default_factory=dict)  # (level, why): blocks run as tokens
+    fallback_configs: Dict[bool, ToMeConfig] = field(default_factory=dict)  # :meth:`fallback`'s, by takes_bias
 
     def __repr__(self) -> str:
         return f"ToMeState(config={self.config!r}, finest_level={self.finest_level}, calls={self.calls})"
@@ -57,6 +60,17 @@ class ToMeState:
         height, width = level_grid(self.latent_hw, self.finest_level)
         return next(config for fewest, config in choices if height * width >= fewest)
 
+    def fallback(self, takes_bias: bool) -> ToMeConfig:
+        """What ``mode="auto"`` runs in a block whose self-attention cannot take keys and values apart from its
+        queries: ToMe for SD's arrangement (``tokens``, similarity matching at the default ratio), size-aware
+        where the processor can take the bias (``takes_bias``). Its blocks are counted apart in
+        :meth:`summary`, with the reason."""
+        config = self.fallback_configs.get(takes_bias)
+        if config is None:
+            proportional = self.config.proportional_attn and takes_bias
+            config = self.fallback_configs[takes_bias] = replace(self.config, mode="tokens", proportional_attn=proportional)
+        return config
+
     @property
     def max_downsample(self) -> int:
         return self.config.max_downsample if self.config.max_downsample is not None else self.finest_level
@@ -66,14 +80,11 @@ class ToMeState:
         width): the blocks that ran on fewer tokens, tokens before and after, and the arrangement."""
         if not self.merging:
             return f"  no block merged: the timestep is outside timestep_range={self.config.timestep_range}"
-        config = self.active
-        kind = "keys/values" if config.mode == "kv" else "queries" if config.mode == "queries" else "tokens"
-        how = lambda factor: "x".join(map(str, config.cell_at(factor))) + " cells" if config.matching == "cell" else "similarity"
-        chunk = lambda level: f" (chunks of {level.frames} frames)" if level.frames > 1 else ""
-        lines = [
-            f"  1/{factor} scale: {level.blocks} blocks, {level.tokens} -> {level.kept} {kind}{chunk(level)}"
-            f" ({1 - level.kept / level.tokens:.0%} merged; {config.mode}, {how(factor)})"
-            for factor, level in sorted(self.stats.items())
+        lines = [_summary_line(self.active, factor, level) for factor, level in sorted(self.stats.items())]
+        fallback = replace(self.config, mode="tokens")
+        lines += [
+            _summary_line(fallback, factor, level) + f"; {why}, so ToMe for SD's arrangement runs there"
+            for (factor, why), level in sorted(self.fallbacks.items())
         ]
         return "\n".join(lines) if lines else "  no block merged"
 
@@ -99,6 +110,18 @@ class ToMeState:
         self.grid_hw = None
         self.step = step
         self.stats = {}
+        self.fallbacks = {}
+
+    def follow_generation(self, timestep: float) -> None:
+        """With ``reuse_steps > 1``, called with each model call's (largest) timestep before
+        :meth:`begin_call`: a timestep above the previous call's starts a new generation (sampling runs from
+        high noise to low), which drops the matches and restarts the count of calls, so that the same seed
+        gives the same image in every generation. Repeated calls at one timestep (a pipeline running its
+        conditional and unconditional halves apart) stay in one generation."""
+        if self.last_timestep is not None and timestep > self.last_timestep:
+            self.calls = 0
+            self.cache = {}
+        self.last_timestep = timestep
 
     def enter_grid(self, grid_hw: Tuple[int, int]) -> None:
         self.grid_hw = grid_hw
@@ -106,14 +129,16 @@ class ToMeState:
             self.latent_hw = grid_hw
 
     def block_matches(
-        self, metric: Any, stream: int, shared: bool = False, block_ratio: Optional[float] = None
+        self, metric: Any, stream: int, shared: bool = False, block_ratio: Optional[float] = None,
+        config: Optional[ToMeConfig] = None, fallback: Optional[str] = None,
     ) -> Dict[str, Match]:
         """One match per merged sub-layer for a block's input ``metric`` ``[B, N, C]``.
 
         ``stream`` tells blocks apart (it keys their partition and, without ``reuse_level``, their reuse).
         Sub-layers share the similarity and ranking; only their ratios may differ. ``shared``: one match for
         the whole batch (blocks whose tokens carry rotary positions). ``block_ratio``: this block's entry of
-        ``block_ratios``, if any.
+        ``block_ratios``, if any. ``config``: the block's options (default :attr:`active`); ``fallback``: why
+        they are :meth:`fallback`'s (its stats are kept apart under that reason).
         """
         if not self.merging:
             return {}
@@ -126,25 +151,25 @@ class ToMeState:
                 "a transformer block ran before its model or transformer gave the latent size: ToMe needs the "
                 "blocks inside a UNet, a ControlNet or a 2-D transformer (Transformer2DModel) to know their grid"
             )
-        config = self.active
+        config = config or self.active
         factor = downsample_factor(latent, tokens, self.grid_hw)
         merged = {
             sublayer: int(tokens * config.ratio_for(sublayer, factor, block_ratio)) if factor <= self.max_downsample else 0
             for sublayer, on in config.sublayers.items()
             if on
         }
-        frames = self._chunk(batch) if factor <= self.max_downsample else 1
+        frames = self._chunk(batch, config) if factor <= self.max_downsample else 1
         reuse = config.reuse_level or config.reuse_steps > 1 or config.reuse_blocks > 1
         first = stream - stream % config.reuse_blocks  # the block whose match a run of reuse_blocks shares
         key = (factor if config.reuse_level else ("block", first), batch, tokens, shared, block_ratio, frames)
         matches = self.cache.get(key) if reuse else None
         if matches is None:
-            matches = self._match(ops, metric, latent, factor, merged, first, shared, frames)
+            matches = self._match(ops, metric, latent, factor, merged, first, shared, frames, config=config)
             if reuse:
                 self.cache[key] = matches
         shown = matches["attn"] if "attn" in matches else next(iter(matches.values()), None)
         if (merged and any(merged.values())) or (shown is not None and shown.merged):
-            level = self.stats.setdefault(factor, LevelStats())
+            level = self.stats.setdefault(factor, LevelStats()) if fallback is None else self.fallbacks.setdefault((factor, fallback), LevelStats())
             level.blocks += 1
             level.tokens = shown.tokens
             level.kept = shown.kept
@@ -153,10 +178,9 @@ class ToMeState:
 
     def _match(
         self, ops: Any, metric: Any, latent: Tuple[int, int], factor: int, merged: Dict[str, int], stream: int,
-        shared: bool, frames: int = 1,
+        shared: bool, frames: int = 1, *, config: ToMeConfig,
     ) -> Dict[str, Match]:
         tokens = ops.shape(metric)[1]
-        config = self.active
         across = int((frames - 1) * tokens * config.across_frames) if factor <= self.max_downsample else 0
         if not any(merged.values()) and not across:
             identity = identity_match(ops, ops.shape(metric)[0], tokens)
@@ -188,10 +212,10 @@ class ToMeState:
             found = bipartite_matches(ops, metric, h, w, sx, sy, list(merged.values()), offsets, config.local_window, shared)
         return dict(zip(merged, found))
 
-    def _chunk(self, batch: int) -> int:
+    def _chunk(self, batch: int, config: ToMeConfig) -> int:
         """Frames per chunk of cross-frame merging for a block whose input holds ``batch`` items: 1 unless the
         options ask for it and this is a video call."""
-        chunk = self.active.frames
+        chunk = config.frames
         if chunk == 1 or not self.videos:
             return 1
         frames = batch // self.videos
@@ -202,3 +226,13 @@ class ToMeState:
                 f"{', '.join(str(d) for d in range(1, frames + 1) if frames % d == 0)}"
             )
         return chunk
+
+
+def _summary_line(config: ToMeConfig, factor: int, level: LevelStats) -> str:
+    kind = "keys/values" if config.mode == "kv" else "queries" if config.mode == "queries" else "tokens"
+    how = "x".join(map(str, config.cell_at(factor))) + " cells" if config.matching == "cell" else "similarity"
+    chunk = f" (chunks of {level.frames} frames)" if level.frames > 1 else ""
+    return (
+        f"  1/{factor} scale: {level.blocks} blocks, {level.tokens} -> {level.kept} {kind}{chunk}"
+        f" ({1 - level.kept / level.tokens:.0%} merged; {config.mode}, {how})"
+    )
