@@ -91,6 +91,9 @@ BAD_OPTIONS = [
     ({"frames_per_chunk": 2, "frame_ratio": 1.5}, ValueError, r"frame_ratio must be in \[0, 1\], got 1.5"),
     ({"frames_per_chunk": 2, "mode": "kv"}, ValueError, "frames_per_chunk=2 cannot be combined with mode='kv'"),
     ({"rato": 0.5}, TypeError, r"unknown ToMe option\(s\) rato; valid options are ratio, max_downsample"),
+    # max_downsample=None merges only the finest attention level (1 on an SD-shaped UNet): another level's
+    # ratio can never act (issue 35)
+    ({"ratio": 0.0, "level_ratios": {2: 0.5}}, ValueError, r"level_ratios names level 2 \(1/2 scale\), where no block of \w+ merges"),
 ]
 
 
@@ -103,10 +106,10 @@ def bad_option(request):
 # Options that merge nothing on an SD-shaped UNet, and the reason the warning must give.
 NOTHING_MERGES = [
     ({"merge_attn": False}, "merge_attn, merge_crossattn and merge_mlp are all False"),
-    ({"attn_ratio": 0.0}, r"ratio=0.5 \(and no sub-layer or level ratio above 0\)"),
-    # max_downsample=None merges only the finest attention level (1 here): other levels' ratios are moot.
-    ({"level_ratios": {1: 0.0}}, r"ratio=0.5 \(and no sub-layer or level ratio above 0\)"),
-    ({"ratio": 0.0, "level_ratios": {2: 0.5}}, r"ratio=0.0 \(and no sub-layer or level ratio above 0\)"),
+    # the options that zero every merged block are named (issue 35: not "ratio=0.5")
+    ({"attn_ratio": 0.0}, r"attn_ratio=0.0 \(no merged block has a ratio above 0\)"),
+    ({"level_ratios": {1: 0.0}}, r"level_ratios\[1\]=0.0 \(no merged block has a ratio above 0\)"),
+    ({"ratio": 0.0, "max_downsample": 2, "level_ratios": {2: 0.0}}, r"level_ratios\[2\]=0.0, ratio=0.0 \(no merged"),
 ]
 
 
@@ -156,17 +159,19 @@ def readme_code():
 
 class ComposeMatrix:
     """The set-up of a "works with" matrix (tests/*/test_compose.py), the same on every backend: a fresh
-    pipeline of ``kind`` with feature ``name`` and ToMe (ratio 0.5) in either order, and each case's references.
+    pipeline of ``kind`` with feature ``name`` and ToMe (patched with ``options``: ratio 0.5 unless given; ``{}``
+    is the default users get from ``patch(pipe)``) in either order, and each case's references.
 
     ``features[name](pipe)`` sets the feature up and returns (the pipeline the user then holds, its seeded call).
     """
 
     ORDERS = ("feature_then_patch", "patch_then_feature")
 
-    def __init__(self, build_pipeline, patch, features):
+    def __init__(self, build_pipeline, patch, features, options=None):
         self.build_pipeline = build_pipeline
         self.patch = patch
         self.features = features
+        self.options = {"ratio": 0.5} if options is None else options
         self.cache = {}
 
     def set_up(self, kind: str, name: str, order: str):
@@ -174,9 +179,9 @@ class ComposeMatrix:
         pipe = self.build_pipeline(kind)
         if order == "feature_then_patch":
             target, run = self.features[name](pipe)
-            self.patch(target, ratio=0.5)
+            self.patch(target, **self.options)
         else:
-            self.patch(pipe, ratio=0.5)
+            self.patch(pipe, **self.options)
             target, run = self.features[name](pipe)
         return target, run
 

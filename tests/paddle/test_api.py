@@ -182,12 +182,18 @@ def test_bad_options_raise_through_every_entry_point(unet):
 
 
 def test_merge_mlp_with_forward_chunking_is_refused(unet, inputs, call):
-    for layer in unet.sublayers():
-        if isinstance(layer, BasicTransformerBlock):
-            layer.set_chunk_feed_forward(chunk_size=8, dim=1)  # divides every level's tokens
+    """Refused by patch when the chunking is already set, by the first call when it is set after patch."""
+    def chunk():
+        for layer in unet.sublayers():
+            if isinstance(layer, BasicTransformerBlock):
+                layer.set_chunk_feed_forward(chunk_size=8, dim=1)  # divides every level's tokens
+
     tome.patch(unet, merge_mlp=True)
+    chunk()
     with pytest.raises(ValueError, match="merge_mlp=True cannot be combined with feed-forward chunking"):
         call(unet, inputs)
+    with pytest.raises(ValueError, match="merge_mlp=True cannot be combined with feed-forward chunking"):
+        tome.patch(unet, merge_mlp=True)
     tome.patch(unet)  # merge_mlp off: chunking and merging coexist
     assert np.isfinite(call(unet, inputs)).all()
 
@@ -225,7 +231,7 @@ def test_a_patch_that_merges_nothing_warns_and_equals_unpatched(unet, tiny_unet,
 def test_patches_that_merge_something_do_not_warn(unet, tiny_unet, inputs, call):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for options in ({}, {"level_ratios": {2: 0.0}}, {"ratio": 0.0, "max_downsample": 2, "level_ratios": {2: 0.5}}):
+        for options in ({}, {"max_downsample": 2, "level_ratios": {2: 0.0}}, {"ratio": 0.0, "max_downsample": 2, "level_ratios": {2: 0.5}}):
             tome.patch(unet, **options)
             assert np.abs(call(unet, inputs) - call(tiny_unet, inputs)).max() > 1e-6
 

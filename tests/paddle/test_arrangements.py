@@ -394,23 +394,35 @@ def test_kv_and_queries_refuse_joint_attention_at_patch_time():
 
 
 def test_kv_refuses_an_attn1_that_attends_to_text(inputs, call):
+    """An explicit kv is refused by patch (issue 35); the default runs ToMe for SD's arrangement there."""
     unet = build_unet("tiny", seed=0, only_cross_attention=True)
-    tome.patch(unet, mode="kv", matching="cell")
-    with pytest.raises(ValueError, match="attends to encoder_hidden_states .* use mode='tokens'"):
-        call(unet, inputs)
+    with pytest.raises(ValueError, match=r"mode='kv' needs .*\.attn1 attends to the text \(only_cross_attention=True\)"):
+        tome.patch(unet, mode="kv", matching="cell")
+    assert tome.patched_models(unet) == []
     tome.patch(unet, matching="cell")  # tokens: the queries merge, the text keys stay
     assert np.isfinite(call(unet, inputs)).all()
+    tome.patch(unet)
+    assert np.isfinite(call(unet, inputs)).all()
+    assert "so ToMe for SD's arrangement runs there" in tome.patched_models(unet)[0][1].summary()
 
 
 def test_kv_and_queries_refuse_a_processor_that_takes_no_separate_keys(unet, inputs, call):
-    for path, layer in unet.named_sublayers():
-        if path.endswith("attn1"):
-            layer.set_processor(attention_processor.CustomDiffusionAttnProcessor(train_kv=False, train_q_out=False))
+    """Refused by patch when the processor is set (issue 35), by the first call when it is set after patch."""
+    def set_processors():
+        for path, layer in unet.named_sublayers():
+            if path.endswith("attn1"):
+                layer.set_processor(attention_processor.CustomDiffusionAttnProcessor(train_kv=False, train_q_out=False))
+
     for mode in ("kv", "queries"):
+        tome.remove(unet)
+        unet.set_attn_processor(attention_processor.AttnProcessor())
         tome.patch(unet, mode=mode)
-        message = f"mode='{mode}' needs an attention that computes keys and values.*CustomDiffusionAttnProcessor"
+        set_processors()
+        message = f"mode='{mode}' needs self-attention that takes keys and values apart.*CustomDiffusionAttnProcessor"
         with pytest.raises(ValueError, match=message):
             call(unet, inputs)
+        with pytest.raises(ValueError, match=message):
+            tome.patch(unet, mode=mode)
     tome.remove(unet)
     assert np.isfinite(call(unet, inputs)).all()
 

@@ -157,13 +157,20 @@ def test_every_bad_option_raises_through_every_entry_point_and_patches_nothing(u
 
 
 def test_merge_mlp_with_forward_chunking_is_refused(unet, inputs):
+    """Refused by patch when the chunking is already set (issue 35), by the first call when it is set after."""
     model = copy.deepcopy(unet)
-    for module in model.modules():
-        if isinstance(module, BasicTransformerBlock):
-            module.set_chunk_feed_forward(chunk_size=16, dim=1)
+
+    def chunk():
+        for module in model.modules():
+            if isinstance(module, BasicTransformerBlock):
+                module.set_chunk_feed_forward(chunk_size=16, dim=1)
+
     tome.patch(model, merge_mlp=True)
+    chunk()
     with pytest.raises(ValueError, match="merge_mlp=True cannot be combined with feed-forward chunking"):
         call(model, inputs)
+    with pytest.raises(ValueError, match="merge_mlp=True cannot be combined with feed-forward chunking"):
+        tome.patch(model, merge_mlp=True)
     tome.patch(model)  # merge_mlp off: chunking and merging coexist
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -225,12 +225,17 @@ def test_a_processor_that_ignores_separate_keys_is_refused_by_name(unet, inputs)
 
     model = tome.patch(copy.deepcopy(unet), mode="kv", matching="cell")
     model.down_blocks[0].attentions[0].transformer_blocks[0].attn1.set_processor(PAGIdentitySelfAttnProcessor2_0())
-    with pytest.raises(ValueError, match="mode='kv' needs an attention that computes keys and values.*PAGIdentitySelfAttnProcessor2_0"):
+    refusal = "mode='{}' needs self-attention that takes keys and values apart.*block 0 of UNet2DConditionModel.*{}"
+    with pytest.raises(ValueError, match=refusal.format("kv", "PAGIdentitySelfAttnProcessor2_0")):
         call(model, inputs)
+    with pytest.raises(ValueError, match=refusal.format("kv", "PAGIdentitySelfAttnProcessor2_0")):
+        tome.patch(model, mode="kv", matching="cell")  # issue 35: refused at patch when the processor is set
     fused = tome.patch(copy.deepcopy(unet), mode="queries")
     fused.fuse_qkv_projections()  # one query-key-value projection: no separate keys and values
-    with pytest.raises(ValueError, match="mode='queries' needs an attention that computes.*FusedAttnProcessor2_0.*unfuse"):
+    with pytest.raises(ValueError, match=refusal.format("queries", "FusedAttnProcessor2_0.*fused projections")):
         call(fused, inputs)
+    with pytest.raises(ValueError, match=refusal.format("queries", "FusedAttnProcessor2_0")):
+        tome.patch(fused, mode="queries")
 
 
 @pytest.mark.parametrize("processor", ["classic", "sliced"])

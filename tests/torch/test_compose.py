@@ -159,29 +159,47 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+PATCHES = {"ratio=0.5": {"ratio": 0.5}, "default": {}}  # ToMe for SD, and what patch(pipe) runs
+
+
 @pytest.fixture(scope="module")
-def matrix(compose_matrix):
-    return compose_matrix(build_pipeline, tome.patch, FEATURES)
+def matrices(compose_matrix):
+    return {name: compose_matrix(build_pipeline, tome.patch, FEATURES, options) for name, options in PATCHES.items()}
 
 
 def attn1_token_counts(unet: torch.nn.Module) -> Tuple[List[Tuple[str, int]], List[Any]]:
     """(processor class, token count) of every attn1 call, from pre-hooks registered now (after ToMe's: they see
     merged inputs)."""
-    seen: List[Tuple[str, int]] = []
+    seen: List[Tuple[str, int, int]] = []
+    handles = attn1_counts(unet, seen)
+    return [(processor, queries) for processor, queries, _ in seen], handles
+
+
+def attn1_counts(unet: torch.nn.Module, seen: List[Tuple[str, int, int]]) -> List[Any]:
+    """Appends (processor class, queries, keys) of every attn1 call to ``seen``, from pre-hooks registered now
+    (after ToMe's: they see merged inputs; the ``kv`` arrangement hands the keys over as
+    ``encoder_hidden_states``)."""
 
     def count(module, args, kwargs):
         hidden_states = args[0] if args else kwargs["hidden_states"]
-        seen.append((type(module.processor).__name__, hidden_states.shape[1]))
+        keys = kwargs.get("encoder_hidden_states")
+        keys = hidden_states if keys is None else keys
+        seen.append((type(module.processor).__name__, hidden_states.shape[1], keys.shape[1]))
 
-    handles = [m.register_forward_pre_hook(count, with_kwargs=True) for n, m in unet.named_modules() if n.endswith("attn1")]
-    return seen, handles
+    return [m.register_forward_pre_hook(count, with_kwargs=True) for n, m in unet.named_modules() if n.endswith("attn1")]
 
 
+@pytest.mark.parametrize("patched", PATCHES)
 @pytest.mark.parametrize("order", ["feature_then_patch", "patch_then_feature"])
 @pytest.mark.parametrize("kind, name", CASES, ids=[f"{k}-{n}" for k, n in CASES])
-def test_feature_composes_with_tome_in_either_order(kind, name, order, matrix):
+def test_feature_composes_with_tome_in_either_order(kind, name, order, patched, matrices):
+    """With ratio=0.5 the finest level's self-attention sees half its tokens; with the default, its keys and
+    values pooled in 2x2 cells where the processor takes them apart from the queries, ToMe for SD's half
+    elsewhere (PAG's processors, fused projections), as the summary says."""
+    matrix = matrices[patched]
     target, run = matrix.set_up(kind, name, order)
-    seen, handles = attn1_token_counts(target.unet)
+    seen: List[Tuple[str, int, int]] = []
+    handles = attn1_counts(target.unet, seen)
     both = run()
     for handle in handles:
         handle.remove()
@@ -191,13 +209,21 @@ def test_feature_composes_with_tome_in_either_order(kind, name, order, matrix):
     assert np.abs(both - expected["alone"]).max() > 1e-4
     np.testing.assert_array_equal(both, expected["with_tome"])  # the order of set-up does not matter
     full = FINEST_TOKENS[kind]
-    tokens = {count for _, count in seen}
-    assert full // 2 in tokens and full not in tokens, sorted(set(seen))
-    if name == "pag":  # PAG's own processor (set for the call) ran on the merged tokens
-        assert ("PAGCFGIdentitySelfAttnProcessor2_0", full // 2) in seen, sorted(set(seen))
+    pairs = {(queries, keys) for _, queries, keys in seen}
     (_, state), = tome.patched_models(target)
-    level = state.stats[1 if kind == "sd" else 2]
-    assert (level.tokens, level.kept) == (full, full // 2)
+    level = 1 if kind == "sd" else 2
+    if patched == "ratio=0.5":
+        assert (full // 2, full // 2) in pairs and not {(full, full), (full, full // 4)} & pairs, sorted(set(seen))
+        assert (state.stats[level].tokens, state.stats[level].kept) == (full, full // 2)
+    else:
+        fallback = name in ("pag", "fused_qkv")
+        assert (full, full) not in pairs and (full // 2, full // 2) in pairs or not fallback, sorted(set(seen))
+        assert ((full, full // 4) in pairs) == (name != "fused_qkv"), sorted(set(seen))
+        counted = [*state.stats.items(), *((lv, stats) for (lv, _), stats in state.fallbacks.items())]
+        assert {(lv, s.tokens, s.kept) for lv, s in counted} >= ({(level, full, full // 2)} if fallback else {(level, full, full // 4)})
+        assert ("so ToMe for SD's arrangement runs there" in state.summary()) == fallback
+    if name == "pag":  # PAG's own processor (set for the call) ran on the merged tokens
+        assert ("PAGCFGIdentitySelfAttnProcessor2_0", full // 2, full // 2) in seen, sorted(set(seen))
 
     tome.remove(target)
     assert not tome.patched_models(target)

@@ -48,7 +48,7 @@ def test_reuse_level_computes_one_match_per_level(unet, inputs):
     [(_, state)] = tome.patched_models(model)
     computed = []
     original = state._match
-    state._match = lambda *args: computed.append(args[3]) or original(*args)
+    state._match = lambda *args, **kwargs: computed.append(args[3]) or original(*args, **kwargs)
     call(model, inputs)
     assert sorted(computed) == [1, 2, 4]  # one per level (4: the unmerged mid block), not one per block
     assert state.stats[1].blocks == 3 and state.stats[2].blocks == 3
