@@ -293,7 +293,7 @@ def test_new_options_enter_the_module_hash_and_the_pipeline_key(small):
         dict(matching="cell"),
         dict(mode="kv", matching="cell"),
         dict(mode="kv", matching="cell", level_cells={1: 4}),
-        dict(mode="kv", matching="cell", level_cells={1: 4, 2: 2}),
+        dict(mode="kv", matching="cell", level_cells={1: 4, 2: 2}, max_downsample=2),
         dict(mode="kv", matching="cell", level_cells={1: (4, 2)}),
     ]
     modules = [tome.patch(unet, **options) for options in variants]

@@ -118,7 +118,7 @@ def test_patches_that_merge_something_do_not_warn(small):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tome.patch(unet)
-        tome.patch(unet, level_ratios={2: 0.0})
+        tome.patch(unet, max_downsample=2, level_ratios={2: 0.0})
         tome.patch(unet, ratio=0.0, max_downsample=2, level_ratios={2: 0.5})
 
 
