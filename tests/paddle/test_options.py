@@ -65,6 +65,31 @@ def test_reuse_steps_keeps_matches_for_k_calls(tiny_unet, inputs, call):
     np.testing.assert_array_equal(call(model, at(inputs, 300)), call(fresh, at(inputs, 300)))
 
 
+def test_reuse_steps_gives_the_same_output_in_every_generation(tiny_unet, inputs, call):
+    """Issue 35, as on torch: a timestep above the previous call's starts a new generation."""
+    model = tome.patch(copy.deepcopy(tiny_unet), ratio=0.5, reuse_steps=2)
+    generation = lambda: [call(model, at(inputs, t)) for t in (900, 500, 100)]  # noqa: E731
+    for first, second in zip(generation(), generation()):
+        np.testing.assert_array_equal(first, second)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"blocks": [-1]}, "blocks names block -1 of UNet2DConditionModel, which runs at 1/4 scale and never merges"),
+    ({"block_ratios": {0: 0.3, -7: 0.6}}, r"block_ratios names block 0 of UNet2DConditionModel twice"),
+    ({"ratio": 0.5, "timestep_range": (2000, 3000)}, "whose timesteps run from 0 to 1000"),
+])
+def test_options_that_cannot_act_are_refused(tiny_unet, options, message):
+    with pytest.raises(ValueError, match=message):
+        tome.patch(copy.deepcopy(tiny_unet), **options)
+
+
+def test_numpy_timesteps_and_seeds_past_the_hash_prime(tiny_unet, inputs, call):
+    model = tome.patch(copy.deepcopy(tiny_unet), ratio=0.5)
+    np.testing.assert_array_equal(call(model, (inputs[0], np.int64(500), inputs[2])), call(model, at(inputs, 500)))
+    other = tome.patch(copy.deepcopy(tiny_unet), ratio=0.5, seed=32749)
+    assert np.abs(call(model, at(inputs, 500)) - call(other, at(inputs, 500))).max() > 1e-6
+
+
 def test_local_window_covering_the_grid_equals_global_matching_and_a_narrow_one_stays_local():
     x = paddle.to_tensor(np.random.default_rng(0).standard_normal((2, 12 * 10, 16)).astype(np.float32))
     ops = get_ops(x)
