@@ -57,7 +57,8 @@ class ToMeConfig:
     reuse_level: compute one match per level per model call (from the level's first block) instead of one
         per block.
     reuse_steps: keep matches for this many consecutive model calls (denoising steps); 1 = recompute
-        every call.
+        every call. A call whose timestep is above the previous call's starts a new generation, which starts
+        afresh (the timestep is read on the host once per call).
     local_window: compare each source only with destinations within this many cells (Chebyshev distance);
         0 compares with all destinations, as tomesd does.
     proportional_attn: size-aware self-attention: each merged key's attention logit gets ``log(size)``, as if

@@ -81,9 +81,8 @@ class ToMeState:
         if not self.merging:
             return f"  no block merged: the timestep is outside timestep_range={self.config.timestep_range}"
         lines = [_summary_line(self.active, factor, level) for factor, level in sorted(self.stats.items())]
-        fallback = replace(self.config, mode="tokens")
         lines += [
-            _summary_line(fallback, factor, level) + f"; {why}, so ToMe for SD's arrangement runs there"
+            _summary_line(self.fallback(True), factor, level) + f"; {why}, so ToMe for SD's arrangement runs there"
             for (factor, why), level in sorted(self.fallbacks.items())
         ]
         return "\n".join(lines) if lines else "  no block merged"
