@@ -14,9 +14,12 @@ MODES = ("auto", "tokens", "kv", "queries")
 MATCHINGS = ("similarity", "cell")
 CELL_POOLS = ("mean", "sample")
 DEFAULT_RATIO = 0.5  # with similarity matching; a cell match's reduction is fixed by its cell
-# mode="auto" on UNets: keys/values pooled in n x n cells, n chosen by the token count of the finest merged
-# level (README, "High resolution": measured speed and fidelity per resolution).
+# mode="auto" where self-attention takes separate keys (UNets, PixArt, DiT): keys/values in n x n cells, n
+# chosen by the token count of the finest merged level (README, "High resolution": measured speed per
+# resolution), each cell standing as one of its tokens drawn per call and block (README, "Fidelity on small
+# trained models": on learned weights a mean of the same cells at every step drifts, drawn tokens do not).
 AUTO_CELLS = ((128 * 128, 4), (0, 2))
+AUTO_POOL = "sample"
 # Options that say how many tokens to merge or how to match them: giving any of them leaves mode="auto" out.
 _ARRANGING = (
     "ratio", "matching", "sx", "sy", "level_cells", "attn_ratio", "crossattn_ratio", "mlp_ratio", "level_ratios",
@@ -66,8 +69,10 @@ class ToMeConfig:
         every ratio for ~5% of the call time (README, "Size-aware attention"); ``False`` is tomesd's arithmetic.
     mode: the arrangement around self-attention (README, "High resolution"). ``None`` (default): ``"auto"``
         unless an option above or ``matching``, ``level_cells``, a sub-layer, level or block ratio is given,
-        else ``"tokens"``. ``"auto"`` chooses by the latent size from measured speed and fidelity: on UNets,
-        ``"kv"`` with 2x2 cells, 4x4 where the finest merged level has >= 128x128 tokens (ToMe for SD's
+        else ``"tokens"``. ``"auto"`` chooses by the latent size from measured speed and fidelity: where
+        self-attention takes separate keys (UNets, PixArt, DiT), ``"kv"`` with 2x2 cells, each cell one of its
+        tokens drawn per call and block (``cell_pool="sample"``), 4x4 where the finest merged level has >=
+        128x128 tokens (ToMe for SD's
         ``"tokens"`` at 0.5 where kv cannot serve: joint-attention transformers, or cross-attention or MLP
         merged too, or a similarity-only option set). ``"tokens"`` merges its input
         and unmerges its output (ToMe for SD); ``"kv"`` reduces only its keys and values (queries keep every
@@ -76,11 +81,13 @@ class ToMeConfig:
     matching: how tokens are grouped: ``"similarity"`` (bipartite soft matching) or ``"cell"`` (every token
         joins its own sx*sy cell: average pooling, no similarity computed; the reduction is fixed by the cell,
         so ``ratio`` may be left out).
-    cell_pool: with ``matching="cell"``, what stands for a cell's tokens: ``"mean"`` (default: average pooling)
-        or ``"sample"``: one of its tokens, drawn per call and block from ``seed`` and the timestep as ``use_rand``
-        places destinations (the cell's first token with ``use_rand=False``: strided downsampling). A mean is
-        the same bias in every step; samples average out over steps, so a fine-tune that merges in every step
-        stays close to an unpatched one (README, "Faster fine-tuning, measured").
+    cell_pool: with ``matching="cell"``, what stands for a cell's tokens: ``"mean"`` (average pooling; the
+        default with an explicit ``matching="cell"``) or ``"sample"``: one of its tokens, drawn per call and
+        block from ``seed`` and the timestep as ``use_rand`` places destinations (the cell's first token with
+        ``use_rand=False``: strided downsampling). A mean is the same bias in every step; samples average out
+        over steps, so sampling loops and fine-tunes stay close to the unpatched model (README, "Fidelity on
+        small trained models"). ``None`` under ``mode="auto"``: ``"sample"``; ``cell_pool="mean"`` there keeps
+        the earlier default's mean.
     level_cells: ``{downsample factor: n or (sx, sy)}``: the cell at those levels instead of ``sx``, ``sy``
         (with ``matching="cell"``, e.g. ``{1: 4, 2: 2}`` pools 4x4 at the finest level and 2x2 at the next).
     blocks: indices of the transformer blocks that merge, counted in the model's module order (negative
@@ -128,7 +135,7 @@ class ToMeConfig:
     mode: Optional[str] = None
     matching: Optional[str] = None
     level_cells: Optional[Mapping[int, Any]] = None
-    cell_pool: str = "mean"
+    cell_pool: Optional[str] = None
     frames_per_chunk: Optional[int] = None
     frame_ratio: Optional[float] = None
     timestep_range: Optional[Tuple[float, float]] = None
@@ -137,7 +144,7 @@ class ToMeConfig:
         """The options that differ from the defaults (``ToMeConfig()``), as the call that makes them (a cell's
         ratio is left out: the cell sets it)."""
         default = ToMeConfig()
-        derived = ("ratio",) if self.matching == "cell" else ()
+        derived = ("ratio",) + (("cell_pool",) if self.cell_pool == "mean" else ()) if self.matching == "cell" else ()
         changed = [
             f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
             if f.name not in derived and getattr(self, f.name) != getattr(default, f.name)
@@ -232,10 +239,17 @@ class ToMeConfig:
             return ((0, self),)
         similarity_only = self.reuse_level or self.reuse_steps > 1 or self.reuse_blocks > 1 or self.local_window
         if not kv_input or not self.merge_attn or self.merge_crossattn or self.merge_mlp or similarity_only:
-            return ((0, replace(self, mode="tokens")),)
+            return ((0, self.tokens()),)
+        pool = self.cell_pool or AUTO_POOL
         return tuple(
-            (tokens, replace(self, mode="kv", matching="cell", ratio=None, sx=n, sy=n)) for tokens, n in AUTO_CELLS
+            (tokens, replace(self, mode="kv", matching="cell", ratio=None, sx=n, sy=n, cell_pool=pool))
+            for tokens, n in AUTO_CELLS
         )
+
+    def tokens(self, **changes: Any) -> "ToMeConfig":
+        """These options in ToMe for SD's arrangement (``mode="tokens"``, similarity matching): what
+        ``mode="auto"`` runs where keys and values cannot be pooled."""
+        return replace(self, mode="tokens", cell_pool=None, **changes)
 
     def _check_arrangement(self) -> None:
         if self.mode not in MODES:
@@ -261,15 +275,18 @@ class ToMeConfig:
                     _check_int(f"level_cells[{level}]", value, 1)
                 cells[int(level)] = (int(pair[0]), int(pair[1]))
             object.__setattr__(self, "level_cells", cells)
-        if self.cell_pool not in CELL_POOLS:
+        if self.cell_pool is not None and self.cell_pool not in CELL_POOLS:
             raise ValueError(f"cell_pool must be one of {', '.join(map(repr, CELL_POOLS))}, got {self.cell_pool!r}")
         if self.matching != "cell":
-            if self.cell_pool != "mean":
+            if self.cell_pool not in (None, "mean") and self.mode != "auto":
                 raise ValueError(
                     f"cell_pool={self.cell_pool!r} says what stands for a cell of matching='cell', but matching is "
-                    f"{self.matching!r}; pass matching='cell' (and mode='kv', 'tokens' or 'queries')"
+                    f"{self.matching!r}; pass matching='cell' (and mode='kv', 'tokens' or 'queries'), or leave mode "
+                    "out (the default's cells then use it)"
                 )
             return
+        if self.cell_pool is None:
+            object.__setattr__(self, "cell_pool", "mean")
         for name in ("level_ratios", "block_ratios", "attn_ratio", "crossattn_ratio", "mlp_ratio"):
             if getattr(self, name) is not None:
                 raise ValueError(

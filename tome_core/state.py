@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 from .backend import get_ops
@@ -68,7 +68,7 @@ class ToMeState:
         config = self.fallback_configs.get(takes_bias)
         if config is None:
             proportional = self.config.proportional_attn and takes_bias
-            config = self.fallback_configs[takes_bias] = replace(self.config, mode="tokens", proportional_attn=proportional)
+            config = self.fallback_configs[takes_bias] = self.config.tokens(proportional_attn=proportional)
         return config
 
     @property

@@ -45,7 +45,7 @@ def test_import_loads_no_framework():
         ({"timestep_range": (0, float("nan"))}, TypeError, "timestep_range must be a pair"),
         ({"timestep_range": (900, 100)}, ValueError, r"got \(900, 100\) \(low > high\)"),
         ({"mode": "kv", "matching": "cell", "cell_pool": "max"}, ValueError, "cell_pool must be one of 'mean', 'sample', got 'max'"),
-        ({"cell_pool": "sample"}, ValueError, "cell_pool='sample' says what stands for a cell of matching='cell', but matching is 'similarity'"),
+        ({"ratio": 0.5, "cell_pool": "sample"}, ValueError, "cell_pool='sample' says what stands for a cell of matching='cell', but matching is 'similarity'"),
         ({"ration": 0.5}, TypeError, "unknown ToMe option\\(s\\) ration; valid options are ratio, max_downsample"),
     ],
 )

@@ -207,16 +207,16 @@ def test_seed_may_be_a_jax_random_key(tiny):
 
 
 def test_default_auto_pools_keys_and_values_by_the_latent_size(tiny):
-    """mode="auto": 2x2 cells below 128x128 finest-level tokens; the queries keep every token (checked against
+    """mode="auto": 2x2 sampled cells below 128x128 finest-level tokens; the queries keep every token (checked against
     the explicit arrangement, which tests/jax/test_arrangements.py compares with numpy)."""
     unet, params = tiny
     sample, context = jax.random.normal(jax.random.PRNGKey(0), (2, 4, 16, 16)), jnp.ones((2, 7, 32))
     with tome.record() as calls:
         auto = tome.patch(unet).apply({"params": params}, sample, jnp.ones((2,)), context).sample
     [(_, state)] = calls
-    assert (state.active.mode, state.active.matching, state.active.sx) == ("kv", "cell", 2)
+    assert (state.active.mode, state.active.matching, state.active.sx, state.active.cell_pool) == ("kv", "cell", 2, "sample")
     assert {factor: (level.tokens, level.kept) for factor, level in state.stats.items()} == {1: (256, 64)}
-    explicit = tome.patch(unet, mode="kv", matching="cell").apply({"params": params}, sample, jnp.ones((2,)), context).sample
+    explicit = tome.patch(unet, mode="kv", matching="cell", cell_pool="sample").apply({"params": params}, sample, jnp.ones((2,)), context).sample
     np.testing.assert_array_equal(np.asarray(auto), np.asarray(explicit))
 
 

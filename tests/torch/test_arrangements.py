@@ -14,7 +14,7 @@ import torch
 
 import tome_core.torch as tome
 from tome_core import bipartite_match, load_backend, merge, unmerge
-from tome_core.adapters.diffusers_models import build_pipeline, build_transformer, transformer_inputs
+from tome_core.adapters.diffusers_models import build_pipeline, build_transformer, build_unet, transformer_inputs
 
 NUMPY = load_backend("numpy")
 
@@ -276,3 +276,37 @@ def test_pipelines_run_in_kv_mode_and_remove_restores(kind):
     assert all(state.stats for _, state in tome.patched_models(pipe))
     tome.remove(pipe)
     np.testing.assert_array_equal(run(), reference)
+
+
+# ------------------------------------------------------------------------------- the default per model kind
+# Issue 32: chosen on the trained models (README, "Fidelity on small trained models"): where self-attention
+# takes separate keys, keys/values in cells, each cell one token drawn per call and block; ToMe for SD at 0.5
+# where it does not (joint attention, rotary keys).
+
+DEFAULTS = {
+    # model kind: (builder, what patch(model) runs: mode, matching, cell side, cell pool, ratio)
+    "unet": (lambda: build_unet("tiny"), ("kv", "cell", 2, "sample", 0.75)),
+    "pixart": (lambda: build_transformer("tiny-pixart"), ("kv", "cell", 2, "sample", 0.75)),
+    "sd3": (lambda: build_transformer("tiny-sd3"), ("tokens", "similarity", 2, None, 0.5)),
+    "flux": (lambda: build_transformer("tiny-flux"), ("tokens", "similarity", 2, None, 0.5)),
+}
+
+
+@pytest.mark.parametrize("kind", DEFAULTS)
+def test_the_default_per_model_kind(kind):
+    build, expected = DEFAULTS[kind]
+    model = tome.patch(build())
+    (_, state), = tome.patched_models(model)
+    chosen = state.choices[-1][1]
+    assert (chosen.mode, chosen.matching, chosen.sx, chosen.cell_pool, chosen.ratio) == expected
+    if chosen.mode == "kv":  # 4x4 cells from 128x128 tokens at the finest merged level
+        assert [(tokens, c.sx, c.cell_pool) for tokens, c in state.choices] == [(128 * 128, 4, "sample"), (0, 2, "sample")]
+
+
+def test_the_default_equals_its_explicit_options_and_keeps_the_mean_when_asked(unet, inputs):
+    auto = call(tome.patch(copy.deepcopy(unet)), inputs)
+    explicit = call(tome.patch(copy.deepcopy(unet), mode="kv", matching="cell", cell_pool="sample"), inputs)
+    torch.testing.assert_close(auto, explicit, rtol=0, atol=0)
+    mean = call(tome.patch(copy.deepcopy(unet), cell_pool="mean"), inputs)
+    torch.testing.assert_close(mean, call(tome.patch(copy.deepcopy(unet), mode="kv", matching="cell"), inputs), rtol=0, atol=0)
+    assert not torch.equal(mean, auto)

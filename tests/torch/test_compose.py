@@ -170,9 +170,13 @@ def matrices(compose_matrix):
 def attn1_token_counts(unet: torch.nn.Module) -> Tuple[List[Tuple[str, int]], List[Any]]:
     """(processor class, token count) of every attn1 call, from pre-hooks registered now (after ToMe's: they see
     merged inputs)."""
-    seen: List[Tuple[str, int, int]] = []
-    handles = attn1_counts(unet, seen)
-    return [(processor, queries) for processor, queries, _ in seen], handles
+    seen: List[Tuple[str, int]] = []
+
+    def count(module, args, kwargs):
+        hidden_states = args[0] if args else kwargs["hidden_states"]
+        seen.append((type(module.processor).__name__, hidden_states.shape[1]))
+
+    return seen, [m.register_forward_pre_hook(count, with_kwargs=True) for n, m in unet.named_modules() if n.endswith("attn1")]
 
 
 def attn1_counts(unet: torch.nn.Module, seen: List[Tuple[str, int, int]]) -> List[Any]:
