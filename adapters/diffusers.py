@@ -150,10 +150,10 @@ class TorchFramework:
         if torch.compiler.is_compiling():
             # a graph break: compiled code cannot branch on a tensor's value; fullgraph=True stops here, so say why
             torch._dynamo.graph_break(msg=(
-                "tome_core reads the timestep on the host at the model's entry (timestep_range or reuse_steps > 1 "
-                "decide from its value whether and how the call merges), a graph break: under "
-                "torch.compile(fullgraph=True) pass the timestep as a Python number, or compile without "
-                "fullgraph, or leave those options out"
+                "tome_core reads a small tensor on the host at the model's entry, a graph break: the timestep "
+                "under timestep_range or reuse_steps > 1 (its value decides whether and how the call merges), or "
+                "Flux's img_ids once per ids tensor (their token grid). Under torch.compile(fullgraph=True) pass "
+                "the timestep as a Python number, or compile without fullgraph, or leave those options out"
             ))
         return x.reshape(-1).tolist()
 

@@ -105,7 +105,7 @@ def transformer_inputs(model: torch.nn.Module, height: int, width: int, batch: i
     )
 
 
-TRANSFORMER_PIPELINES = ("sd3", "sd3-img2img", "sd3-controlnet", "flux", "flux-controlnet", "pixart-alpha", "pixart-sigma")
+TRANSFORMER_PIPELINES = ("sd3", "sd3-img2img", "sd3-controlnet", "flux", "flux-kontext", "flux-controlnet", "pixart-alpha", "pixart-sigma")
 
 
 def build_transformer_pipeline(kind: str = "sd3", seed: int = 0) -> Tuple[Any, Dict[str, Any]]:
@@ -137,6 +137,9 @@ def build_transformer_pipeline(kind: str = "sd3", seed: int = 0) -> Tuple[Any, D
         call = dict(prompt_embeds=randn(1, 7, config.joint_attention_dim), pooled_prompt_embeds=randn(1, config.pooled_projection_dim))
         if kind == "flux":
             return diffusers.FluxPipeline(**parts), call
+        if kind == "flux-kontext":  # the reference image's tokens follow the output's (their ids' index 1)
+            call.update(image=randn(1, 3, 32, 32).clamp(-1, 1) * 0.5 + 0.5, _auto_resize=False, max_area=32 * 32)
+            return diffusers.FluxKontextPipeline(**parts), call
         torch.manual_seed(seed + 2)
         controlnet = diffusers.FluxControlNetModel(
             **{k: config[k] for k in ("patch_size", "in_channels", "attention_head_dim", "num_attention_heads", "joint_attention_dim", "pooled_projection_dim", "axes_dims_rope")},

@@ -28,6 +28,7 @@ import copyreg
 import inspect
 import itertools
 import numbers
+import warnings
 import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
@@ -36,7 +37,7 @@ from .config import ToMeConfig
 from .families import (
     BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_AFTER, TEXT_NONE, TEXT_PREFIX, BlockFamily, Sublayer, block_family, temporal,
 )
-from .levels import finest_attention_level
+from .levels import finest_attention_level, leading_raster
 from .match import Match
 from .merge import merge, unmerge
 from .selection import ModelFacts, block_ratios, check_model, selected_blocks
@@ -99,29 +100,33 @@ class SizeBias:
     attention over ``K`` keys, or raises if ``K`` does not fit.
     """
 
-    def __init__(self, match: Match, text: str, like: Any):
+    def __init__(self, match: Match, text: str, like: Any, tail: int = 0):
         self.match = match
         self.text = text
         self.like = like  # the merged tokens: the dtype of the mask
+        self.tail = tail  # unmerged tokens of other images right after the merged ones (size 1, bias 0)
 
     def for_merged_tokens(self) -> Any:
         """The bias as a whole-batch additive ``attention_mask`` over the merged tokens (self-attention)."""
-        return self.for_keys(self.match.kept, self.like)
+        return self.for_keys(self.match.kept + self.tail, self.like)
 
     def for_keys(self, keys: int, like: Any) -> Any:
+        """``[B, 1, keys]``: the log sizes where the merged image keys sit, 0 for text and tail keys."""
         ops = get_ops(like)
         match = self.match
         sizes = ops.reshape(ops.log(ops.astype_like(match.sizes, like)), (match.batch, 1, match.kept))
-        extra = keys - match.kept
-        if extra == 0:
-            return sizes
-        if extra < 0 or self.text == TEXT_NONE:
+        text = keys - match.kept - self.tail
+        if text < 0 or (text and self.text == TEXT_NONE):
             raise RuntimeError(
-                f"size-aware attention: the attention has {keys} keys but the merged sequence has {match.kept} "
-                "tokens; pass proportional_attn=False"
+                f"size-aware attention: the attention has {keys} keys but the merged sequence has "
+                f"{match.kept + self.tail} tokens; pass proportional_attn=False"
             )
-        zeros = ops.zeros((match.batch, 1, extra), like)
-        return ops.concat([sizes, zeros] if self.text == TEXT_AFTER else [zeros, sizes], axis=2)
+        zeros = lambda count: [ops.zeros((match.batch, 1, count), like)] if count else []  # noqa: E731
+        if self.text == TEXT_AFTER:  # [image; tail; text]
+            parts = [sizes, *zeros(self.tail + text)]
+        else:  # [text; image; tail]
+            parts = [*zeros(text), sizes, *zeros(self.tail)]
+        return parts[0] if len(parts) == 1 else ops.concat(parts, axis=2)
 
 
 def argument(args: Sequence[Any], kwargs: Dict[str, Any], name: str, position: Optional[int]) -> Any:
@@ -255,7 +260,9 @@ class _CallStart:
         self.data_format = getattr(model, "data_format", "NCHW")
         forward = type(model).forward
         self.where = argument_positions(forward, "sample", "hidden_states", "timestep", "img_ids")
-        self.ids_grid: Tuple[Any, Tuple[int, int]] = (None, (0, 0))
+        self.model = type(model).__qualname__
+        self.ids_grid: Tuple[Any, Optional[Tuple[int, int, int]]] = (None, None)  # (ids, leading_raster of them)
+        self.warned = False
 
     def __call__(self, module, args, kwargs):
         where = self.where
@@ -282,10 +289,27 @@ class _CallStart:
             frames, height, width = (n // p for n, p in zip(shape[2:], self.patch_size))
             grid = (frames * height, width)
         else:
-            grid = self._packed_grid(argument(args, kwargs, "img_ids", where["img_ids"]))
+            packed = self._packed_grid(argument(args, kwargs, "img_ids", where["img_ids"]))
+            if packed is None:
+                self._unmerged(
+                    f"its img_ids do not begin with one image's tokens in raster order (row by row), so no token "
+                    f"grid is known; calls with such ids run unmerged", step
+                )
+                return None
+            height, width, tail = packed
+            self.state.begin_call((height, width), step, merging=merging, tail=tail)
+            self.state.enter_grid((height, width))
+            return None
         self.state.begin_call(grid, step, merging=merging)
         self.state.enter_grid(grid)
         return None
+
+    def _unmerged(self, why: str, step: Any) -> None:
+        """This call runs unmerged because of ``why``: say so once per patch, and in the summary."""
+        if not self.warned:
+            self.warned = True
+            warnings.warn(f"ToMe on {self.model}: {why}", UserWarning, stacklevel=2)
+        self.state.begin_call(None, step, merging=False, why=why)
 
     def _merges_at(self, timestep: Any) -> bool:
         """Whether this call merges under ``timestep_range`` (read on the host only when it is set)."""
@@ -295,20 +319,21 @@ class _CallStart:
             raise ValueError(f"timestep_range={self.state.config.timestep_range} needs the model's timestep, and this call gave none")
         return self.state.config.merges_at(_host_timesteps(self.fw, timestep))
 
-    def _packed_grid(self, img_ids: Any) -> Tuple[int, int]:
-        """The grid of packed image tokens from their ids ``[N, 3]`` (row, column in the last two columns).
+    def _packed_grid(self, img_ids: Any) -> Optional[Tuple[int, int, int]]:
+        """``(h, w, tail)`` of packed image tokens from their ids ``[N, 3]`` (:func:`~tome_core.levels.leading_raster`:
+        the output image's raster grid, then ``tail`` tokens of reference images), or None.
 
         Read on the host once per ids array (pipelines build it once per generation)."""
         if img_ids is None:
             raise ValueError("ToMe needs img_ids to place packed image tokens on their grid")
         if self.ids_grid[0] is img_ids:
             return self.ids_grid[1]
-        shape = get_ops(img_ids).shape(img_ids)
-        last = get_ops(img_ids).reshape(img_ids, (-1, shape[-1]))[-1]
-        row, column = (int(v) for v in self.fw.host_values(last)[-2:])
-        grid = (row + 1, column + 1)
-        self.ids_grid = (img_ids, grid)
-        return grid
+        ops = get_ops(img_ids)
+        shape = ops.shape(img_ids)
+        values = self.fw.host_values(img_ids)
+        ids = [values[i : i + shape[-1]] for i in range(0, len(values), shape[-1])]
+        self.ids_grid = (img_ids, leading_raster(ids[-(len(ids) // (shape[0] if len(shape) == 3 else 1)):]))
+        return self.ids_grid[1]
 
 
 class _GridHook:
@@ -352,22 +377,26 @@ class _BlockRun:
         self.attentions: List[Tuple[Sublayer, Any]] = []  # its merged self-attentions (what kv/queries arrange)
         self.matches: Dict[str, Match] = {}
         self.config = state.active
-        self.ran: Dict[int, Tuple[Any, Dict[str, Match], ToMeConfig]] = {}  # id(input): (weakref, matches, options)
+        self.tail = 0  # this run's tokens after the grid's (ToMeState.tail)
+        # id(input): (weakref, matches, options, tail)
+        self.ran: Dict[int, Tuple[Any, Dict[str, Match], ToMeConfig, int]] = {}
 
     def begin(self, module, args, kwargs):
         block_problem(self.block, self.state.config)
         metric = argument(args, kwargs, "hidden_states", 0)
         earlier = self.ran.get(id(metric))
         if earlier is not None and earlier[0]() is metric:
-            _, self.matches, self.config = earlier
+            _, self.matches, self.config, self.tail = earlier
             return None
         self.config, fallback = self._arrangement(self.state.active)
+        self.tail = self.state.tail
+        image = metric if not self.tail else metric[:, : get_ops(metric).shape(metric)[1] - self.tail]
         self.matches = self.state.block_matches(
-            metric, self.stream, self.family.rotary is not None, self.ratio, self.config, fallback
+            image, self.stream, self.family.rotary is not None, self.ratio, self.config, fallback
         )
         if self.fw.may_run_again(metric):
             self.ran = {key: entry for key, entry in self.ran.items() if entry[0]() is not None}
-            self.ran[id(metric)] = (weakref.ref(metric), self.matches, self.config)
+            self.ran[id(metric)] = (weakref.ref(metric), self.matches, self.config, self.tail)
         return None
 
     def _arrangement(self, config: ToMeConfig) -> Tuple[ToMeConfig, Optional[str]]:
@@ -423,11 +452,7 @@ class _MergeInput:
         mode, size_aware = self.run.config.arrangement(self.sublayer.kind, self.sublayer.attention)
         self.fw.output_cache(module)  # a cache set after patch is checked here
         x = argument(args, kwargs, "hidden_states", 0)
-        if self.sublayer.text == TEXT_PREFIX:
-            text = get_ops(x).shape(x)[1] - match.tokens
-            merged = get_ops(x).concat([x[:, :text], merge(x[:, text:], match)], axis=1)
-        else:
-            merged = merge(x, match)
+        merged = self._around_image(x, match.tokens, lambda image: merge(image, match))
         if mode != "tokens":
             return self._arrange(module, args, kwargs, x, merged, match, mode, size_aware)
         args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
@@ -439,6 +464,11 @@ class _MergeInput:
         if self.sublayer.text == TEXT_NONE and kwargs.get("encoder_hidden_states") is not None:
             return args, kwargs
         return self._size_aware(module, args, kwargs, match, merged)
+
+    def _around_image(self, x: Any, tokens: int, change: Callable[[Any], Any]) -> Any:
+        """``x`` (``[text;] image [; tail]``, the text only where it is the sub-layer's own input) with its
+        ``tokens`` grid tokens replaced by ``change`` of them; text and tail pass as they are."""
+        return around_image(x, tokens, self.run.tail, self.sublayer.text == TEXT_PREFIX, change)
 
     def _arrange(self, module, args, kwargs, x, merged, match, mode, size_aware):
         """The ``kv`` or ``queries`` arrangement of a self-attention."""
@@ -455,7 +485,7 @@ class _MergeInput:
         rotary = argument(args, kwargs, self.rotary, self.rotary_at)
         if rotary is None:
             return args, kwargs
-        moved = _merge_positions(rotary, match, self.run.family.rotary_axis)
+        moved = _merge_positions(rotary, match, self.run.family.rotary_axis, self.run.tail)
         return replace_argument(args, kwargs, self.rotary, self.rotary_at, moved)
 
     def _size_aware(self, module, args, kwargs, match, merged):
@@ -464,21 +494,37 @@ class _MergeInput:
                 "proportional_attn=True cannot be combined with an attention_mask on self-attention "
                 "(the mask covers the unmerged tokens); pass proportional_attn=False to use the mask"
             )
-        return self.fw.size_aware(module, args, kwargs, SizeBias(match, self.sublayer.text, merged))
+        return self.fw.size_aware(module, args, kwargs, SizeBias(match, self.sublayer.text, merged, self.run.tail))
 
 
-def _merge_positions(rotary: Any, match: Match, axis: int = 0) -> Any:
-    """Rotary embeddings ``(cos, sin)`` of ``[text; image]`` tokens (along ``axis``) moved to ``[text; merged
-    image]``: each merged token takes the position of the token it stands at (its destination). The match is
-    shared by the batch, so batch item 0 tells every item's positions."""
+def around_image(x: Any, tokens: int, tail: int, text_first: bool, change: Callable[[Any], Any]) -> Any:
+    """``x`` ``[B, L, C]`` = ``[text;] image; tail`` (text only when ``text_first``: the rest of ``L``) with
+    its ``tokens`` image tokens replaced by ``change(image)``."""
+    ops = get_ops(x)
+    length = ops.shape(x)[1]
+    text = length - tokens - tail if text_first else 0
+    if not text and not tail:
+        return change(x)
+    parts = ([x[:, :text]] if text else []) + [change(x[:, text : text + tokens])] + ([x[:, text + tokens :]] if tail else [])
+    return ops.concat(parts, axis=1)
+
+
+def _merge_positions(rotary: Any, match: Match, axis: int = 0, tail: int = 0) -> Any:
+    """Rotary embeddings ``(cos, sin)`` of ``[text; image; tail]`` tokens (along ``axis``) moved to ``[text;
+    merged image; tail]``: each merged token takes the position of the token it stands at (its destination).
+    The match is shared by the batch, so batch item 0 tells every item's positions."""
     if match.representatives is None:
         return rotary
     moved = []
     for table in rotary:
         ops = get_ops(table)
-        text = ops.shape(table)[axis] - match.tokens
+        text = ops.shape(table)[axis] - match.tokens - tail
         image = match.representatives[0] + text
-        rows = ops.concat([ops.astype_like(ops.arange(text, image), image), image], axis=0) if text else image
+        pieces = [ops.astype_like(ops.arange(text, image), image)] if text else []
+        pieces.append(image)
+        if tail:
+            pieces.append(ops.astype_like(ops.arange(tail, image), image) + (text + match.tokens))
+        rows = ops.concat(pieces, axis=0) if len(pieces) > 1 else image
         moved.append(ops.take(table, rows, axis=axis))
     return tuple(moved)
 
@@ -516,11 +562,7 @@ class _UnmergeOutput:
     def _unmerge(self, output: Any, match: Match) -> Any:
         index = self.sublayer.output
         image = output if index is None else output[index]
-        if self.sublayer.text == TEXT_PREFIX:
-            text = get_ops(image).shape(image)[1] - match.kept
-            image = get_ops(image).concat([image[:, :text], unmerge(image[:, text:], match)], axis=1)
-        else:
-            image = unmerge(image, match)
+        image = around_image(image, match.kept, self.run.tail, self.sublayer.text == TEXT_PREFIX, lambda x: unmerge(x, match))
         if index is None:
             return image
         return type(output)(image if i == index else part for i, part in enumerate(output))

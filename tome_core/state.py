@@ -42,7 +42,9 @@ class ToMeState:
     calls: int = 0
     cache: Dict[Any, Dict[str, Match]] = field(default_factory=dict)
     choices: Tuple[Tuple[int, ToMeConfig], ...] = ()  # ToMeConfig.auto_choices; empty: the config itself
-    merging: bool = True  # False: this call's timestep is outside timestep_range (it runs unmerged)
+    merging: bool = True  # False: this call's timestep is outside timestep_range, or ``why`` (it runs unmerged)
+    why: Optional[str] = None
+    tail: int = 0  # tokens after the grid's in each block's image stream (a reference image's), never merged
     last_timestep: Optional[float] = None  # with reuse_steps > 1: the previous call's (largest) timestep
     fallbacks: Dict[Tuple[int, str], LevelStats] = field(default_factory=dict)  # (level, why): blocks run as tokens
     fallback_configs: Dict[bool, ToMeConfig] = field(default_factory=dict)  # :meth:`fallback`'s, by takes_bias
@@ -79,7 +81,7 @@ class ToMeState:
         """One line per level of the last call (named by its scale: ``1/2`` is the level at half the latent's
         width): the blocks that ran on fewer tokens, tokens before and after, and the arrangement."""
         if not self.merging:
-            return f"  no block merged: the timestep is outside timestep_range={self.config.timestep_range}"
+            return f"  no block merged: {self.why or f'the timestep is outside timestep_range={self.config.timestep_range}'}"
         lines = [_summary_line(self.active, factor, level) for factor, level in sorted(self.stats.items())]
         lines += [
             _summary_line(self.fallback(True), factor, level) + f"; {why}, so ToMe for SD's arrangement runs there"
@@ -92,11 +94,13 @@ class ToMeState:
         return self.config.sublayers[sublayer]
 
     def begin_call(
-        self, latent_hw: Optional[Tuple[int, int]], step: Any, videos: Optional[int] = None, merging: bool = True
+        self, latent_hw: Optional[Tuple[int, int]], step: Any, videos: Optional[int] = None, merging: bool = True,
+        tail: int = 0, why: Optional[str] = None,
     ) -> None:
         """Start a model call on a latent of ``latent_hw`` (None: the first grid seen) at ``step``; ``videos``:
         the batch of a video model's call (None: not a video call); ``merging``: False runs the call unmerged
-        (its timestep is outside ``timestep_range``)."""
+        (its timestep is outside ``timestep_range``, or ``why`` says why); ``tail``: tokens of other images
+        (a reference image's) after the grid's in every block's image stream, passed through unmerged."""
         if self.config.reuse_steps == 1:
             self.cache = {}  # also where reuse_blocks keeps its matches within the call
         else:  # the call counter is read only here, so compiled models do not specialise on it otherwise
@@ -106,6 +110,8 @@ class ToMeState:
         self.latent_hw = latent_hw
         self.videos = videos
         self.merging = merging
+        self.why = why
+        self.tail = tail
         self.grid_hw = None
         self.step = step
         self.stats = {}

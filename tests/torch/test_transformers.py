@@ -504,3 +504,81 @@ def test_size_bias_mode_keeps_every_positional_sdpa_argument():
     expected = torch.softmax(query @ key.transpose(-1, -2) * 0.5 + mask + sizes, -1) @ value
     with _SizeBiasMode(SizeBias(match, TEXT_NONE, image)):
         torch.testing.assert_close(sdpa(query, key, value, mask, 0.0, False, scale=0.5), expected, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Packed ids that are not one raster grid (issues 33 and 35): FLUX.1 Kontext's reference tokens, random ids
+
+
+def kontext_inputs(model, batch=2):
+    """A Flux call as FLUX.1 Kontext makes it: the reference image's tokens (ids with index 1) after the
+    output's, in the same image stream."""
+    inputs = transformer_inputs(model, HEIGHT, WIDTH, batch=batch)
+    reference_ids = inputs["img_ids"].clone()
+    reference_ids[:, 0] = 1
+    reference = torch.randn(inputs["hidden_states"].shape, generator=torch.Generator().manual_seed(9))
+    return dict(inputs, hidden_states=torch.cat([inputs["hidden_states"], reference], 1),
+                img_ids=torch.cat([inputs["img_ids"], reference_ids], 0))
+
+
+def test_kontext_reference_tokens_pass_through_and_the_output_grid_merges():
+    model = build_transformer("tiny-flux")
+    inputs = kontext_inputs(model)
+    grid = inputs["hidden_states"].shape[1] // 2
+    reference = call(model, inputs)
+    plain_inputs = []
+    first = next(m for n, m in model.named_modules() if n.endswith("transformer_blocks.0.attn"))
+    handle = first.register_forward_pre_hook(lambda m, a, k: plain_inputs.append(k["hidden_states"]), with_kwargs=True)
+    call(model, inputs)
+    handle.remove()
+    tome.patch(model, ratio=0.5)
+    seen = []
+    handles = [m.register_forward_pre_hook(lambda m, a, k, n=n: seen.append((n, k["hidden_states"])), with_kwargs=True)
+               for n, m in model.named_modules() if n.endswith(".attn")]
+    out = call(model, inputs)
+    for h in handles:
+        h.remove()
+    (_, state), = tome.patched_models(model)
+    assert (state.stats[1].tokens, state.stats[1].kept) == (grid, grid // 2)  # the output's grid only
+    double = [x for n, x in seen if n.startswith("transformer_blocks")]
+    single = [x for n, x in seen if n.startswith("single_transformer_blocks")]
+    assert {x.shape[1] for x in double} == {grid // 2 + grid}  # merged output tokens, then every reference token
+    assert {x.shape[1] for x in single} == {7 + grid // 2 + grid}  # text, merged output, reference
+    # the first block's reference tokens reach attention exactly as unpatched
+    torch.testing.assert_close(double[0][:, grid // 2 :], plain_inputs[0][:, grid:], rtol=0, atol=0)
+    assert torch.isfinite(out).all() and 0 < rel(out, reference) < 0.1
+    tome.remove(model)
+    torch.testing.assert_close(call(model, inputs), reference, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("ids", ["randn", "shuffled"])
+def test_ids_that_are_no_raster_grid_run_unmerged_and_say_so_once(ids):
+    """diffusers' own model tests pass random ids: nothing can be placed on a grid, so the call runs unpatched
+    with one warning (before: a ValueError at the first call)."""
+    model = build_transformer("tiny-flux")
+    inputs = transformer_inputs(model, HEIGHT, WIDTH, batch=2)
+    if ids == "randn":
+        inputs["img_ids"] = torch.randn(inputs["img_ids"].shape, generator=torch.Generator().manual_seed(1))
+    else:
+        inputs["img_ids"] = inputs["img_ids"][torch.randperm(len(inputs["img_ids"]), generator=torch.Generator().manual_seed(1))]
+    reference = call(model, inputs)
+    tome.patch(model, ratio=0.5)
+    with pytest.warns(UserWarning, match="img_ids do not begin with one image's tokens in raster order"):
+        torch.testing.assert_close(call(model, inputs), reference, rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call(model, inputs)  # said once
+    assert "no block merged: its img_ids" in tome.patched_models(model)[0].state.summary()
+
+
+def test_leading_raster_reads_grids_and_refuses_the_rest():
+    from tome_core.levels import leading_raster
+
+    raster = lambda index, h, w, top=0: [[index, top + i // w, i % w] for i in range(h * w)]  # noqa: E731
+    assert leading_raster(raster(0, 3, 4)) == (3, 4, 0)
+    assert leading_raster(raster(0, 3, 4) + raster(1, 2, 2)) == (3, 4, 4)  # Kontext: a reference after
+    assert leading_raster(raster(0, 2, 5, top=7)) == (2, 5, 0)  # offsets are fine
+    assert leading_raster(raster(0, 3, 4) + raster(0, 2, 2)) is None  # another image under the same index
+    assert leading_raster(raster(1, 2, 2) + raster(0, 3, 4)) is None  # indices must rise
+    assert leading_raster(raster(0, 3, 4)[::-1]) is None
+    assert leading_raster([[0, 0.5, 0], [0, 1.5, 0]]) is None  # not whole numbers
