@@ -740,7 +740,10 @@ def _sublayers(fw: Framework, model: Any, config: ToMeConfig):
 def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
     """Hook ``model`` (one found by :func:`find_models`) with ``config``."""
     kv_input = all(s.kv_input is not None for *_, s, _ in _sublayers(fw, model, config) if s.kind == "attn")
-    state = ToMeState(config=config, finest_level=finest_level(fw, model), choices=config.auto_choices(kv_input))
+    state = ToMeState(
+        config=config, finest_level=finest_level(fw, model), choices=config.auto_choices(kv_input),
+        where=type(model).__qualname__,
+    )
     patch = Patch(state)
     add = patch.handles.append
     data_format = getattr(model, "data_format", "NCHW")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
@@ -10,6 +11,7 @@ from .config import ToMeConfig
 from .levels import block_grid, downsample_factor, level_grid
 from .match import Match, bipartite_matches, cell_match, chunk_matches, identity_match, sampled_cell_match
 from .partition import random_offsets
+from .selection import scale
 
 
 @dataclass
@@ -48,6 +50,8 @@ class ToMeState:
     last_timestep: Optional[float] = None  # with reuse_steps > 1: the previous call's (largest) timestep
     fallbacks: Dict[Tuple[int, str], LevelStats] = field(default_factory=dict)  # (level, why): blocks run as tokens
     fallback_configs: Dict[bool, ToMeConfig] = field(default_factory=dict)  # :meth:`fallback`'s, by takes_bias
+    where: str = "the model"  # the patched model's class, for warnings
+    said: set = field(default_factory=set)  # warnings given (each once per patch)
 
     def __repr__(self) -> str:
         return f"ToMeState(config={self.config!r}, finest_level={self.finest_level}, calls={self.calls})"
@@ -192,6 +196,13 @@ class ToMeState:
             return {sublayer: identity for sublayer in merged}
         h, w = block_grid(latent, factor, self.grid_hw, tokens)
         sx, sy = config.cell_at(factor)
+        if (h // sy) * (w // sx) == 0 and frames == 1:  # no full cell: no destination, nothing can merge here
+            self._say_once(
+                f"ToMe on {self.where}: a {h}x{w} token grid is smaller than one {sx}x{sy} cell, so its blocks at "
+                f"{scale(factor)} merge nothing at this latent size (a larger image, or smaller cells: sx, sy)"
+            )
+            identity = identity_match(ops, ops.shape(metric)[0], tokens)
+            return {sublayer: identity for sublayer in merged}
         picks = config.matching == "similarity" or config.cell_pool == "sample"  # a token per cell, placed per call
         offsets = (
             random_offsets(ops, metric, h, w, sx, sy, config.seed, self.step, stream)
@@ -216,6 +227,11 @@ class ToMeState:
         else:
             found = bipartite_matches(ops, metric, h, w, sx, sy, list(merged.values()), offsets, config.local_window, shared)
         return dict(zip(merged, found))
+
+    def _say_once(self, message: str) -> None:
+        if message not in self.said:
+            self.said.add(message)
+            warnings.warn(message, UserWarning, stacklevel=2)
 
     def _chunk(self, batch: int, config: ToMeConfig) -> int:
         """Frames per chunk of cross-frame merging for a block whose input holds ``batch`` items: 1 unless the

@@ -132,3 +132,22 @@ def test_distinct_seeds_give_distinct_partitions_up_to_2_31(seed, shift):
     other = (seed + shift) % 2**31
     if other != seed:
         assert not np.array_equal(offsets(seed), offsets(other))
+
+
+def test_a_grid_smaller_than_one_cell_says_so_once_and_merges_nothing():
+    """Wan's pipelines at 16x16 px give a latent one token wide: no full 2x2 cell, nothing can merge (issue 33:
+    it did so without a word)."""
+    from tome_core import ToMeState
+
+    state = ToMeState(config=ToMeConfig(ratio=0.5), where="WanTransformer3DModel")
+    metric = np.random.default_rng(0).standard_normal((2, 8, 4)).astype(np.float32)
+    with pytest.warns(UserWarning, match=r"WanTransformer3DModel: a 8x1 token grid is smaller than one 2x2 cell"):
+        state.begin_call((8, 1), 500)
+        state.enter_grid((8, 1))
+        matches = state.block_matches(metric, 0)
+    assert matches["attn"].merged == 0 and (state.stats[1].tokens, state.stats[1].kept) == (8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state.begin_call((8, 1), 400)
+        state.enter_grid((8, 1))
+        state.block_matches(metric, 1)  # said once per patch
