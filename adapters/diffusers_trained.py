@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
-from diffusers import DDIMScheduler, DDPMScheduler, PixArtTransformer2DModel, UNet2DConditionModel
+from diffusers import DDIMScheduler, DDPMScheduler, PixArtTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -43,7 +43,17 @@ DIT = dict(
     activation_fn="gelu-approximate", num_embeds_ada_norm=1000, norm_type="ada_norm_single",
     norm_elementwise_affine=False, norm_eps=1e-6, interpolation_scale=None, use_additional_conditions=False,
 )
-SUBFOLDER = {"unet": "unet", "dit": "transformer"}
+# SD3's MM-DiT block (joint attention over [image; text], each stream with its own projections) at patch size
+# 2: 256 image tokens beside the class's 4 conditioning tokens, width 128. The pooled projection is the mean of
+# the conditioning tokens.
+MMDIT = dict(
+    sample_size=IMAGE_SIZE, patch_size=2, in_channels=3, out_channels=3, num_layers=4, attention_head_dim=32,
+    num_attention_heads=4, joint_attention_dim=CONDITION_DIM, caption_projection_dim=128,
+    pooled_projection_dim=CONDITION_DIM, pos_embed_max_size=IMAGE_SIZE // 2,
+)
+SUBFOLDER = {"unet": "unet", "dit": "transformer", "mmdit": "transformer"}
+MODEL_CLASSES = {"unet": UNet2DConditionModel, "dit": PixArtTransformer2DModel, "mmdit": SD3Transformer2DModel}
+CONFIGS = {"unet": UNET, "dit": DIT, "mmdit": MMDIT}
 
 
 class Classifier(nn.Module):
@@ -74,7 +84,7 @@ class TrainedModel:
 
     @property
     def is_transformer(self) -> bool:
-        return self.info["kind"] == "dit"
+        return self.info["kind"] != "unet"
 
     def condition(self, labels: torch.Tensor) -> torch.Tensor:
         """The text-like conditioning tokens of class ``labels`` (``len(CLASSES)`` is the null class)."""
@@ -91,17 +101,19 @@ def call_model(model: torch.nn.Module, sample: torch.Tensor, timestep: Any, cont
         timestep = torch.full((sample.shape[0],), int(timestep), dtype=torch.long)
     if isinstance(model, UNet2DConditionModel):
         return model(sample, timestep, context).sample
+    if isinstance(model, SD3Transformer2DModel):
+        return model(
+            hidden_states=sample, encoder_hidden_states=context, pooled_projections=context.mean(1), timestep=timestep
+        ).sample
     kwargs = {"resolution": None, "aspect_ratio": None}
     return model(sample, encoder_hidden_states=context, timestep=timestep, added_cond_kwargs=kwargs).sample
 
 
 def build(kind: str) -> torch.nn.Module:
-    """A fresh model of ``kind`` (``unet`` or ``dit``) with the current torch seed."""
-    if kind == "unet":
-        return UNet2DConditionModel(**UNET)
-    if kind == "dit":
-        return PixArtTransformer2DModel(**DIT)
-    raise ValueError(f"kind must be 'unet' or 'dit', got {kind!r}")
+    """A fresh model of ``kind`` (``unet``, ``dit`` or ``mmdit``) with the current torch seed."""
+    if kind not in MODEL_CLASSES:
+        raise ValueError(f"kind must be one of {', '.join(map(repr, MODEL_CLASSES))}, got {kind!r}")
+    return MODEL_CLASSES[kind](**CONFIGS[kind])
 
 
 def _log(step: int, steps: int, loss: float, start: float) -> None:
@@ -191,7 +203,7 @@ def load(folder: str) -> TrainedModel:
     info = model_info(folder)
     if info is None:
         raise FileNotFoundError(f"{folder} is not a trained model's folder: it has no model_info.json")
-    cls = UNet2DConditionModel if info["kind"] == "unet" else PixArtTransformer2DModel
+    cls = MODEL_CLASSES[info["kind"]]
     model = cls.from_pretrained(
         folder, subfolder=SUBFOLDER[info["kind"]], torch_dtype=torch.float32, local_files_only=True
     ).eval()

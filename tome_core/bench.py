@@ -30,7 +30,7 @@ Every arrangement is reachable: ``--option mode=kv``, ``--variant "todo:mode=kv,
 
 Fidelity is the relative L2 distance of a method's output to the unpatched output, on image-like latents
 (smooth structure plus noise, fixed seed) at a mid timestep, and after a short sampling loop. On the small
-trained models (``--preset trained-unet|trained-dit``, :mod:`tome_core.trained`) it is also measured on
+trained models (``--preset trained-unet|trained-dit|trained-mmdit``, :mod:`tome_core.trained`) it is also measured on
 samples: every class ``--samples-per-class`` times from fixed seeds through a full ``--sample-steps`` DDIM
 loop with guidance, unpatched and with each method; PSNR and SSIM against the unpatched samples, and the
 accuracy of the shipped classifier (trained on real crops) on each method's samples. Peak memory is
@@ -160,7 +160,7 @@ def model_kind(args: argparse.Namespace) -> str:
     if args.model:
         info = model_info(args.model)
         if info is not None:
-            return "trained-dit" if info["kind"] == "dit" else "unet"
+            return "unet" if info["kind"] == "unet" else "trained-dit"  # trained PixArt or MM-DiT
         if os.path.isdir(os.path.join(args.model, "transformer")):
             return "transformer"
         for config in (os.path.join(args.model, "unet", "config.json"), os.path.join(args.model, "config.json")):
@@ -187,7 +187,9 @@ def check_stacks(args: argparse.Namespace, explicit_methods: bool) -> None:
                 "ours, each variant, then per speed-up S: S, S+ours, S+ours:VARIANT); leave out " + flag
             )
     kind = model_kind(args)
-    what = f"--model {args.model}" if args.model and args.preset not in ("trained-unet", "trained-dit") else f"--preset {args.preset}"
+    from tome_core.trained import TRAINED_PRESETS
+
+    what = f"--model {args.model}" if args.model and args.preset not in TRAINED_PRESETS else f"--preset {args.preset}"
     for name in args.stacks:
         stack = STACKS[name]
         if kind == "unet-xl":
@@ -197,7 +199,7 @@ def check_stacks(args: argparse.Namespace, explicit_methods: bool) -> None:
             )
         if kind == "trained-dit":
             raise SystemExit(
-                f"--stack {name}: {what} is a trained PixArt transformer, which the stacked loop does not run; "
+                f"--stack {name}: {what} is a trained diffusion transformer, which the stacked loop does not run; "
                 "allowed with --stack: trained-unet, the UNet presets, the transformer presets"
             )
         if stack.models != kind:
@@ -677,7 +679,7 @@ def parser() -> argparse.ArgumentParser:
                    "model (VIDEO_PRESETS: animatediff, svd, wan (Wan 2.1 T2V 1.3B), tiny-animatediff, tiny-svd, "
                    "tiny-wan; see --frames), or a "
                    "small trained pixel-space model shipped in the repository's models/ (trained-unet, "
-                   "trained-dit; torch): then sample fidelity (PSNR, SSIM, classifier accuracy) is reported too")
+                   "trained-dit, trained-mmdit; torch): then sample fidelity (PSNR, SSIM, classifier accuracy) is reported too")
     p.add_argument("--model", help="local diffusers/ppdiffusers pipeline or UNet folder (from_pretrained), or a "
                    "trained model's folder (python -m tome_core.train)")
     p.add_argument("--resolution", type=int, nargs="+", default=None,
@@ -698,7 +700,7 @@ def parser() -> argparse.ArgumentParser:
                    help=f"sampling-loop steps for the fidelity after a loop (0: skip; default {DEFAULT_STEPS}); with "
                    f"--stack, the steps of each timed pipeline loop (default {DEFAULT_STACK_STEPS})")
     p.add_argument("--samples-per-class", type=int, default=4,
-                   help="trained models (--preset trained-unet|trained-dit): samples per class for PSNR, SSIM and "
+                   help="trained models (--preset trained-unet|trained-dit|trained-mmdit): samples per class for PSNR, SSIM and "
                    "classifier accuracy")
     p.add_argument("--sample-steps", type=int, default=25,
                    help="trained models: DDIM steps of the full sampling loop behind PSNR/SSIM/accuracy (0: skip)")
@@ -851,7 +853,7 @@ def check_dependencies(args: argparse.Namespace, explicit_methods: bool) -> None
 
 
 def resolve_trained(args: argparse.Namespace) -> None:
-    """``--preset trained-unet|trained-dit``: the shipped folder as ``--model``; the default resolution (512, or
+    """``--preset trained-unet|trained-dit|trained-mmdit``: the shipped folder as ``--model``; the default resolution (512, or
     a trained model's image size)."""
     from tome_core import trained
 

@@ -106,9 +106,10 @@ def refuse(args: argparse.Namespace) -> None:
             f"{train} with --preset {args.preset}: training steps run on image UNets; allowed: --preset sd15, "
             "sd15-small, sd21, sdxl, tiny, tiny-xl, trained-unet, or --model with a UNet"
         )
-    kind = "trained-dit" if args.preset == "trained-dit" and not args.model else bench.model_kind(args)
+    trained_transformer = args.preset in ("trained-dit", "trained-mmdit")
+    kind = "trained-dit" if trained_transformer and not args.model else bench.model_kind(args)
     if kind in ("transformer", "trained-dit"):
-        what = f"--model {args.model}" if args.model and args.preset != "trained-dit" else f"--preset {args.preset}"
+        what = f"--model {args.model}" if args.model and not trained_transformer else f"--preset {args.preset}"
         raise SystemExit(
             f"{train} with {what}: a diffusion transformer; training steps run on UNets only; allowed: --preset "
             "sd15, sd15-small, sd21, sdxl, tiny, tiny-xl, trained-unet, or --model with a UNet"

@@ -3,6 +3,7 @@
     python -m tome_core.train classifier --out models/classifier
     python -m tome_core.train unet --out models/trained-unet --steps 800
     python -m tome_core.train dit --out models/trained-dit --steps 1500
+    python -m tome_core.train mmdit --out models/trained-mmdit --steps 1500
 
 Seeded and reproducible (same seed, threads and torch build give the same weights); prints the loss curve and
 stores it in the folder's ``model_info.json`` (``classifier.json`` for the classifier). Needs torch, diffusers
@@ -14,8 +15,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, Optional, Sequence
 
-DEFAULT_STEPS = {"unet": 800, "dit": 1500, "classifier": 1000}
-DEFAULT_LR = {"unet": 1e-3, "dit": 6e-4}
+DEFAULT_STEPS = {"unet": 800, "dit": 1500, "mmdit": 1500, "classifier": 1000}
+DEFAULT_LR = {"unet": 1e-3, "dit": 6e-4, "mmdit": 6e-4}
 
 
 def parser() -> argparse.ArgumentParser:

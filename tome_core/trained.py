@@ -1,8 +1,9 @@
 """Small trained models for fidelity you can trust: their data, where they ship, and sample-level metrics.
 
 Random weights have no learned structure, so they cannot say which blocks tolerate merging or how an
-arrangement changes an image. The repository ships two small class-conditional pixel-space diffusion models
-trained here on photos that come with scikit-image (a UNet and a PixArt transformer, ``models/``), and a small
+arrangement changes an image. The repository ships three small class-conditional pixel-space diffusion models
+trained here on photos that come with scikit-image (a UNet, a PixArt transformer and an SD3-style MM-DiT with
+joint attention, ``models/``), and a small
 classifier trained on real crops of the same photos, which judges generated samples. The training script is
 ``python -m tome_core.train``; the benchmark runs them with ``--preset trained-unet`` / ``trained-dit`` and
 then reports PSNR, SSIM and classifier accuracy of the samples (:class:`tome_core.bench.SampleFidelity`).
@@ -25,7 +26,7 @@ CLASSES: Tuple[str, ...] = (
 IMAGE_SIZE = 32
 
 # The folders under models/ in a checkout: the bench presets, then the classifier that judges their samples.
-TRAINED_PRESETS = ("trained-unet", "trained-dit")
+TRAINED_PRESETS = ("trained-unet", "trained-dit", "trained-mmdit")
 SHIPPED = TRAINED_PRESETS + ("classifier",)
 
 
@@ -38,7 +39,7 @@ def models_dir() -> str:
 
 
 def shipped(name: str) -> str:
-    """The folder of shipped model ``name`` (``trained-unet``, ``trained-dit`` or ``classifier``).
+    """The folder of shipped model ``name`` (``trained-unet``, ``trained-dit``, ``trained-mmdit`` or ``classifier``).
 
     Raises FileNotFoundError naming the folder when run from an install without the repository's ``models/``.
     """
