@@ -183,6 +183,20 @@ def test_reuse_steps_gives_the_same_output_in_every_generation(unet, inputs, opt
     assert state.calls == len(STEPS)
 
 
+def test_reuse_steps_on_animatediff_gives_the_same_output_in_every_generation():
+    from tome_core.adapters.diffusers_models import video_unet_inputs
+
+    model = tome.patch(build_video_unet("animatediff"), ratio=0.5, reuse_steps=2, use_rand=False)
+    inputs = video_unet_inputs(model, 4, 8, 8, batch=2, seed=1)
+
+    def generation():
+        with torch.no_grad():
+            return [model(**{**inputs, "timestep": torch.tensor(t)}).sample for t in STEPS]
+
+    for a, b in zip(generation(), generation()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_reuse_steps_in_a_pipeline_same_seed_same_image():
     pipe = build_pipeline("sd")
     pipe.set_progress_bar_config(disable=True)
