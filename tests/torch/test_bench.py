@@ -564,7 +564,7 @@ def test_flux_pab_alone_matches_enable_cache_set_up_directly():
         (["--stack", "deepcache:interval=3"], r"--stack deepcache:interval=3: deepcache has no setting interval; allowed: cache_interval, cache_branch_id"),
         (["--stack", "deepcache", "--methods", "unpatched", "ours"], r"--stack deepcache with --methods: .* leave out --methods"),
         (["--stack", "deepcache", "--steps", "0"], r"--steps 0: a --stack run times sampling loops of at least 1 step"),
-        (["--stack", "tgate", "--preset", "trained-dit"], r"--stack tgate: --preset trained-dit is a trained PixArt transformer"),
+        (["--stack", "tgate", "--preset", "trained-dit"], r"--stack tgate: --preset trained-dit is a trained diffusion transformer"),
     ],
 )
 def test_bad_stack_input_fails_before_anything_is_built(monkeypatch, argv, message):
