@@ -25,7 +25,7 @@ def shipped_models(monkeypatch):
     monkeypatch.setenv("TOME_CORE_MODELS", MODELS)
 
 
-@pytest.fixture(scope="module", params=["trained-unet", "trained-dit"])
+@pytest.fixture(scope="module", params=["trained-unet", "trained-dit", "trained-mmdit"])
 def model(request):
     return diffusers_trained.load(os.path.join(MODELS, request.param))
 
@@ -122,14 +122,15 @@ def test_training_script_is_reproducible_and_prints_its_loss_curve(tmp_path, cap
     from tome_core import train
 
     args = ["--steps", "2", "--batch", "2", "--per-class", "1", "--threads", "1"]
-    for name in ("a", "b"):
-        train.main(["unet", "--out", str(tmp_path / name), *args])
-    assert "step     2/2  loss" in capsys.readouterr().out
-    a, b = (diffusers_trained.load(str(tmp_path / name)) for name in ("a", "b"))
-    for (name, p), q in zip(a.model.state_dict().items(), b.model.state_dict().values()):
-        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
-    torch.testing.assert_close(a.conditioning, b.conditioning, rtol=0, atol=0)
-    assert [step for step, _ in a.info["training"]["loss_curve"]] == [2]
+    for kind in ("unet", "mmdit"):
+        for name in ("a", "b"):
+            train.main([kind, "--out", str(tmp_path / kind / name), *args])
+        assert "step     2/2  loss" in capsys.readouterr().out
+        a, b = (diffusers_trained.load(str(tmp_path / kind / name)) for name in ("a", "b"))
+        for (name, p), q in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+            torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(a.conditioning, b.conditioning, rtol=0, atol=0)
+        assert [step for step, _ in a.info["training"]["loss_curve"]] == [2] and a.info["kind"] == kind
 
 
 def test_bench_reports_sample_fidelity_for_every_method_on_a_trained_preset():
