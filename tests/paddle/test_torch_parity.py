@@ -224,7 +224,7 @@ ARRANGEMENTS = [
     dict(mode=mode, matching=matching) for mode in ("tokens", "kv", "queries") for matching in ("similarity", "cell")
 ] + [
     dict(mode="kv", proportional_attn=False, max_downsample=2),
-    dict(mode="kv", matching="cell", level_cells={1: 4, 2: 2}, max_downsample=2),
+    dict(mode="kv", matching="cell", level_cells={2: 4, 4: 2}, max_downsample=4),  # levels both UNets merge
     dict(mode="kv", matching="cell", sx=3, sy=3),  # 16x16 tokens: cells and leftover tokens (no strided mean)
     dict(mode="queries", matching="cell", sx=2, sy=1, max_downsample=2),
 ]
