@@ -285,7 +285,14 @@ class _CallStart:
         if len(shape) == 4:
             height, width = _spatial(sample, self.data_format)
             grid = (height // self.patch_size, width // self.patch_size)
-        elif len(shape) == 5:  # a video transformer (Wan): (batch, C, frames, H, W), its frames' grids stacked
+        elif len(shape) == 5 and isinstance(self.patch_size, int):
+            # (batch, C, frames, H, W) with a 2-D patch (Latte): each frame is an item of the spatial blocks' batch,
+            # merged on its own grid, as in video UNets
+            grid = (shape[3] // self.patch_size, shape[4] // self.patch_size)
+            self.state.begin_call(grid, step, videos=shape[0], merging=merging)
+            self.state.enter_grid(grid)
+            return None
+        elif len(shape) == 5:  # a 3-D patch (Wan): (batch, C, frames, H, W), its frames' grids stacked in one sequence
             frames, height, width = (n // p for n, p in zip(shape[2:], self.patch_size))
             grid = (frames * height, width)
         else:

@@ -143,6 +143,7 @@ TEMPORAL: Tuple[Temporal, ...] = (
     Temporal("FreeNoiseTransformerBlock"),  # diffusers' FreeNoise replaces AnimateDiff's motion blocks with it
     Temporal("I2VGenXLTransformerTemporalEncoder"),  # I2VGen-XL: image latents attended over frames
     Temporal("TransformerTemporal"),  # ppdiffusers' Hotshot-XL temporal layers
+    Temporal("LatteTransformer3DModel", ("temporal_transformer_blocks",)),  # Latte: spatial and temporal blocks alternate
 )
 
 # Containers whose 4-D input ``(batch [* frames], C, H, W)`` is the token grid of the (spatial) blocks inside.

@@ -582,3 +582,37 @@ def test_leading_raster_reads_grids_and_refuses_the_rest():
     assert leading_raster(raster(1, 2, 2) + raster(0, 3, 4)) is None  # indices must rise
     assert leading_raster(raster(0, 3, 4)[::-1]) is None
     assert leading_raster([[0, 0.5, 0], [0, 1.5, 0]]) is None  # not whole numbers
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Latte (issue 33): spatial and temporal BasicTransformerBlocks alternate; its input (batch, C, frames, H, W) has
+# a 2-D patch, so each frame is an item of the spatial blocks' batch and merges on its own grid
+
+
+def test_latte_merges_each_frame_on_its_grid_and_leaves_its_temporal_blocks_alone():
+    from diffusers import LatteTransformer3DModel
+
+    torch.manual_seed(0)
+    model = LatteTransformer3DModel(
+        sample_size=8, num_layers=1, patch_size=2, attention_head_dim=4, num_attention_heads=2, caption_channels=8,
+        in_channels=4, cross_attention_dim=8, out_channels=8, attention_bias=True, activation_fn="gelu-approximate",
+        num_embeds_ada_norm=1000, norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6,
+        video_length=3,
+    ).eval()
+    for parameter in model.parameters():  # adaLN-zero and output layers start at zero: give them values
+        if not parameter.any():
+            parameter.data.normal_(0, 0.02)
+    inputs = dict(hidden_states=torch.randn(2, 4, 3, 8, 8), timestep=torch.tensor([500, 500]), encoder_hidden_states=torch.randn(2, 5, 8))
+    reference = call(model, inputs)
+    tome.patch(model, ratio=0.5)
+    seen = []
+    handles = [m.register_forward_pre_hook(lambda m, a, k, n=n: seen.append((n.split(".")[0], tuple(k["hidden_states"].shape) if "hidden_states" in k else tuple(a[0].shape))), with_kwargs=True)
+               for n, m in model.named_modules() if n.endswith("attn1")]
+    out = call(model, inputs)
+    for handle in handles:
+        handle.remove()
+    # spatial: 2 videos x 3 frames, 16 -> 8 tokens each; temporal: 2 x 16 patch sequences of 3 frames, untouched
+    assert sorted(set(seen)) == [("temporal_transformer_blocks", (32, 3, 8)), ("transformer_blocks", (6, 8, 8))]
+    assert torch.isfinite(out).all() and 0 < rel(out, reference) < 0.2
+    tome.remove(model)
+    torch.testing.assert_close(call(model, inputs), reference, rtol=0, atol=0)
