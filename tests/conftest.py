@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -193,6 +194,29 @@ class ComposeMatrix:
             _, run_both = self.set_up(kind, name, "feature_then_patch")
             self.cache[kind, name] = {"alone": run(), "with_tome": run_both()}
         return self.cache[kind, name]
+
+
+def _patch_or_refuse(tome, model, options):
+    """The first half of the option-contract property (tests/*/test_contracts.py, issue 35): ``tome.patch(model,
+    **options)`` either patches, returning the warnings it gave, or is refused with an error naming one of the
+    options given (or what to pass instead: ``mode``, ``proportional_attn``) before anything was patched, then
+    returns None."""
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tome.patch(model, **options)
+    except (ValueError, TypeError) as error:
+        named = set(options) | {"proportional_attn", "mode"}
+        assert any(re.search(rf"\b{name}\b", str(error)) for name in named), (options, str(error))
+        assert tome.patched_models(model) == []
+        return None
+    return [str(w.message) for w in caught]
+
+
+@pytest.fixture(scope="session")
+def patch_or_refuse():
+    """:func:`_patch_or_refuse`."""
+    return _patch_or_refuse
 
 
 @pytest.fixture(scope="session")

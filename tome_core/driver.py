@@ -299,8 +299,8 @@ class _CallStart:
             packed = self._packed_grid(argument(args, kwargs, "img_ids", where["img_ids"]))
             if packed is None:
                 self._unmerged(
-                    f"its img_ids do not begin with one image's tokens in raster order (row by row), so no token "
-                    f"grid is known; calls with such ids run unmerged", step
+                    "its img_ids do not begin with one image's tokens in raster order (row by row), so no token "
+                    "grid is known; calls with such ids run unmerged", step
                 )
                 return None
             height, width, tail = packed
