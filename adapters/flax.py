@@ -46,9 +46,10 @@ from diffusers.pipelines.pipeline_flax_utils import FlaxDiffusionPipeline
 
 from tome_core.config import ToMeConfig, document
 from tome_core.driver import argument, replace_argument
-from tome_core.levels import finest_attention_level, warn_if_nothing_merges
+from tome_core.levels import finest_attention_level
 from tome_core.match import Match
 from tome_core.merge import merge, size_bias, unmerge
+from tome_core.selection import ModelFacts, check_model
 from tome_core.state import ToMeState
 
 LATENT_MODELS = (FlaxUNet2DConditionModel, FlaxControlNetModel)
@@ -343,7 +344,8 @@ def is_patched(model: Any) -> bool:
 def _patch_model(model: nn.Module, config: ToMeConfig) -> nn.Module:
     _check_supported(config)
     model = _original(model)
-    warn_if_nothing_merges(config, _finest_level(model), type(model).__name__)
+    # no module tree to read block levels from: the model is known by its finest level with attention
+    check_model(config, ModelFacts(type(model).__name__, _finest_level(model), [None]))
     cls = _patched_class(type(model))
     patched = cls(**module_fields(model), tome=config)
     # The same diffusers config (it may hold entries that are not fields, e.g. _diffusers_version).

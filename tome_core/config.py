@@ -388,7 +388,7 @@ class ToMeConfig:
     def _cells_of_ratio(self) -> Optional[Tuple[int, int]]:
         """The cell that bounds ``ratio`` when the config alone tells it: ``(sx, sy)``, or None when
         ``level_cells`` gives some levels other cells (then each merged level's cell bounds it, checked at
-        ``patch``, which knows the levels: :func:`tome_core.levels.check_levels`)."""
+        ``patch``, which knows the levels: :func:`tome_core.selection.check_model`)."""
         if self.level_cells and any(cell != (self.sx, self.sy) for cell in self.level_cells.values()):
             return None
         return self.sx, self.sy

@@ -28,7 +28,6 @@ import copyreg
 import inspect
 import itertools
 import numbers
-import warnings
 import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
@@ -175,15 +174,15 @@ def unbiased_processor(processor: Any, trusted: Sequence[str], library: str, fun
 def arrangement_problem(fw: Framework, block: Any, sublayer: Sublayer, module: Any) -> Optional[str]:
     """Why a self-attention cannot run the ``kv`` or ``queries`` arrangement now (None: it can): they hand it
     keys and values apart from its queries, through its ``kv_input``."""
-    where = f"{type(block).__name__}.{sublayer.child}"
+    where = lambda: f"{type(block).__name__}.{sublayer.child}"  # noqa: E731 (formatted only for a problem)
     if sublayer.kv_input is None:
-        return f"{where} runs joint attention over text and image tokens"
+        return f"{where()} runs joint attention over text and image tokens"
     if sublayer.text_if is not None and getattr(block, sublayer.text_if, False):
-        return f"{where} attends to the text ({sublayer.text_if}=True), not to its own tokens"
+        return f"{where()} attends to the text ({sublayer.text_if}=True), not to its own tokens"
     if not fw.separate_kv(module):
         processor = type(getattr(module, "processor", None)).__name__
         return (
-            f"{where}'s processor {processor} does not compute keys and values from {sublayer.kv_input} "
+            f"{where()}'s processor {processor} does not compute keys and values from {sublayer.kv_input} "
             "(fused projections, perturbed-attention guidance, or a processor of its own)"
         )
     return None
@@ -262,7 +261,6 @@ class _CallStart:
         self.where = argument_positions(forward, "sample", "hidden_states", "timestep", "img_ids")
         self.model = type(model).__qualname__
         self.ids_grid: Tuple[Any, Optional[Tuple[int, int, int]]] = (None, None)  # (ids, leading_raster of them)
-        self.warned = False
 
     def __call__(self, module, args, kwargs):
         where = self.where
@@ -272,9 +270,15 @@ class _CallStart:
         if sample is None and args:
             sample = args[0]
         timestep = argument(args, kwargs, "timestep", where["timestep"])
-        step, merging = _step(timestep), self._merges_at(timestep)
-        if self.state.config.reuse_steps > 1 and timestep is not None:  # matches live within one generation
-            self.state.follow_generation(max(_host_timesteps(self.fw, timestep)))
+        config = self.state.config
+        # read on the host once, only where an option decides from the timestep's value
+        values = (
+            _host_timesteps(self.fw, timestep)
+            if timestep is not None and (config.timestep_range is not None or config.reuse_steps > 1) else None
+        )
+        step, merging = _step(timestep), self._merges_at(values)
+        if config.reuse_steps > 1 and values is not None:  # matches live within one generation
+            self.state.follow_generation(max(values))
         if not self.transformer:  # UNets give their latent; inner Transformer2DModels give the grids
             latent = _spatial(sample, self.data_format) if self.unet else None
             shape = get_ops(sample).shape(sample) if self.unet else ()
@@ -282,49 +286,40 @@ class _CallStart:
             self.state.begin_call(latent, step, videos=shape[0] if len(shape) == 5 else None, merging=merging)
             return None
         shape = get_ops(sample).shape(sample)
+        videos, tail = None, 0
         if len(shape) == 4:
             height, width = _spatial(sample, self.data_format)
             grid = (height // self.patch_size, width // self.patch_size)
         elif len(shape) == 5 and isinstance(self.patch_size, int):
             # (batch, C, frames, H, W) with a 2-D patch (Latte): each frame is an item of the spatial blocks' batch,
             # merged on its own grid, as in video UNets
-            grid = (shape[3] // self.patch_size, shape[4] // self.patch_size)
-            self.state.begin_call(grid, step, videos=shape[0], merging=merging)
-            self.state.enter_grid(grid)
-            return None
+            grid, videos = (shape[3] // self.patch_size, shape[4] // self.patch_size), shape[0]
         elif len(shape) == 5:  # a 3-D patch (Wan): (batch, C, frames, H, W), its frames' grids stacked in one sequence
             frames, height, width = (n // p for n, p in zip(shape[2:], self.patch_size))
             grid = (frames * height, width)
         else:
             packed = self._packed_grid(argument(args, kwargs, "img_ids", where["img_ids"]))
             if packed is None:
-                self._unmerged(
+                why = (
                     "its img_ids do not begin with one image's tokens in raster order (row by row), so no token "
-                    "grid is known; calls with such ids run unmerged", step
+                    "grid is known; calls with such ids run unmerged"
                 )
+                self.state.say_once(f"ToMe on {self.model}: {why}")
+                self.state.begin_call(None, step, merging=False, why=why)
                 return None
-            height, width, tail = packed
-            self.state.begin_call((height, width), step, merging=merging, tail=tail)
-            self.state.enter_grid((height, width))
-            return None
-        self.state.begin_call(grid, step, merging=merging)
+            grid, tail = packed[:2], packed[2]
+        self.state.begin_call(grid, step, videos=videos, merging=merging, tail=tail)
         self.state.enter_grid(grid)
         return None
 
-    def _unmerged(self, why: str, step: Any) -> None:
-        """This call runs unmerged because of ``why``: say so once per patch, and in the summary."""
-        if not self.warned:
-            self.warned = True
-            warnings.warn(f"ToMe on {self.model}: {why}", UserWarning, stacklevel=2)
-        self.state.begin_call(None, step, merging=False, why=why)
-
-    def _merges_at(self, timestep: Any) -> bool:
-        """Whether this call merges under ``timestep_range`` (read on the host only when it is set)."""
+    def _merges_at(self, timesteps: Optional[List[float]]) -> bool:
+        """Whether this call, at ``timesteps`` (read on the host where an option needs them), merges under
+        ``timestep_range``."""
         if self.state.config.timestep_range is None:
             return True
-        if timestep is None:
+        if timesteps is None:
             raise ValueError(f"timestep_range={self.state.config.timestep_range} needs the model's timestep, and this call gave none")
-        return self.state.config.merges_at(_host_timesteps(self.fw, timestep))
+        return self.state.config.merges_at(timesteps)
 
     def _packed_grid(self, img_ids: Any) -> Optional[Tuple[int, int, int]]:
         """``(h, w, tail)`` of packed image tokens from their ids ``[N, 3]`` (:func:`~tome_core.levels.leading_raster`:
@@ -459,7 +454,7 @@ class _MergeInput:
         mode, size_aware = self.run.config.arrangement(self.sublayer.kind, self.sublayer.attention)
         self.fw.output_cache(module)  # a cache set after patch is checked here
         x = argument(args, kwargs, "hidden_states", 0)
-        merged = self._around_image(x, match.tokens, lambda image: merge(image, match))
+        merged = around_image(x, match.tokens, self.run.tail, self.sublayer.text == TEXT_PREFIX, lambda image: merge(image, match))
         if mode != "tokens":
             return self._arrange(module, args, kwargs, x, merged, match, mode, size_aware)
         args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
@@ -471,11 +466,6 @@ class _MergeInput:
         if self.sublayer.text == TEXT_NONE and kwargs.get("encoder_hidden_states") is not None:
             return args, kwargs
         return self._size_aware(module, args, kwargs, match, merged)
-
-    def _around_image(self, x: Any, tokens: int, change: Callable[[Any], Any]) -> Any:
-        """``x`` (``[text;] image [; tail]``, the text only where it is the sub-layer's own input) with its
-        ``tokens`` grid tokens replaced by ``change`` of them; text and tail pass as they are."""
-        return around_image(x, tokens, self.run.tail, self.sublayer.text == TEXT_PREFIX, change)
 
     def _arrange(self, module, args, kwargs, x, merged, match, mode, size_aware):
         """The ``kv`` or ``queries`` arrangement of a self-attention."""
@@ -744,11 +734,17 @@ def _sublayers(fw: Framework, model: Any, config: ToMeConfig):
                 yield stream, block, family, ratios.get(stream), sublayer, target
 
 
+def auto_choices(fw: Framework, model: Any, config: ToMeConfig) -> Tuple[Tuple[int, ToMeConfig], ...]:
+    """:meth:`ToMeConfig.auto_choices` for ``model``: keys and values in cells only where every merged
+    self-attention takes them apart from its queries (the family table's ``kv_input``)."""
+    kv_input = all(s.kv_input is not None for *_, s, _ in _sublayers(fw, model, config) if s.kind == "attn")
+    return config.auto_choices(kv_input)
+
+
 def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
     """Hook ``model`` (one found by :func:`find_models`) with ``config``."""
-    kv_input = all(s.kv_input is not None for *_, s, _ in _sublayers(fw, model, config) if s.kind == "attn")
     state = ToMeState(
-        config=config, finest_level=finest_level(fw, model), choices=config.auto_choices(kv_input),
+        config=config, finest_level=finest_level(fw, model), choices=auto_choices(fw, model, config),
         where=type(model).__qualname__,
     )
     patch = Patch(state)
@@ -859,8 +855,7 @@ def check_sublayers(fw: Framework, model: Any, config: ToMeConfig) -> None:
     size-aware attention through a processor that cannot take the bias, MLP merging with chunked feed-forward.
     A processor swapped in after ``patch`` is checked at its first call with the same messages."""
     where = type(model).__qualname__
-    kv_input = all(s.kv_input is not None for *_, s, _ in _sublayers(fw, model, config) if s.kind == "attn")
-    choices = [choice for _, choice in config.auto_choices(kv_input)]
+    choices = [choice for _, choice in auto_choices(fw, model, config)]
     for stream, block, _, _, sublayer, target in _sublayers(fw, model, config):
         fw.output_cache(target)
         block_problem(block, config)

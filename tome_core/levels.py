@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence, Tuple
 
-from .config import ToMeConfig
 
 
 def downsample_factor(latent_hw: Tuple[int, int], tokens: int, seen_hw: Optional[Tuple[int, int]] = None) -> int:
@@ -79,11 +78,3 @@ def finest_attention_level(down_blocks_with_attention: Sequence[bool]) -> int:
         if has_attention:
             return 2**index
     return 2 ** max(len(down_blocks_with_attention) - 1, 0)
-
-
-def warn_if_nothing_merges(config: ToMeConfig, finest_level: int, where: str) -> None:
-    """Check ``config`` against a UNet known only by its finest level with attention (Flax: no module tree
-    to read block levels from): refuse levels that never merge, warn when nothing merges."""
-    from .selection import ModelFacts, check_model
-
-    check_model(config, ModelFacts(where, finest_level, [None]))

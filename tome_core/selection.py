@@ -91,14 +91,15 @@ def check_model(config: ToMeConfig, facts: ModelFacts) -> None:
         _nothing(facts, f"max_downsample={config.max_downsample} but the finest level with attention is downsampled "
                  f"{facts.finest}x; use max_downsample=None or >= {facts.finest}")
         return
-    known = all(level is not None for level in facts.levels)
-    merged_levels = sorted({facts.levels[i] for i in chosen if known and facts.levels[i] <= deepest})
-    if not known:
-        merged_levels = [level for level in LEVELS if facts.finest <= level <= deepest]
     mergeable = [i for i, level in enumerate(facts.levels) if level is not None and level <= deepest]
-    never = f"with max_downsample={config.max_downsample!r} the blocks of {facts.where} merge at " + (
-        ", ".join(scale(level) for level in sorted({facts.levels[i] for i in mergeable})) if known else
-        ", ".join(scale(level) for level in merged_levels)
+    if all(level is not None for level in facts.levels):
+        merged_levels = sorted({facts.levels[i] for i in chosen if facts.levels[i] <= deepest})
+        reachable = sorted({facts.levels[i] for i in mergeable})
+    else:  # levels not known: judged by the range from the finest level with attention
+        merged_levels = reachable = [level for level in LEVELS if facts.finest <= level <= deepest]
+    never = (
+        f"with max_downsample={config.max_downsample!r} the blocks of {facts.where} merge at "
+        + ", ".join(scale(level) for level in reachable)
     )
     for name, indices in (("blocks", config.blocks or ()), ("block_ratios", config.block_ratios or {})):
         for index in indices:

@@ -197,7 +197,7 @@ class ToMeState:
         h, w = block_grid(latent, factor, self.grid_hw, tokens)
         sx, sy = config.cell_at(factor)
         if (h // sy) * (w // sx) == 0 and frames == 1:  # no full cell: no destination, nothing can merge here
-            self._say_once(
+            self.say_once(
                 f"ToMe on {self.where}: a {h}x{w} token grid is smaller than one {sx}x{sy} cell, so its blocks at "
                 f"{scale(factor)} merge nothing at this latent size (a larger image, or smaller cells: sx, sy)"
             )
@@ -228,10 +228,11 @@ class ToMeState:
             found = bipartite_matches(ops, metric, h, w, sx, sy, list(merged.values()), offsets, config.local_window, shared)
         return dict(zip(merged, found))
 
-    def _say_once(self, message: str) -> None:
+    def say_once(self, message: str) -> None:
+        """Warn ``message`` the first time this patch has it to say."""
         if message not in self.said:
             self.said.add(message)
-            warnings.warn(message, UserWarning, stacklevel=2)
+            warnings.warn(message, UserWarning, stacklevel=3)
 
     def _chunk(self, batch: int, config: ToMeConfig) -> int:
         """Frames per chunk of cross-frame merging for a block whose input holds ``batch`` items: 1 unless the
