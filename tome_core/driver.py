@@ -39,6 +39,7 @@ from .families import (
 from .levels import finest_attention_level, leading_raster
 from .match import Match
 from .merge import merge, unmerge
+from .model_zoo import refusal
 from .selection import ModelFacts, block_ratios, check_model, selected_blocks
 from .state import ToMeState
 
@@ -825,6 +826,7 @@ def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any]
 
     Options are checked, and every model's block selection too, before anything is patched."""
     config = ToMeConfig.from_options(options)
+    refuse_listed(fw, obj)
     models = find_models(fw, obj)
     if not models:
         temporal_only = any(temporal_modules(fw, component) for component in components(fw, obj))
@@ -847,6 +849,16 @@ def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any]
     for model in models:
         attach(fw, model, config)
     return obj
+
+
+def refuse_listed(fw: Framework, obj: Any) -> None:
+    """Refuse a model of a class that :data:`~tome_core.model_zoo.REFUSED` lists, with that class's reason; a
+    pipeline, when none of its components can be patched, with the reasons of its listed ones (a listed
+    component beside patchable ones, such as AnimateDiff's motion adapter, is left alone)."""
+    listed = [(c, refusal(type(c))) for c in components(fw, obj)]
+    listed = [(c, reason) for c, reason in listed if reason is not None]
+    if listed and (fw.is_module(obj) or not find_models(fw, obj)):
+        raise ValueError("; ".join(f"ToMe cannot patch {type(c).__qualname__}: {reason}" for c, reason in listed))
 
 
 def check_sublayers(fw: Framework, model: Any, config: ToMeConfig) -> None:

@@ -1,0 +1,197 @@
+"""Every model class diffusers exports (transformers, UNets, ControlNets) merges or is refused with its own reason.
+
+The zoo is enumerated from the installed diffusers, so a release that adds a model class fails here until the
+class is classified: merged (a tiny builder below, checked against the unpatched model) or refused (a reason in
+:data:`tome_core.model_zoo.REFUSED`, which ``patch`` gives). Oracles: the unpatched model (``ratio=0`` and
+``remove`` exact), the token counts that the attention modules really see, the text they see.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+from typing import Any, Callable, Dict, List, Tuple
+
+import pytest
+import torch
+
+import diffusers
+import tome_core.torch as tome
+from tome_core.adapters import diffusers_models as zoo
+from tome_core.model_zoo import REFUSED, refusal
+
+ZOO_PACKAGES = ("transformers", "unets", "controlnets")
+
+
+def exported_models() -> List[str]:
+    """The ModelMixin classes that ``diffusers.models`` exports from its transformers, UNets and ControlNets."""
+    from diffusers.models.modeling_utils import ModelMixin
+
+    names = []
+    for name in dir(diffusers.models):
+        cls = getattr(diffusers.models, name, None)
+        if inspect.isclass(cls) and issubclass(cls, ModelMixin) and cls.__module__.split(".")[2:3] and cls.__module__.split(".")[2] in ZOO_PACKAGES:
+            names.append(name)
+    return sorted(names)
+
+
+# Wrappers that hold several models of one class and run them in turn: patch reaches the models inside.
+WRAPPERS = {
+    "MultiControlNetModel": "ControlNetModel",
+    "SD3MultiControlNetModel": "SD3ControlNetModel",
+    "FluxMultiControlNetModel": "FluxControlNetModel",
+}
+
+
+def _unet():
+    model = zoo.build_unet("tiny")
+    generator = torch.Generator().manual_seed(1)
+    return model, dict(
+        sample=torch.randn(2, 4, 16, 16, generator=generator), timestep=torch.tensor(500),
+        encoder_hidden_states=torch.randn(2, 7, model.config.cross_attention_dim, generator=generator),
+    )
+
+
+def _controlnet():
+    unet, inputs = _unet()
+    model = zoo.build_controlnet(unet)
+    return model, {**inputs, "controlnet_cond": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))}
+
+
+def _transformer(preset: str, height: int = 16, width: int = 12) -> Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]:
+    def build():
+        model = zoo.build_transformer(preset)
+        return model, zoo.transformer_inputs(model, height, width, batch=2)
+    return build
+
+
+def _video_unet(kind: str):
+    def build():
+        model = zoo.build_video_unet(kind)
+        return model, zoo.video_unet_inputs(model, frames=3, height=8, width=8)
+    return build
+
+
+def _wan():
+    model = zoo.build_video_transformer("tiny-wan")
+    generator = torch.Generator().manual_seed(3)
+    return model, dict(
+        hidden_states=torch.randn(2, 4, 2, 8, 12, generator=generator), timestep=torch.tensor([500, 500]),
+        encoder_hidden_states=torch.randn(2, 5, 16, generator=generator),
+    )
+
+
+# Classes that merge, each with a tiny model (random weights) and the keyword inputs of one call.
+MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
+    "UNet2DConditionModel": _unet,
+    "ControlNetModel": _controlnet,
+    "SD3Transformer2DModel": _transformer("tiny-sd3"),
+    "FluxTransformer2DModel": _transformer("tiny-flux"),
+    "PixArtTransformer2DModel": _transformer("tiny-pixart"),
+    "DiTTransformer2DModel": _transformer("tiny-dit", 16, 16),
+    "UNetMotionModel": _video_unet("animatediff"),
+    "UNetSpatioTemporalConditionModel": _video_unet("svd"),
+    "UNet3DConditionModel": _video_unet("text-to-video"),
+    "WanTransformer3DModel": _wan,
+}
+# Classes that merge and are checked in their own tests (module named).
+MERGED_ELSEWHERE = {
+    "SD3ControlNetModel": "test_transformers.py (pipelines)",
+    "FluxControlNetModel": "test_transformers.py (pipelines)",
+    "LatteTransformer3DModel": "test_transformers.py",
+    "SparseControlNetModel": "test_video_controlnet.py",
+}
+
+
+def test_every_exported_class_is_merged_or_refused_with_its_own_reason():
+    unclassified = [
+        name for name in exported_models()
+        if name not in MERGED and name not in MERGED_ELSEWHERE and name not in WRAPPERS and name not in REFUSED
+    ]
+    assert not unclassified, f"classify these diffusers model classes (merge and test them, or refuse them with a reason): {unclassified}"
+    both = sorted(set(REFUSED) & (set(MERGED) | set(MERGED_ELSEWHERE)))
+    assert not both, f"merged and refused at once: {both}"
+    assert all(WRAPPERS[name] in MERGED or WRAPPERS[name] in MERGED_ELSEWHERE for name in WRAPPERS)
+
+
+def test_refusal_reasons_are_the_classes_own():
+    generic = "contains no transformer block ToMe knows"
+    for name, reason in REFUSED.items():
+        assert len(reason) > 40 and generic not in reason, name
+
+
+def _flat(output: Any) -> torch.Tensor:
+    """One vector of every tensor in a model's output (ControlNets return tuples of residuals)."""
+    if isinstance(output, torch.Tensor):
+        return output.reshape(-1)
+    if isinstance(output, (tuple, list)):
+        return torch.cat([_flat(item) for item in output if item is not None])
+    return _flat(output.to_tuple())
+
+
+def _run(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return _flat(model(**inputs, return_dict=False))
+
+
+def _attention_calls(model, inputs):
+    """Per call of an attention module: (module name, image tokens in, text given to it or None)."""
+    seen = []
+
+    def record(module, args, kwargs, name):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        text = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
+        seen.append((name, hidden.shape[1] if hidden.dim() == 3 else None, None if text is None else text.clone()))
+
+    handles = [
+        module.register_forward_pre_hook(lambda m, a, k, n=name: record(m, a, k, n), with_kwargs=True)
+        for name, module in model.named_modules() if type(module).__name__.endswith("Attention")
+    ]
+    try:
+        output = _run(model, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen, output
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("name", sorted(MERGED))
+def test_merged_class_against_the_unpatched_model(name):
+    model, inputs = MERGED[name]()
+    assert type(model).__name__ == name
+    plain, reference = _attention_calls(model, inputs)
+    assert torch.equal(_run(model, inputs), reference)
+    with pytest.warns(UserWarning, match="merges no tokens"):
+        tome.patch(model, ratio=0.0)
+    assert torch.equal(_run(model, inputs), reference)
+    tome.patch(model, ratio=0.5)
+    merged, output = _attention_calls(model, inputs)
+    assert torch.isfinite(output).all() and _rel(output, reference) > 1e-4
+    assert torch.equal(_run(model, inputs), output)  # same inputs, same output
+    assert [n for n, *_ in merged] == [n for n, *_ in plain]
+    fewer = [n for (n, tokens, _), (_, before, _) in zip(merged, plain) if tokens is not None and tokens < before]
+    more = [n for (n, tokens, _), (_, before, _) in zip(merged, plain) if tokens is not None and tokens > before]
+    assert fewer and not more, (fewer, more)
+    first_text = next(((t, p) for (_, _, t), (_, _, p) in zip(merged, plain) if p is not None), None)
+    if first_text is not None:  # the text reaches the first attention that takes it untouched
+        assert torch.equal(*first_text)
+    tome.patch(model)  # the default
+    assert torch.isfinite(_run(model, inputs)).all()
+    tome.remove(model)
+    assert torch.equal(_run(model, inputs), reference)
+    assert not tome.patched_models(model)
+
+
+def test_patch_refuses_a_listed_class_with_its_reason():
+    model = diffusers.UNet2DModel(
+        sample_size=8, in_channels=3, out_channels=3, block_out_channels=(32, 32), layers_per_block=1,
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+    )
+    with pytest.raises(ValueError, match="ToMe cannot patch UNet2DModel: its attention layers sit inside"):
+        tome.patch(model)
+    assert refusal(type(model)) == REFUSED["UNet2DModel"]
