@@ -668,7 +668,15 @@ def finest_level(fw: Framework, model: Any) -> int:
     """Downsample factor of a UNet's finest level with attention; 1 for transformers."""
     if not is_unet_like(model):
         return 1
-    return finest_attention_level([bool(blocks_of(fw, block)) for block in model.down_blocks])
+    return finest_attention_level([_self_attends(fw, block) for block in model.down_blocks])
+
+
+def _self_attends(fw: Framework, module: Any) -> bool:
+    """Whether a block of ``module`` has a self-attention (DreamLite's blocks at its finest levels have none)."""
+    return any(
+        fw.is_module(getattr(block, sublayer.child, None))
+        for block, family in blocks_of(fw, module) for sublayer in family.sublayers if sublayer.kind == "attn"
+    )
 
 
 def block_levels(fw: Framework, model: Any) -> List[Optional[int]]:

@@ -68,8 +68,8 @@ class BlockFamily:
 
 BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
     BlockFamily(
-        "basic",  # SD 1.x/2.x/XL UNets, ControlNets, PixArt, DiT
-        ("BasicTransformerBlock",),
+        "basic",  # SD 1.x/2.x/XL UNets, ControlNets, PixArt, DiT; DreamLite's variant (attn1 may be absent)
+        ("BasicTransformerBlock", "BasicTransformerBlockDreamLite"),
         (
             Sublayer("attn1", "attn", attention=True, kv_input="encoder_hidden_states", text_if="only_cross_attention"),
             Sublayer("attn2", "crossattn"),
@@ -147,7 +147,7 @@ TEMPORAL: Tuple[Temporal, ...] = (
 )
 
 # Containers whose 4-D input ``(batch [* frames], C, H, W)`` is the token grid of the (spatial) blocks inside.
-GRID_CONTAINERS: Tuple[str, ...] = ("Transformer2DModel", "TransformerSpatioTemporalModel")
+GRID_CONTAINERS: Tuple[str, ...] = ("Transformer2DModel", "TransformerSpatioTemporalModel", "DreamLiteTransformer2DModel")
 
 _TEMPORAL: Dict[str, Temporal] = {entry.name: entry for entry in TEMPORAL}
 

@@ -34,6 +34,18 @@ REFUSED: Dict[str, str] = {
         "holds only AnimateDiff's motion modules, whose tokens are frames; patch the UNetMotionModel built from "
         "it (UNetMotionModel.from_unet2d(unet, adapter)) or the AnimateDiff pipeline"
     ),
+    "TransformerTemporalModel": (
+        "attends across frames (its tokens are one pixel's frames, not an image grid); the video UNets that hold it "
+        "merge their spatial blocks and leave it alone"
+    ),
+    "ControlNetXSAdapter": (
+        "cannot run by itself (diffusers runs it only inside a UNetControlNetXSModel); patch the "
+        "UNetControlNetXSModel built from it (UNetControlNetXSModel.from_unet(unet, adapter)), whose blocks merge"
+    ),
+    "UVit2DModel": (
+        "aMUSEd's UVit runs its transformer layers on tokens it flattens itself after a downsampling block, and "
+        "predicts masked VQ codes rather than a denoised latent; no grid reaches its blocks"
+    ),
     # image models whose attention is not in transformer blocks
     "UNet2DModel": _OWN_ATTENTION + " (an unconditional UNet's AttnDownBlock2D: one Attention module per ResNet)",
     "Kandinsky3UNet": _OWN_ATTENTION + " (Kandinsky3AttentionBlock)",

@@ -82,6 +82,58 @@ def _wan():
     )
 
 
+def _small_unet(**config):
+    torch.manual_seed(0)
+    return diffusers.UNet2DConditionModel(
+        block_out_channels=(16, 16), layers_per_block=2, sample_size=16, in_channels=4, out_channels=4,
+        attention_head_dim=8, down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=8, norm_num_groups=4,
+        use_linear_projection=True, **config,
+    )
+
+
+def _inputs(seed: int = 1, batch: int = 2, **shapes) -> Dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(*shape, generator=generator) for name, shape in shapes.items()}
+
+
+def _controlnet_xs():
+    unet = _small_unet()
+    adapter = diffusers.ControlNetXSAdapter.from_unet(unet, size_ratio=1, conditioning_embedding_out_channels=(2, 2))
+    model = diffusers.UNetControlNetXSModel.from_unet(unet, adapter).eval()
+    inputs = _inputs(sample=(2, 4, 16, 16), encoder_hidden_states=(2, 4, 8), controlnet_cond=(2, 3, 32, 32))
+    return model, {**inputs, "timestep": torch.tensor([10])}
+
+
+def _transformer_2d():
+    torch.manual_seed(0)
+    model = diffusers.Transformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=8, norm_num_groups=4, cross_attention_dim=8)
+    return model.eval(), _inputs(hidden_states=(2, 8, 8, 8), encoder_hidden_states=(2, 4, 8))
+
+
+def _dreamlite():
+    torch.manual_seed(0)
+    model = diffusers.DreamLiteUNetModel(  # its first level has cross-attention only (no attn1): level 2 merges
+        sample_size=8, in_channels=4, out_channels=4, block_out_channels=(32, 64), cross_attention_dim=8,
+        down_block_types=("DreamLiteCrossAttnNoSelfAttnDownBlock2D", "DreamLiteCrossAttnDownBlock2D"),
+        up_block_types=("DreamLiteCrossAttnUpBlock2D", "DreamLiteUpBlock2D"), attention_head_dim=8,
+        layers_per_block=1, norm_num_groups=8, transformer_layers_per_block=1,
+    )
+    inputs = _inputs(sample=(2, 4, 16, 16), encoder_hidden_states=(2, 4, 8))
+    return model.eval(), {**inputs, "timestep": torch.tensor([10])}
+
+
+def _i2vgen():
+    torch.manual_seed(0)
+    model = diffusers.I2VGenXLUNet(
+        sample_size=None, in_channels=4, out_channels=4, down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"),
+        up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"), block_out_channels=(16, 32), layers_per_block=1,
+        norm_num_groups=4, cross_attention_dim=8, attention_head_dim=4, num_attention_heads=None,
+    )
+    inputs = _inputs(sample=(1, 4, 2, 8, 8), image_latents=(1, 4, 2, 8, 8), image_embeddings=(1, 8), encoder_hidden_states=(1, 4, 8))
+    return model.eval(), {**inputs, "timestep": torch.tensor([10]), "fps": torch.tensor([16])}
+
+
 # Classes that merge, each with a tiny model (random weights) and the keyword inputs of one call.
 MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
     "UNet2DConditionModel": _unet,
@@ -94,6 +146,10 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
     "UNetSpatioTemporalConditionModel": _video_unet("svd"),
     "UNet3DConditionModel": _video_unet("text-to-video"),
     "WanTransformer3DModel": _wan,
+    "UNetControlNetXSModel": _controlnet_xs,
+    "Transformer2DModel": _transformer_2d,
+    "DreamLiteUNetModel": _dreamlite,
+    "I2VGenXLUNet": _i2vgen,
 }
 # Classes that merge and are checked in their own tests (module named).
 MERGED_ELSEWHERE = {
