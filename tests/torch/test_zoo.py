@@ -41,6 +41,7 @@ WRAPPERS = {
     "MultiControlNetModel": "ControlNetModel",
     "SD3MultiControlNetModel": "SD3ControlNetModel",
     "FluxMultiControlNetModel": "FluxControlNetModel",
+    "MultiControlNetUnionModel": "ControlNetUnionModel",
 }
 
 
@@ -134,6 +135,23 @@ def _i2vgen():
     return model.eval(), {**inputs, "timestep": torch.tensor([10]), "fps": torch.tensor([16])}
 
 
+def _controlnet_union():
+    torch.manual_seed(0)
+    model = diffusers.ControlNetUnionModel(  # SDXL's: text-time embeddings, a transformer over control types
+        block_out_channels=(16, 16), layers_per_block=1, in_channels=4, attention_head_dim=8, norm_num_groups=4,
+        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"), cross_attention_dim=8,
+        addition_embed_type="text_time", addition_time_embed_dim=4, projection_class_embeddings_input_dim=8 + 6 * 4,
+        conditioning_embedding_out_channels=(2, 2), num_trans_channel=16, num_trans_head=2, num_proj_channel=16,
+    )
+    zoo._randomize_zeros(model, 1)  # zero convolutions: its residuals would be zero whatever its blocks do
+    inputs = _inputs(sample=(2, 4, 16, 16), encoder_hidden_states=(2, 4, 8), cond=(2, 3, 32, 32), text_embeds=(2, 8), time_ids=(2, 6))
+    return model.eval(), dict(
+        sample=inputs["sample"], timestep=torch.tensor([10]), encoder_hidden_states=inputs["encoder_hidden_states"],
+        controlnet_cond=[inputs["cond"]], control_type=torch.tensor([[1, 0, 0, 0, 0, 0]] * 2), control_type_idx=[0],
+        added_cond_kwargs={"text_embeds": inputs["text_embeds"], "time_ids": inputs["time_ids"]},
+    )
+
+
 # Classes that merge, each with a tiny model (random weights) and the keyword inputs of one call.
 MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
     "UNet2DConditionModel": _unet,
@@ -150,6 +168,7 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
     "Transformer2DModel": _transformer_2d,
     "DreamLiteUNetModel": _dreamlite,
     "I2VGenXLUNet": _i2vgen,
+    "ControlNetUnionModel": _controlnet_union,
 }
 # Classes that merge and are checked in their own tests (module named).
 MERGED_ELSEWHERE = {
