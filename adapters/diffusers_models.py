@@ -5,6 +5,7 @@ Used by the examples, the benchmark and the tests; nothing is downloaded.
 
 from __future__ import annotations
 
+import inspect
 import tempfile
 from typing import Any, Dict, Tuple
 
@@ -24,6 +25,8 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 
 import diffusers
 
+from tome_core import driver
+from tome_core.adapters.diffusers import FRAMEWORK
 from tome_core.presets import (
     SMALL_VAE,
     TINY_CONTROLNET_CONDITIONING,
@@ -66,27 +69,14 @@ def _random_transformer(name: str, config: Dict[str, Any], seed: int) -> torch.n
 
 def transformer_inputs(model: torch.nn.Module, height: int, width: int, batch: int = 1, text: int = 7, seed: int = 0) -> Dict[str, Any]:
     """Keyword inputs of one call of a transformer from :func:`build_transformer` on a ``height x width``
-    latent (packed into tokens for Flux), at timestep 500 (0.5 for Flux), seeded."""
+    latent (packed into tokens of 2x2 latent pixels for Flux, Flux.2, Qwen-Image and their kin), at the middle
+    of its timesteps (500, or 0.5 where its pipelines pass sigmas), seeded."""
     generator = torch.Generator().manual_seed(seed)
     config = model.config
     randn = lambda *shape: torch.randn(*shape, generator=generator)
     name = type(model).__name__
-    if name.startswith("Flux"):
-        h, w = height // 2, width // 2  # Flux packs 2x2 latent patches into one token
-        ids = torch.zeros(h, w, 3)
-        ids[..., 1] = torch.arange(h)[:, None]
-        ids[..., 2] = torch.arange(w)[None, :]
-        inputs = dict(
-            hidden_states=randn(batch, h * w, config.in_channels),
-            encoder_hidden_states=randn(batch, text, config.joint_attention_dim),
-            pooled_projections=randn(batch, config.pooled_projection_dim),
-            timestep=torch.full((batch,), 0.5),
-            img_ids=ids.reshape(-1, 3),
-            txt_ids=torch.zeros(text, 3),
-        )
-        if config.guidance_embeds:
-            inputs["guidance"] = torch.full((batch,), 3.5)
-        return inputs
+    if len(config.get("axes_dims_rope") or ()) or "img_shapes" in inspect.signature(model.forward).parameters:
+        return _packed_inputs(model, height // 2, width // 2, batch, text, randn)
     sample = randn(batch, config.in_channels, height, width)
     if name.startswith("SD3"):
         return dict(
@@ -103,6 +93,43 @@ def transformer_inputs(model: torch.nn.Module, height: int, width: int, batch: i
         timestep=torch.full((batch,), 500, dtype=torch.long),
         added_cond_kwargs={"resolution": None, "aspect_ratio": None},
     )
+
+
+def _packed_inputs(model: torch.nn.Module, h: int, w: int, batch: int, text: int, randn: Any) -> Dict[str, Any]:
+    """A call of a packed-token transformer on an ``h x w`` token grid: every argument its ``forward`` takes of
+    those its kin take (ids with one column per rotary axis, Qwen-Image's ``img_shapes``, Chroma's attention
+    mask over ``[text; image]``, Bria-FIBO's text-encoder layers and key-padding mask); the second prompt is
+    padded after 5 tokens where a mask is taken."""
+    config = model.config
+    takes = inspect.signature(model.forward).parameters
+    tokens = h * w
+    columns = len(config.get("axes_dims_rope") or (0, 0, 0))
+    ids = torch.zeros(h, w, columns)
+    ids[..., 1] = torch.arange(h)[:, None]
+    ids[..., 2] = torch.arange(w)[None, :]
+    prompt = torch.ones(batch, text, dtype=torch.bool)
+    prompt[1:, 5:] = False
+    image = torch.ones(batch, tokens, dtype=torch.bool)
+    scale = driver.model_facts(FRAMEWORK, model).timesteps or 1000.0
+    inputs: Dict[str, Any] = dict(
+        hidden_states=randn(batch, tokens, config.in_channels),
+        encoder_hidden_states=randn(batch, text, config.joint_attention_dim),
+        timestep=torch.full((batch,), 0.5 * scale),
+        img_ids=ids.reshape(-1, columns),
+        txt_ids=torch.zeros(text, columns),
+        img_shapes=[[(1, h, w)]] * batch,
+        encoder_hidden_states_mask=prompt.long(),
+        attention_mask=torch.cat([prompt, image], 1),
+    )
+    if config.get("pooled_projection_dim"):
+        inputs["pooled_projections"] = randn(batch, config.pooled_projection_dim)
+    if config.get("guidance_embeds") or (config.get("guidance_embeds") is None and "guidance" in takes):
+        inputs["guidance"] = torch.full((batch,), 3.5)
+    if "text_encoder_layers" in takes:  # Bria-FIBO: one text-encoder layer per block, a key-padding mask
+        layers = config.num_layers + config.num_single_layers
+        inputs["text_encoder_layers"] = [inputs["encoder_hidden_states"][..., : config.text_encoder_dim]] * layers
+        inputs["joint_attention_kwargs"] = {"attention_mask": inputs.pop("attention_mask")[:, None, None, :]}
+    return {key: value for key, value in inputs.items() if key in takes}
 
 
 TRANSFORMER_PIPELINES = ("sd3", "sd3-img2img", "sd3-controlnet", "flux", "flux-kontext", "flux-controlnet", "pixart-alpha", "pixart-sigma")

@@ -259,7 +259,7 @@ class _CallStart:
         self.patch_size = _config_value(model, "patch_size") if self.transformer else None
         self.data_format = getattr(model, "data_format", "NCHW")
         forward = type(model).forward
-        self.where = argument_positions(forward, "sample", "hidden_states", "timestep", "img_ids")
+        self.where = argument_positions(forward, "sample", "hidden_states", "timestep", "img_ids", "img_shapes")
         self.model = type(model).__qualname__
         self.ids_grid: Tuple[Any, Optional[Tuple[int, int, int]]] = (None, None)  # (ids, leading_raster of them)
 
@@ -299,7 +299,11 @@ class _CallStart:
             frames, height, width = (n // p for n, p in zip(shape[2:], self.patch_size))
             grid = (frames * height, width)
         else:
-            packed = self._packed_grid(argument(args, kwargs, "img_ids", where["img_ids"]))
+            shapes = argument(args, kwargs, "img_shapes", where["img_shapes"])
+            if shapes is not None:
+                packed = shapes_grid(shapes, shape[1])
+            else:
+                packed = self._packed_grid(argument(args, kwargs, "img_ids", where["img_ids"]))
             if packed is None:
                 why = (
                     "its img_ids do not begin with one image's tokens in raster order (row by row), so no token "
@@ -337,6 +341,17 @@ class _CallStart:
         ids = [values[i : i + shape[-1]] for i in range(0, len(values), shape[-1])]
         self.ids_grid = (img_ids, leading_raster(ids[-(len(ids) // (shape[0] if len(shape) == 3 else 1)):]))
         return self.ids_grid[1]
+
+
+def shapes_grid(img_shapes: Sequence[Any], tokens: int) -> Tuple[int, int, int]:
+    """``(h, w, tail)`` of packed tokens from Qwen-Image's ``img_shapes``: per batch item, the ``(frames, h, w)``
+    of each image in the sequence (or one such tuple), the output's first; the images after it (Edit's
+    references, Layered's further layers and condition) are the tail."""
+    first = img_shapes[0]
+    frames, height, width = first[0] if isinstance(first[0], (tuple, list)) else first
+    if frames * height * width > tokens:
+        raise ValueError(f"img_shapes {first} give more than the {tokens} packed tokens of hidden_states")
+    return frames * height, width, tokens - frames * height * width
 
 
 class _GridHook:
@@ -378,6 +393,8 @@ class _BlockRun:
         self.ratio = ratio  # its block_ratios entry
         self.where = where
         self.attentions: List[Tuple[Sublayer, Any]] = []  # its merged self-attentions (what kv/queries arrange)
+        # token masks are gathered like rotary positions: one match for the whole batch
+        self.masks = any(sublayer.masks for sublayer in family.sublayers)
         self.matches: Dict[str, Match] = {}
         self.config = state.active
         self.tail = 0  # this run's tokens after the grid's (ToMeState.tail)
@@ -393,14 +410,27 @@ class _BlockRun:
             return None
         self.config, fallback = self._arrangement(self.state.active)
         self.tail = self.state.tail
-        image = metric if not self.tail else metric[:, : get_ops(metric).shape(metric)[1] - self.tail]
+        image = self._image(metric)
         self.matches = self.state.block_matches(
-            image, self.stream, self.family.rotary is not None, self.ratio, self.config, fallback
+            image, self.stream, self.family.rotary is not None or self.masks, self.ratio, self.config, fallback
         )
         if self.fw.may_run_again(metric):
             self.ran = {key: entry for key, entry in self.ran.items() if entry[0]() is not None}
             self.ran[id(metric)] = (weakref.ref(metric), self.matches, self.config, self.tail)
         return None
+
+    def _image(self, x: Any) -> Any:
+        """The image tokens of the block's input: without the tail, and without the text in front where the
+        block's input is ``[text; image; tail]`` (their count: the call's grid)."""
+        if self.family.stream != TEXT_PREFIX and not self.tail:
+            return x
+        length = get_ops(x).shape(x)[1]
+        if self.family.stream != TEXT_PREFIX:
+            return x[:, : length - self.tail]
+        grid = self.state.grid_hw
+        if grid is None:
+            raise ValueError(f"ToMe on {self.where}: a {type(self.block).__name__} got no token grid from its model's call")
+        return x[:, length - self.tail - grid[0] * grid[1] : length - self.tail]
 
     def _arrangement(self, config: ToMeConfig) -> Tuple[ToMeConfig, Optional[str]]:
         """The options this block runs with now, and why they are a fallback (None: they are not):
@@ -461,12 +491,26 @@ class _MergeInput:
         args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
         if self.rotary is not None:
             args, kwargs = self._merge_rotary(args, kwargs, match)
+        gathered = self._gather_masks(kwargs, match)
+        kwargs = {**kwargs, **gathered}
         if not size_aware:
             return args, kwargs
         # With only_cross_attention, a BasicTransformerBlock's attn1 attends to text: its keys are not merged.
         if self.sublayer.text == TEXT_NONE and kwargs.get("encoder_hidden_states") is not None:
             return args, kwargs
-        return self._size_aware(module, args, kwargs, match, merged)
+        return self._size_aware(module, args, kwargs, match, merged, masked=bool(gathered))
+
+    def _gather_masks(self, kwargs: Dict[str, Any], match: Match) -> Dict[str, Any]:
+        """The sub-layer's token masks (:attr:`Sublayer.masks`) over ``[text; merged image; tail]``."""
+        gathered = {}
+        for name, axes in self.sublayer.masks:
+            mask = kwargs.get(name)
+            if mask is None:
+                continue
+            for axis in axes:
+                mask = _merge_positions((mask,), match, axis, self.run.tail)[0]
+            gathered[name] = mask
+        return gathered
 
     def _arrange(self, module, args, kwargs, x, merged, match, mode, size_aware):
         """The ``kv`` or ``queries`` arrangement of a self-attention."""
@@ -483,11 +527,19 @@ class _MergeInput:
         rotary = argument(args, kwargs, self.rotary, self.rotary_at)
         if rotary is None:
             return args, kwargs
-        moved = _merge_positions(rotary, match, self.run.family.rotary_axis, self.run.tail)
-        return replace_argument(args, kwargs, self.rotary, self.rotary_at, moved)
+        items = self.run.family.rotary_items
+        moved = _merge_positions(
+            [table for i, table in enumerate(rotary) if items is None or i in items],
+            match, self.run.family.rotary_axis, self.run.tail,
+        )
+        if items is not None:
+            moved = iter(moved)
+            moved = [next(moved) if i in items else table for i, table in enumerate(rotary)]
+        return replace_argument(args, kwargs, self.rotary, self.rotary_at, type(rotary)(moved))
 
-    def _size_aware(self, module, args, kwargs, match, merged):
-        if kwargs.get("attention_mask") is not None:
+    def _size_aware(self, module, args, kwargs, match, merged, masked=False):
+        # a mask over the merged tokens (gathered above) takes the bias; one over the unmerged tokens cannot
+        if kwargs.get("attention_mask") is not None and not masked:
             raise ValueError(
                 "proportional_attn=True cannot be combined with an attention_mask on self-attention "
                 "(the mask covers the unmerged tokens); pass proportional_attn=False to use the mask"

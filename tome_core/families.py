@@ -9,7 +9,7 @@ keeps diffusers' class names.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, Optional, Tuple
 
 # Where a sub-layer's attention finds text tokens beside the (merged) image tokens.
@@ -32,6 +32,9 @@ class Sublayer:
         (diffusers' ``encoder_hidden_states``); the ``kv`` and ``queries`` arrangements need one.
     text_if: a flag of the block that, when true, makes this attention attend to the text instead of its own
         tokens (``BasicTransformerBlock.only_cross_attention``): it has no self-attention keys to arrange.
+    masks: ``(argument, token axes)`` of masks over the sub-layer's ``[text; image; tail]`` tokens (Chroma's
+        ``attention_mask`` ``[B, 1, L, L]``: axes -2 and -1): gathered like the rotary positions, each merged token
+        taking its destination's entry (image entries are all true, so the gather is exact).
     """
 
     child: str
@@ -41,6 +44,7 @@ class Sublayer:
     attention: bool = False
     kv_input: Optional[str] = None
     text_if: Optional[str] = None
+    masks: Tuple[Tuple[str, Tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,12 @@ class BlockFamily:
         destination's position, and the match is shared by the batch so that every merged token has one
         position.
     rotary_axis: the token axis of those tables (Flux: ``[tokens, dim]``; Wan: ``[1, tokens, 1, dim]``).
+    rotary_items: which items of the rotary tuple hold token positions (None: all). A table's leading rows
+        beyond the image's and the tail's are text (none in Qwen-Image's image table, whose text table is the
+        second item and stays as it is).
+    stream: where text sits in the block's own input: ``TEXT_NONE`` (image tokens, then a tail) or
+        ``TEXT_PREFIX`` (``[text; image; tail]`` in one tensor, as Flux.2's and Chroma's single blocks get it);
+        the match is computed from the image part.
     timesteps: the largest timestep a model of this family receives from its pipeline (1000 for DDPM-style
         and most flow-matching models; 1 where the pipeline passes sigmas, as Flux's do): ``timestep_range``
         outside ``[0, timesteps]`` is refused.
@@ -63,7 +73,20 @@ class BlockFamily:
     sublayers: Tuple[Sublayer, ...]
     rotary: Optional[str] = None
     rotary_axis: int = 0
+    rotary_items: Optional[Tuple[int, ...]] = None
+    stream: str = TEXT_NONE
     timesteps: float = 1000.0
+
+
+# FLUX.1's double-stream block: joint attention over [text; image] (image output first), an image MLP.
+_FLUX_DOUBLE = (Sublayer("attn", "attn", text=TEXT_BEFORE, output=0, attention=True), Sublayer("ff", "mlp"))
+# FLUX.1's single-stream block: attention and MLP side by side on one normalised [text; image] sequence.
+_FLUX_SINGLE = (Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True), Sublayer("proj_mlp", "mlp", text=TEXT_PREFIX))
+
+
+def _masked(sublayers: Tuple[Sublayer, ...], mask: Tuple[str, Tuple[int, ...]]) -> Tuple[Sublayer, ...]:
+    """``sublayers`` with ``mask`` gathered at each attention."""
+    return tuple(replace(s, masks=(mask,)) if s.kind == "attn" else s for s in sublayers)
 
 
 BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
@@ -86,23 +109,76 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
         ),
     ),
     BlockFamily(
-        "flux-double",
-        ("FluxTransformerBlock",),
-        (
-            Sublayer("attn", "attn", text=TEXT_BEFORE, output=0, attention=True),
-            Sublayer("ff", "mlp"),
-        ),
+        "flux-double",  # FLUX.1 and the models that copy its blocks: LongCat-Image, Ovis-Image
+        ("FluxTransformerBlock", "LongCatImageTransformerBlock", "OvisImageTransformerBlock"),
+        _FLUX_DOUBLE,
         rotary="image_rotary_emb",
         timesteps=1.0,
     ),
     BlockFamily(
         "flux-single",  # attention and MLP side by side on one normalised [text; image] sequence
-        ("FluxSingleTransformerBlock",),
+        ("FluxSingleTransformerBlock", "LongCatImageSingleTransformerBlock", "OvisImageSingleTransformerBlock"),
+        _FLUX_SINGLE,
+        rotary="image_rotary_emb",
+        timesteps=1.0,
+    ),
+    # Bria: FLUX.1's blocks; its pipelines pass the scheduler's timesteps (0-1000)
+    BlockFamily("bria-double", ("BriaTransformerBlock",), _FLUX_DOUBLE, rotary="image_rotary_emb"),
+    BlockFamily("bria-single", ("BriaSingleTransformerBlock",), _FLUX_SINGLE, rotary="image_rotary_emb"),
+    # Bria-FIBO: a key-padding mask over [text; image] at every attention (a padded prompt); its model hands its
+    # single blocks [text; image]
+    BlockFamily(
+        "bria-fibo-double",
+        ("BriaFiboTransformerBlock",),
+        _masked(_FLUX_DOUBLE, ("attention_mask", (-1,))),
+        rotary="image_rotary_emb",
+    ),
+    BlockFamily(
+        "bria-fibo-single",
+        ("BriaFiboSingleTransformerBlock",),
+        _masked(_FLUX_SINGLE, ("attention_mask", (-1,))),
+        rotary="image_rotary_emb",
+        stream=TEXT_PREFIX,
+    ),
+    BlockFamily(
+        "flux2-double",  # Flux.2 (dev, Klein)
+        ("Flux2TransformerBlock",),
+        _FLUX_DOUBLE,
+        rotary="image_rotary_emb",
+        timesteps=1.0,
+    ),
+    BlockFamily(
+        "flux2-single",  # its model hands it [text; image]; one fused attention + MLP sub-layer
+        ("Flux2SingleTransformerBlock",),
+        (Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True),),
+        rotary="image_rotary_emb",
+        stream=TEXT_PREFIX,
+        timesteps=1.0,
+    ),
+    BlockFamily(  # Chroma: FLUX.1's blocks with an attention mask over [text; image] on both token axes
+        "chroma-double",
+        ("ChromaTransformerBlock",),
+        _masked(_FLUX_DOUBLE, ("attention_mask", (-2, -1))),
+        rotary="image_rotary_emb",
+        timesteps=1.0,
+    ),
+    BlockFamily(
+        "chroma-single",
+        ("ChromaSingleTransformerBlock",),
+        _masked(_FLUX_SINGLE, ("attention_mask", (-2, -1))),
+        rotary="image_rotary_emb",
+        stream=TEXT_PREFIX,
+        timesteps=1.0,
+    ),
+    BlockFamily(  # Qwen-Image (+ Edit, Layered, ControlNet): rotary (image table, text table), complex
+        "qwen-image",
+        ("QwenImageTransformerBlock",),
         (
-            Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True),
-            Sublayer("proj_mlp", "mlp", text=TEXT_PREFIX),
+            Sublayer("attn", "attn", text=TEXT_BEFORE, output=0, attention=True),
+            Sublayer("img_mlp", "mlp"),
         ),
         rotary="image_rotary_emb",
+        rotary_items=(0,),
         timesteps=1.0,
     ),
     BlockFamily(

@@ -43,24 +43,26 @@ def block_grid(
 
 
 def leading_raster(ids: Sequence[Sequence[float]]) -> Optional[Tuple[int, int, int]]:
-    """``(h, w, tail)`` when packed token ids ``[N, k]`` (the image's index first where ``k == 3``, then row and
-    column, all whole numbers) hold one image's ``h x w`` tokens in raster order, then ``tail`` tokens of other
-    images, each in raster order under a higher index (FLUX.1 Kontext appends its reference image's tokens,
-    index 1, after the output's); None when they do not (random ids, as diffusers' own model tests pass)."""
+    """``(h, w, tail)`` when packed token ids ``[N, k]`` hold one image's ``h x w`` tokens in raster order, then
+    ``tail`` tokens of other images, each in raster order under a higher index; None when they do not (random
+    ids, as diffusers' own model tests pass). Columns: ``(row, col)`` where ``k == 2``; ``(index, row, col)``
+    (FLUX.1, whose Kontext appends its reference image's tokens, index 1, after the output's); ``(index, row,
+    col, layer)`` (Flux.2: references at index 10, 20...). Ids are whole numbers."""
     if not ids or any(value != int(value) for row in ids for value in row):
         return None
+    at = 0 if len(ids[0]) == 2 else 1  # the row's column
     segments = []
     start = 0
     while start < len(ids):
         rows = ids[start:]
-        index = rows[0][0] if len(rows[0]) > 2 else None
+        index = rows[0][0] if at else None
         if segments and (index is None or index <= segments[-1][0]):
             return None
         count = len(rows) if index is None else next((i for i, row in enumerate(rows) if row[0] != index), len(rows))
-        top, left = rows[0][-2], rows[0][-1]
-        width = next((i for i in range(1, count) if rows[i][-2] != top), count)
+        top, left = rows[0][at], rows[0][at + 1]
+        width = next((i for i in range(1, count) if rows[i][at] != top), count)
         if count % width or any(
-            rows[i][-2] != top + i // width or rows[i][-1] != left + i % width for i in range(count)
+            rows[i][at] != top + i // width or rows[i][at + 1] != left + i % width for i in range(count)
         ):
             return None
         segments.append((index, count // width, width))

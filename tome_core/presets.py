@@ -140,6 +140,47 @@ TRANSFORMERS["sd3-small"] = ("SD3Transformer2DModel", {**TRANSFORMERS["sd3"][1],
 TRANSFORMERS["tiny-sd35"] = (
     "SD3Transformer2DModel", {**TRANSFORMERS["tiny-sd3"][1], "dual_attention_layers": (0,), "qk_norm": "rms_norm"}
 )
+# The newer image transformers, tiny (diffusers' own model-test sizes): packed tokens, Flux-style ids or
+# Qwen-Image's img_shapes (tome_core.adapters.diffusers_models.transformer_inputs builds their calls).
+_TINY_FLUX_LIKE = dict(
+    patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+    joint_attention_dim=32,
+)
+TRANSFORMERS.update({
+    "tiny-flux2": (
+        "Flux2Transformer2DModel",
+        {**_TINY_FLUX_LIKE, "timestep_guidance_channels": 256, "axes_dims_rope": (4, 4, 4, 4)},
+    ),
+    "tiny-chroma": (
+        "ChromaTransformer2DModel",
+        {
+            **_TINY_FLUX_LIKE, "axes_dims_rope": (4, 4, 8), "approximator_num_channels": 8,
+            "approximator_hidden_dim": 16, "approximator_layers": 1,
+        },
+    ),
+    "tiny-longcat": (
+        "LongCatImageTransformer2DModel", {**_TINY_FLUX_LIKE, "pooled_projection_dim": 32, "axes_dims_rope": (4, 4, 8)}
+    ),
+    "tiny-ovis": ("OvisImageTransformer2DModel", {**_TINY_FLUX_LIKE, "out_channels": 4, "axes_dims_rope": (4, 4, 8)}),
+    "tiny-bria": (
+        "BriaTransformer2DModel",
+        {**_TINY_FLUX_LIKE, "attention_head_dim": 8, "pooled_projection_dim": None, "axes_dims_rope": (0, 4, 4)},
+    ),
+    "tiny-bria-fibo": (
+        "BriaFiboTransformer2DModel",
+        {
+            **_TINY_FLUX_LIKE, "in_channels": 48, "attention_head_dim": 8, "joint_attention_dim": 64,
+            "text_encoder_dim": 32, "pooled_projection_dim": None, "axes_dims_rope": (0, 4, 4),
+        },
+    ),
+    "tiny-qwen-image": (
+        "QwenImageTransformer2DModel",
+        dict(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=4,
+            joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
+        ),
+    ),
+})
 TRANSFORMERS["tiny-dit"] = (
     "DiTTransformer2DModel",
     dict(

@@ -169,6 +169,13 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
     "DreamLiteUNetModel": _dreamlite,
     "I2VGenXLUNet": _i2vgen,
     "ControlNetUnionModel": _controlnet_union,
+    "Flux2Transformer2DModel": _transformer("tiny-flux2"),
+    "ChromaTransformer2DModel": _transformer("tiny-chroma"),
+    "LongCatImageTransformer2DModel": _transformer("tiny-longcat"),
+    "OvisImageTransformer2DModel": _transformer("tiny-ovis"),
+    "BriaTransformer2DModel": _transformer("tiny-bria"),
+    "BriaFiboTransformer2DModel": _transformer("tiny-bria-fibo"),
+    "QwenImageTransformer2DModel": _transformer("tiny-qwen-image"),
 }
 # Classes that merge and are checked in their own tests (module named).
 MERGED_ELSEWHERE = {
