@@ -319,6 +319,47 @@ def build_video_transformer(preset: str = "tiny-wan", seed: int = 0, **overrides
     return _random_transformer(name, {**config, **overrides}, seed)
 
 
+def video_transformer_inputs(
+    model: torch.nn.Module, frames: int, height: int, width: int, batch: int = 1, text: int = 7, seed: int = 0,
+) -> Dict[str, Any]:
+    """Keyword inputs of one call of a video transformer of :data:`VIDEO_TRANSFORMERS` on ``frames`` latent
+    frames of ``height x width``, at timestep 500, seeded: every argument its ``forward`` takes of those its kin
+    take (a 5-D latent, frames first for CogVideoX; LTX's packed tokens with their sizes; a text mask with the
+    second prompt padded after 5 tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=generator)
+    config = model.config
+    takes = inspect.signature(model.forward).parameters
+    name = type(model).__name__
+    channels = config.in_channels
+    mask = torch.ones(batch, text)
+    mask[1:, 5:] = 0
+    text_width = config.get("text_embed_dim") or config.get("caption_channels") or config.get("text_dim")
+    if name.startswith("CogVideoX"):
+        latent = randn(batch, frames, channels, height, width)
+    elif name.startswith("LTX"):
+        latent = randn(batch, frames * height * width, channels)
+    else:
+        latent = randn(batch, channels, frames, height, width)
+    inputs: Dict[str, Any] = dict(
+        hidden_states=latent,
+        timestep=torch.full((batch,), 500.0),
+        encoder_hidden_states=randn(batch, text, text_width),
+        encoder_attention_mask=mask.bool() if name.startswith("LTX") else mask,
+        num_frames=frames, height=height, width=width,
+    )
+    if config.get("pooled_projection_dim"):
+        inputs["pooled_projections"] = randn(batch, config.pooled_projection_dim)
+    if config.get("guidance_embeds"):
+        inputs["guidance"] = torch.full((batch,), 6000.0)
+    if config.get("text_embed_2_dim"):  # HunyuanVideo 1.5: a second text encoder and image embeddings
+        inputs.update(
+            encoder_hidden_states_2=randn(batch, 4, config.text_embed_2_dim), encoder_attention_mask_2=torch.ones(batch, 4),
+            image_embeds=torch.zeros(batch, 3, config.image_embed_dim),
+        )
+    return {key: value for key, value in inputs.items() if key in takes}
+
+
 def build_wan_pipeline(seed: int = 0) -> Tuple[Any, Dict[str, Any]]:
     """A ``WanPipeline`` on the tiny Wan transformer (``build_video_transformer("tiny-wan")``) with a tiny
     random-weight ``AutoencoderKLWan`` (2x spatial, no temporal compression) and text embeddings in place of the

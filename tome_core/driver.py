@@ -34,7 +34,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Se
 from .backend import get_ops
 from .config import ToMeConfig
 from .families import (
-    BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_AFTER, TEXT_NONE, TEXT_PREFIX, BlockFamily, Sublayer, block_family, temporal,
+    BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_AFTER, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer, VideoLayout, block_family, temporal,
+    video_layout,
 )
 from .levels import finest_attention_level, leading_raster
 from .match import Match
@@ -262,6 +263,10 @@ class _CallStart:
         self.where = argument_positions(forward, "sample", "hidden_states", "timestep", "img_ids", "img_shapes")
         self.model = type(model).__qualname__
         self.ids_grid: Tuple[Any, Optional[Tuple[int, int, int]]] = (None, None)  # (ids, leading_raster of them)
+        self.layout = video_layout(type(model)) if self.transformer else None
+        if self.layout is not None:
+            self.temporal_patch = _config_value(model, self.layout.temporal_patch) or 1
+            self.where.update(argument_positions(forward, *self.layout.sizes))
 
     def __call__(self, module, args, kwargs):
         where = self.where
@@ -288,7 +293,17 @@ class _CallStart:
             return None
         shape = get_ops(sample).shape(sample)
         videos, tail = None, 0
-        if len(shape) == 4:
+        layout = self.layout
+        if layout is not None:
+            sizes = self._video_grid(layout, shape, args, kwargs)
+            if sizes is None:
+                why = f"the call gave none of {', '.join(layout.sizes)}, so no token grid is known; such calls run unmerged"
+                self.state.say_once(f"ToMe on {self.model}: {why}")
+                self.state.begin_call(None, step, merging=False, why=why)
+                return None
+            frames, height, width = sizes
+            grid, tail = (frames * height, width), (shape[1] - frames * height * width if layout.frames_axis is None else 0)
+        elif len(shape) == 4:
             height, width = _spatial(sample, self.data_format)
             grid = (height // self.patch_size, width // self.patch_size)
         elif len(shape) == 5 and isinstance(self.patch_size, int):
@@ -316,6 +331,19 @@ class _CallStart:
         self.state.begin_call(grid, step, videos=videos, merging=merging, tail=tail)
         self.state.enter_grid(grid)
         return None
+
+    def _video_grid(self, layout: VideoLayout, shape: Sequence[int], args, kwargs) -> Optional[Tuple[int, int, int]]:
+        """``(frames, rows, cols)`` of a video transformer's tokens (:class:`~tome_core.families.VideoLayout`), or
+        None where its call does not give them."""
+        temporal = self.temporal_patch
+        spatial = self.patch_size if isinstance(self.patch_size, int) else self.patch_size[-1]
+        if layout.frames_axis is None:
+            sizes = [argument(args, kwargs, name, self.where[name]) for name in layout.sizes]
+            if any(size is None for size in sizes):
+                return None
+        else:
+            sizes = [shape[layout.frames_axis], shape[-2], shape[-1]]
+        return sizes[0] // temporal, sizes[1] // spatial, sizes[2] // spatial
 
     def _merges_at(self, timesteps: Optional[List[float]]) -> bool:
         """Whether this call, at ``timesteps`` (read on the host where an option needs them), merges under
@@ -485,7 +513,7 @@ class _MergeInput:
         mode, size_aware = self.run.config.arrangement(self.sublayer.kind, self.sublayer.attention)
         self.fw.output_cache(module)  # a cache set after patch is checked here
         x = argument(args, kwargs, "hidden_states", 0)
-        merged = around_image(x, match.tokens, self.run.tail, self.sublayer.text == TEXT_PREFIX, lambda image: merge(image, match))
+        merged = around_image(x, match.tokens, self.run.tail, self.sublayer.text, lambda image: merge(image, match))
         if mode != "tokens":
             return self._arrange(module, args, kwargs, x, merged, match, mode, size_aware)
         args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
@@ -507,8 +535,8 @@ class _MergeInput:
             mask = kwargs.get(name)
             if mask is None:
                 continue
-            for axis in axes:
-                mask = _merge_positions((mask,), match, axis, self.run.tail)[0]
+            for axis in axes:  # none: a mask over the text only, which the processor extends over the image
+                mask = _merge_positions((mask,), match, axis, self.run.tail, self.sublayer.text == TEXT_AFTER)[0]
             gathered[name] = mask
         return gathered
 
@@ -547,35 +575,43 @@ class _MergeInput:
         return self.fw.size_aware(module, args, kwargs, SizeBias(match, self.sublayer.text, merged, self.run.tail))
 
 
-def around_image(x: Any, tokens: int, tail: int, text_first: bool, change: Callable[[Any], Any]) -> Any:
-    """``x`` ``[B, L, C]`` = ``[text;] image; tail`` (text only when ``text_first``: the rest of ``L``) with
-    its ``tokens`` image tokens replaced by ``change(image)``."""
+def around_image(x: Any, tokens: int, tail: int, text: str, change: Callable[[Any], Any]) -> Any:
+    """``x`` ``[B, L, C]`` with its ``tokens`` image tokens replaced by ``change(image)``: ``x`` is ``[image;
+    tail]``, or with the rest of ``L`` text in front (``text == TEXT_PREFIX``) or behind (``TEXT_SUFFIX``)."""
     ops = get_ops(x)
     length = ops.shape(x)[1]
-    text = length - tokens - tail if text_first else 0
-    if not text and not tail:
+    words = length - tokens - tail if text in (TEXT_PREFIX, TEXT_SUFFIX) else 0
+    if not words and not tail:
         return change(x)
-    parts = ([x[:, :text]] if text else []) + [change(x[:, text : text + tokens])] + ([x[:, text + tokens :]] if tail else [])
+    start = words if text == TEXT_PREFIX else 0
+    parts = [x[:, :start]] if start else []
+    parts.append(change(x[:, start : start + tokens]))
+    if start + tokens < length:
+        parts.append(x[:, start + tokens :])
     return ops.concat(parts, axis=1)
 
 
-def _merge_positions(rotary: Any, match: Match, axis: int = 0, tail: int = 0) -> Any:
-    """Rotary embeddings ``(cos, sin)`` of ``[text; image; tail]`` tokens (along ``axis``) moved to ``[text;
-    merged image; tail]``: each merged token takes the position of the token it stands at (its destination).
-    The match is shared by the batch, so batch item 0 tells every item's positions."""
+def _merge_positions(rotary: Any, match: Match, axis: int = 0, tail: int = 0, text_after: bool = False) -> Any:
+    """Tables ``(cos, sin)`` (rotary positions, token masks) over ``[text; image; tail]`` tokens along ``axis``
+    (``[image; tail; text]`` with ``text_after``) moved to the merged tokens: each merged token takes the entry
+    of the token it stands at (its destination). The match is shared by the batch, so batch item 0 tells every
+    item's positions."""
     if match.representatives is None:
         return rotary
     moved = []
     for table in rotary:
         ops = get_ops(table)
         text = ops.shape(table)[axis] - match.tokens - tail
-        image = match.representatives[0] + text
-        pieces = [ops.astype_like(ops.arange(text, image), image)] if text else []
+        first = 0 if text_after else text  # the image's first row
+        image = match.representatives[0] + first
+        rows = lambda start, stop: ops.astype_like(ops.arange(stop - start, image), image) + start  # noqa: E731
+        pieces = [rows(0, text)] if text and not text_after else []
         pieces.append(image)
-        if tail:
-            pieces.append(ops.astype_like(ops.arange(tail, image), image) + (text + match.tokens))
-        rows = ops.concat(pieces, axis=0) if len(pieces) > 1 else image
-        moved.append(ops.take(table, rows, axis=axis))
+        if tail or (text and text_after):
+            end = first + match.tokens
+            pieces.append(rows(end, end + tail + (text if text_after else 0)))
+        rows_taken = ops.concat(pieces, axis=0) if len(pieces) > 1 else image
+        moved.append(ops.take(table, rows_taken, axis=axis))
     return tuple(moved)
 
 
@@ -612,7 +648,7 @@ class _UnmergeOutput:
     def _unmerge(self, output: Any, match: Match) -> Any:
         index = self.sublayer.output
         image = output if index is None else output[index]
-        image = around_image(image, match.kept, self.run.tail, self.sublayer.text == TEXT_PREFIX, lambda x: unmerge(x, match))
+        image = around_image(image, match.kept, self.run.tail, self.sublayer.text, lambda x: unmerge(x, match))
         if index is None:
             return image
         return type(output)(image if i == index else part for i, part in enumerate(output))

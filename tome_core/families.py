@@ -17,6 +17,7 @@ TEXT_NONE = "none"  # none: self-attention over the image tokens (or cross-atten
 TEXT_AFTER = "after"  # joint attention over [image; text], text from ``encoder_hidden_states`` (SD3)
 TEXT_BEFORE = "before"  # joint attention over [text; image], text from ``encoder_hidden_states`` (Flux)
 TEXT_PREFIX = "prefix"  # the sub-layer's own input is [text; image] (Flux's single-stream block)
+TEXT_SUFFIX = "suffix"  # the sub-layer's own input is [image; text] (HunyuanVideo's single-stream MLP)
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,50 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
     ),
 )
 
+_HUNYUAN_DOUBLE = (  # joint attention over [image; text] with a key mask over both; an image MLP
+    Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True, masks=(("attention_mask", (-1,)),)),
+    Sublayer("ff", "mlp"),
+)
+BLOCK_FAMILIES += (
+    BlockFamily(  # HunyuanVideo (and FramePack's, which reuses its blocks); rotary over the image tokens only
+        "hunyuan-video-double",
+        ("HunyuanVideoTransformerBlock", "HunyuanVideoTokenReplaceTransformerBlock"),
+        _HUNYUAN_DOUBLE,
+        rotary="image_rotary_emb",
+    ),
+    BlockFamily(  # attention as the double block's; the MLP runs on [image; text] in one tensor
+        "hunyuan-video-single",
+        ("HunyuanVideoSingleTransformerBlock", "HunyuanVideoTokenReplaceSingleTransformerBlock"),
+        (_HUNYUAN_DOUBLE[0], Sublayer("proj_mlp", "mlp", text=TEXT_SUFFIX)),
+        rotary="image_rotary_emb",
+    ),
+    BlockFamily(  # HunyuanVideo 1.5: its processor extends the text-only mask over the (merged) image tokens
+        "hunyuan-video-15",
+        ("HunyuanVideo15TransformerBlock",),
+        (
+            Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True, masks=(("attention_mask", ()),)),
+            Sublayer("ff", "mlp"),
+        ),
+        rotary="image_rotary_emb",
+    ),
+    BlockFamily(  # CogVideoX (1.0, 1.5), ConsisID: joint attention over [text; image], the MLP on [text; image]
+        "cogvideox",
+        ("CogVideoXBlock", "ConsisIDBlock"),
+        (
+            Sublayer("attn1", "attn", text=TEXT_BEFORE, output=0, attention=True),
+            Sublayer("ff", "mlp", text=TEXT_PREFIX),
+        ),
+        rotary="image_rotary_emb",
+    ),
+    BlockFamily(  # LTX-Video: rotary tables [B, tokens, dim]
+        "ltx",
+        ("LTXVideoTransformerBlock",),
+        (Sublayer("attn1", "attn", attention=True), Sublayer("attn2", "crossattn"), Sublayer("ff", "mlp")),
+        rotary="image_rotary_emb",
+        rotary_axis=1,
+    ),
+)
+
 _BY_CLASS: Dict[str, BlockFamily] = {name: family for family in BLOCK_FAMILIES for name in family.classes}
 
 
@@ -221,6 +266,38 @@ TEMPORAL: Tuple[Temporal, ...] = (
     Temporal("TransformerTemporal"),  # ppdiffusers' Hotshot-XL temporal layers
     Temporal("LatteTransformer3DModel", ("temporal_transformer_blocks",)),  # Latte: spatial and temporal blocks alternate
 )
+
+@dataclass(frozen=True)
+class VideoLayout:
+    """How the call of a video transformer gives its token grid, where the shape of its input cannot tell: its
+    tokens are one frame-major sequence of ``frames x rows x cols`` tokens, read as the frames' grids stacked in
+    rows (as Wan's).
+
+    frames_axis: the frames' axis of its 5-D latent: 2 for ``(B, C, F, H, W)``, 1 for ``(B, F, C, H, W)``
+        (CogVideoX); None for packed tokens ``[B, N, C]``, whose sizes come from ``sizes``.
+    temporal_patch: the config key of its temporal patch size (absent or None: 1).
+    sizes: the call's arguments that give ``(frames, height, width)`` of packed tokens (latent units).
+    """
+
+    classes: Tuple[str, ...]
+    frames_axis: Optional[int] = 2
+    temporal_patch: str = "patch_size_t"
+    sizes: Tuple[str, ...] = ()
+
+
+VIDEO_LAYOUTS: Tuple[VideoLayout, ...] = (
+    VideoLayout(("HunyuanVideoTransformer3DModel", "HunyuanVideo15Transformer3DModel")),
+    VideoLayout(("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel"), frames_axis=1),
+    VideoLayout(("LTXVideoTransformer3DModel",), frames_axis=None, sizes=("num_frames", "height", "width")),
+)
+
+_LAYOUTS: Dict[str, VideoLayout] = {name: layout for layout in VIDEO_LAYOUTS for name in layout.classes}
+
+
+def video_layout(cls: type) -> Optional[VideoLayout]:
+    """The :data:`VIDEO_LAYOUTS` entry of a model class (or of its nearest base class named there), or None."""
+    return _nearest(_LAYOUTS, cls)
+
 
 # Containers whose 4-D input ``(batch [* frames], C, H, W)`` is the token grid of the (spatial) blocks inside.
 GRID_CONTAINERS: Tuple[str, ...] = ("Transformer2DModel", "TransformerSpatioTemporalModel", "DreamLiteTransformer2DModel")

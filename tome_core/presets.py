@@ -299,6 +299,38 @@ VIDEO_TRANSFORMERS: Dict[str, Tuple[str, Dict[str, Any]]] = {
             qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
         ),
     ),
+    # The newer video transformers, tiny (diffusers' own model-test sizes); one frame-major token sequence each
+    "tiny-hunyuan-video": (
+        "HunyuanVideoTransformer3DModel",
+        dict(
+            in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
+            num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, guidance_embeds=True,
+            text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 4, 4), image_condition_type=None,
+        ),
+    ),
+    "tiny-hunyuan-video-15": (
+        "HunyuanVideo15Transformer3DModel",
+        dict(
+            in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
+            num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1, text_embed_dim=16,
+            text_embed_2_dim=8, image_embed_dim=12, rope_axes_dim=(2, 2, 4), target_size=16, task_type="t2v",
+        ),
+    ),
+    "tiny-cogvideox": (
+        "CogVideoXTransformer3DModel",
+        dict(
+            num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, time_embed_dim=2,
+            text_embed_dim=16, num_layers=2, sample_width=8, sample_height=8, sample_frames=8, patch_size=2,
+            patch_size_t=None, temporal_compression_ratio=4, max_text_seq_length=7,
+        ),
+    ),
+    "tiny-ltx": (
+        "LTXVideoTransformer3DModel",
+        dict(
+            in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
+            num_layers=1, qk_norm="rms_norm_across_heads", caption_channels=16,
+        ),
+    ),
     # Wan 2.1 T2V 1.3B: Wan-AI/Wan2.1-T2V-1.3B-Diffusers, transformer/config.json (30 blocks of 12 heads x 128).
     "wan-1.3b": (
         "WanTransformer3DModel",

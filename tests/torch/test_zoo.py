@@ -152,6 +152,13 @@ def _controlnet_union():
     )
 
 
+def _video(preset: str, frames: int = 2, height: int = 8, width: int = 12):
+    def build():
+        model = zoo.build_video_transformer(preset)
+        return model, zoo.video_transformer_inputs(model, frames, height, width, batch=2)
+    return build
+
+
 # Classes that merge, each with a tiny model (random weights) and the keyword inputs of one call.
 MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
     "UNet2DConditionModel": _unet,
@@ -176,6 +183,10 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
     "BriaTransformer2DModel": _transformer("tiny-bria"),
     "BriaFiboTransformer2DModel": _transformer("tiny-bria-fibo"),
     "QwenImageTransformer2DModel": _transformer("tiny-qwen-image"),
+    "HunyuanVideoTransformer3DModel": _video("tiny-hunyuan-video"),
+    "HunyuanVideo15Transformer3DModel": _video("tiny-hunyuan-video-15"),
+    "CogVideoXTransformer3DModel": _video("tiny-cogvideox", width=8),
+    "LTXVideoTransformer3DModel": _video("tiny-ltx"),
 }
 # Classes that merge and are checked in their own tests (module named).
 MERGED_ELSEWHERE = {
