@@ -62,7 +62,10 @@ def test_temporal_table_names_real_classes(checks):
     assert families.temporal(diffusers.Transformer2DModel) is None
     assert families.temporal(diffusers.models.attention.BasicTransformerBlock) is None
     assert set(checks.SPATIAL_CONTAINERS) <= set(families.GRID_CONTAINERS)
-    assert all(isinstance(getattr(diffusers.models, name, None), type) for name in families.GRID_CONTAINERS)
+    from diffusers.models.transformers import transformer_2d_dreamlite, transformer_temporal
+
+    known = (diffusers.models, transformer_temporal, transformer_2d_dreamlite)
+    assert all(any(isinstance(getattr(where, name, None), type) for where in known) for name in families.GRID_CONTAINERS)
 
 
 def test_only_spatial_blocks_are_found(video, checks):
@@ -128,7 +131,7 @@ def test_animatediff_without_attention_at_full_resolution(checks):
 
 def test_motion_adapter_alone_is_refused():
     adapter = diffusers.MotionAdapter(**video_unet_config("tiny-animatediff")[1])
-    with pytest.raises(ValueError, match="temporal layers"):
+    with pytest.raises(ValueError, match="MotionAdapter: holds only AnimateDiff's motion modules, whose tokens are frames"):
         tome.patch(adapter, ratio=0.5)
 
 
