@@ -139,7 +139,7 @@ def test_animatediff_without_attention_at_full_resolution(checks):
 
 def test_motion_adapter_alone_is_refused():
     adapter = ppdiffusers.MotionAdapter(**video_unet_config("tiny-animatediff")[1])
-    with pytest.raises(ValueError, match="temporal layers"):
+    with pytest.raises(ValueError, match="MotionAdapter: holds only AnimateDiff.s motion modules"):
         tome.patch(adapter, ratio=0.5)
 
 
