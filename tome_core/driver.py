@@ -305,7 +305,8 @@ class _CallStart:
             grid, tail = (frames * height, width), (shape[1] - frames * height * width if layout.frames_axis is None else 0)
         elif len(shape) == 4:
             height, width = _spatial(sample, self.data_format)
-            grid = (height // self.patch_size, width // self.patch_size)
+            patch = self.patch_size if isinstance(self.patch_size, int) else self.patch_size[-1]  # (1, 1): HunyuanImage
+            grid = (height // patch, width // patch)
         elif len(shape) == 5 and isinstance(self.patch_size, int):
             # (batch, C, frames, H, W) with a 2-D patch (Latte): each frame is an item of the spatial blocks' batch,
             # merged on its own grid, as in video UNets
@@ -421,6 +422,8 @@ class _BlockRun:
         self.ratio = ratio  # its block_ratios entry
         self.where = where
         self.attentions: List[Tuple[Sublayer, Any]] = []  # its merged self-attentions (what kv/queries arrange)
+        self.merged: set = set()  # sub-layers (children) merged in this run of the block
+        self.passing: set = set()  # sub-layers whose call now in flight runs unmerged (_MergeInput._passes)
         # token masks are gathered like rotary positions: one match for the whole batch
         self.masks = any(sublayer.masks for sublayer in family.sublayers)
         self.matches: Dict[str, Match] = {}
@@ -478,6 +481,7 @@ class _BlockRun:
 
     def end(self, module, args, kwargs, output):
         self.matches = {}
+        self.merged.clear()
         return None
 
 
@@ -503,12 +507,13 @@ class _MergeInput:
         self.run = run
         self.sublayer = sublayer
         self.rotary = run.family.rotary
-        # where ``module``'s forward takes the rotary argument by position (None: by keyword only)
+        # where ``module``'s forward takes the rotary argument and masks by position (None: by keyword only)
         self.rotary_at = argument_positions(type(module).forward, self.rotary)[self.rotary] if self.rotary else None
+        self.masks_at = argument_positions(type(module).forward, "attention_mask", *(name for name, _ in sublayer.masks))
 
     def __call__(self, module, args, kwargs):
         match = self.run.matches.get(self.sublayer.kind)
-        if match is None or match.merged == 0:
+        if match is None or match.merged == 0 or self._passes(args, kwargs):
             return None
         mode, size_aware = self.run.config.arrangement(self.sublayer.kind, self.sublayer.attention)
         self.fw.output_cache(module)  # a cache set after patch is checked here
@@ -519,20 +524,42 @@ class _MergeInput:
         args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
         if self.rotary is not None:
             args, kwargs = self._merge_rotary(args, kwargs, match)
-        gathered = self._gather_masks(kwargs, match)
-        kwargs = {**kwargs, **gathered}
+        gathered = self._gather_masks(args, kwargs, match)
+        for name, mask in gathered.items():
+            args, kwargs = replace_argument(args, kwargs, name, self.masks_at[name], mask)
         if not size_aware:
             return args, kwargs
         # With only_cross_attention, a BasicTransformerBlock's attn1 attends to text: its keys are not merged.
         if self.sublayer.text == TEXT_NONE and kwargs.get("encoder_hidden_states") is not None:
             return args, kwargs
-        return self._size_aware(module, args, kwargs, match, merged, masked=bool(gathered))
+        return self._size_aware(module, args, kwargs, match, merged)
 
-    def _gather_masks(self, kwargs: Dict[str, Any], match: Match) -> Dict[str, Any]:
+    def _passes(self, args, kwargs) -> bool:
+        """Whether this call of the sub-layer runs on all its tokens, unmerged: a call after the block's first
+        where the sub-layer runs once on the image and then on other tokens (:attr:`Sublayer.once`), or a
+        self-attention given an ``attention_mask`` over its tokens that the family table does not say how to
+        gather (SkyReels-V2's block-causal mask; a UNet call's ``attention_mask``): merging would mix tokens the
+        mask keeps apart."""
+        run, child = self.run, self.sublayer.child
+        if self.sublayer.once and child in run.merged:
+            run.passing.add(child)
+            return True
+        run.merged.add(child)
+        masked = argument(args, kwargs, "attention_mask", self.masks_at["attention_mask"]) is not None
+        if not masked or self.sublayer.kind != "attn" or any(name == "attention_mask" for name, _ in self.sublayer.masks):
+            return False
+        run.state.say_once(
+            f"ToMe on {run.where}: {type(run.block).__name__}.{child} is given an attention_mask over its tokens, which "
+            "merging cannot follow; it runs on all its tokens (its block's other sub-layers still merge) in such calls"
+        )
+        run.passing.add(child)
+        return True
+
+    def _gather_masks(self, args, kwargs: Dict[str, Any], match: Match) -> Dict[str, Any]:
         """The sub-layer's token masks (:attr:`Sublayer.masks`) over ``[text; merged image; tail]``."""
         gathered = {}
         for name, axes in self.sublayer.masks:
-            mask = kwargs.get(name)
+            mask = argument(args, kwargs, name, self.masks_at[name])
             if mask is None:
                 continue
             for axis in axes:  # none: a mask over the text only, which the processor extends over the image
@@ -566,12 +593,6 @@ class _MergeInput:
         return replace_argument(args, kwargs, self.rotary, self.rotary_at, type(rotary)(moved))
 
     def _size_aware(self, module, args, kwargs, match, merged, masked=False):
-        # a mask over the merged tokens (gathered above) takes the bias; one over the unmerged tokens cannot
-        if kwargs.get("attention_mask") is not None and not masked:
-            raise ValueError(
-                "proportional_attn=True cannot be combined with an attention_mask on self-attention "
-                "(the mask covers the unmerged tokens); pass proportional_attn=False to use the mask"
-            )
         return self.fw.size_aware(module, args, kwargs, SizeBias(match, self.sublayer.text, merged, self.run.tail))
 
 
@@ -629,6 +650,9 @@ class _UnmergeOutput:
         self.stored: Tuple[Any, Any] = (None, None)  # (raw output, its unmerged form), only under a cache
 
     def __call__(self, module, args, kwargs, output):
+        if self.sublayer.child in self.run.passing:  # this call ran on all its tokens
+            self.run.passing.discard(self.sublayer.child)
+            return None
         cached = output is not None and self.fw.output_cache(module) == REUSED  # None: the sub-layer raised
         reused = cached and output is self.stored[0]
         mode, size_aware = self.run.config.arrangement(self.sublayer.kind, self.sublayer.attention)

@@ -35,7 +35,11 @@ class Sublayer:
         tokens (``BasicTransformerBlock.only_cross_attention``): it has no self-attention keys to arrange.
     masks: ``(argument, token axes)`` of masks over the sub-layer's ``[text; image; tail]`` tokens (Chroma's
         ``attention_mask`` ``[B, 1, L, L]``: axes -2 and -1): gathered like the rotary positions, each merged token
-        taking its destination's entry (image entries are all true, so the gather is exact).
+        taking its destination's entry (image entries are all true, so the gather is exact). No axes: a mask
+        over the text only, which the processor extends over the image tokens itself.
+        A self-attention given an ``attention_mask`` not listed here runs unmerged in that call.
+    once: the block runs it on its image tokens and then again on other tokens (CogView4's ``ff`` on the text):
+        only the block's first call merges.
     """
 
     child: str
@@ -46,6 +50,7 @@ class Sublayer:
     kv_input: Optional[str] = None
     text_if: Optional[str] = None
     masks: Tuple[Tuple[str, Tuple[int, ...]], ...] = ()
+    once: bool = False
 
 
 @dataclass(frozen=True)
@@ -183,8 +188,8 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
         timesteps=1.0,
     ),
     BlockFamily(
-        "wan",  # Wan 2.1/2.2: one sequence of frames x height x width tokens with 3-D rotary positions
-        ("WanTransformerBlock",),
+        "wan",  # Wan 2.1/2.2 (and its copies: Animate, ChronoEdit, SkyReels-V2): frames x height x width tokens
+        ("WanTransformerBlock", "SkyReelsV2TransformerBlock"),
         (
             Sublayer("attn1", "attn", attention=True),
             Sublayer("attn2", "crossattn"),
@@ -236,6 +241,64 @@ BLOCK_FAMILIES += (
         (Sublayer("attn1", "attn", attention=True), Sublayer("attn2", "crossattn"), Sublayer("ff", "mlp")),
         rotary="image_rotary_emb",
         rotary_axis=1,
+    ),
+)
+
+BLOCK_FAMILIES += (
+    BlockFamily(  # CogView3-Plus: joint attention over [text; image]; the MLP on [text; image]
+        "cogview3plus",
+        ("CogView3PlusTransformerBlock",),
+        (
+            Sublayer("attn1", "attn", text=TEXT_BEFORE, output=0, attention=True),
+            Sublayer("ff", "mlp", text=TEXT_PREFIX),
+        ),
+    ),
+    BlockFamily(  # CogView4 (and GLM-Image's blocks): the MLP runs on the image, then on the text
+        "cogview4",
+        ("CogView4TransformerBlock", "GlmImageTransformerBlock"),
+        (
+            Sublayer("attn1", "attn", text=TEXT_BEFORE, output=0, attention=True),
+            Sublayer("ff", "mlp", once=True),
+        ),
+        rotary="image_rotary_emb",
+    ),
+    BlockFamily(  # Hunyuan-DiT: rotary positions reach the cross-attention's queries too
+        "hunyuan-dit",
+        ("HunyuanDiTBlock",),
+        (Sublayer("attn1", "attn", attention=True), Sublayer("attn2", "crossattn"), Sublayer("ff", "mlp")),
+        rotary="image_rotary_emb",
+    ),
+    BlockFamily(
+        "auraflow-joint",
+        ("AuraFlowJointTransformerBlock",),
+        (Sublayer("attn", "attn", text=TEXT_BEFORE, output=0, attention=True), Sublayer("ff", "mlp")),
+        timesteps=1.0,
+    ),
+    BlockFamily(  # its model hands it [registers; text; image]
+        "auraflow-single",
+        ("AuraFlowSingleTransformerBlock",),
+        (Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True), Sublayer("ff", "mlp", text=TEXT_PREFIX)),
+        stream=TEXT_PREFIX,
+        timesteps=1.0,
+    ),
+    BlockFamily(  # HunyuanImage 2.1: HunyuanVideo's blocks on one frame
+        "hunyuan-image-double",
+        ("HunyuanImageTransformerBlock",),
+        _HUNYUAN_DOUBLE,
+        rotary="image_rotary_emb",
+    ),
+    BlockFamily(
+        "hunyuan-image-single",
+        ("HunyuanImageSingleTransformerBlock",),
+        (_HUNYUAN_DOUBLE[0], Sublayer("proj_mlp", "mlp", text=TEXT_SUFFIX)),
+        rotary="image_rotary_emb",
+    ),
+    BlockFamily(  # Cosmos (Predict 2 / 2.5): rotary over the image tokens; pipelines pass sigmas
+        "cosmos",
+        ("CosmosTransformerBlock",),
+        (Sublayer("attn1", "attn", attention=True), Sublayer("attn2", "crossattn"), Sublayer("ff", "mlp")),
+        rotary="image_rotary_emb",
+        timesteps=1.0,
     ),
 )
 
