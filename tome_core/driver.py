@@ -34,8 +34,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Se
 from .backend import get_ops
 from .config import ToMeConfig
 from .families import (
-    BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_AFTER, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer, VideoLayout, block_family, temporal,
-    video_layout,
+    BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_AFTER, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer, GridLayout, block_family, grid_layout,
+    temporal, text_only,
 )
 from .levels import finest_attention_level, leading_raster
 from .match import Match
@@ -245,8 +245,11 @@ def is_unet_like(module: Any) -> bool:
 
 
 def is_transformer_model(module: Any) -> bool:
-    """A diffusion transformer (SD3, Flux, PixArt, DiT, their ControlNets): a config with a patch size."""
-    return not is_unet_like(module) and _config_value(module, "patch_size") is not None
+    """A diffusion transformer (SD3, Flux, PixArt, DiT, their ControlNets): a config with a patch size, or a
+    class whose call :data:`~tome_core.families.GRID_LAYOUTS` describes."""
+    return not is_unet_like(module) and (
+        _config_value(module, "patch_size") is not None or grid_layout(type(module)) is not None
+    )
 
 
 class _CallStart:
@@ -260,22 +263,29 @@ class _CallStart:
         self.patch_size = _config_value(model, "patch_size") if self.transformer else None
         self.data_format = getattr(model, "data_format", "NCHW")
         forward = type(model).forward
-        self.where = argument_positions(forward, "sample", "hidden_states", "timestep", "img_ids", "img_shapes")
+        self.where = argument_positions(forward, "sample", "hidden_states", "timestep", "t", "img_ids", "img_shapes")
+        parameters = list(inspect.signature(forward).parameters.values())[1:]
+        self.first = parameters[0].name if parameters else None  # the latent, by keyword where not named as above
+        self.defaults = {p.name: p.default for p in parameters}
+        # a model whose timestep rises while sampling: a falling one starts a generation
+        self.rising = any(family.timesteps_rise for _, family in blocks_of(fw, model))
         self.model = type(model).__qualname__
         self.ids_grid: Tuple[Any, Optional[Tuple[int, int, int]]] = (None, None)  # (ids, leading_raster of them)
-        self.layout = video_layout(type(model)) if self.transformer else None
+        self.layout = grid_layout(type(model)) if self.transformer else None
         if self.layout is not None:
             self.temporal_patch = _config_value(model, self.layout.temporal_patch) or 1
-            self.where.update(argument_positions(forward, *self.layout.sizes))
+            self.where.update(argument_positions(forward, *self.layout.sizes, *self.layout.patch_arguments))
 
     def __call__(self, module, args, kwargs):
         where = self.where
         sample = argument(args, kwargs, "sample", where["sample"])
         if sample is None:
             sample = argument(args, kwargs, "hidden_states", where["hidden_states"])
-        if sample is None and args:
-            sample = args[0]
+        if sample is None:
+            sample = argument(args, kwargs, self.first, 0)
         timestep = argument(args, kwargs, "timestep", where["timestep"])
+        if timestep is None:
+            timestep = argument(args, kwargs, "t", where["t"])  # Z-Image's
         config = self.state.config
         # read on the host once, only where an option decides from the timestep's value
         values = (
@@ -284,14 +294,22 @@ class _CallStart:
         )
         step, merging = _step(timestep), self._merges_at(values)
         if config.reuse_steps > 1 and values is not None:  # matches live within one generation
-            self.state.follow_generation(max(values))
+            self.state.follow_generation(-min(values) if self.rising else max(values))
         if not self.transformer:  # UNets give their latent; inner Transformer2DModels give the grids
             latent = _spatial(sample, self.data_format) if self.unet else None
             shape = get_ops(sample).shape(sample) if self.unet else ()
             # a video UNet's sample is 5-D (batch first); its blocks see batch * frames items
             self.state.begin_call(latent, step, videos=shape[0] if len(shape) == 5 else None, merging=merging)
             return None
-        shape = get_ops(sample).shape(sample)
+        if isinstance(sample, (list, tuple)):  # a list of [C, F, H, W] latents (Z-Image): one batch
+            if not sample or isinstance(sample[0], (list, tuple)):
+                why = "its input is a list of lists (several images per item), whose order ToMe does not know; such calls run unmerged"
+                self.state.say_once(f"ToMe on {self.model}: {why}")
+                self.state.begin_call(None, step, merging=False, why=why)
+                return None
+            shape = (len(sample),) + tuple(get_ops(sample[0]).shape(sample[0]))
+        else:
+            shape = get_ops(sample).shape(sample)
         videos, tail = None, 0
         layout = self.layout
         if layout is not None:
@@ -333,11 +351,15 @@ class _CallStart:
         self.state.enter_grid(grid)
         return None
 
-    def _video_grid(self, layout: VideoLayout, shape: Sequence[int], args, kwargs) -> Optional[Tuple[int, int, int]]:
-        """``(frames, rows, cols)`` of a video transformer's tokens (:class:`~tome_core.families.VideoLayout`), or
+    def _video_grid(self, layout: GridLayout, shape: Sequence[int], args, kwargs) -> Optional[Tuple[int, int, int]]:
+        """``(frames, rows, cols)`` of a video transformer's tokens (:class:`~tome_core.families.GridLayout`), or
         None where its call does not give them."""
         temporal = self.temporal_patch
-        spatial = self.patch_size if isinstance(self.patch_size, int) else self.patch_size[-1]
+        spatial = self.patch_size if isinstance(self.patch_size, int) else (self.patch_size or (1,))[-1]
+        if layout.patch_arguments:
+            temporal, spatial = (
+                argument(args, kwargs, name, self.where[name]) or self.defaults[name] for name in layout.patch_arguments
+            )
         if layout.frames_axis is None:
             sizes = [argument(args, kwargs, name, self.where[name]) for name in layout.sizes]
             if any(size is None for size in sizes):
@@ -453,14 +475,17 @@ class _BlockRun:
     def _image(self, x: Any) -> Any:
         """The image tokens of the block's input: without the tail, and without the text in front where the
         block's input is ``[text; image; tail]`` (their count: the call's grid)."""
-        if self.family.stream != TEXT_PREFIX and not self.tail:
+        stream = self.family.stream
+        if stream == TEXT_NONE and not self.tail:
             return x
         length = get_ops(x).shape(x)[1]
-        if self.family.stream != TEXT_PREFIX:
+        if stream == TEXT_NONE:
             return x[:, : length - self.tail]
         grid = self.state.grid_hw
         if grid is None:
             raise ValueError(f"ToMe on {self.where}: a {type(self.block).__name__} got no token grid from its model's call")
+        if stream == TEXT_SUFFIX:
+            return x[:, : grid[0] * grid[1]]
         return x[:, length - self.tail - grid[0] * grid[1] : length - self.tail]
 
     def _arrangement(self, config: ToMeConfig) -> Tuple[ToMeConfig, Optional[str]]:
@@ -582,10 +607,14 @@ class _MergeInput:
         rotary = argument(args, kwargs, self.rotary, self.rotary_at)
         if rotary is None:
             return args, kwargs
-        items = self.run.family.rotary_items
+        family, after = self.run.family, self.sublayer.text in (TEXT_AFTER, TEXT_SUFFIX)
+        if not isinstance(rotary, (tuple, list)):  # one table (Z-Image's complex frequencies)
+            moved = _merge_positions((rotary,), match, family.rotary_axis, self.run.tail, after)[0]
+            return replace_argument(args, kwargs, self.rotary, self.rotary_at, moved)
+        items = family.rotary_items
         moved = _merge_positions(
-            [table for i, table in enumerate(rotary) if items is None or i in items],
-            match, self.run.family.rotary_axis, self.run.tail,
+            [table for i, table in enumerate(rotary) if items is None or i in items], match, family.rotary_axis,
+            self.run.tail, after,
         )
         if items is not None:
             moved = iter(moved)
@@ -745,14 +774,15 @@ class Patch:
         self.retyped.clear()
 
 
-def temporal_modules(fw: Framework, model: Any) -> set:
+def temporal_modules(fw: Framework, model: Any, table: Callable[[type], Any] = temporal) -> set:
     """The ids of the modules inside ``model`` that attend across frames (:data:`~tome_core.families.TEMPORAL`):
-    those containers' blocks (or the blocks under their listed children) and everything inside them."""
+    those containers' blocks (or the blocks under their listed children) and everything inside them; with
+    ``table=text_only``, those that run on the text alone (:data:`~tome_core.families.TEXT_ONLY`)."""
     inside: set = set()
     for module in fw.submodules(model):
         if id(module) in inside:
             continue
-        entry = temporal(type(module))
+        entry = table(type(module))
         if entry is None:
             continue
         roots = [getattr(module, child, None) for child in entry.children] if entry.children else [module]
@@ -768,7 +798,7 @@ def blocks_of(fw: Framework, model: Any) -> List[Tuple[Any, BlockFamily]]:
     Temporal blocks (tokens = frames: video UNets' motion modules and temporal transformers) are left out:
     they are never merged, get no hook, and count in no block index, level or statistic."""
     found = []
-    skip = temporal_modules(fw, model)
+    skip = temporal_modules(fw, model) | temporal_modules(fw, model, text_only)
     for module in fw.submodules(model):
         family = block_family(type(module))
         if family is not None and id(module) not in skip:

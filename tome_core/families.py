@@ -66,9 +66,11 @@ class BlockFamily:
     rotary_items: which items of the rotary tuple hold token positions (None: all). A table's leading rows
         beyond the image's and the tail's are text (none in Qwen-Image's image table, whose text table is the
         second item and stays as it is).
-    stream: where text sits in the block's own input: ``TEXT_NONE`` (image tokens, then a tail) or
-        ``TEXT_PREFIX`` (``[text; image; tail]`` in one tensor, as Flux.2's and Chroma's single blocks get it);
-        the match is computed from the image part.
+    timesteps_rise: its model's timestep rises while sampling (Z-Image's and Lumina 2's 0 is pure noise), so a
+        falling one starts a new generation (``reuse_steps``).
+    stream: where text sits in the block's own input: ``TEXT_NONE`` (image tokens, then a tail),
+        ``TEXT_PREFIX`` (``[text; image; tail]`` in one tensor, as Flux.2's and Chroma's single blocks get it) or
+        ``TEXT_SUFFIX`` (``[image; text]``, Z-Image's); the match is computed from the image part.
     timesteps: the largest timestep a model of this family receives from its pipeline (1000 for DDPM-style
         and most flow-matching models; 1 where the pipeline passes sigmas, as Flux's do): ``timestep_range``
         outside ``[0, timesteps]`` is refused.
@@ -82,6 +84,7 @@ class BlockFamily:
     rotary_items: Optional[Tuple[int, ...]] = None
     stream: str = TEXT_NONE
     timesteps: float = 1000.0
+    timesteps_rise: bool = False
 
 
 # FLUX.1's double-stream block: joint attention over [text; image] (image output first), an image MLP.
@@ -302,6 +305,22 @@ BLOCK_FAMILIES += (
     ),
 )
 
+BLOCK_FAMILIES += (
+    BlockFamily(  # Z-Image: one stream [image; padding; caption; padding], complex rotary per token [B, L, d/2]
+        "z-image",
+        ("ZImageTransformerBlock",),
+        (
+            Sublayer("attention", "attn", text=TEXT_SUFFIX, attention=True, masks=(("attention_mask", (-1,)),)),
+            Sublayer("feed_forward", "mlp", text=TEXT_SUFFIX),
+        ),
+        rotary="freqs_cis",
+        rotary_axis=1,
+        stream=TEXT_SUFFIX,
+        timesteps=1.0,
+        timesteps_rise=True,
+    ),
+)
+
 _BY_CLASS: Dict[str, BlockFamily] = {name: family for family in BLOCK_FAMILIES for name in family.classes}
 
 
@@ -331,35 +350,61 @@ TEMPORAL: Tuple[Temporal, ...] = (
 )
 
 @dataclass(frozen=True)
-class VideoLayout:
-    """How the call of a video transformer gives its token grid, where the shape of its input cannot tell: its
-    tokens are one frame-major sequence of ``frames x rows x cols`` tokens, read as the frames' grids stacked in
-    rows (as Wan's).
+class GridLayout:
+    """How the call of a diffusion transformer gives its token grid, where the shape of its input and a config
+    ``patch_size`` cannot tell: its tokens are one frame-major sequence of ``frames x rows x cols`` tokens, read
+    as the frames' grids stacked in rows (as Wan's).
 
     frames_axis: the frames' axis of its 5-D latent: 2 for ``(B, C, F, H, W)``, 1 for ``(B, F, C, H, W)``
-        (CogVideoX); None for packed tokens ``[B, N, C]``, whose sizes come from ``sizes``.
+        (CogVideoX); None for packed tokens ``[B, N, C]``, whose sizes come from ``sizes``. A list of
+        ``[C, F, H, W]`` latents (Z-Image) reads as their batch.
     temporal_patch: the config key of its temporal patch size (absent or None: 1).
     sizes: the call's arguments that give ``(frames, height, width)`` of packed tokens (latent units).
+    patch_arguments: the call's arguments that give ``(temporal, spatial)`` patch sizes (Z-Image), their
+        defaults those of the model's ``forward``; else the config's.
     """
 
     classes: Tuple[str, ...]
     frames_axis: Optional[int] = 2
     temporal_patch: str = "patch_size_t"
     sizes: Tuple[str, ...] = ()
+    patch_arguments: Tuple[str, ...] = ()
 
 
-VIDEO_LAYOUTS: Tuple[VideoLayout, ...] = (
-    VideoLayout(("HunyuanVideoTransformer3DModel", "HunyuanVideo15Transformer3DModel")),
-    VideoLayout(("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel"), frames_axis=1),
-    VideoLayout(("LTXVideoTransformer3DModel",), frames_axis=None, sizes=("num_frames", "height", "width")),
+GRID_LAYOUTS: Tuple[GridLayout, ...] = (
+    GridLayout(("HunyuanVideoTransformer3DModel", "HunyuanVideo15Transformer3DModel")),
+    GridLayout(("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel"), frames_axis=1),
+    GridLayout(("LTXVideoTransformer3DModel",), frames_axis=None, sizes=("num_frames", "height", "width")),
+    GridLayout(("ZImageTransformer2DModel",), patch_arguments=("f_patch_size", "patch_size")),
 )
 
-_LAYOUTS: Dict[str, VideoLayout] = {name: layout for layout in VIDEO_LAYOUTS for name in layout.classes}
+_LAYOUTS: Dict[str, GridLayout] = {name: layout for layout in GRID_LAYOUTS for name in layout.classes}
 
 
-def video_layout(cls: type) -> Optional[VideoLayout]:
-    """The :data:`VIDEO_LAYOUTS` entry of a model class (or of its nearest base class named there), or None."""
+def grid_layout(cls: type) -> Optional[GridLayout]:
+    """The :data:`GRID_LAYOUTS` entry of a model class (or of its nearest base class named there), or None."""
     return _nearest(_LAYOUTS, cls)
+
+
+@dataclass(frozen=True)
+class TextOnly:
+    """A model class whose listed children hold blocks of a known family that run on the text alone (Z-Image's
+    and Lumina 2's caption refiners): ToMe never hooks them."""
+
+    name: str
+    children: Tuple[str, ...]
+
+
+TEXT_ONLY: Tuple[TextOnly, ...] = (
+    TextOnly("ZImageTransformer2DModel", ("context_refiner", "siglip_refiner")),
+)
+
+_TEXT_ONLY: Dict[str, TextOnly] = {entry.name: entry for entry in TEXT_ONLY}
+
+
+def text_only(cls: type) -> Optional[TextOnly]:
+    """The :data:`TEXT_ONLY` entry of a model class (or of its nearest base class named there), or None."""
+    return _nearest(_TEXT_ONLY, cls)
 
 
 # Containers whose 4-D input ``(batch [* frames], C, H, W)`` is the token grid of the (spatial) blocks inside.

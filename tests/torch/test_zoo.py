@@ -203,6 +203,20 @@ def _hunyuan_dit_call(controlnet: bool = False) -> Dict[str, Any]:
     return {**call, "controlnet_cond": (2, 4, 12, 20)} if controlnet else call
 
 
+def _z_image():
+    torch.manual_seed(0)
+    model = diffusers.ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=16, n_layers=1, n_refiner_layers=1, n_heads=1,
+        n_kv_heads=2, qk_norm=True, cap_feat_dim=16, rope_theta=256.0, t_scale=1000.0, axes_dims=[8, 4, 4],
+        axes_lens=[256, 32, 32],
+    ).eval()
+    zoo._randomize_zeros(model, 1)
+    generator = torch.Generator().manual_seed(1)
+    x = [torch.randn(16, 1, 12, 20, generator=generator) for _ in range(2)]  # grid 6x10, padded to 64 tokens
+    captions = [torch.randn(16, 16, generator=generator), torch.randn(40, 16, generator=generator)]  # a padded batch
+    return model, dict(x=x, t=torch.tensor([0.3, 0.3]), cap_feats=captions)
+
+
 # Classes that merge, each with a tiny model (random weights) and the keyword inputs of one call.
 MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
     "UNet2DConditionModel": _unet,
@@ -269,6 +283,7 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
              concat_padding_mask=False, extra_pos_embed_type="learnable"),
         hidden_states=(2, 4, 3, 8, 12), timestep=torch.tensor([0.5, 0.5]), encoder_hidden_states=(2, 12, 16), fps=30,
     ),
+    "ZImageTransformer2DModel": _z_image,
     "SkyReelsV2Transformer3DModel": _built("SkyReelsV2Transformer3DModel", _WAN, **_WAN_CALL),
     "ChronoEditTransformer3DModel": _built("ChronoEditTransformer3DModel", dict(_WAN, rope_temporal_skip_len=8), **_WAN_CALL),
     "WanVACETransformer3DModel": _built(
