@@ -448,6 +448,7 @@ class _BlockRun:
         self.passing: set = set()  # sub-layers whose call now in flight runs unmerged (_MergeInput._passes)
         # token masks are gathered like rotary positions: one match for the whole batch
         self.masks = any(sublayer.masks for sublayer in family.sublayers)
+        self.unmerged_at = argument_positions(type(block).forward, family.unmerged_with)[family.unmerged_with] if family.unmerged_with else None
         self.matches: Dict[str, Match] = {}
         self.config = state.active
         self.tail = 0  # this run's tokens after the grid's (ToMeState.tail)
@@ -463,6 +464,9 @@ class _BlockRun:
             return None
         self.config, fallback = self._arrangement(self.state.active)
         self.tail = self.state.tail
+        if self._unmerged(args, kwargs):
+            self.matches = {}
+            return None
         image = self._image(metric)
         self.matches = self.state.block_matches(
             image, self.stream, self.family.rotary is not None or self.masks, self.ratio, self.config, fallback
@@ -471,6 +475,17 @@ class _BlockRun:
             self.ran = {key: entry for key, entry in self.ran.items() if entry[0]() is not None}
             self.ran[id(metric)] = (weakref.ref(metric), self.matches, self.config, self.tail)
         return None
+
+    def _unmerged(self, args, kwargs) -> bool:
+        """Whether this call of the block runs unmerged (:attr:`BlockFamily.unmerged_with`), said once."""
+        name = self.family.unmerged_with
+        if name is None or argument(args, kwargs, name, self.unmerged_at) is None:
+            return False
+        self.state.say_once(
+            f"ToMe on {self.where}: {type(self.block).__name__} got {name}, so its image tokens do not sit at one "
+            "place in every item (captions of different lengths before them); such calls run unmerged"
+        )
+        return True
 
     def _image(self, x: Any) -> Any:
         """The image tokens of the block's input: without the tail, and without the text in front where the
@@ -547,6 +562,8 @@ class _MergeInput:
         if mode != "tokens":
             return self._arrange(module, args, kwargs, x, merged, match, mode, size_aware)
         args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
+        if self.sublayer.twin is not None and argument(args, kwargs, self.sublayer.twin, None) is x:
+            kwargs = {**kwargs, self.sublayer.twin: merged}
         if self.rotary is not None:
             args, kwargs = self._merge_rotary(args, kwargs, match)
         gathered = self._gather_masks(args, kwargs, match)

@@ -40,6 +40,8 @@ class Sublayer:
         A self-attention given an ``attention_mask`` not listed here runs unmerged in that call.
     once: the block runs it on its image tokens and then again on other tokens (CogView4's ``ff`` on the text):
         only the block's first call merges.
+    twin: an argument through which the sub-layer gets its own input again (Lumina 2's self-attention passes
+        it as ``encoder_hidden_states`` too): merged alike.
     """
 
     child: str
@@ -51,6 +53,7 @@ class Sublayer:
     text_if: Optional[str] = None
     masks: Tuple[Tuple[str, Tuple[int, ...]], ...] = ()
     once: bool = False
+    twin: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,9 @@ class BlockFamily:
         second item and stays as it is).
     timesteps_rise: its model's timestep rises while sampling (Z-Image's and Lumina 2's 0 is pure noise), so a
         falling one starts a new generation (``reuse_steps``).
+    unmerged_with: a block argument whose presence means the image tokens do not sit at one offset in every
+        item (Lumina 2 passes its attention mask when the captions before the image differ in length): such
+        calls of the block run unmerged.
     stream: where text sits in the block's own input: ``TEXT_NONE`` (image tokens, then a tail),
         ``TEXT_PREFIX`` (``[text; image; tail]`` in one tensor, as Flux.2's and Chroma's single blocks get it) or
         ``TEXT_SUFFIX`` (``[image; text]``, Z-Image's); the match is computed from the image part.
@@ -85,6 +91,7 @@ class BlockFamily:
     stream: str = TEXT_NONE
     timesteps: float = 1000.0
     timesteps_rise: bool = False
+    unmerged_with: Optional[str] = None
 
 
 # FLUX.1's double-stream block: joint attention over [text; image] (image output first), an image MLP.
@@ -321,6 +328,23 @@ BLOCK_FAMILIES += (
     ),
 )
 
+BLOCK_FAMILIES += (
+    BlockFamily(  # Lumina-Image 2.0: one stream [caption; image] (its image refiner: image only)
+        "lumina2",
+        ("Lumina2TransformerBlock",),
+        (
+            Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True, twin="encoder_hidden_states"),
+            Sublayer("feed_forward", "mlp", text=TEXT_PREFIX),
+        ),
+        rotary="image_rotary_emb",
+        rotary_axis=1,
+        stream=TEXT_PREFIX,
+        timesteps=1.0,
+        timesteps_rise=True,
+        unmerged_with="attention_mask",
+    ),
+)
+
 _BY_CLASS: Dict[str, BlockFamily] = {name: family for family in BLOCK_FAMILIES for name in family.classes}
 
 
@@ -397,6 +421,7 @@ class TextOnly:
 
 TEXT_ONLY: Tuple[TextOnly, ...] = (
     TextOnly("ZImageTransformer2DModel", ("context_refiner", "siglip_refiner")),
+    TextOnly("Lumina2Transformer2DModel", ("context_refiner",)),
 )
 
 _TEXT_ONLY: Dict[str, TextOnly] = {entry.name: entry for entry in TEXT_ONLY}

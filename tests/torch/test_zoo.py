@@ -284,6 +284,14 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
         hidden_states=(2, 4, 3, 8, 12), timestep=torch.tensor([0.5, 0.5]), encoder_hidden_states=(2, 12, 16), fps=30,
     ),
     "ZImageTransformer2DModel": _z_image,
+    "Lumina2Transformer2DModel": _built(
+        "Lumina2Transformer2DModel",
+        dict(sample_size=16, patch_size=2, in_channels=4, hidden_size=24, num_layers=2, num_refiner_layers=1,
+             num_attention_heads=3, num_kv_heads=1, multiple_of=2, ffn_dim_multiplier=None, norm_eps=1e-5,
+             scaling_factor=1.0, axes_dim_rope=(4, 2, 2), axes_lens=(128, 128, 128), cap_feat_dim=32),
+        hidden_states=(2, 4, 12, 20), timestep=torch.tensor([0.3, 0.3]), encoder_hidden_states=(2, 16, 32),
+        encoder_attention_mask=torch.ones(2, 16, dtype=torch.bool),
+    ),
     "SkyReelsV2Transformer3DModel": _built("SkyReelsV2Transformer3DModel", _WAN, **_WAN_CALL),
     "ChronoEditTransformer3DModel": _built("ChronoEditTransformer3DModel", dict(_WAN, rope_temporal_skip_len=8), **_WAN_CALL),
     "WanVACETransformer3DModel": _built(
