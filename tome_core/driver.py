@@ -123,7 +123,7 @@ class SizeBias:
                 f"{match.kept + self.tail} tokens; pass proportional_attn=False"
             )
         zeros = lambda count: [ops.zeros((match.batch, 1, count), like)] if count else []  # noqa: E731
-        if self.text == TEXT_AFTER:  # [image; tail; text]
+        if self.text in (TEXT_AFTER, TEXT_SUFFIX):  # [image; tail; text]
             parts = [sizes, *zeros(self.tail + text)]
         else:  # [text; image; tail]
             parts = [*zeros(text), sizes, *zeros(self.tail)]
@@ -252,6 +252,9 @@ def is_transformer_model(module: Any) -> bool:
     )
 
 
+TIMESTEPS = ("timestep", "timesteps", "t")  # what models call their timestep argument (HiDream, Z-Image)
+
+
 class _CallStart:
     """Pre-hook on a patched model: a new call starts, at its timestep, on its latent or token grid."""
 
@@ -263,7 +266,7 @@ class _CallStart:
         self.patch_size = _config_value(model, "patch_size") if self.transformer else None
         self.data_format = getattr(model, "data_format", "NCHW")
         forward = type(model).forward
-        self.where = argument_positions(forward, "sample", "hidden_states", "timestep", "t", "img_ids", "img_shapes")
+        self.where = argument_positions(forward, "sample", "hidden_states", *TIMESTEPS, "img_ids", "img_shapes")
         parameters = list(inspect.signature(forward).parameters.values())[1:]
         self.first = parameters[0].name if parameters else None  # the latent, by keyword where not named as above
         self.defaults = {p.name: p.default for p in parameters}
@@ -283,9 +286,9 @@ class _CallStart:
             sample = argument(args, kwargs, "hidden_states", where["hidden_states"])
         if sample is None:
             sample = argument(args, kwargs, self.first, 0)
-        timestep = argument(args, kwargs, "timestep", where["timestep"])
-        if timestep is None:
-            timestep = argument(args, kwargs, "t", where["t"])  # Z-Image's
+        timestep = next(
+            (value for value in (argument(args, kwargs, name, where[name]) for name in TIMESTEPS) if value is not None), None
+        )
         config = self.state.config
         # read on the host once, only where an option decides from the timestep's value
         values = (

@@ -345,6 +345,31 @@ BLOCK_FAMILIES += (
     ),
 )
 
+BLOCK_FAMILIES += (
+    # HiDream-I1: rotary 2x2 rotation matrices per token [B, L, 1, d/2, 2, 2] over [image; text]; a non-square latent
+    # is padded to its largest size, with a key mask over the padding (such calls run unmerged)
+    BlockFamily(
+        "hidream-double",
+        ("HiDreamImageTransformerBlock",),
+        (Sublayer("attn1", "attn", text=TEXT_AFTER, output=0, attention=True), Sublayer("ff_i", "mlp")),
+        rotary="image_rotary_emb",
+        rotary_axis=1,
+        unmerged_with="hidden_states_masks",
+    ),
+    BlockFamily(  # its model hands it [image; text] in one tensor
+        "hidream-single",
+        ("HiDreamImageSingleTransformerBlock",),
+        (
+            Sublayer("attn1", "attn", text=TEXT_SUFFIX, attention=True),
+            Sublayer("ff_i", "mlp", text=TEXT_SUFFIX),
+        ),
+        rotary="image_rotary_emb",
+        rotary_axis=1,
+        stream=TEXT_SUFFIX,
+        unmerged_with="hidden_states_masks",
+    ),
+)
+
 _BY_CLASS: Dict[str, BlockFamily] = {name: family for family in BLOCK_FAMILIES for name in family.classes}
 
 

@@ -284,6 +284,15 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
         hidden_states=(2, 4, 3, 8, 12), timestep=torch.tensor([0.5, 0.5]), encoder_hidden_states=(2, 12, 16), fps=30,
     ),
     "ZImageTransformer2DModel": _z_image,
+    "HiDreamImageTransformer2DModel": _built(
+        "HiDreamImageTransformer2DModel",
+        dict(patch_size=2, in_channels=4, out_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8,
+             num_attention_heads=4, caption_channels=[8, 4], text_emb_dim=8, num_routed_experts=2,
+             num_activated_experts=2, axes_dims_rope=(4, 2, 2), max_resolution=(32, 32), llama_layers=(0, 1),
+             force_inference_output=True),
+        hidden_states=(2, 4, 32, 32), encoder_hidden_states_t5=(2, 8, 8), encoder_hidden_states_llama3=(2, 2, 6, 4),
+        pooled_embeds=(2, 8), timesteps=torch.tensor([500, 500]),
+    ),
     "Lumina2Transformer2DModel": _built(
         "Lumina2Transformer2DModel",
         dict(sample_size=16, patch_size=2, in_channels=4, hidden_size=24, num_layers=2, num_refiner_layers=1,
