@@ -276,7 +276,7 @@ class _CallStart:
         self.ids_grid: Tuple[Any, Optional[Tuple[int, int, int]]] = (None, None)  # (ids, leading_raster of them)
         self.layout = grid_layout(type(model)) if self.transformer else None
         if self.layout is not None:
-            self.temporal_patch = _config_value(model, self.layout.temporal_patch) or 1
+            self.temporal_patch = (self.layout.temporal_patch and _config_value(model, self.layout.temporal_patch)) or 1
             self.where.update(argument_positions(forward, *self.layout.sizes, *self.layout.patch_arguments))
 
     def __call__(self, module, args, kwargs):
@@ -670,6 +670,9 @@ def _merge_positions(rotary: Any, match: Match, axis: int = 0, tail: int = 0, te
         return rotary
     moved = []
     for table in rotary:
+        if isinstance(table, (tuple, list)):  # nested: Allegro's per-token positions (t, h, w)
+            moved.append(type(table)(_merge_positions(table, match, axis, tail, text_after)))
+            continue
         ops = get_ops(table)
         text = ops.shape(table)[axis] - match.tokens - tail
         first = 0 if text_after else text  # the image's first row

@@ -245,6 +245,18 @@ BLOCK_FAMILIES += (
         ),
         rotary="image_rotary_emb",
     ),
+    BlockFamily(  # LTX-2: video tokens (audio in a second stream, never merged); rotary tables [B, (heads,) tokens, d]
+        "ltx2",
+        ("LTX2VideoTransformerBlock",),
+        (
+            Sublayer("attn1", "attn", attention=True),
+            Sublayer("attn2", "crossattn"),
+            Sublayer("audio_to_video_attn", "crossattn"),  # video queries, audio keys
+            Sublayer("ff", "mlp"),
+        ),
+        rotary="query_rotary_emb",
+        rotary_axis=-2,
+    ),
     BlockFamily(  # LTX-Video: rotary tables [B, tokens, dim]
         "ltx",
         ("LTXVideoTransformerBlock",),
@@ -370,6 +382,36 @@ BLOCK_FAMILIES += (
     ),
 )
 
+BLOCK_FAMILIES += (
+    BlockFamily(  # Mochi: joint attention over [image; text], the text mask extended by its processor
+        "mochi",
+        ("MochiTransformerBlock",),
+        (
+            Sublayer("attn1", "attn", text=TEXT_AFTER, output=0, attention=True, masks=(("attention_mask", ()),)),
+            Sublayer("ff", "mlp"),
+        ),
+        rotary="image_rotary_emb",
+        timesteps_rise=True,  # its scheduler inverts the sigmas: 1000 * (1 - sigma)
+    ),
+    BlockFamily(  # Allegro: rotary as coordinate tables and per-token positions [1, N] (item 1, which moves)
+        "allegro",
+        ("AllegroTransformerBlock",),
+        (Sublayer("attn1", "attn", attention=True), Sublayer("attn2", "crossattn"), Sublayer("ff", "mlp")),
+        rotary="image_rotary_emb",
+        rotary_axis=1,
+        rotary_items=(1,),
+    ),
+    BlockFamily(  # EasyAnimate: joint attention over [text; image]; blocks past its MMDiT ones run ff on the text too
+        "easyanimate",
+        ("EasyAnimateTransformerBlock",),
+        (
+            Sublayer("attn1", "attn", text=TEXT_BEFORE, output=0, attention=True),
+            Sublayer("ff", "mlp", once=True),
+        ),
+        rotary="image_rotary_emb",
+    ),
+)
+
 _BY_CLASS: Dict[str, BlockFamily] = {name: family for family in BLOCK_FAMILIES for name in family.classes}
 
 
@@ -407,7 +449,7 @@ class GridLayout:
     frames_axis: the frames' axis of its 5-D latent: 2 for ``(B, C, F, H, W)``, 1 for ``(B, F, C, H, W)``
         (CogVideoX); None for packed tokens ``[B, N, C]``, whose sizes come from ``sizes``. A list of
         ``[C, F, H, W]`` latents (Z-Image) reads as their batch.
-    temporal_patch: the config key of its temporal patch size (absent or None: 1).
+    temporal_patch: the config key of its temporal patch size (absent, None or naming None: 1).
     sizes: the call's arguments that give ``(frames, height, width)`` of packed tokens (latent units).
     patch_arguments: the call's arguments that give ``(temporal, spatial)`` patch sizes (Z-Image), their
         defaults those of the model's ``forward``; else the config's.
@@ -415,7 +457,7 @@ class GridLayout:
 
     classes: Tuple[str, ...]
     frames_axis: Optional[int] = 2
-    temporal_patch: str = "patch_size_t"
+    temporal_patch: Optional[str] = "patch_size_t"
     sizes: Tuple[str, ...] = ()
     patch_arguments: Tuple[str, ...] = ()
 
@@ -423,8 +465,12 @@ class GridLayout:
 GRID_LAYOUTS: Tuple[GridLayout, ...] = (
     GridLayout(("HunyuanVideoTransformer3DModel", "HunyuanVideo15Transformer3DModel")),
     GridLayout(("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel"), frames_axis=1),
-    GridLayout(("LTXVideoTransformer3DModel",), frames_axis=None, sizes=("num_frames", "height", "width")),
+    GridLayout(
+        ("LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel"), frames_axis=None, sizes=("num_frames", "height", "width")
+    ),
     GridLayout(("ZImageTransformer2DModel",), patch_arguments=("f_patch_size", "patch_size")),
+    # a 2-D patch per frame, the frames' tokens in one sequence
+    GridLayout(("MochiTransformer3DModel", "AllegroTransformer3DModel", "EasyAnimateTransformer3DModel"), temporal_patch=None),
 )
 
 _LAYOUTS: Dict[str, GridLayout] = {name: layout for layout in GRID_LAYOUTS for name in layout.classes}

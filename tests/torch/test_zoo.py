@@ -217,6 +217,26 @@ def _z_image():
     return model, dict(x=x, t=torch.tensor([0.3, 0.3]), cap_feats=captions)
 
 
+def _allegro():
+    from diffusers import AllegroPipeline
+
+    model = zoo._random_transformer("AllegroTransformer3DModel", dict(
+        num_attention_heads=2, attention_head_dim=24, in_channels=4, out_channels=4, num_layers=1, cross_attention_dim=48,
+        sample_width=8, sample_height=8, sample_frames=8, caption_channels=8,
+    ), 0)
+
+    class Positions:  # what the pipeline's rotary method reads
+        vae_scale_factor_spatial = 8
+        transformer = model
+
+    rotary = AllegroPipeline._prepare_rotary_positional_embeddings(Positions(), 2, 64, 96, 2, "cpu")
+    generator = torch.Generator().manual_seed(1)
+    return model, dict(
+        hidden_states=torch.randn(2, 4, 2, 8, 12, generator=generator), encoder_hidden_states=torch.randn(2, 7, 8, generator=generator),
+        timestep=torch.tensor([500, 500]), encoder_attention_mask=torch.ones(2, 7), image_rotary_emb=rotary,
+    )
+
+
 # Classes that merge, each with a tiny model (random weights) and the keyword inputs of one call.
 MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
     "UNet2DConditionModel": _unet,
@@ -284,6 +304,32 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
         hidden_states=(2, 4, 3, 8, 12), timestep=torch.tensor([0.5, 0.5]), encoder_hidden_states=(2, 12, 16), fps=30,
     ),
     "ZImageTransformer2DModel": _z_image,
+    "MochiTransformer3DModel": _built(
+        "MochiTransformer3DModel",
+        dict(patch_size=2, num_attention_heads=2, attention_head_dim=8, num_layers=2, pooled_projection_dim=16,
+             in_channels=4, out_channels=None, qk_norm="rms_norm", text_embed_dim=16, time_embed_dim=4,
+             activation_fn="swiglu", max_sequence_length=16),
+        hidden_states=(2, 4, 2, 8, 12), encoder_hidden_states=(2, 16, 16), timestep=torch.tensor([500, 500]),
+        encoder_attention_mask=torch.tensor([[True] * 16, [True] * 10 + [False] * 6]),
+    ),
+    "AllegroTransformer3DModel": _allegro,
+    "EasyAnimateTransformer3DModel": _built(
+        "EasyAnimateTransformer3DModel",
+        dict(attention_head_dim=16, num_attention_heads=2, in_channels=4, mmdit_layers=2, num_layers=3, out_channels=4,
+             patch_size=2, sample_height=60, sample_width=90, text_embed_dim=16, time_embed_dim=8,
+             time_position_encoding_type="3d_rope", timestep_activation_fn="silu"),
+        hidden_states=(2, 4, 2, 8, 12), timestep=torch.tensor([500, 500]), encoder_hidden_states=(2, 16, 16),
+    ),
+    "LTX2VideoTransformer3DModel": _built(
+        "LTX2VideoTransformer3DModel",
+        dict(in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
+             cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2,
+             audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2, qk_norm="rms_norm_across_heads",
+             caption_channels=16, rope_double_precision=False, rope_type="split"),
+        hidden_states=(2, 48, 4), audio_hidden_states=(2, 9, 4), encoder_hidden_states=(2, 7, 16),
+        audio_encoder_hidden_states=(2, 7, 16), timestep=torch.tensor([500.0, 500.0]),
+        encoder_attention_mask=torch.ones(2, 7).bool(), num_frames=2, height=4, width=6, audio_num_frames=9, fps=25.0,
+    ),
     "HiDreamImageTransformer2DModel": _built(
         "HiDreamImageTransformer2DModel",
         dict(patch_size=2, in_channels=4, out_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8,
