@@ -553,6 +553,7 @@ class _MergeInput:
         # where ``module``'s forward takes the rotary argument and masks by position (None: by keyword only)
         self.rotary_at = argument_positions(type(module).forward, self.rotary)[self.rotary] if self.rotary else None
         self.masks_at = argument_positions(type(module).forward, "attention_mask", *(name for name, _ in sublayer.masks))
+        self.aligned_at = argument_positions(type(module).forward, *sublayer.aligned)
 
     def __call__(self, module, args, kwargs):
         match = self.run.matches.get(self.sublayer.kind)
@@ -565,8 +566,13 @@ class _MergeInput:
         if mode != "tokens":
             return self._arrange(module, args, kwargs, x, merged, match, mode, size_aware)
         args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
-        if self.sublayer.twin is not None and argument(args, kwargs, self.sublayer.twin, None) is x:
-            kwargs = {**kwargs, self.sublayer.twin: merged}
+        for name in self.sublayer.aligned:
+            other = argument(args, kwargs, name, self.aligned_at[name])
+            if other is not None:
+                alike = merged if other is x else around_image(
+                    other, match.tokens, self.run.tail, self.sublayer.text, lambda image: merge(image, match)
+                )
+                args, kwargs = replace_argument(args, kwargs, name, self.aligned_at[name], alike)
         if self.rotary is not None:
             args, kwargs = self._merge_rotary(args, kwargs, match)
         gathered = self._gather_masks(args, kwargs, match)

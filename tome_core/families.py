@@ -40,8 +40,8 @@ class Sublayer:
         A self-attention given an ``attention_mask`` not listed here runs unmerged in that call.
     once: the block runs it on its image tokens and then again on other tokens (CogView4's ``ff`` on the text):
         only the block's first call merges.
-    twin: an argument through which the sub-layer gets its own input again (Lumina 2's self-attention passes
-        it as ``encoder_hidden_states`` too): merged alike.
+    aligned: arguments that carry the same tokens as its input (Lumina 2's self-attention gets its input again as
+        ``encoder_hidden_states``; Nucleus-MoE's router the unmodulated tokens): merged alike.
     """
 
     child: str
@@ -53,7 +53,7 @@ class Sublayer:
     text_if: Optional[str] = None
     masks: Tuple[Tuple[str, Tuple[int, ...]], ...] = ()
     once: bool = False
-    twin: Optional[str] = None
+    aligned: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -345,7 +345,7 @@ BLOCK_FAMILIES += (
         "lumina2",
         ("Lumina2TransformerBlock",),
         (
-            Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True, twin="encoder_hidden_states"),
+            Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True, aligned=("encoder_hidden_states",)),
             Sublayer("feed_forward", "mlp", text=TEXT_PREFIX),
         ),
         rotary="image_rotary_emb",
@@ -409,6 +409,20 @@ BLOCK_FAMILIES += (
             Sublayer("ff", "mlp", once=True),
         ),
         rotary="image_rotary_emb",
+    ),
+)
+
+BLOCK_FAMILIES += (
+    BlockFamily(  # Nucleus-MoE-Image: image queries over [image; text] keys; its MoE routes on unmodulated tokens
+        "nucleus-moe",
+        ("NucleusMoEImageTransformerBlock",),
+        (
+            Sublayer("attn", "attn", text=TEXT_AFTER, attention=True, masks=(("attention_mask", (-1,)),)),
+            Sublayer("img_mlp", "mlp", aligned=("hidden_states_unmodulated",)),
+        ),
+        rotary="image_rotary_emb",
+        rotary_items=(0,),
+        timesteps=1.0,
     ),
 )
 

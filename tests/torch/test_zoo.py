@@ -237,6 +237,31 @@ def _allegro():
     )
 
 
+def _consisid():
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+    build = _built(
+        "ConsisIDTransformer3DModel",
+        dict(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=2,
+             text_embed_dim=8, num_layers=1, sample_width=8, sample_height=8, sample_frames=8, patch_size=2,
+             temporal_compression_ratio=4, max_text_seq_length=8, cross_attn_interval=1, is_kps=False,
+             is_train_face=True, cross_attn_dim_head=1, cross_attn_num_heads=1, LFE_id_dim=2, LFE_vit_dim=2,
+             LFE_depth=5, LFE_dim_head=8, LFE_num_heads=2, LFE_num_id_token=1, LFE_num_querie=1, LFE_output_dim=21,
+             LFE_ff_mult=1, LFE_num_scale=1),
+        hidden_states=(2, 2, 4, 8, 8), encoder_hidden_states=(2, 8, 8), timestep=torch.tensor([500, 500]),
+        image_rotary_emb=get_3d_rotary_pos_embed(16, ((0, 0), (4, 4)), (4, 4), temporal_size=2),
+        id_vit_hidden=[torch.ones([2, 2, 2])], id_cond=torch.ones(2, 2),
+    )
+    return build()
+
+
+def _qwen_controlnet():
+    config = {k: v for k, v in zoo.transformer_config("tiny-qwen-image")[1].items() if k != "guidance_embeds"}
+    model = zoo._random_transformer("QwenImageControlNetModel", config, 0)
+    inputs = zoo.transformer_inputs(zoo.build_transformer("tiny-qwen-image"), 16, 12, batch=2)
+    return model, {**inputs, "controlnet_cond": torch.randn(2, 48, 16, generator=torch.Generator().manual_seed(2))}
+
+
 # Classes that merge, each with a tiny model (random weights) and the keyword inputs of one call.
 MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
     "UNet2DConditionModel": _unet,
@@ -304,6 +329,36 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
         hidden_states=(2, 4, 3, 8, 12), timestep=torch.tensor([0.5, 0.5]), encoder_hidden_states=(2, 12, 16), fps=30,
     ),
     "ZImageTransformer2DModel": _z_image,
+    "ConsisIDTransformer3DModel": _consisid,
+    "QwenImageControlNetModel": _qwen_controlnet,
+    "DreamLiteTransformer2DModel": _built(
+        "DreamLiteTransformer2DModel",
+        dict(num_attention_heads=2, attention_head_dim=8, in_channels=8, norm_num_groups=4, cross_attention_dim=8),
+        hidden_states=(2, 8, 8, 8), encoder_hidden_states=(2, 4, 8),
+    ),
+    "GlmImageTransformer2DModel": _built(
+        "GlmImageTransformer2DModel",
+        dict(patch_size=2, in_channels=4, out_channels=4, num_layers=1, attention_head_dim=8, num_attention_heads=2,
+             text_embed_dim=32, time_embed_dim=16, condition_dim=8, prior_vq_quantizer_codebook_size=64),
+        hidden_states=(2, 4, 8, 12), encoder_hidden_states=(2, 12, 32), prior_token_id=torch.arange(48).reshape(2, 24) % 64,
+        prior_token_drop=torch.zeros(2, dtype=torch.bool), timestep=torch.tensor([500, 500]),
+        target_size=torch.tensor([[8.0, 12.0]] * 2), crop_coords=torch.tensor([[0.0, 0.0]] * 2),
+    ),
+    "NucleusMoEImageTransformer2DModel": _built(
+        "NucleusMoEImageTransformer2DModel",
+        dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=4,
+             joint_attention_dim=16, axes_dims_rope=(8, 4, 4), moe_enabled=True, capacity_factors=[8.0, 8.0]),
+        hidden_states=(2, 24, 16), encoder_hidden_states=(2, 8, 16), encoder_hidden_states_mask=torch.ones(2, 8, dtype=torch.long),
+        timestep=torch.tensor([1.0, 1.0]), img_shapes=[(1, 4, 6)] * 2,
+    ),
+    "WanAnimateTransformer3DModel": _built(
+        "WanAnimateTransformer3DModel",
+        dict(_WAN, in_channels=12, latent_channels=4, image_dim=16, motion_encoder_channel_sizes={"4": 16, "8": 16, "16": 16},
+             motion_encoder_size=16, motion_style_dim=8, motion_dim=4, motion_encoder_dim=16, face_encoder_hidden_dim=16,
+             face_encoder_num_heads=2, inject_face_latents_blocks=2),
+        hidden_states=(1, 12, 21, 16, 12), timestep=torch.tensor([500]), encoder_hidden_states=(1, 12, 16),
+        encoder_hidden_states_image=(1, 12, 16), pose_hidden_states=(1, 4, 20, 16, 12), face_pixel_values=(1, 3, 77, 16, 16),
+    ),
     "MochiTransformer3DModel": _built(
         "MochiTransformer3DModel",
         dict(patch_size=2, num_attention_heads=2, attention_head_dim=8, num_layers=2, pooled_projection_dim=16,
