@@ -262,6 +262,30 @@ def _qwen_controlnet():
     return model, {**inputs, "controlnet_cond": torch.randn(2, 48, 16, generator=torch.Generator().manual_seed(2))}
 
 
+def _cosmos_controlnet():
+    """Cosmos' ControlNet resizes its padding mask with torchvision, which the test environment lacks (it would
+    pull a CUDA torch): a nearest-neighbour resize of torch's stands in for it, in its module only."""
+    import types
+
+    from diffusers.models.controlnets import controlnet_cosmos
+
+    resize = lambda x, size, interpolation=None: torch.nn.functional.interpolate(x, size=size, mode="nearest")  # noqa: E731
+    controlnet_cosmos.transforms = types.SimpleNamespace(
+        functional=types.SimpleNamespace(resize=resize), InterpolationMode=types.SimpleNamespace(NEAREST="nearest")
+    )
+    build = _built(
+        "CosmosControlNetModel",
+        dict(n_controlnet_blocks=2, in_channels=18, latent_channels=18, model_channels=32, num_attention_heads=2,
+             attention_head_dim=16, mlp_ratio=2, text_embed_dim=32, adaln_lora_dim=4, patch_size=(1, 2, 2),
+             max_size=(4, 32, 32), rope_scale=(2.0, 1.0, 1.0), extra_pos_embed_type=None, img_context_dim_in=32,
+             img_context_dim_out=32, use_crossattn_projection=False),
+        controls_latents=(1, 16, 3, 16, 12), latents=(1, 16, 3, 16, 12), timestep=torch.tensor([0.5]),
+        encoder_hidden_states=(torch.ones(1, 12, 32), torch.ones(1, 4, 32)), condition_mask=torch.ones(1, 1, 3, 16, 12),
+        conditioning_scale=1.0, padding_mask=torch.zeros(1, 1, 16, 12),
+    )
+    return build()
+
+
 # Classes that merge, each with a tiny model (random weights) and the keyword inputs of one call.
 MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
     "UNet2DConditionModel": _unet,
@@ -329,6 +353,7 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
         hidden_states=(2, 4, 3, 8, 12), timestep=torch.tensor([0.5, 0.5]), encoder_hidden_states=(2, 12, 16), fps=30,
     ),
     "ZImageTransformer2DModel": _z_image,
+    "CosmosControlNetModel": _cosmos_controlnet,
     "ConsisIDTransformer3DModel": _consisid,
     "QwenImageControlNetModel": _qwen_controlnet,
     "DreamLiteTransformer2DModel": _built(
@@ -456,7 +481,8 @@ def _attention_calls(model, inputs):
     def record(module, args, kwargs, name):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         text = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
-        seen.append((name, hidden.shape[1] if hidden.dim() == 3 else None, None if text is None else text.clone()))
+        text = text.clone() if isinstance(text, torch.Tensor) else None  # Cosmos' (text, image context) pair: not compared
+        seen.append((name, hidden.shape[1] if hidden.dim() == 3 else None, text))
 
     handles = [
         module.register_forward_pre_hook(lambda m, a, k, n=name: record(m, a, k, n), with_kwargs=True)
