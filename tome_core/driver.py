@@ -40,7 +40,7 @@ from .families import (
 from .levels import finest_attention_level, leading_raster
 from .match import Match
 from .merge import merge, unmerge
-from .model_zoo import refusal
+from .model_zoo import AUXILIARY, refusal
 from .selection import ModelFacts, block_ratios, check_model, selected_blocks
 from .state import ToMeState
 
@@ -1031,12 +1031,14 @@ def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any]
 
 
 def refuse_listed(fw: Framework, obj: Any) -> None:
-    """Refuse a model of a class that :data:`~tome_core.model_zoo.REFUSED` lists, with that class's reason; a
-    pipeline, when none of its components can be patched, with the reasons of its listed ones (a listed
-    component beside patchable ones, such as AnimateDiff's motion adapter, is left alone)."""
+    """Refuse a model of a class that :data:`~tome_core.model_zoo.REFUSED` lists, with that class's reason, and a
+    pipeline that holds one (a pipeline is patched whole or not at all), except for auxiliary components
+    (:data:`~tome_core.model_zoo.AUXILIARY`, such as AnimateDiff's motion adapter) beside a model that merges."""
     listed = [(c, refusal(type(c))) for c in components(fw, obj)]
     listed = [(c, reason) for c, reason in listed if reason is not None]
-    if listed and (fw.is_module(obj) or not find_models(fw, obj)):
+    if not fw.is_module(obj) and find_models(fw, obj):
+        listed = [(c, reason) for c, reason in listed if type(c).__name__ not in AUXILIARY]
+    if listed:
         raise ValueError("; ".join(f"ToMe cannot patch {type(c).__qualname__}: {reason}" for c, reason in listed))
 
 

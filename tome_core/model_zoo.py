@@ -46,11 +46,129 @@ REFUSED: Dict[str, str] = {
         "aMUSEd's UVit runs its transformer layers on tokens it flattens itself after a downsampling block, and "
         "predicts masked VQ codes rather than a denoised latent; no grid reaches its blocks"
     ),
+    # merging cannot pay, or cannot be right
+    "SanaTransformer2DModel": (
+        "its self-attention is linear attention (its cost grows linearly with the tokens and it has no attention "
+        "matrix to shrink) and its feed-forward is a 3x3 convolution over the image grid (GLUMBConv), which needs "
+        "every token; merging could shrink only the attention's projections, a fifth of a block at ratio 0.5, "
+        "while matching costs grow with the square of the tokens"
+    ),
+    "SanaControlNetModel": "its blocks are Sana's (see SanaTransformer2DModel): linear attention and a convolutional feed-forward over the grid",
+    "SanaVideoTransformer3DModel": (
+        "its self-attention is linear attention and its feed-forward convolves over space and time (GLUMBTempConv), "
+        "which needs every token of every frame: merging could shrink only the attention's projections"
+    ),
+    "SanaWMTransformer3DModel": (
+        "its token mixer is a gated delta-net linear attention along time (a recurrence per pixel) with temporal "
+        "convolutions, and its feed-forward convolves over the grid: every token is needed"
+    ),
+    "SanaWMLTX2RefinerTransformer3DModel": (
+        "a chunk-causal autoregressive refiner with a per-layer cache of keys and values per token (sink and history "
+        "windows): merged tokens would put the cache out of step"
+    ),
+    "AnyFlowFARTransformer3DModel": (
+        "frame-autoregressive: causal attention through a flex-attention block mask over frames and a key-value "
+        "cache filled frame by frame, which merged tokens would break"
+    ),
+    "Kandinsky6SRTransformer3DModel": (
+        "its self-attention is always NABLA block-sparse flex attention over 8x8-token tiles: there is no dense "
+        "attention over the grid to shrink, and merged tokens would leave the tiles"
+    ),
+    "WanAnimate2Transformer3DModel": (
+        "its self-attention packs each frame's tokens into 128-aligned buffers for a flex-attention block mask, "
+        "caches the reference frames' keys and recomputes rotary positions from the grid inside the processor: "
+        "merged tokens fit none of these"
+    ),
+    "MiniMaxH3Transformer3DModel": (
+        "one batchless packed sequence whose text, video and audio rows are placed by index tables, each row with "
+        "its own modulation: there is no image token run to merge in place (not supported)"
+    ),
+    "Cosmos3OmniTransformer": (
+        "a mixture-of-transformers decoder on batchless packed sequences whose vision, sound and action tokens are "
+        "scattered by index tables: there is no image token run to merge in place (not supported)"
+    ),
+    "Ideogram4Transformer2DModel": (
+        "its packed sequences mix text and image tokens placed by an indicator and pack several samples per row "
+        "under a block-diagonal mask: the image tokens are not one run to merge in place (not supported)"
+    ),
+    "ZImageControlNetModel": (
+        "its noise and caption refiners are the Z-Image transformer's own modules, and its control blocks take a "
+        "stack of earlier hints [k, B, L, C] as their input; patch the ZImageTransformer2DModel, which merges "
+        "while the ControlNet runs unmerged"
+    ),
+    # not supported yet: what each needs that the driver does not have
+    "HunyuanVideoFramepackTransformer3DModel": (
+        "not supported yet: its image stream starts with history tokens of other resolutions before the noisy "
+        "grid, and ToMe keeps extra tokens only after the grid (a head of unmerged tokens is missing)"
+    ),
+    "HeliosTransformer3DModel": (
+        "not supported yet: its image stream starts with history tokens at three resolutions before the current "
+        "grid (a head of unmerged tokens is missing), and its self-attention takes the history length as an argument"
+    ),
+    "Kandinsky5Transformer3DModel": (
+        "not supported yet: its latent is channels-last (B, T, H, W, C) and its nabla attention mode reorders tokens "
+        "into 8x8 tiles, neither of which the grid readers follow"
+    ),
+    "Kandinsky6Transformer3DModel": (
+        "not supported yet: Kandinsky 5's channels-last latent in fused video-audio blocks that call their video "
+        "sub-layers through a nested block"
+    ),
+    "Flux3Transformer2DModel": (
+        "not supported yet: one block class serves its text, image and reference streams (only the image one may "
+        "merge), its config has no patch size and its ids are scaled to half steps"
+    ),
+    "QwenImage21Transformer2DModel": (
+        "not supported yet: one stream of text, condition images and the target image last, attention prefilled "
+        "segment by segment with a key cache, and a single complex rotary table"
+    ),
+    "Krea2Transformer2DModel": (
+        "not supported yet: its blocks run one [text; image] stream whose grid only its position ids tell"
+    ),
+    "ErnieImageTransformer2DModel": (
+        "not supported yet: its stream is sequence-first [S, B, C] ([image; text]) at the feed-forward, batch-first "
+        "at the attention"
+    ),
+    "JoyImageEditTransformer3DModel": (
+        "not supported yet: its edit inputs are 6-D (batch, items, C, T, H, W), the target item moved first among "
+        "the items read as frames, with separate image and text rotary tables"
+    ),
+    "JoyImageEditPlusTransformer3DModel": (
+        "not supported yet: JoyImage-Edit's 6-D multi-item inputs, plus a key mask over [image; text]"
+    ),
+    "MotifVideoTransformer3DModel": (
+        "not supported yet: HunyuanVideo-like blocks whose single-stream MLP runs on [image; text], with "
+        "first-frame image tokens prepended to the text and its own video layout"
+    ),
+    "AnyFlowTransformer3DModel": (
+        "not supported yet: a frames-first latent (B, F, C, H, W) with rotary tables in a dict of query and key "
+        "frequencies"
+    ),
+    "OmniGenTransformer2DModel": (
+        "not supported yet: one stream of text, input images and the output image last, under a query-by-key "
+        "attention mask, with self-attention through encoder_hidden_states"
+    ),
+    "LuminaNextDiT2DModel": (
+        "not supported yet: separate query and key rotary tables, attention outputs shaped [B, N, heads, d], and a "
+        "softmax scale that its pipeline sets from the number of tokens"
+    ),
+    "PRXTransformer2DModel": (
+        "not supported yet: its feed-forward is inline (no sub-module to wrap), leaving only the attention, whose "
+        "rotary tensor has its tokens on axis 2"
+    ),
+    "BriaFibo2Transformer2DModel": (
+        "not supported yet: one stream whose gist (text) tokens go before the image or after it depending on the "
+        "batch's padding, with context images' tokens after the image"
+    ),
     # image models whose attention is not in transformer blocks
     "UNet2DModel": _OWN_ATTENTION + " (an unconditional UNet's AttnDownBlock2D: one Attention module per ResNet)",
     "Kandinsky3UNet": _OWN_ATTENTION + " (Kandinsky3AttentionBlock)",
     "StableCascadeUNet": _OWN_ATTENTION + " (SDCascadeAttnBlock: self-attention over [image; condition] tokens)",
 }
+
+
+# Listed classes that a pipeline holds beside a model that merges (AnimateDiff's motion adapter): they do not stop
+# the pipeline's patch; every other listed class does.
+AUXILIARY = frozenset({"MotionAdapter", "ControlNetXSAdapter", "TransformerTemporalModel"})
 
 
 def refusal(cls: type) -> Optional[str]:
