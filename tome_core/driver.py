@@ -451,7 +451,8 @@ class _BlockRun:
         self.passing: set = set()  # sub-layers whose call now in flight runs unmerged (_MergeInput._passes)
         # token masks are gathered like rotary positions: one match for the whole batch
         self.masks = any(sublayer.masks for sublayer in family.sublayers)
-        self.unmerged_at = argument_positions(type(block).forward, family.unmerged_with)[family.unmerged_with] if family.unmerged_with else None
+        name = family.unmerged_with[0] if family.unmerged_with else None
+        self.unmerged_at = argument_positions(type(block).forward, name)[name] if name else None
         self.matches: Dict[str, Match] = {}
         self.config = state.active
         self.tail = 0  # this run's tokens after the grid's (ToMeState.tail)
@@ -481,13 +482,12 @@ class _BlockRun:
 
     def _unmerged(self, args, kwargs) -> bool:
         """Whether this call of the block runs unmerged (:attr:`BlockFamily.unmerged_with`), said once."""
-        name = self.family.unmerged_with
-        if name is None or argument(args, kwargs, name, self.unmerged_at) is None:
+        if self.family.unmerged_with is None:
             return False
-        self.state.say_once(
-            f"ToMe on {self.where}: {type(self.block).__name__} got {name}, so its image tokens do not sit at one "
-            "place in every item (captions of different lengths before them); such calls run unmerged"
-        )
+        name, why = self.family.unmerged_with
+        if argument(args, kwargs, name, self.unmerged_at) is None:
+            return False
+        self.state.say_once(f"ToMe on {self.where}: calls whose blocks get {name} ({why}) run unmerged in those blocks")
         return True
 
     def _image(self, x: Any) -> Any:

@@ -71,9 +71,9 @@ class BlockFamily:
         second item and stays as it is).
     timesteps_rise: its model's timestep rises while sampling (Z-Image's and Lumina 2's 0 is pure noise), so a
         falling one starts a new generation (``reuse_steps``).
-    unmerged_with: a block argument whose presence means the image tokens do not sit at one offset in every
-        item (Lumina 2 passes its attention mask when the captions before the image differ in length): such
-        calls of the block run unmerged.
+    unmerged_with: ``(argument, why)``: a block argument whose presence means the image tokens cannot be placed
+        (Lumina 2 passes its attention mask when the captions before the image differ in length): such calls of
+        the block run unmerged, said once.
     stream: where text sits in the block's own input: ``TEXT_NONE`` (image tokens, then a tail),
         ``TEXT_PREFIX`` (``[text; image; tail]`` in one tensor, as Flux.2's and Chroma's single blocks get it) or
         ``TEXT_SUFFIX`` (``[image; text]``, Z-Image's); the match is computed from the image part.
@@ -91,7 +91,7 @@ class BlockFamily:
     stream: str = TEXT_NONE
     timesteps: float = 1000.0
     timesteps_rise: bool = False
-    unmerged_with: Optional[str] = None
+    unmerged_with: Optional[Tuple[str, str]] = None
 
 
 # FLUX.1's double-stream block: joint attention over [text; image] (image output first), an image MLP.
@@ -353,7 +353,7 @@ BLOCK_FAMILIES += (
         stream=TEXT_PREFIX,
         timesteps=1.0,
         timesteps_rise=True,
-        unmerged_with="attention_mask",
+        unmerged_with=("attention_mask", "captions of different lengths put the image at a different offset per item"),
     ),
 )
 
@@ -366,7 +366,7 @@ BLOCK_FAMILIES += (
         (Sublayer("attn1", "attn", text=TEXT_AFTER, output=0, attention=True), Sublayer("ff_i", "mlp")),
         rotary="image_rotary_emb",
         rotary_axis=1,
-        unmerged_with="hidden_states_masks",
+        unmerged_with=("hidden_states_masks", "a non-square latent padded to the largest size, the padding masked"),
     ),
     BlockFamily(  # its model hands it [image; text] in one tensor
         "hidream-single",
@@ -378,7 +378,7 @@ BLOCK_FAMILIES += (
         rotary="image_rotary_emb",
         rotary_axis=1,
         stream=TEXT_SUFFIX,
-        unmerged_with="hidden_states_masks",
+        unmerged_with=("hidden_states_masks", "a non-square latent padded to the largest size, the padding masked"),
     ),
 )
 

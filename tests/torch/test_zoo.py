@@ -17,7 +17,17 @@ import pytest
 import torch
 
 import diffusers
+import warnings
+
+from diffusers.models.attention_processor import Attention
+
 import tome_core.torch as tome
+from tome_core.adapters.diffusers import FRAMEWORK
+from tome_core.backend import get_ops
+from tome_core.driver import SizeBias
+from tome_core.families import TEXT_SUFFIX
+from tome_core.match import bipartite_matches
+from tome_core.merge import merge, unmerge
 from tome_core.adapters import diffusers_models as zoo
 from tome_core.model_zoo import REFUSED, refusal
 
@@ -372,7 +382,8 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
     "NucleusMoEImageTransformer2DModel": _built(
         "NucleusMoEImageTransformer2DModel",
         dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=4,
-             joint_attention_dim=16, axes_dims_rope=(8, 4, 4), moe_enabled=True, capacity_factors=[8.0, 8.0]),
+             joint_attention_dim=16, axes_dims_rope=(8, 4, 4), moe_enabled=True, capacity_factors=[8.0, 8.0],
+             dense_moe_strategy="leave_first_block_dense"),
         hidden_states=(2, 24, 16), encoder_hidden_states=(2, 8, 16), encoder_hidden_states_mask=torch.ones(2, 8, dtype=torch.long),
         timestep=torch.tensor([1.0, 1.0]), img_shapes=[(1, 4, 6)] * 2,
     ),
@@ -535,3 +546,182 @@ def test_patch_refuses_a_listed_class_with_its_reason():
     with pytest.raises(ValueError, match="ToMe cannot patch UNet2DModel: its attention layers sit inside"):
         tome.patch(model)
     assert refusal(type(model)) == REFUSED["UNet2DModel"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The mechanisms the newer families need, each against its oracle: reference tokens after the grid pass through
+# (Flux.2, Qwen-Image-Edit); calls whose tokens ToMe cannot place run unmerged and say so once (Lumina 2's uneven
+# captions, HiDream's padded latents, LTX without sizes, Z-Image's multi-image lists); a sub-layer run twice merges
+# its first call only (CogView4); tokens aligned with a sub-layer's input merge alike (Nucleus-MoE's router); a
+# self-attention given a mask it cannot gather runs on all its tokens (SkyReels-V2's diffusion forcing); size-aware
+# attention over [image; text] in one tensor equals attention over repeated tokens.
+
+
+def _seen(model, inputs):
+    """Token counts each attention module receives."""
+    calls, output = _attention_calls(model, inputs)
+    return [tokens for _, tokens, _ in calls], output
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_flux2_reference_tokens_pass_through_and_the_output_grid_merges():
+    model = zoo.build_transformer("tiny-flux2")
+    inputs = zoo.transformer_inputs(model, 8, 12, batch=2)  # a 4x6 token grid
+    reference = torch.zeros(6, 4)  # a 2x3 reference image at index 10, after the output's tokens
+    reference[:, 0] = 10
+    reference[:, 1] = torch.arange(2).repeat_interleave(3)
+    reference[:, 2] = torch.arange(3).repeat(2)
+    inputs["img_ids"] = torch.cat([inputs["img_ids"], reference])
+    inputs["hidden_states"] = torch.cat([inputs["hidden_states"], torch.randn(2, 6, 4)], 1)
+    plain = _run(model, inputs)
+    tome.patch(model, ratio=0.5)
+    seen, output = _seen(model, inputs)
+    # double block: 12 kept + 6 reference tokens; single block: text 7 + 12 + 6
+    assert seen == [12 + 6, 7 + 12 + 6]
+    assert torch.isfinite(output).all() and _rel(output, plain) > 1e-6
+    tome.remove(model)
+    assert torch.equal(_run(model, inputs), plain)
+
+
+def test_qwen_image_edit_reference_tokens_pass_through():
+    model = zoo.build_transformer("tiny-qwen-image")
+    inputs = zoo.transformer_inputs(model, 8, 12, batch=2)
+    inputs["hidden_states"] = torch.cat([inputs["hidden_states"], torch.randn(2, 6, 16)], 1)
+    inputs["img_shapes"] = [[(1, 4, 6), (1, 2, 3)]] * 2
+    plain = _run(model, inputs)
+    tome.patch(model, ratio=0.5)
+    seen, output = _seen(model, inputs)
+    assert seen == [12 + 6, 12 + 6]
+    assert torch.isfinite(output).all()
+    tome.remove(model)
+    assert torch.equal(_run(model, inputs), plain)
+
+
+def _warned_once(call, match):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = call()
+        second = call()
+    said = [str(w.message) for w in caught if match in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    return first, second
+
+
+def test_lumina2_with_uneven_captions_runs_its_joint_blocks_unmerged_and_says_so_once():
+    model, inputs = MERGED["Lumina2Transformer2DModel"]()
+    inputs["encoder_attention_mask"] = torch.tensor([[True] * 16, [True] * 10 + [False] * 6])
+    tome.patch(model, ratio=0.5)
+    (seen, output), _ = _warned_once(lambda: _seen(model, inputs), "captions of different lengths")
+    # its image refiner (image only) merges; its joint layers see every token
+    assert seen[0] < 60 and seen[-1] == 16 + 60
+    assert torch.isfinite(output).all()
+
+
+def test_hidream_padded_non_square_latent_runs_unmerged_and_says_so():
+    model, inputs = MERGED["HiDreamImageTransformer2DModel"]()
+    inputs["hidden_states"] = torch.randn(2, 4, 24, 16)  # non-square: padded to its largest size, masked
+    plain = _run(model, inputs)
+    tome.patch(model, ratio=0.5)
+    output, _ = _warned_once(lambda: _run(model, inputs), "hidden_states_masks")
+    assert torch.equal(output, plain)
+
+
+def test_ltx_without_sizes_runs_unmerged_and_says_so():
+    model = zoo.build_video_transformer("tiny-ltx")
+    inputs = zoo.video_transformer_inputs(model, 2, 4, 6, batch=2)
+    coords = torch.stack(torch.meshgrid(torch.arange(2) * 8.0, torch.arange(4) * 32.0, torch.arange(6) * 32.0, indexing="ij")).flatten(1)
+    inputs = {k: v for k, v in inputs.items() if k not in ("num_frames", "height", "width")}
+    inputs["video_coords"] = coords[None].repeat(2, 1, 1)
+    plain = _run(model, inputs)
+    tome.patch(model, ratio=0.5)
+    output, _ = _warned_once(lambda: _run(model, inputs), "gave none of num_frames, height, width")
+    assert torch.equal(output, plain)
+
+
+def test_z_image_list_of_lists_runs_unmerged_and_says_so():
+    model, inputs = MERGED["ZImageTransformer2DModel"]()
+    tome.patch(model, ratio=0.5)
+    state = tome.patched_models(model)[0].state
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:  # the omni call needs more inputs than these; ToMe decides before the model runs
+            model(x=[inputs["x"]], t=inputs["t"], cap_feats=[inputs["cap_feats"]])
+        except Exception:
+            pass
+    assert sum("list of lists" in str(w.message) for w in caught) == 1
+    assert not state.merging
+
+
+def _feed_forward_calls(blocks, child):
+    """Hooks recording the token counts of every call of each block's ``child`` (registered after ToMe's: they see
+    what the sub-layer gets); returns the list and the handles."""
+    seen = []
+    record = lambda m, a, k: seen.append(tuple(t.shape[1] for t in a if isinstance(t, torch.Tensor)))  # noqa: E731
+    return seen, [getattr(block, child).register_forward_pre_hook(record, with_kwargs=True) for block in blocks]
+
+
+def test_cogview4_feed_forward_merges_its_image_call_and_runs_its_text_call_whole():
+    model, inputs = MERGED["CogView4Transformer2DModel"]()
+    seen, handles = _feed_forward_calls(model.transformer_blocks, "ff")
+    plain = _run(model, inputs)
+    assert seen == [(60,), (8,), (60,), (8,)]  # image tokens, then the text, in each block
+    for handle in handles:
+        handle.remove()
+    tome.patch(model, ratio=0.5, merge_mlp=True)
+    seen, _ = _feed_forward_calls(model.transformer_blocks, "ff")
+    output = _run(model, inputs)
+    assert seen == [(30,), (8,), (30,), (8,)]
+    assert torch.isfinite(output).all() and _rel(output, plain) > 1e-6
+
+
+def test_nucleus_moe_router_tokens_merge_alike():
+    model, inputs = MERGED["NucleusMoEImageTransformer2DModel"]()
+    plain = _run(model, inputs)
+    tome.patch(model, ratio=0.5, merge_mlp=True)
+    seen, _ = _feed_forward_calls(model.transformer_blocks, "img_mlp")
+    output = _run(model, inputs)
+    assert (12, 12) in seen and set(seen) <= {(12,), (12, 12)}  # the MoE block's router tokens merged alike
+    assert torch.isfinite(output).all() and _rel(output, plain) > 1e-6
+
+
+def test_self_attention_with_a_mask_it_cannot_gather_runs_on_all_tokens():
+    model, inputs = MERGED["SkyReelsV2Transformer3DModel"]()
+    model._set_ar_attention(3)  # autoregressive diffusion forcing: a block-causal mask over blocks of 3 frames
+    inputs = {**inputs, "hidden_states": torch.randn(2, 4, 6, 8, 12), "timestep": torch.tensor([[900] * 3 + [500] * 3] * 2)}
+    inputs["enable_diffusion_forcing"] = True
+    plain = _run(model, inputs)
+    tome.patch(model, ratio=0.5, merge_mlp=True)
+    seen = []
+    for block in model.blocks:  # registered after ToMe's hooks: what attention gets
+        block.attn1.register_forward_pre_hook(lambda m, a, k: seen.append((a[0].shape[1], len(a) > 2 and a[2] is not None)), with_kwargs=True)
+    output, _ = _warned_once(lambda: _run(model, inputs), "given an attention_mask over its tokens")
+    assert seen and all(masked and tokens == 144 for tokens, masked in seen)  # 6 frames of 4x6 tokens, all of them
+    assert torch.isfinite(output).all() and _rel(output, plain) > 1e-6  # the feed-forward merged
+
+
+def test_size_aware_attention_over_image_then_text_in_one_tensor_equals_repeated_tokens():
+    torch.manual_seed(0)
+    attention = Attention(query_dim=16, heads=2, dim_head=8).eval()
+    generator = torch.Generator().manual_seed(1)
+    tokens, text = 48, 7
+    metric = torch.randn(2, tokens, 16, generator=generator)
+    match = bipartite_matches(get_ops(metric), metric, 8, 6, 2, 2, [int(tokens * 0.6)], None, 0, False)[0]
+    image = merge(torch.randn(2, tokens, 16, generator=generator), match)
+    words = torch.randn(2, text, 16, generator=generator)
+    merged_in = torch.cat([image, words], 1)
+    plain_in = torch.cat([unmerge(image, match), words], 1)  # every merged token repeated once per token it holds
+    args, kwargs = FRAMEWORK.size_aware(attention, (), {"hidden_states": merged_in}, SizeBias(match, TEXT_SUFFIX, image))
+    try:
+        with torch.no_grad():
+            sized = attention(*args, **kwargs)
+    finally:
+        FRAMEWORK.size_aware_done(attention, computed=True)
+    with torch.no_grad():
+        plain = attention(hidden_states=plain_in)
+        unsized = attention(hidden_states=merged_in)
+    torch.testing.assert_close(unmerge(sized[:, : match.kept], match), plain[:, :tokens], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(sized[:, match.kept :], plain[:, tokens:], rtol=1e-4, atol=1e-5)
+    assert _rel(unmerge(unsized[:, : match.kept], match), plain[:, :tokens]) > 1e-3  # the oracle can fail
