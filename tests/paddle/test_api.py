@@ -236,12 +236,28 @@ def test_patches_that_merge_something_do_not_warn(unet, tiny_unet, inputs, call)
             assert np.abs(call(unet, inputs) - call(tiny_unet, inputs)).max() > 1e-6
 
 
-def test_proportional_attn_refuses_an_attention_mask_on_self_attention(unet, inputs):
+def test_a_self_attention_given_an_attention_mask_runs_on_all_its_tokens_and_says_so(unet, tiny_unet, inputs):
+    """Merging cannot follow a mask over the self-attention's tokens: that attention runs unmerged (the rest of
+    its block still merges), said once; before, size-aware attention raised at once. A UNet's ``attention_mask``
+    covers one level's tokens, so the unpatched model itself fails at the next level: the patched one must get
+    exactly as far, with the finest level's self-attention seeing all 256 tokens."""
     sample, timestep, text = inputs
+    mask = paddle.ones([2, 256])
+    with pytest.raises(ValueError) as plain_error, paddle.no_grad():
+        tiny_unet(sample, timestep, text, attention_mask=mask)
     tome.patch(unet, ratio=0.5, proportional_attn=True)
-    with pytest.raises(ValueError, match="proportional_attn=True cannot be combined with an attention_mask on self-att"):
-        with paddle.no_grad():
-            unet(sample, timestep, text, attention_mask=paddle.ones([2, 256]))
+    seen = []
+    handles = [
+        m.register_forward_pre_hook(lambda layer, args: seen.append(args[0].shape[1]))
+        for name, m in unet.named_sublayers() if name.endswith("attn1")
+    ]
+    with pytest.warns(UserWarning, match="given an attention_mask over its tokens"):
+        with pytest.raises(ValueError) as patched_error, paddle.no_grad():
+            unet(sample, timestep, text, attention_mask=mask)
+    for handle in handles:
+        handle.remove()
+    assert seen[0] == 256  # the finest level's self-attention saw all its tokens
+    assert str(patched_error.value) == str(plain_error.value)  # and failed where the unpatched model fails
 
 
 def test_apply_tome_takes_the_ratio_positionally_and_names_itself_when_misused(unet):
