@@ -166,6 +166,13 @@ REFUSED: Dict[str, str] = {
 }
 
 
+# Listed classes that generate neither images nor video (or cannot run alone): outside the zoo's coverage count.
+NOT_GENERATION = frozenset({
+    "AceStepTransformer1DModel", "StableAudioDiTModel", "StableAudio3DiTModel", "LongCatAudioDiTTransformer",
+    "MiniMaxMusic3Transformer1DModel", "MiniMaxMusic3RVQDepthDecoder", "T5FilmDecoder", "UNet1DModel",
+    "RFD4ProteinaTransformer", "PriorTransformer", "MotionAdapter", "TransformerTemporalModel", "ControlNetXSAdapter",
+})
+
 # Listed classes that a pipeline holds beside a model that merges (AnimateDiff's motion adapter): they do not stop
 # the pipeline's patch; every other listed class does.
 AUXILIARY = frozenset({"MotionAdapter", "ControlNetXSAdapter", "TransformerTemporalModel"})

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import pathlib
 import pkgutil
+import re
 from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
@@ -29,7 +31,7 @@ from tome_core.families import TEXT_SUFFIX
 from tome_core.match import bipartite_matches
 from tome_core.merge import merge, unmerge
 from tome_core.adapters import diffusers_models as zoo
-from tome_core.model_zoo import REFUSED, refusal
+from tome_core.model_zoo import NOT_GENERATION, REFUSED, refusal
 
 ZOO_PACKAGES = ("transformers", "unets", "controlnets")
 
@@ -469,6 +471,41 @@ def test_refusal_reasons_are_the_classes_own():
     generic = "contains no transformer block ToMe knows"
     for name, reason in REFUSED.items():
         assert len(reason) > 40 and generic not in reason, name
+
+
+MODELS_PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "models.md"
+
+
+def test_the_models_page_says_what_the_registry_says():
+    """docs/models.md: every merged class in its family table, every refusal with the registry's reason and no
+    other, and the coverage counts as the installed diffusers gives them."""
+    page = MODELS_PAGE.read_text()
+    merged_part, refused_part = page.split("## Refused, and why", 1)
+    for name in [*MERGED, *MERGED_ELSEWHERE, *WRAPPERS]:
+        assert re.search(rf"\b{name}\b", merged_part), f"docs/models.md does not list {name} among the merged classes"
+    rows = dict(re.findall(r"^\| (\w+) \| (.+) \|$", refused_part, flags=re.M))
+    assert rows.pop("class") == "reason" and rows == REFUSED
+    exported = exported_models()
+    generation = [name for name in exported if name not in NOT_GENERATION]
+    merging = [name for name in generation if name not in REFUSED]
+    counts = (
+        f"{len(exported)} classes exported; {len(exported) - len(generation)} do not generate images or video",
+        f"of the other {len(generation)}, **{len(merging)} merge** ({100 * len(merging) // len(generation)}%) and "
+        f"{len(generation) - len(merging)} are refused, {sum(r.startswith('not supported yet') for r in REFUSED.values())} of them",
+    )
+    flat = " ".join(page.split())
+    for count in counts:
+        assert count in flat
+
+
+def test_the_models_page_snippet_runs_as_its_comments_say(capsys):
+    code = "\n".join(re.findall(r"```python\n(.*?)```", MODELS_PAGE.read_text(), flags=re.S))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(code, str(MODELS_PAGE), "exec"), {})
+    printed = capsys.readouterr().out
+    assert "2 blocks, 64 -> 32 tokens (50% merged" in printed
+    assert "ToMe cannot patch SanaTransformer2DModel: its self-attention is linear attention" in printed
 
 
 def _flat(output: Any) -> torch.Tensor:
