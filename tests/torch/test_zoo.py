@@ -8,10 +8,8 @@ class is classified: merged (a tiny builder below, checked against the unpatched
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import pathlib
-import pkgutil
 import re
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -598,10 +596,6 @@ def _seen(model, inputs):
     """Token counts each attention module receives."""
     calls, output = _attention_calls(model, inputs)
     return [tokens for _, tokens, _ in calls], output
-
-
-def _rel(a, b):
-    return float((a - b).norm() / b.norm())
 
 
 def test_flux2_reference_tokens_pass_through_and_the_output_grid_merges():
