@@ -359,6 +359,8 @@ class _CallStart:
         None where its call does not give them."""
         temporal = self.temporal_patch
         spatial = self.patch_size if isinstance(self.patch_size, int) else (self.patch_size or (1,))[-1]
+        if isinstance(self.patch_size, (tuple, list)) and len(self.patch_size) == 3:
+            temporal = self.patch_size[0]
         if layout.patch_arguments:
             temporal, spatial = (
                 argument(args, kwargs, name, self.where[name]) or self.defaults[name] for name in layout.patch_arguments
@@ -368,7 +370,7 @@ class _CallStart:
             if any(size is None for size in sizes):
                 return None
         else:
-            sizes = [shape[layout.frames_axis], shape[-2], shape[-1]]
+            sizes = [shape[layout.frames_axis], *(shape[2:4] if layout.channels_last else shape[-2:])]
         return sizes[0] // temporal, sizes[1] // spatial, sizes[2] // spatial
 
     def _merges_at(self, timesteps: Optional[List[float]]) -> bool:

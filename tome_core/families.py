@@ -426,6 +426,21 @@ BLOCK_FAMILIES += (
     ),
 )
 
+BLOCK_FAMILIES += (
+    BlockFamily(  # Kandinsky 5: its visual blocks (its text blocks run on the text alone and are never hooked)
+        "kandinsky5",
+        ("Kandinsky5TransformerDecoderBlock",),
+        (
+            Sublayer("self_attention", "attn", attention=True),
+            Sublayer("cross_attention", "crossattn"),
+            Sublayer("feed_forward", "mlp"),
+        ),
+        rotary="rotary_emb",
+        rotary_axis=1,
+        unmerged_with=("sparse_params", "NABLA sparse attention reorders the tokens into 8x8-token tiles"),
+    ),
+)
+
 _BY_CLASS: Dict[str, BlockFamily] = {name: family for family in BLOCK_FAMILIES for name in family.classes}
 
 
@@ -466,7 +481,8 @@ class GridLayout:
     temporal_patch: the config key of its temporal patch size (absent, None or naming None: 1).
     sizes: the call's arguments that give ``(frames, height, width)`` of packed tokens (latent units).
     patch_arguments: the call's arguments that give ``(temporal, spatial)`` patch sizes (Z-Image), their
-        defaults those of the model's ``forward``; else the config's.
+        defaults those of the model's ``forward``; else the config's (a 3-D ``patch_size`` gives both).
+    channels_last: its latent is ``(B, F, H, W, C)`` (Kandinsky 5), frames on ``frames_axis`` 1.
     """
 
     classes: Tuple[str, ...]
@@ -474,6 +490,7 @@ class GridLayout:
     temporal_patch: Optional[str] = "patch_size_t"
     sizes: Tuple[str, ...] = ()
     patch_arguments: Tuple[str, ...] = ()
+    channels_last: bool = False
 
 
 GRID_LAYOUTS: Tuple[GridLayout, ...] = (
@@ -483,6 +500,7 @@ GRID_LAYOUTS: Tuple[GridLayout, ...] = (
         ("LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel"), frames_axis=None, sizes=("num_frames", "height", "width")
     ),
     GridLayout(("ZImageTransformer2DModel",), patch_arguments=("f_patch_size", "patch_size")),
+    GridLayout(("Kandinsky5Transformer3DModel",), frames_axis=1, channels_last=True),
     # a 2-D patch per frame, the frames' tokens in one sequence
     GridLayout(("MochiTransformer3DModel", "AllegroTransformer3DModel", "EasyAnimateTransformer3DModel"), temporal_patch=None),
 )

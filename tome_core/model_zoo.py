@@ -105,10 +105,6 @@ REFUSED: Dict[str, str] = {
         "not supported yet: its image stream starts with history tokens at three resolutions before the current "
         "grid (a head of unmerged tokens is missing), and its self-attention takes the history length as an argument"
     ),
-    "Kandinsky5Transformer3DModel": (
-        "not supported yet: its latent is channels-last (B, T, H, W, C) and its nabla attention mode reorders tokens "
-        "into 8x8 tiles, neither of which the grid readers follow"
-    ),
     "Kandinsky6Transformer3DModel": (
         "not supported yet: Kandinsky 5's channels-last latent in fused video-audio blocks that call their video "
         "sub-layers through a nested block"

@@ -403,6 +403,14 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
         hidden_states=(2, 4, 2, 8, 12), encoder_hidden_states=(2, 16, 16), timestep=torch.tensor([500, 500]),
         encoder_attention_mask=torch.tensor([[True] * 16, [True] * 10 + [False] * 6]),
     ),
+    "Kandinsky5Transformer3DModel": _built(  # channels-last latent (B, F, H, W, C)
+        "Kandinsky5Transformer3DModel",
+        dict(in_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=16, out_visual_dim=4, patch_size=(1, 2, 2),
+             model_dim=16, ff_dim=32, num_text_blocks=1, num_visual_blocks=2, axes_dims=(4, 6, 6)),
+        hidden_states=(2, 2, 8, 12, 4), encoder_hidden_states=(2, 7, 16), timestep=torch.tensor([500.0, 500.0]),
+        pooled_projections=(2, 8), visual_rope_pos=[torch.arange(2), torch.arange(4), torch.arange(6)],
+        text_rope_pos=torch.arange(7),
+    ),
     "AllegroTransformer3DModel": _allegro,
     "EasyAnimateTransformer3DModel": _built(
         "EasyAnimateTransformer3DModel",
@@ -494,6 +502,8 @@ def test_the_models_page_says_what_the_registry_says():
     flat = " ".join(page.split())
     for count in counts:
         assert count in flat
+    readme = " ".join((MODELS_PAGE.parents[1] / "README.md").read_text().split())
+    assert readme.count(f"{len(merging)} of the {len(generation)} ") == 2  # the opening and the support table
 
 
 def test_the_models_page_snippet_runs_as_its_comments_say(capsys):
