@@ -469,29 +469,51 @@ class _Captured(Exception):
     """Stops the capturing call once every block of interest has shown its inputs."""
 
 
+MICRO_ROWS = ("unpatched", "ours", "ours_reused_match", "ours_plain_softmax", "oracle")
+
+
+def _block_kinds(model: Any, blocks: List[Tuple[Any, Any]]) -> Dict[str, Tuple[int, Any, Any]]:
+    """The first block of each kind: ``{name: (stream index, block, family)}``, a kind being a family in one
+    container of the model (Flux's ``transformer_blocks`` and ``single_transformer_blocks``; Z-Image's
+    ``noise_refiner``, on the image alone, apart from its ``layers`` on ``[image; text]``), named by the family
+    and, where one family sits in several containers, the container too."""
+    names = {id(module): name for name, module in model.named_modules()}
+    container = lambda block: names.get(id(block), "").rpartition(".")[0].rstrip("0123456789").rstrip(".")  # noqa: E731
+    seen: Dict[Tuple[str, str], Tuple[int, Any, Any]] = {}
+    for stream, (block, family) in enumerate(blocks):
+        seen.setdefault((family.name, container(block)), (stream, block, family))
+    families = [family for family, _ in seen]
+    return {
+        (family if families.count(family) == 1 else f"{family} ({where})"): entry for (family, where), entry in seen.items()
+    }
+
+
 def micro_transformer(args: Any) -> Dict[str, Any]:
-    """Per-block cost of ToMe in a diffusion transformer preset at ``--resolution`` / ``--batch`` / ratio
+    r"""Per-block cost of ToMe in a diffusion transformer preset at ``--resolution`` / ``--batch`` / ratio
     ``--ratio[0]`` (``--option``\ s apply; ``blocks`` and the reuse options are set here).
 
-    The first block of each kind (SD3: joint; Flux: double- and single-stream; PixArt: basic) is run on the
-    inputs it gets in an unpatched model call, timed alternately (medians of ``--repeats`` rounds after
-    ``--warmup``): unpatched; with ours and a fresh match (``reuse_blocks=1``); with ours and a reused match
-    (the match is already there, as in every block of a ``reuse_blocks`` run but the first); with ours, a fresh
-    match and plain softmax (``proportional_attn=False``: what size-aware attention costs); with the oracle.
-    Then the pieces alone: the block's match (``ToMeState.block_matches`` on its image stream) and a merge +
-    unmerge of its image tokens per merged sub-layer. ``share_of_block`` is ``(match / k + merge + unmerge) /
-    block time`` with one match per ``k`` blocks (``reuse_blocks=k``; ``reuse_steps=s`` divides the match by
-    ``s`` again).
+    The first block of each kind (:func:`_block_kinds`; SD3: joint; Flux, Flux.2, HunyuanVideo: double- and
+    single-stream; PixArt: basic; Z-Image: its noise refiner and its main blocks) is run on the inputs it gets in
+    an unpatched model call, timed alternately (medians of ``--repeats`` rounds after ``--warmup``), the rows of
+    ``--micro-methods`` (default all): unpatched; with ours and a fresh match (``reuse_blocks=1``); with ours and
+    a reused match (the match is already there, as in every block of a ``reuse_blocks`` run but the first); with
+    ours, a fresh match and plain softmax (``proportional_attn=False``: what size-aware attention costs); with the
+    oracle. Then the pieces alone: the block's match (``ToMeState.block_matches`` on its image tokens) and a
+    merge + unmerge of its image tokens per merged sub-layer. ``share_of_block`` is ``(match / k + merge +
+    unmerge) / block time`` with one match per ``k`` blocks (``reuse_blocks=k``; ``reuse_steps=s`` divides the
+    match by ``s`` again). The call's token grid and tail (reference tokens) are read from the captured call as
+    the patch reads them.
     """
     import contextlib
 
     from tome_core import driver, merge, unmerge
-    from tome_core.bench_runner import overhead_shares
+    from tome_core.bench_runner import image_part, overhead_shares
     from tome_core.config import ToMeConfig
     from tome_core.state import ToMeState
 
     args.options = getattr(args, "options", {})
     args.variants = getattr(args, "variants", {})
+    rows = list(getattr(args, "micro_methods", None) or MICRO_ROWS)
     runner = Runner(args)
     model = runner.unet
     ratio = args.ratio[0]
@@ -499,14 +521,14 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
     options = {**base, "ratio": ratio}
     config = ToMeConfig.from_options(options)
     blocks = driver.blocks_of(FRAMEWORK, model)
-    firsts: Dict[str, Tuple[int, Any, Any]] = {}
-    for stream, (block, family) in enumerate(blocks):
-        firsts.setdefault(family.name, (stream, block, family))
+    firsts = _block_kinds(model, blocks)
     captured: Dict[str, Tuple[tuple, dict]] = {}
+    seen = ToMeState(config=config)
+    model_hook = model.register_forward_pre_hook(driver._CallStart(FRAMEWORK, model, seen), with_kwargs=True)
 
     def capture(name):
         def hook(module, hook_args, hook_kwargs):
-            captured[name] = (hook_args, hook_kwargs)
+            captured.setdefault(name, (hook_args, hook_kwargs))
             if len(captured) == len(firsts):
                 raise _Captured
         return hook
@@ -517,23 +539,25 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
     except _Captured:
         pass
     finally:
+        model_hook.remove()
         for handle in handles:
             handle.remove()
-    patch_size = 2 if runner.spec.packed else model.config.patch_size
-    grid = (runner.latent_hw[0] // patch_size, runner.latent_hw[1] // patch_size)
+    grid, tail = seen.grid_hw, seen.tail
+    if grid is None:
+        raise SystemExit(f"--micro: ToMe places no token grid on this call of {type(model).__name__} ({seen.why})")
 
     results = []
     for name, (stream, block, family) in firsts.items():
         block_args, block_kwargs = captured[name]
-        hidden = driver.argument(block_args, block_kwargs, "hidden_states", 0)
-        shared = family.rotary is not None
+        hidden = image_part(driver.argument(block_args, block_kwargs, "hidden_states", 0), family, grid, tail)
+        shared = family.rotary is not None or any(s.masks for s in family.sublayers)
         sublayers = [s for s in family.sublayers if getattr(block, s.child, None) is not None and config.sublayers[s.kind]]
 
         @contextlib.contextmanager
         def ours(reused: bool, stream=stream, hidden=hidden, shared=shared, **extra):
             tome.patch(model, **{**options, **extra}, reuse_blocks=10**6 if reused else 1)
             state = tome.patched_models(model)[0][1]
-            state.begin_call(grid, MID_TIMESTEP)
+            state.begin_call(grid, MID_TIMESTEP, tail=tail)
             state.enter_grid(grid)
             if reused:  # the match a run of blocks shares is there already
                 state.block_matches(hidden, stream, shared=shared)
@@ -544,49 +568,62 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
 
         @contextlib.contextmanager
         def oracle():
-            undo = remover(install_transformer_oracle(FRAMEWORK, model, config))
+            undo = remover(install_transformer_oracle(FRAMEWORK, model, config, call=(grid, tail)))
             try:
                 yield
             finally:
                 undo()
 
         state = ToMeState(config=config)
-        state.begin_call(grid, MID_TIMESTEP)
+        state.begin_call(grid, MID_TIMESTEP, tail=tail)
         state.enter_grid(grid)
         match = state.block_matches(hidden, stream, shared=shared)["attn"]
         run_block = lambda block=block, a=block_args, k=block_kwargs: block(*a, **k)
+        timed = {f"block_{row}": run_block for row in rows}
+        contexts = {
+            "block_ours": lambda: ours(False),
+            "block_ours_reused_match": lambda: ours(True),
+            "block_ours_plain_softmax": lambda: ours(False, proportional_attn=False),
+            "block_oracle": oracle,
+        }
         with torch.no_grad():
             medians = median_ms(
                 {
-                    "block_unpatched": run_block,
-                    "block_ours": run_block,
-                    "block_ours_reused_match": run_block,
-                    "block_ours_plain_softmax": run_block,
-                    "block_oracle": run_block,
+                    **timed,
                     "match": lambda stream=stream, hidden=hidden, shared=shared: state.block_matches(hidden, stream, shared=shared),
                     "merge_unmerge": lambda hidden=hidden, match=match: unmerge(merge(hidden, match), match),
                 },
                 args.repeats,
                 args.warmup,
-                contexts={
-                    "block_ours": lambda: ours(False),
-                    "block_ours_reused_match": lambda: ours(True),
-                    "block_ours_plain_softmax": lambda: ours(False, proportional_attn=False),
-                    "block_oracle": oracle,
-                },
+                contexts={k: v for k, v in contexts.items() if k in timed},
             )
         merge_unmerge = medians["merge_unmerge"] * len(sublayers)
-        results.append(
-            {
-                "block": type(block).__name__,
-                "index": stream,
-                "image_tokens": [args.batch, match.tokens, int(hidden.shape[-1])],
-                "kept": match.kept,
-                "merged_sublayers": [s.child for s in sublayers],
-                "median_ms": medians,
-                "overhead_ms": {"match": medians["match"], "merge_unmerge": merge_unmerge},
-                "share_of_block": overhead_shares(medians["block_unpatched"], medians["match"], merge_unmerge),
-                "share_of_merged_block": overhead_shares(medians["block_ours"], medians["match"], merge_unmerge),
+        entry = {
+            "block": type(block).__name__,
+            "kind": name,
+            "index": stream,
+            "image_tokens": [args.batch, match.tokens, int(hidden.shape[-1])],
+            "stream_tokens": int(driver.argument(block_args, block_kwargs, "hidden_states", 0).shape[1]),
+            "kept": match.kept,
+            "merged_sublayers": [s.child for s in sublayers],
+            "median_ms": medians,
+            "overhead_ms": {"match": medians["match"], "merge_unmerge": merge_unmerge},
+        }
+        unpatched, mine, free = (medians.get(f"block_{row}") for row in ("unpatched", "ours", "oracle"))
+        if unpatched is not None:
+            entry["share_of_block"] = overhead_shares(unpatched, medians["match"], merge_unmerge)
+        if mine is not None:
+            entry["share_of_merged_block"] = overhead_shares(mine, medians["match"], merge_unmerge)
+        if None not in (unpatched, mine, free):
+            entry["ratios"] = {
+                "ours/unpatched": mine / unpatched,
+                "oracle/unpatched": free / unpatched,
+                "share_of_oracle_saving": (unpatched - mine) / (unpatched - free) if unpatched != free else float("nan"),
             }
-        )
-    return {"preset": args.preset, "resolution": args.resolution, "batch": args.batch, "ratio": ratio, "blocks": results}
+        results.append(entry)
+    return {
+        "preset": args.preset, "resolution": args.resolution, "batch": args.batch, "ratio": ratio,
+        "grid": list(grid), "tail": tail, "latent": list(runner.latent_hw),
+        "video": runner.video_latent_size(), "text_tokens": int(runner.text[0].shape[-2]) if runner.text is not None else None,
+        "repeats": args.repeats, "warmup": args.warmup, "torch_threads": torch.get_num_threads(), "blocks": results,
+    }

@@ -49,6 +49,7 @@ import json
 import math
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
@@ -675,7 +676,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=sorted(RUNNERS), default="torch")
     p.add_argument("--preset", default="sd15-small",
                    help="UNet or diffusion transformer architecture with random weights (tome_core.presets: UNETS, "
-                   "TRANSFORMERS: sd3, sd3-small, flux-small, pixart, tiny-sd3, tiny-flux, tiny-pixart), a video "
+                   "TRANSFORMERS: sd3, sd3-small, flux-small, pixart, flux2-small, qwen-image-small, z-image-small, "
+                   "hunyuan-video-small, ltx-small (real widths, 1-2 blocks of each kind; the video ones at "
+                   "TRANSFORMER_VIDEOS' frames and size, --resolution their frame height), tiny-*), a video "
                    "model (VIDEO_PRESETS: animatediff, svd, wan (Wan 2.1 T2V 1.3B), tiny-animatediff, tiny-svd, "
                    "tiny-wan; see --frames), or a "
                    "small trained pixel-space model shipped in the repository's models/ (trained-unet, "
@@ -726,6 +729,10 @@ def parser() -> argparse.ArgumentParser:
                    "time unpatched, with ours (fresh and reused match), with the oracle, and the share of "
                    "match + merge + unmerge in it, without and with reuse. The UNet block also times "
                    "matching='cell' (2x2 pooling: its merge alone, as mode='kv' pays, and merge + unmerge)")
+    p.add_argument("--micro-methods", nargs="+", default=None, metavar="ROW",
+                   choices=("unpatched", "ours", "ours_reused_match", "ours_plain_softmax", "oracle"),
+                   help="--micro with a transformer preset: the block rows to time (default all: unpatched ours "
+                   "ours_reused_match ours_plain_softmax oracle); fewer rows for wide models on a slow machine")
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="a ToMe option for 'ours' (repeatable; values are Python literals, other text is a "
                    "string), e.g. --option use_rand=False --option mode=kv --option 'level_cells={1:4,2:2}'")
@@ -908,6 +915,9 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
         else:
             result = module.micro()
         print(json.dumps(result, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"command": "python -m tome_core.bench " + " ".join(argv if argv is not None else sys.argv[1:]), **result}, f, indent=1)
         return result
     rows = run(args)
     runs = []

@@ -25,7 +25,7 @@ from tome_core import driver, selection
 from tome_core.backend import get_ops
 from tome_core.bench import image_like_latents, noised, peak_memory_in_fresh_process
 from tome_core.config import ToMeConfig
-from tome_core.families import TEXT_PREFIX, BlockFamily, Sublayer
+from tome_core.families import TEXT_AFTER, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer
 from tome_core.levels import block_grid, downsample_factor, level_grid
 from tome_core.state import ToMeState
 
@@ -162,6 +162,20 @@ class TransformerSpec:
     dynamic_shift: the loop's sigmas are shifted by the image token count (Flux's ``mu``).
     added_cond: the call takes PixArt's ``added_cond_kwargs``.
     separate_kv: its self-attention takes keys and values apart from queries (``mode='auto'`` can choose kv).
+    layout: how the noised latent reaches the model: ``grid`` (as it is, ``[B, C, H, W]`` or a video's ``[B, C, F,
+        H, W]``), ``flat`` (a video's latent pixels as tokens ``[B, F*H*W, C]``, LTX), ``list`` (one ``[C, F, H,
+        W]`` per batch item, and the text one ``[T, C]`` per item, Z-Image). ``packed`` tokens are 2-D latents.
+    ids_columns: the columns of packed tokens' ids (Flux: ``(index, row, col)``; Flux.2: ``(index, row, col,
+        layer)``, its text ids ``(0, 0, 0, position)``).
+    img_shapes: the call takes Qwen-Image's ``img_shapes`` (per item, the ``(frames, rows, cols)`` of its tokens).
+    text_mask: the call's argument taking a mask over the text tokens (all valid), if any.
+    guidance: the distilled guidance the pipeline passes (``guidance``), if any (Flux: from ``guidance_embeds``).
+    names: the call's names for the latent, the timestep and the text.
+    timesteps_rise: the model's timestep is ``(1000 - t) / 1000`` of the scheduler's ``t`` (Z-Image), which it
+        predicts the negated velocity for (its pipeline negates it).
+    sizes: the call takes the latent's ``num_frames``, ``height``, ``width`` (LTX's packed tokens), and LTX's
+        ``rope_interpolation_scale`` (its VAE's compression over the frame rate, 25).
+    shift: the parameters of the loop's sigma shift by the image token count (``dynamic_shift``).
     """
 
     flow: bool
@@ -175,6 +189,15 @@ class TransformerSpec:
     dynamic_shift: bool = False
     added_cond: bool = False
     separate_kv: bool = False
+    layout: str = "grid"
+    ids_columns: int = 3
+    img_shapes: bool = False
+    text_mask: Optional[str] = None
+    guidance: Optional[float] = None
+    names: Tuple[str, str, str] = ("hidden_states", "timestep", "encoder_hidden_states")
+    timesteps_rise: bool = False
+    sizes: bool = False
+    shift: Optional[Dict[str, float]] = None
 
 
 FLOW_SHIFT = dict(base_image_seq_len=256, max_image_seq_len=4096, base_shift=0.5, max_shift=1.15)
@@ -200,6 +223,36 @@ TRANSFORMER_SPECS: Dict[str, TransformerSpec] = {
         flow=True, text_dim="text_dim", text_tokens=512, scheduler="UniPCMultistepScheduler",
         scheduler_config=dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0),
     ),
+    # The newer ones, as their released pipelines call them (diffusers 0.42): prompt lengths of Flux.2's Mistral
+    # (512, padded), of HunyuanVideo's Llama (256, padded) and LTX's T5 (128, padded); Qwen-Image and Z-Image pass
+    # the prompt's own tokens (128 here); flow-matching Euler with each release's shift.
+    "Flux2Transformer2DModel": TransformerSpec(
+        flow=True, text_dim="joint_attention_dim", text_tokens=512, scheduler="FlowMatchEulerDiscreteScheduler",
+        scheduler_config=dict(shift=3.0, use_dynamic_shifting=True, **FLOW_SHIFT), packed=True, timestep_scale=1e-3,
+        dynamic_shift=True, ids_columns=4, guidance=4.0,
+    ),
+    "QwenImageTransformer2DModel": TransformerSpec(
+        flow=True, text_dim="joint_attention_dim", text_tokens=128, scheduler="FlowMatchEulerDiscreteScheduler",
+        scheduler_config=dict(shift=1.0, use_dynamic_shifting=True, **FLOW_SHIFT), packed=True, timestep_scale=1e-3,
+        dynamic_shift=True, img_shapes=True,
+        shift=dict(base_image_seq_len=256, max_image_seq_len=8192, base_shift=0.5, max_shift=0.9),
+    ),
+    "ZImageTransformer2DModel": TransformerSpec(
+        flow=True, text_dim="cap_feat_dim", text_tokens=128, scheduler="FlowMatchEulerDiscreteScheduler",
+        scheduler_config=dict(shift=3.0), layout="list", timestep_scale=1e-3, names=("x", "t", "cap_feats"),
+        timesteps_rise=True,
+    ),
+    "HunyuanVideoTransformer3DModel": TransformerSpec(
+        flow=True, text_dim="text_embed_dim", pooled_dim="pooled_projection_dim", text_tokens=256,
+        scheduler="FlowMatchEulerDiscreteScheduler", scheduler_config=dict(shift=7.0),
+        text_mask="encoder_attention_mask", guidance=6000.0,
+    ),
+    "LTXVideoTransformer3DModel": TransformerSpec(
+        flow=True, text_dim="caption_channels", text_tokens=128, scheduler="FlowMatchEulerDiscreteScheduler",
+        scheduler_config=dict(shift=1.0, use_dynamic_shifting=True, **FLOW_SHIFT), layout="flat",
+        dynamic_shift=True, text_mask="encoder_attention_mask", sizes=True,
+        shift=dict(base_image_seq_len=1024, max_image_seq_len=4096, base_shift=0.95, max_shift=2.05),
+    ),
 }
 NO_TRANSFORMER_PEER = (
     "no other ToMe implementation exists for diffusion transformers (tomesd, ComfyUI, A1111/Forge and SD.Next "
@@ -222,20 +275,21 @@ def pack_latents(latents: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(patches.reshape(b, (h // 2) * (w // 2), c * 4))
 
 
-def packed_ids(height: int, width: int) -> np.ndarray:
-    """Flux's ``img_ids`` ``[height * width, 3]``: (0, row, column) of each packed token."""
-    ids = np.zeros((height, width, 3), dtype="float32")
+def packed_ids(height: int, width: int, columns: int = 3) -> np.ndarray:
+    """Flux's ``img_ids`` ``[height * width, 3]``: (0, row, column) of each packed token (Flux.2's, ``columns=4``:
+    (0, row, column, 0))."""
+    ids = np.zeros((height, width, columns), dtype="float32")
     ids[..., 1] = np.arange(height)[:, None]
     ids[..., 2] = np.arange(width)[None, :]
-    return ids.reshape(-1, 3)
+    return ids.reshape(-1, columns)
 
 
-def flux_mu(image_tokens: int) -> float:
-    """Flux's sigma shift for ``image_tokens`` (diffusers' ``calculate_shift`` with its defaults)."""
-    slope = (FLOW_SHIFT["max_shift"] - FLOW_SHIFT["base_shift"]) / (
-        FLOW_SHIFT["max_image_seq_len"] - FLOW_SHIFT["base_image_seq_len"]
-    )
-    return image_tokens * slope + FLOW_SHIFT["base_shift"] - slope * FLOW_SHIFT["base_image_seq_len"]
+def flux_mu(image_tokens: int, shift: Optional[Dict[str, float]] = None) -> float:
+    """Flux's sigma shift for ``image_tokens`` (diffusers' ``calculate_shift`` with its defaults, or with
+    ``shift``'s parameters)."""
+    shift = shift or FLOW_SHIFT
+    slope = (shift["max_shift"] - shift["base_shift"]) / (shift["max_image_seq_len"] - shift["base_image_seq_len"])
+    return image_tokens * slope + shift["base_shift"] - slope * shift["base_image_seq_len"]
 
 
 def draw_latents(args: Any, shape: Tuple[int, ...], image_like: Callable[..., np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
@@ -248,39 +302,121 @@ def draw_latents(args: Any, shape: Tuple[int, ...], image_like: Callable[..., np
     return clean, np.random.default_rng(1).standard_normal(shape).astype("float32")
 
 
+def _keep_rows(x: Any, axis: int, first: int, tokens: int, kept: int) -> Any:
+    """``x`` along ``axis`` without the image rows ``first + kept ... first + tokens`` (the ones the oracle drops):
+    what comes before the image, its first ``kept`` rows, and what comes after it, in order."""
+    ops = get_ops(x)
+    shape = ops.shape(x)
+    axis = axis % len(shape)
+    cut = lambda a, b: x[(slice(None),) * axis + (slice(a, b),)]  # noqa: E731
+    if first + tokens >= shape[axis]:
+        return cut(0, first + kept)
+    return ops.concat([cut(0, first + kept), cut(first + tokens, shape[axis])], axis=axis)
+
+
+def _cut_tables(tables: Any, axis: int, tokens: int, tail: int, kept: int, after: bool, items: Optional[Tuple[int, ...]] = None) -> Any:
+    """Rotary tables or token masks over ``[text; image; tail]`` along ``axis`` (``[image; tail; text]`` with
+    ``after``) with the dropped image rows left out; a tuple's items outside ``items`` (None: all) stay as they
+    are, nested tuples (Allegro's) are cut alike, one table alone (Z-Image's) is cut itself."""
+    if not isinstance(tables, (tuple, list)):
+        length = get_ops(tables).shape(tables)[axis]
+        return _keep_rows(tables, axis, 0 if after else length - tokens - tail, tokens, kept)
+    return type(tables)(
+        _cut_tables(t, axis, tokens, tail, kept, after) if items is None or i in items else t for i, t in enumerate(tables)
+    )
+
+
+def image_part(x: Any, family: BlockFamily, grid: Tuple[int, int], tail: int = 0) -> Any:
+    """The image tokens of a block's input ``x`` ``[B, L, C]`` (what the patch matches on): without the ``tail``
+    tokens after the grid's, and without the text its family's ``stream`` puts in front or behind."""
+    tokens = grid[0] * grid[1]
+    length = get_ops(x).shape(x)[1]
+    if family.stream == TEXT_PREFIX:
+        return x[:, length - tail - tokens : length - tail]
+    return x[:, :tokens]
+
+
+class _OracleCall:
+    """What the oracle knows of the model call in flight: its token grid and tail (reference tokens after the
+    grid's), found by the patch's own call hook (:class:`~tome_core.driver._CallStart`: ids, ``img_shapes``,
+    a video's sizes, :class:`~tome_core.families.GridLayout`) on a state of its own, so that the oracle cuts the
+    calls and counts 'ours' merges, and none where 'ours' runs unmerged."""
+
+    def __init__(self, fw: "driver.Framework", model: Any, config: ToMeConfig):
+        self.state = ToMeState(config=config, where=type(model).__qualname__)
+        self.hook = driver._CallStart(fw, model, self.state)
+
+    def set(self, grid: Tuple[int, int], tail: int = 0) -> None:
+        """A call on ``grid`` with ``tail`` tokens after it (for blocks run on their own, as ``--micro`` runs)."""
+        self.state.begin_call(grid, MID_TIMESTEP, tail=tail)
+        self.state.enter_grid(grid)
+
+    def image(self) -> Optional[Tuple[int, int]]:
+        """``(grid tokens, tail)`` of the call, or None where it runs unmerged."""
+        state = self.state
+        if not state.merging or state.grid_hw is None:
+            return None
+        return state.grid_hw[0] * state.grid_hw[1], state.tail
+
+
 class _OracleBlock:
     """Free removal in one transformer block: each chosen sub-layer runs on the block's first ``kept`` image
-    tokens (text tokens untouched, rotary positions sliced alike) and its image output is restored by
-    repeating them (index ``arange(N) % kept``); self-attention in ``kv`` or ``queries`` mode gets the first
-    ``kept`` tokens as keys/values or as queries instead (:class:`OracleCut`). ``kept`` is the count 'ours'
-    keeps of the block's ``N`` image tokens (:class:`OraclePlan`).
+    tokens (text tokens and the tail of reference tokens untouched, rotary positions and token masks cut alike)
+    and its image output is restored by repeating them (index ``arange(N) % kept``); self-attention in ``kv`` or
+    ``queries`` mode gets the first ``kept`` tokens as keys/values or as queries instead (:class:`OracleCut`).
+    ``kept`` is the count 'ours' keeps of the call's ``N`` grid tokens (:class:`OraclePlan`).
 
-    The rotary tables are found as the patch finds them (:class:`~tome_core.families.BlockFamily`): by keyword
-    or at their place in the sub-layer's ``forward`` (Wan's attention takes them positionally), tokens on the
-    family's ``rotary_axis`` (Flux: 0, Wan: 1)."""
+    Everything is read from the family (:class:`~tome_core.families.BlockFamily`), as the patch reads it: where
+    the image sits in the block's stream and in each sub-layer's input (``text``: ``[text; image; tail]`` or
+    ``[image; rest]``), the rotary tables (by keyword or at their place in the sub-layer's ``forward``, tokens on
+    ``rotary_axis``, only ``rotary_items``), the token masks (``masks``), the inputs carrying the same tokens
+    (``aligned``), a sub-layer run again on other tokens (``once``), a mask the family cannot place (the call
+    runs whole, as 'ours' does) and blocks given ``unmerged_with``."""
 
-    def __init__(self, plan: OraclePlan, family: BlockFamily):
+    def __init__(self, plan: OraclePlan, family: BlockFamily, call: _OracleCall, block: Any):
         self.plan = plan
         self.family = family
-        self.image_tokens = 0
+        self.call = call
+        self.image: Optional[Tuple[int, int]] = None  # (grid tokens, tail) of this run of the block
+        self.done: set = set()  # sub-layers cut in this run of the block (Sublayer.once)
+        name = family.unmerged_with[0] if family.unmerged_with else None
+        self.unmerged_at = driver.argument_positions(type(block).forward, name)[name] if name else None
 
     def begin(self, module, args, kwargs):
-        x = driver.argument(args, kwargs, "hidden_states", 0)
-        self.image_tokens = get_ops(x).shape(x)[1]
+        self.done = set()
+        self.image = self.call.image()
+        if self.image is not None and self.family.unmerged_with is not None:
+            if driver.argument(args, kwargs, self.family.unmerged_with[0], self.unmerged_at) is not None:
+                self.image = None
+        if self.image is not None and self.plan.latent_hw == (0, 0):
+            self.plan = OraclePlan(self.plan.config, self.call.state.grid_hw, None)
         return None
 
     def pre_hook(self, sublayer: Sublayer, target: Any) -> driver.PreHook:
-        """The hook slicing the input of ``target``, the block's ``sublayer``."""
+        """The hook cutting the input of ``target``, the block's ``sublayer``."""
         arrangement = self.plan.arrangement(sublayer.kind)
-        rotary, axis = self.family.rotary, self.family.rotary_axis
-        # where the sub-layer's forward takes the rotary tables by position (None: by keyword only), read once
-        rotary_at = driver.argument_positions(type(target).forward, rotary)[rotary] if rotary else None
+        family = self.family
+        rotary, axis = family.rotary, family.rotary_axis
+        # where the sub-layer's forward takes these by position (None: by keyword only), read once
+        at = driver.argument_positions(
+            type(target).forward, *([rotary] if rotary else []), "attention_mask", *(n for n, _ in sublayer.masks),
+            *sublayer.aligned,
+        )
+        placed_mask = any(name == "attention_mask" for name, _ in sublayer.masks)
+        after = sublayer.text in (TEXT_AFTER, TEXT_SUFFIX)
 
         def drop(module, args, kwargs):
-            tokens = self.image_tokens
+            if self.image is None:
+                return None
+            tokens, tail = self.image
             kept = self.plan.kept(sublayer.kind, tokens)
             if kept is None or kept == tokens:
                 return None
+            if sublayer.once and sublayer.child in self.done:
+                return None
+            self.done.add(sublayer.child)
+            if sublayer.kind == "attn" and not placed_mask and driver.argument(args, kwargs, "attention_mask", at["attention_mask"]) is not None:
+                return None  # 'ours' runs such an attention on all its tokens
             x = driver.argument(args, kwargs, "hidden_states", 0)
             if arrangement != "tokens" and sublayer.kv_input is not None:
                 # BasicTransformerBlock's attn1 (PixArt, DiT): no text in its stream, keys/values by keyword
@@ -289,14 +425,27 @@ class _OracleBlock:
                 args, kwargs = driver.replace_argument(args, kwargs, "hidden_states", 0, x[:, :kept])
                 module.__dict__["_tome_oracle"] = (tokens, kept, 0)
                 return args, {**kwargs, sublayer.kv_input: x}
-            text = get_ops(x).shape(x)[1] - tokens if sublayer.text == TEXT_PREFIX else 0
-            args, kwargs = driver.replace_argument(args, kwargs, "hidden_states", 0, x[:, : text + kept])
-            tables = driver.argument(args, kwargs, rotary, rotary_at) if rotary else None
+            length = get_ops(x).shape(x)[1]
+            first = length - tokens - tail if sublayer.text == TEXT_PREFIX else 0
+            short = _keep_rows(x, 1, first, tokens, kept)
+            args, kwargs = driver.replace_argument(args, kwargs, "hidden_states", 0, short)
+            for name in sublayer.aligned:
+                other = driver.argument(args, kwargs, name, at[name])
+                if other is not None:
+                    alike = short if other is x else _keep_rows(other, 1, first, tokens, kept)
+                    args, kwargs = driver.replace_argument(args, kwargs, name, at[name], alike)
+            tables = driver.argument(args, kwargs, rotary, at[rotary]) if rotary else None
             if tables is not None:
-                before = get_ops(tables[0]).shape(tables[0])[axis] - tokens  # text positions come first
-                rows = (slice(None),) * axis + (slice(0, before + kept),)
-                args, kwargs = driver.replace_argument(args, kwargs, rotary, rotary_at, tuple(t[rows] for t in tables))
-            module.__dict__["_tome_oracle"] = (tokens, kept, text)
+                cut = _cut_tables(tables, axis, tokens, tail, kept, after, family.rotary_items)
+                args, kwargs = driver.replace_argument(args, kwargs, rotary, at[rotary], cut)
+            for name, axes in sublayer.masks:
+                mask = driver.argument(args, kwargs, name, at[name])
+                if mask is None:
+                    continue
+                for mask_axis in axes:  # none: a mask over the text only, which the processor extends
+                    mask = _cut_tables(mask, mask_axis, tokens, tail, kept, after)
+                args, kwargs = driver.replace_argument(args, kwargs, name, at[name], mask)
+            module.__dict__["_tome_oracle"] = (tokens, kept, first)
             return args, kwargs
 
         return drop
@@ -306,12 +455,14 @@ class _OracleBlock:
             sizes = module.__dict__.pop("_tome_oracle", None)
             if sizes is None or output is None:
                 return None
-            tokens, kept, text = sizes
+            tokens, kept, first = sizes
             part = output if sublayer.output is None else output[sublayer.output]
             ops = get_ops(part)
-            image = ops.take(part[:, text:], ops.arange(tokens, part) % kept, axis=1)
-            if text:
-                image = ops.concat([part[:, :text], image], axis=1)
+            image = ops.take(part[:, first : first + kept], ops.arange(tokens, part) % kept, axis=1)
+            pieces = ([part[:, :first]] if first else []) + [image]
+            if ops.shape(part)[1] > first + kept:
+                pieces.append(part[:, first + kept :])
+            image = ops.concat(pieces, axis=1) if len(pieces) > 1 else image
             if sublayer.output is None:
                 return image
             return type(output)(image if i == sublayer.output else p for i, p in enumerate(output))
@@ -319,18 +470,28 @@ class _OracleBlock:
         return restore
 
 
-def install_transformer_oracle(fw: "driver.Framework", model: Any, config: ToMeConfig, latent_hw: Optional[Tuple[int, int]] = None) -> List[Any]:
+def install_transformer_oracle(
+    fw: "driver.Framework", model: Any, config: ToMeConfig, latent_hw: Optional[Tuple[int, int]] = None,
+    call: Optional[Tuple[Tuple[int, int], int]] = None,
+) -> List[Any]:
     """Hook the oracle into every block 'ours' merges with ``config`` (``blocks`` included) and every
     sub-layer it wraps (:mod:`tome_core.families`); returns the hook handles. ``latent_hw`` (the latent
-    grid) places the tokens on a grid for cell matching's counts."""
+    grid) places the tokens on a grid for cell matching's counts (default: the call's token grid). The call's
+    grid and tail are read from each model call as the patch reads them; ``call=(grid, tail)`` gives them
+    instead (blocks run on their own)."""
     blocks = driver.blocks_of(fw, model)
     chosen = set(selection.selected_blocks(config, len(blocks), type(model).__qualname__))
     plan = OraclePlan(config, latent_hw or (0, 0), None)
+    seen = _OracleCall(fw, model, config)
     handles = []
+    if call is None:
+        handles.append(fw.add_pre_hook(model, seen.hook))
+    else:
+        seen.set(*call)
     for index, (block, family) in enumerate(blocks):
         if index not in chosen:
             continue
-        oracle = _OracleBlock(plan, family)
+        oracle = _OracleBlock(plan, family, seen, block)
         handles.append(fw.add_pre_hook(block, oracle.begin))
         for sublayer in family.sublayers:
             target = getattr(block, sublayer.child, None)
@@ -419,11 +580,36 @@ class BenchRunner:
         """The clean latents of the timed calls and the noise drawn for them (also the loop's starting noise),
         numpy in the model's layout, seeded: image-like (``--latents image``) or Gaussian latents ``[batch,
         channels, latent, latent]`` at ``--resolution``. Sets ``latent_hw``, the grid ToMe and the oracle see
-        (a video runner gives videos, :class:`tome_core.bench_video.VideoBench`)."""
+        (a video runner gives videos, :class:`tome_core.bench_video.VideoBench`). A video transformer of
+        :data:`~tome_core.presets.TRANSFORMER_VIDEOS` gets panning videos ``[batch, channels, frames, h, w]``
+        (its frames' grids stacked in rows as ``latent_hw``)."""
         args = self.args
+        video = self.video_latent_size()
+        if video is not None:
+            from tome_core.bench_video import video_latents
+
+            frames, height, width = video
+            self.latent_hw = (frames * height, width)
+            clean, noise = draw_latents(args, (args.batch, frames, channels, height, width), video_latents)
+            layout = lambda x: np.ascontiguousarray(np.moveaxis(x, 1, 2))  # noqa: E731
+            return layout(clean), layout(noise)
         latent = args.resolution // self.latent_scale
         self.latent_hw = (latent, latent)
         return draw_latents(args, (args.batch, channels, latent, latent), image_like_latents)
+
+    def video_latent_size(self) -> Optional[Tuple[int, int, int]]:
+        """``(frames, height, width)`` of a video transformer preset's latent
+        (:data:`~tome_core.presets.TRANSFORMER_VIDEOS`; ``--resolution`` is its frame height, the width keeps the
+        preset's aspect ratio), else None."""
+        from tome_core.presets import TRANSFORMER_VIDEOS
+
+        entry = None if getattr(self.args, "model", None) else TRANSFORMER_VIDEOS.get(self.args.preset)
+        if entry is None:
+            return None
+        height, width = entry["size"]
+        resolution = self.args.resolution or height
+        width = round(resolution * width / height / entry["space"]) * entry["space"]
+        return (entry["frames"] - 1) // entry["time"] + 1, resolution // entry["space"], width // entry["space"]
 
     def _build_inputs(self, config: Any) -> None:
         """Noised image-like (or noise) latents at the mid timestep, the starting noise of the sampling
@@ -458,8 +644,14 @@ class BenchRunner:
             start = ((1 - sigma) * clean + sigma * noise).astype("float32")
         else:
             start = noised(clean, noise, self.alpha_bar(MID_TIMESTEP))
+        video = self.video_latent_size()
         if spec.packed:
             start, noise = pack_latents(start), pack_latents(noise)
+        elif spec.layout == "flat":  # [B, C, F, H, W] -> [B, F*H*W, C], as LTX's pipeline packs (patch 1)
+            flat = lambda x: np.ascontiguousarray(x.reshape(x.shape[0], x.shape[1], -1).transpose(0, 2, 1))  # noqa: E731
+            start, noise = flat(start), flat(noise)
+        elif spec.layout == "list" and start.ndim == 4:  # Z-Image: [C, F, H, W] per item
+            start, noise = start[:, :, None], noise[:, :, None]
         self.sample_in = self.to_tensor(start)
         self.noise = self.to_tensor(noise)
         self.timestep = MID_TIMESTEP
@@ -467,35 +659,63 @@ class BenchRunner:
         text_tokens = getattr(args, "text_tokens", None) or spec.text_tokens
         self.text = self.text_embeddings(draw, (args.batch, text_tokens, config[spec.text_dim]))
         self.extra: Dict[str, Any] = {}
+        patch = config.get("patch_size") or 2  # Z-Image's (all_patch_size) is 2
+        patch = patch[-1] if isinstance(patch, (tuple, list)) else patch
+        self.image_tokens = self.latent_hw[0] * self.latent_hw[1] // patch**2  # for the loop's sigma shift
         if spec.pooled_dim:
             self.extra["pooled_projections"] = draw((args.batch, config[spec.pooled_dim]))
         if spec.packed:
-            side = self.latent_hw[0] // 2
-            self.image_tokens = side**2
-            self.extra["img_ids"] = self.to_tensor(packed_ids(side, side))
-            self.extra["txt_ids"] = self.to_tensor(np.zeros((text_tokens, 3), dtype="float32"))
-            if config.get("guidance_embeds"):
-                self.extra["guidance"] = self.to_tensor(np.full((args.batch,), 3.5, dtype="float32"))
+            rows, cols = self.latent_hw[0] // 2, self.latent_hw[1] // 2
+            self.image_tokens = rows * cols
+            if spec.img_shapes:
+                self.extra["img_shapes"] = [[(1, rows, cols)]] * args.batch
+            else:
+                columns = spec.ids_columns
+                self.extra["img_ids"] = self.to_tensor(packed_ids(rows, cols, columns))
+                text_ids = np.zeros((text_tokens, columns), dtype="float32")
+                if columns == 4:  # Flux.2: (0, 0, 0, position)
+                    text_ids[:, 3] = np.arange(text_tokens)
+                self.extra["txt_ids"] = self.to_tensor(text_ids)
+        guidance = spec.guidance if spec.guidance is not None else (3.5 if config.get("guidance_embeds") else None)
+        if guidance is not None and config.get("guidance_embeds", True):
+            self.extra["guidance"] = self.to_tensor(np.full((args.batch,), guidance, dtype="float32"))
+        if spec.text_mask:
+            self.extra[spec.text_mask] = self.to_tensor(np.ones((args.batch, text_tokens), dtype="int64"))
+        if spec.sizes:
+            frames, height, width = video
+            self.extra.update(num_frames=frames, height=height, width=width, rope_interpolation_scale=(8 / 25, 32, 32))
         if spec.added_cond:
             self.extra["added_cond_kwargs"] = {"resolution": None, "aspect_ratio": None}
 
     def transformer_kwargs(self, sample: Any, timestep: Any) -> Dict[str, Any]:
-        """Keyword arguments of one transformer call on ``sample`` at scheduler timestep ``timestep``."""
-        value = float(timestep) * self.spec.timestep_scale
+        """Keyword arguments of one transformer call on ``sample`` at scheduler timestep ``timestep`` (a list of
+        items where the model takes one: :attr:`TransformerSpec.layout` ``list``)."""
+        spec = self.spec
+        value = (1000 - float(timestep) if spec.timesteps_rise else float(timestep)) * spec.timestep_scale
+        latent_name, time_name, text_name = spec.names
+        text = self.text
+        if spec.layout == "list":
+            sample = [sample[i] for i in range(self.args.batch)]
+            text = [text[i] for i in range(self.args.batch)]
         return {
-            "hidden_states": sample,
-            "encoder_hidden_states": self.text,
-            "timestep": self.to_tensor(np.full((self.args.batch,), value, dtype="float32")),
+            latent_name: sample,
+            text_name: text,
+            time_name: self.to_tensor(np.full((self.args.batch,), value, dtype="float32")),
             **self.extra,
         }
 
     def forward(self, sample: Any, timestep: Any) -> Any:
         """The model's prediction for ``sample`` at ``timestep`` with the current method (a transformer's
-        learned-variance channels dropped, as its pipeline drops them)."""
+        learned-variance channels dropped, as its pipeline drops them; a list of items stacked; Z-Image's
+        negated velocity turned back, as its pipeline turns it)."""
         if self.spec is None:
             return self.unet_call(sample, timestep)
         out = self.transformer_call(self.transformer_kwargs(sample, timestep))
-        if not self.spec.packed and get_ops(out).shape(out)[1] == 2 * self.latent_channels:
+        if isinstance(out, (list, tuple)):
+            out = get_ops(out[0]).concat([item[None] for item in out], axis=0)
+        if self.spec.timesteps_rise:
+            out = -out
+        if self.spec.layout == "grid" and not self.spec.packed and get_ops(out).shape(out)[1] == 2 * self.latent_channels:
             out = out[:, : self.latent_channels]
         return out
 
@@ -564,7 +784,7 @@ class BenchRunner:
         """The timesteps of a ``steps``-step loop (DDIM for UNets, the transformer's own scheduler)."""
         if self.spec is not None and self.spec.dynamic_shift:  # as FluxPipeline sets them
             sigmas = np.linspace(1.0, 1 / steps, steps)
-            self.scheduler.set_timesteps(steps, sigmas=sigmas, mu=flux_mu(self.image_tokens))
+            self.scheduler.set_timesteps(steps, sigmas=sigmas, mu=flux_mu(self.image_tokens, self.spec.shift))
         else:
             self.scheduler.set_timesteps(steps)
         return self.scheduler.timesteps

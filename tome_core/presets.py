@@ -190,6 +190,92 @@ TRANSFORMERS["tiny-dit"] = (
 )
 
 
+# Real width, reduced depth (random weights; no download): the released models' block widths, attention heads,
+# text widths and rotary axes (their transformer/config.json, diffusers' defaults) with 1-2 blocks of each kind,
+# for the bench (python -m tome_core.bench --preset NAME [--micro]). Flux.2 dev (48 x 128 = 6144 channels, Mistral
+# text 15360); Qwen-Image (24 x 128, Qwen2.5-VL text 3584); Z-Image (Turbo: 30 x 128 = 3840, Qwen3 text 2560; one
+# noise and one caption refiner block of the two); HunyuanVideo (24 x 128, LLaVA-Llama text 4096, CLIP pooled
+# 768; one text refiner block of the two); LTX-Video (0.9: 32 x 64 = 2048, T5 text 4096).
+TRANSFORMERS.update({
+    "flux2-small": (
+        "Flux2Transformer2DModel",
+        dict(
+            patch_size=1, in_channels=128, num_layers=1, num_single_layers=1, attention_head_dim=128,
+            num_attention_heads=48, joint_attention_dim=15360, timestep_guidance_channels=256, mlp_ratio=3.0,
+            axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, guidance_embeds=True,
+        ),
+    ),
+    "qwen-image-small": (
+        "QwenImageTransformer2DModel",
+        dict(
+            patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=128, num_attention_heads=24,
+            joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56),
+        ),
+    ),
+    "z-image-small": (
+        "ZImageTransformer2DModel",
+        dict(
+            all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=2, n_refiner_layers=1,
+            n_heads=30, n_kv_heads=30, norm_eps=1e-5, qk_norm=True, cap_feat_dim=2560, rope_theta=256.0,
+            t_scale=1000.0, axes_dims=[32, 48, 48], axes_lens=[1024, 512, 512],
+        ),
+    ),
+    "hunyuan-video-small": (
+        "HunyuanVideoTransformer3DModel",
+        dict(
+            in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=1,
+            num_single_layers=1, num_refiner_layers=1, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
+            qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768,
+            rope_theta=256.0, rope_axes_dim=(16, 56, 56),
+        ),
+    ),
+    "ltx-small": (
+        "LTXVideoTransformer3DModel",
+        dict(
+            in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
+            attention_head_dim=64, cross_attention_dim=2048, num_layers=2, caption_channels=4096,
+            qk_norm="rms_norm_across_heads",
+        ),
+    ),
+    # test-sized kin of the above
+    "tiny-z-image": (
+        "ZImageTransformer2DModel",
+        dict(
+            all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=16, n_layers=1, n_refiner_layers=1,
+            n_heads=1, n_kv_heads=2, qk_norm=True, cap_feat_dim=16, rope_theta=256.0, t_scale=1000.0,
+            axes_dims=[8, 4, 4], axes_lens=[256, 32, 32],
+        ),
+    ),
+    "tiny-hunyuan-video-t": (
+        "HunyuanVideoTransformer3DModel",
+        dict(
+            in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
+            num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, guidance_embeds=True,
+            text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 4, 4),
+        ),
+    ),
+    "tiny-ltx-t": (
+        "LTXVideoTransformer3DModel",
+        dict(
+            in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
+            num_layers=1, qk_norm="rms_norm_across_heads", caption_channels=16,
+        ),
+    ),
+})
+# The video transformers among TRANSFORMERS: frames (video frames) and frame size (pixels) of a bench call, and
+# their VAE's compression (latent frames = (frames - 1) / time + 1; latent side = pixels / space). HunyuanVideo
+# at its released 540p size (544x960; the 720p release, 720x1280 x 129 frames, is 118800 tokens) with 5 frames
+# (2 latent frames, 4080 tokens, about a 1024 px image's); LTX-Video at its pipeline's default size and length
+# (512x704, 161 frames: 21 latent frames of 16x22 tokens, 7392 tokens). --resolution sets the frame height, the
+# width keeping the aspect ratio.
+TRANSFORMER_VIDEOS: Dict[str, Dict[str, Any]] = {
+    "hunyuan-video-small": dict(frames=5, size=(544, 960), time=4, space=8),
+    "ltx-small": dict(frames=161, size=(512, 704), time=8, space=32),
+    "tiny-hunyuan-video-t": dict(frames=5, size=(32, 48), time=4, space=8),
+    "tiny-ltx-t": dict(frames=9, size=(64, 96), time=8, space=32),
+}
+
+
 def transformer_config(preset: str, **overrides: Any) -> Tuple[str, Dict[str, Any]]:
     """``(class name, config)`` of a transformer preset with ``overrides`` applied."""
     if preset not in TRANSFORMERS:

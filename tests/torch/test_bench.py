@@ -257,6 +257,82 @@ def test_micro_transformer_reports_block_times_and_overhead_shares(capsys):
     assert json.loads(capsys.readouterr().out)["preset"] == "tiny-flux"
 
 
+# The newer families (tiny kin of the real-width presets): Flux.2 ([text; image] single stream, 4-column ids),
+# Qwen-Image (img_shapes, rotary (image, text) tables), Z-Image (lists; [image; text] stream, one complex table,
+# a key mask), HunyuanVideo ([image; text] MLP input, key mask, video grid) and LTX (packed video tokens, sizes).
+NEW_FAMILY_PRESETS = ("tiny-flux2", "tiny-qwen-image", "tiny-z-image", "tiny-hunyuan-video-t", "tiny-ltx-t")
+
+
+@pytest.fixture(scope="module", params=NEW_FAMILY_PRESETS)
+def new_family_runner(request):
+    args = bench.parser().parse_args(["--preset", request.param, "--resolution", "64", "--batch", "1", "--text-tokens", "5"])
+    args.options = {}
+    return Runner(args)
+
+
+def _merged_sublayers(runner, options):
+    """Every sub-layer ``options`` merge in the runner's model, as ``(block index/child, module)``."""
+    from tome_core import driver
+    from tome_core.adapters.diffusers import FRAMEWORK
+
+    config = ToMeConfig.from_options({"ratio": 0.5, **options})
+    return [
+        (f"{index}/{sublayer.child}", getattr(block, sublayer.child))
+        for index, (block, family) in enumerate(driver.blocks_of(FRAMEWORK, runner.unet))
+        for sublayer in family.sublayers
+        if config.sublayers[sublayer.kind] and getattr(block, sublayer.child, None) is not None
+    ]
+
+
+def _shapes(name, args, kwargs):
+    """The name and the shape of every tensor (and of every tensor in a tuple or list) a sub-layer call gets."""
+    def shape(value):
+        if isinstance(value, torch.Tensor):
+            return tuple(value.shape)
+        if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+            return tuple(shape(v) for v in value)
+        return None
+
+    given = [("#%d" % i, shape(v)) for i, v in enumerate(args)] + [(k, shape(v)) for k, v in sorted(kwargs.items())]
+    return name, tuple((k, v) for k, v in given if v is not None)
+
+
+@pytest.mark.parametrize("options", [{}, {"merge_mlp": True}])
+def test_new_families_oracle_gives_every_sublayer_the_shapes_of_ours(new_family_runner, sublayer_calls, options):
+    """Sub-layer by sub-layer, the oracle hands each merged sub-layer inputs of the shapes ours hands it (image
+    tokens, text, rotary tables, token masks), and both differ from the unpatched call's."""
+    runner = new_family_runner
+    seen = lambda method: sublayer_calls(runner, method, options, lambda: _merged_sublayers(runner, options), _shapes)
+    plain, ours, oracle = seen("unpatched"), seen("ours"), seen("oracle")
+    assert ours == oracle and ours != plain
+    out = runner.output("oracle", 0.5)
+    assert np.isfinite(out).all() and out.shape == runner.output("unpatched", 0.5).shape
+
+
+def test_new_families_run_whole_calls_and_the_micro_path(tmp_path, capsys):
+    """A Flux.2 and a Z-Image tiny preset through --micro (every block kind; Z-Image's noise refiner apart from
+    its main blocks) and a tiny LTX video through whole calls with its loop."""
+    out_json = tmp_path / "micro.json"
+    result = bench.main(["--micro", "--preset", "tiny-flux2", "--resolution", "64", "--batch", "1", "--repeats", "1",
+                         "--warmup", "0", "--text-tokens", "3", "--json", str(out_json)])
+    assert [b["block"] for b in result["blocks"]] == ["Flux2TransformerBlock", "Flux2SingleTransformerBlock"]
+    assert [b["stream_tokens"] for b in result["blocks"]] == [16, 3 + 16]  # the single block's input is [text; image]
+    for block in result["blocks"]:
+        assert block["kept"] == 8 and block["image_tokens"][1] == 16
+        assert set(block["ratios"]) == {"ours/unpatched", "oracle/unpatched", "share_of_oracle_saving"}
+    assert json.loads(out_json.read_text())["command"].startswith("python -m tome_core.bench --micro")
+    result = bench.main(["--micro", "--preset", "tiny-z-image", "--resolution", "64", "--batch", "1", "--repeats", "1",
+                         "--warmup", "0", "--micro-methods", "unpatched", "ours", "oracle"])
+    assert [b["kind"] for b in result["blocks"]] == ["z-image (noise_refiner)", "z-image (layers)"]
+    assert set(result["blocks"][0]["median_ms"]) == {"block_unpatched", "block_ours", "block_oracle", "match", "merge_unmerge"}
+    rows = bench.main(["--preset", "tiny-ltx-t", "--resolution", "64", "--batch", "1", "--repeats", "1", "--warmup", "0",
+                       "--steps", "2", "--text-tokens", "5", "--methods", "unpatched", "ours", "oracle"])
+    assert [r.method for r in rows] == ["unpatched", "ours", "oracle"]
+    for row in rows[1:]:
+        assert row.fidelity_step > 0 and np.isfinite(row.fidelity_sampled) and row.fidelity_sampled > 0
+    capsys.readouterr()
+
+
 # -- arrangements (mode), cell matching, several resolutions, missing dependencies -------------------------
 def test_variants_split_on_commas_outside_brackets_and_read_bare_strings():
     parsed = bench.variant_options(
