@@ -441,6 +441,17 @@ BLOCK_FAMILIES += (
     ),
 )
 
+BLOCK_FAMILIES += (
+    BlockFamily(  # PRX: image queries over [text; image] keys, a text-only mask; its MLP is inline (never merged)
+        "prx",
+        ("PRXBlock",),
+        (Sublayer("attention", "attn", text=TEXT_BEFORE, attention=True, masks=(("attention_mask", ()),)),),
+        rotary="image_rotary_emb",
+        rotary_axis=2,
+        timesteps=1.0,
+    ),
+)
+
 _BY_CLASS: Dict[str, BlockFamily] = {name: family for family in BLOCK_FAMILIES for name in family.classes}
 
 

@@ -147,10 +147,6 @@ REFUSED: Dict[str, str] = {
         "not supported yet: separate query and key rotary tables, attention outputs shaped [B, N, heads, d], and a "
         "softmax scale that its pipeline sets from the number of tokens"
     ),
-    "PRXTransformer2DModel": (
-        "not supported yet: its feed-forward is inline (no sub-module to wrap), leaving only the attention, whose "
-        "rotary tensor has its tokens on axis 2"
-    ),
     "BriaFibo2Transformer2DModel": (
         "not supported yet: one stream whose gist (text) tokens go before the image or after it depending on the "
         "batch's padding, with context images' tokens after the image"

@@ -411,6 +411,13 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
         pooled_projections=(2, 8), visual_rope_pos=[torch.arange(2), torch.arange(4), torch.arange(6)],
         text_rope_pos=torch.arange(7),
     ),
+    "PRXTransformer2DModel": _built(
+        "PRXTransformer2DModel",
+        dict(in_channels=4, patch_size=2, context_in_dim=16, hidden_size=32, mlp_ratio=2.0, num_heads=2, depth=2,
+             axes_dim=[8, 8]),
+        hidden_states=(2, 4, 12, 16), encoder_hidden_states=(2, 7, 16), timestep=torch.tensor([0.5, 0.5]),
+        attention_mask=torch.tensor([[True] * 7, [True] * 4 + [False] * 3]),
+    ),
     "AllegroTransformer3DModel": _allegro,
     "EasyAnimateTransformer3DModel": _built(
         "EasyAnimateTransformer3DModel",
