@@ -151,6 +151,11 @@ TRANSFORMERS.update({
         "Flux2Transformer2DModel",
         {**_TINY_FLUX_LIKE, "timestep_guidance_channels": 256, "axes_dims_rope": (4, 4, 4, 4)},
     ),
+    # Flux.2 Klein: no guidance embedding (classifier-free guidance with a negative prompt instead)
+    "tiny-flux2-klein": (
+        "Flux2Transformer2DModel",
+        {**_TINY_FLUX_LIKE, "timestep_guidance_channels": 256, "axes_dims_rope": (4, 4, 4, 4), "guidance_embeds": False},
+    ),
     "tiny-chroma": (
         "ChromaTransformer2DModel",
         {

@@ -1,0 +1,273 @@
+"""Tiny pipelines of the newer diffusers families (Flux.2, Qwen-Image, Z-Image, Chroma, HunyuanVideo, LTX,
+CogVideoX...), built from the tiny transformer presets of :mod:`tome_core.presets` with seeded random weights and
+tiny VAEs of each pipeline's own class; nothing is downloaded.
+
+No tokenizer or text encoder can be had offline, so the pipelines hold none: each call passes text embeddings
+(and their masks where the pipeline takes them) instead. A recipe is data: the pipeline class, the transformer
+preset, the VAE, the call's keyword arguments and any extra component (a ControlNet); :func:`build_zoo_pipeline`
+puts one together.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+import diffusers
+
+from tome_core.adapters.diffusers_models import _random_transformer
+from tome_core.presets import TINY_VAE, TRANSFORMERS, VIDEO_TRANSFORMERS
+
+Randn = Callable[..., torch.Tensor]
+
+
+def _image(randn: Randn, height: int, width: int) -> Any:
+    """A seeded RGB PIL image (the edit pipelines check and resize PIL images)."""
+    import PIL.Image
+
+    pixels = (randn(height, width, 3).sigmoid() * 255).to(torch.uint8).numpy()
+    return PIL.Image.fromarray(np.ascontiguousarray(pixels))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# VAEs: each pipeline's own class, tiny. A builder takes the transformer's config (its latent channels).
+
+
+def _flux2_vae(config: Dict[str, Any]) -> torch.nn.Module:
+    """AutoencoderKLFlux2, 2x downsampling; latents packed 2x2 into the transformer's channels."""
+    return diffusers.AutoencoderKLFlux2(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(4, 4), layers_per_block=1, latent_channels=config["in_channels"] // 4, norm_num_groups=1,
+        use_quant_conv=False, use_post_quant_conv=False, sample_size=32,
+    )
+
+
+def _qwen_vae(levels: int) -> Callable[[Dict[str, Any]], torch.nn.Module]:
+    """AutoencoderKLQwenImage with ``levels`` 2x downsamplings (Qwen-Image-Edit resizes its reference image to a
+    1024x1024 area whatever is asked: its VAE compresses 16x, so the reference is 32x32 tokens, and is narrow:
+    encoding 1024x1024 pixels is most of that pipeline's time)."""
+
+    def build(config: Dict[str, Any]) -> torch.nn.Module:
+        z_dim = config["in_channels"] // 4
+        return diffusers.AutoencoderKLQwenImage(
+            base_dim=2, z_dim=z_dim, dim_mult=[1] * (levels + 1), num_res_blocks=1,
+            temperal_downsample=[False] + [True] * (levels - 1), latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim,
+        )
+    return build
+
+
+def _kl_vae(config: Dict[str, Any]) -> torch.nn.Module:
+    """The tiny 2x AutoencoderKL of the SD pipelines with the transformer's latent channels (its input channels,
+    or a quarter of them where the pipeline packs 2x2 latent pixels into a token)."""
+    channels = config.get("in_channels")
+    packed = len(config.get("axes_dims_rope") or ()) > 0
+    return diffusers.AutoencoderKL(**{**TINY_VAE, "latent_channels": channels // 4 if packed else channels}, shift_factor=0.0)
+
+
+def _hunyuan_video_vae(config: Dict[str, Any]) -> torch.nn.Module:
+    """AutoencoderKLHunyuanVideo (8x in space, 4x in time; diffusers' own test size)."""
+    return diffusers.AutoencoderKLHunyuanVideo(
+        latent_channels=config["in_channels"], block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4,
+        down_block_types=("HunyuanVideoDownBlock3D",) * 4, up_block_types=("HunyuanVideoUpBlock3D",) * 4,
+    )
+
+
+def _ltx_vae(config: Dict[str, Any]) -> torch.nn.Module:
+    """AutoencoderKLLTXVideo (4x in space and time; diffusers' own test size)."""
+    vae = diffusers.AutoencoderKLLTXVideo(
+        latent_channels=config["in_channels"], block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+        layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1),
+        spatio_temporal_scaling=(True, True, False, False), decoder_spatio_temporal_scaling=(True, True, False, False),
+        decoder_inject_noise=(False,) * 5, upsample_residual=(False,) * 4, upsample_factor=(1,) * 4, patch_size=1,
+    )
+    vae.use_framewise_encoding = vae.use_framewise_decoding = False
+    return vae
+
+
+def _cogvideox_vae(config: Dict[str, Any]) -> torch.nn.Module:
+    """AutoencoderKLCogVideoX (8x in space, 4x in time; diffusers' own test size)."""
+    return diffusers.AutoencoderKLCogVideoX(
+        down_block_types=("CogVideoXDownBlock3D",) * 4, up_block_types=("CogVideoXUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 8, 8), latent_channels=config["in_channels"], layers_per_block=1, norm_num_groups=2,
+        temporal_compression_ratio=config["temporal_compression_ratio"],
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Calls: the text embeddings (and masks) each pipeline takes in place of its text encoder, and the sizes.
+
+
+def _flux2_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    return dict(prompt_embeds=randn(1, 7, config["joint_attention_dim"]), height=32, width=32)
+
+
+def _flux2_edit_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    # the reference image's tokens follow the output's (Flux.2 checks images are at least 64 px a side)
+    return dict(_flux2_call(config, randn), image=_image(randn, 64, 64))
+
+
+def _flux2_klein_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    text = config["joint_attention_dim"]
+    return dict(prompt_embeds=randn(1, 7, text), negative_prompt_embeds=randn(1, 7, text), guidance_scale=4.0, height=32, width=32)
+
+
+def _qwen_text(config: Dict[str, Any], randn: Randn, negative: bool = True) -> Dict[str, Any]:
+    """Qwen-Image's prompt embeddings and masks; the negative prompt is padded after 5 tokens (true CFG)."""
+    text = config["joint_attention_dim"]
+    call = dict(prompt_embeds=randn(1, 7, text), prompt_embeds_mask=torch.ones(1, 7, dtype=torch.long))
+    if negative:
+        mask = torch.ones(1, 7, dtype=torch.long)
+        mask[:, 5:] = 0
+        call.update(negative_prompt_embeds=randn(1, 7, text), negative_prompt_embeds_mask=mask, true_cfg_scale=2.0)
+    return call
+
+
+def _qwen_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    return dict(_qwen_text(config, randn), height=32, width=32)
+
+
+def _qwen_edit_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    return dict(_qwen_text(config, randn, negative=False), image=_image(randn, 32, 32), height=128, width=128)
+
+
+def _qwen_controlnet_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    return dict(_qwen_call(config, randn), control_image=randn(1, 3, 32, 32), controlnet_conditioning_scale=1.0)
+
+
+def _z_image_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    # one caption per prompt, unpadded ([tokens, width]); the negative one shorter
+    text = config["cap_feat_dim"]
+    return dict(prompt_embeds=[randn(7, text)], negative_prompt_embeds=[randn(5, text)], guidance_scale=3.0, height=32, width=32)
+
+
+def _chroma_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    text = config["joint_attention_dim"]
+    mask = torch.ones(1, 7)  # float, as the pipeline's own text encoding gives it
+    negative = mask.clone()
+    negative[:, 5:] = 0
+    return dict(
+        prompt_embeds=randn(1, 7, text), prompt_attention_mask=mask, negative_prompt_embeds=randn(1, 7, text),
+        negative_prompt_attention_mask=negative, guidance_scale=5.0, height=32, width=32,
+    )
+
+
+def _padded_mask(tokens: int = 7, kept: int = 5, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A text mask of one prompt padded after ``kept`` tokens."""
+    mask = torch.ones(1, tokens, dtype=dtype)
+    mask[:, kept:] = 0
+    return mask
+
+
+def _hunyuan_video_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    # LLaMA hidden states with their mask, CLIP's pooled embedding; 5 frames (2 latent frames) of 64x96 pixels
+    return dict(
+        prompt_embeds=randn(1, 7, config["text_embed_dim"]), pooled_prompt_embeds=randn(1, config["pooled_projection_dim"]),
+        prompt_attention_mask=_padded_mask(), height=64, width=96, num_frames=5,
+    )
+
+
+def _ltx_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    text = config["caption_channels"]
+    return dict(
+        prompt_embeds=randn(1, 7, text), prompt_attention_mask=torch.ones(1, 7, dtype=torch.long),
+        negative_prompt_embeds=randn(1, 7, text), negative_prompt_attention_mask=_padded_mask(), guidance_scale=3.0,
+        height=32, width=64, num_frames=5,
+    )
+
+
+def _cogvideox_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    text = config["text_embed_dim"]
+    return dict(
+        prompt_embeds=randn(1, config["max_text_seq_length"], text),
+        negative_prompt_embeds=randn(1, config["max_text_seq_length"], text), guidance_scale=6.0, height=64, width=96,
+        num_frames=5,
+    )
+
+
+def _img2img(call: Callable[[Dict[str, Any], Randn], Dict[str, Any]]) -> Callable[[Dict[str, Any], Randn], Dict[str, Any]]:
+    """``call`` with an input image of its size in [0, 1] and a strength (of 2 steps, 1 runs)."""
+
+    def build(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+        kwargs = call(config, randn)
+        return dict(kwargs, image=randn(1, 3, kwargs["height"], kwargs["width"]).sigmoid(), strength=0.75)
+    return build
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Extra components
+
+
+def _qwen_controlnet(config: Dict[str, Any], seed: int) -> Dict[str, Any]:
+    """QwenImageControlNetModel shaped like the transformer (one block), zero-initialised outputs given values."""
+    config = {k: v for k, v in config.items() if k != "guidance_embeds"}
+    return {"controlnet": _random_transformer("QwenImageControlNetModel", {**config, "num_layers": 1}, seed)}
+
+
+@dataclass(frozen=True)
+class ZooPipeline:
+    """How to build one tiny pipeline: diffusers' ``pipeline`` class name, the ``transformer`` preset (of
+    ``TRANSFORMERS`` or ``VIDEO_TRANSFORMERS``), its ``vae`` from the transformer's config, the ``call``'s keyword
+    arguments (text embeddings, sizes, images) from the transformer's config and a seeded ``randn``, ``extra``
+    components from the transformer preset's config and a seed, fixed constructor ``options`` and the
+    ``scheduler`` (a flow-matching Euler one unless the pipeline takes another)."""
+
+    pipeline: str
+    transformer: str
+    vae: Callable[[Dict[str, Any]], torch.nn.Module]
+    call: Callable[[Dict[str, Any], Randn], Dict[str, Any]]
+    extra: Optional[Callable[[Dict[str, Any], int], Dict[str, Any]]] = None
+    options: Dict[str, Any] = field(default_factory=dict)
+    scheduler: Callable[[], Any] = diffusers.FlowMatchEulerDiscreteScheduler
+
+
+ZOO_PIPELINES: Dict[str, ZooPipeline] = {
+    "flux2": ZooPipeline("Flux2Pipeline", "tiny-flux2", _flux2_vae, _flux2_call),
+    "flux2-edit": ZooPipeline("Flux2Pipeline", "tiny-flux2", _flux2_vae, _flux2_edit_call),
+    "flux2-klein": ZooPipeline("Flux2KleinPipeline", "tiny-flux2-klein", _flux2_vae, _flux2_klein_call),
+    "qwen-image": ZooPipeline("QwenImagePipeline", "tiny-qwen-image", _qwen_vae(2), _qwen_call),
+    "qwen-image-edit": ZooPipeline("QwenImageEditPipeline", "tiny-qwen-image", _qwen_vae(4), _qwen_edit_call),
+    "qwen-image-controlnet": ZooPipeline(
+        "QwenImageControlNetPipeline", "tiny-qwen-image", _qwen_vae(2), _qwen_controlnet_call, _qwen_controlnet
+    ),
+    "z-image": ZooPipeline("ZImagePipeline", "tiny-z-image", _kl_vae, _z_image_call),
+    "z-image-img2img": ZooPipeline("ZImageImg2ImgPipeline", "tiny-z-image", _kl_vae, _img2img(_z_image_call)),
+    "chroma": ZooPipeline("ChromaPipeline", "tiny-chroma", _kl_vae, _chroma_call),
+    "chroma-img2img": ZooPipeline("ChromaImg2ImgPipeline", "tiny-chroma", _kl_vae, _img2img(_chroma_call)),
+    "hunyuan-video": ZooPipeline("HunyuanVideoPipeline", "tiny-hunyuan-video", _hunyuan_video_vae, _hunyuan_video_call),
+    "ltx": ZooPipeline("LTXPipeline", "tiny-ltx", _ltx_vae, _ltx_call),
+    "cogvideox": ZooPipeline(
+        "CogVideoXPipeline", "tiny-cogvideox", _cogvideox_vae, _cogvideox_call, scheduler=diffusers.CogVideoXDDIMScheduler
+    ),
+}
+
+
+def build_zoo_pipeline(kind: str, seed: int = 0) -> Tuple[Any, Dict[str, Any]]:
+    """The tiny pipeline of ``kind`` (:data:`ZOO_PIPELINES`) and the keyword arguments of its call (text
+    embeddings in place of its text encoders, sizes, images); give steps, a generator and an output type. Every
+    constructor argument the recipe does not fill (text encoders, tokenizers, processors) is None."""
+    if kind not in ZOO_PIPELINES:
+        raise ValueError(f"kind must be one of {', '.join(ZOO_PIPELINES)}, got {kind!r}")
+    recipe = ZOO_PIPELINES[kind]
+    name, config = (TRANSFORMERS.get(recipe.transformer) or VIDEO_TRANSFORMERS[recipe.transformer])
+    transformer = _random_transformer(name, config, seed)
+    torch.manual_seed(seed + 1)
+    parts: Dict[str, Any] = dict(
+        transformer=transformer, vae=recipe.vae(dict(transformer.config)).eval(),
+        scheduler=recipe.scheduler(), **recipe.options,
+    )
+    if recipe.extra is not None:
+        parts.update(recipe.extra(config, seed + 2))
+    cls = getattr(diffusers, recipe.pipeline)
+    for parameter in list(inspect.signature(cls.__init__).parameters.values())[1:]:
+        if parameter.name not in parts and parameter.default is inspect.Parameter.empty:
+            parts[parameter.name] = None  # text encoders, tokenizers, processors
+    generator = torch.Generator().manual_seed(seed + 3)
+    randn = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
+    return cls(**parts), recipe.call(dict(transformer.config), randn)
+
+
+__all__ = ["ZOO_PIPELINES", "ZooPipeline", "build_zoo_pipeline"]
