@@ -244,15 +244,20 @@ def is_unet_like(module: Any) -> bool:
     return hasattr(module, "down_blocks") and hasattr(module, "conv_in")
 
 
-def is_transformer_model(module: Any) -> bool:
-    """A diffusion transformer (SD3, Flux, PixArt, DiT, their ControlNets): a config with a patch size, or a
-    class whose call :data:`~tome_core.families.GRID_LAYOUTS` describes."""
-    return not is_unet_like(module) and (
-        _config_value(module, "patch_size") is not None or grid_layout(type(module)) is not None
-    )
-
-
 TIMESTEPS = ("timestep", "timesteps", "t")  # what models call their timestep argument (HiDream, Z-Image)
+# what models call the ids of their packed tokens; Krea 2's cover [text; image], the image's rows last
+TOKEN_IDS = ("img_ids", "position_ids")
+
+
+def is_transformer_model(module: Any) -> bool:
+    """A diffusion transformer (SD3, Flux, PixArt, DiT, their ControlNets): a config with a patch size, a class
+    whose call :data:`~tome_core.families.GRID_LAYOUTS` describes, or one whose call takes its tokens' ids."""
+    if is_unet_like(module):
+        return False
+    if _config_value(module, "patch_size") is not None or grid_layout(type(module)) is not None:
+        return True
+    forward = getattr(type(module), "forward", None)
+    return forward is not None and any(p in inspect.signature(forward).parameters for p in TOKEN_IDS)
 
 
 class _CallStart:
@@ -266,7 +271,7 @@ class _CallStart:
         self.patch_size = _config_value(model, "patch_size") if self.transformer else None
         self.data_format = getattr(model, "data_format", "NCHW")
         forward = type(model).forward
-        self.where = argument_positions(forward, "sample", "hidden_states", *TIMESTEPS, "img_ids", "img_shapes")
+        self.where = argument_positions(forward, "sample", "hidden_states", *TIMESTEPS, *TOKEN_IDS, "img_shapes")
         parameters = list(inspect.signature(forward).parameters.values())[1:]
         self.first = parameters[0].name if parameters else None  # the latent, by keyword where not named as above
         self.defaults = {p.name: p.default for p in parameters}
@@ -340,7 +345,8 @@ class _CallStart:
             if shapes is not None:
                 packed = shapes_grid(shapes, shape[1])
             else:
-                packed = self._packed_grid(argument(args, kwargs, "img_ids", where["img_ids"]))
+                ids = next((value for value in (argument(args, kwargs, name, where[name]) for name in TOKEN_IDS) if value is not None), None)
+                packed = self._packed_grid(ids, shape[1])
             if packed is None:
                 why = (
                     "its img_ids do not begin with one image's tokens in raster order (row by row), so no token "
@@ -382,9 +388,10 @@ class _CallStart:
             raise ValueError(f"timestep_range={self.state.config.timestep_range} needs the model's timestep, and this call gave none")
         return self.state.config.merges_at(timesteps)
 
-    def _packed_grid(self, img_ids: Any) -> Optional[Tuple[int, int, int]]:
-        """``(h, w, tail)`` of packed image tokens from their ids ``[N, 3]`` (:func:`~tome_core.levels.leading_raster`:
-        the output image's raster grid, then ``tail`` tokens of reference images), or None.
+    def _packed_grid(self, img_ids: Any, tokens: int) -> Optional[Tuple[int, int, int]]:
+        """``(h, w, tail)`` of ``tokens`` packed image tokens from their ids ``[N, 3]`` (:func:`~tome_core.levels.leading_raster`:
+        the output image's raster grid, then ``tail`` tokens of reference images), or None. Ids of more rows than
+        tokens (Krea 2's ``position_ids`` over ``[text; image]``) are read from their last ``tokens`` rows.
 
         Read on the host once per ids array (pipelines build it once per generation)."""
         if img_ids is None:
@@ -395,7 +402,7 @@ class _CallStart:
         shape = ops.shape(img_ids)
         values = self.fw.host_values(img_ids)
         ids = [values[i : i + shape[-1]] for i in range(0, len(values), shape[-1])]
-        self.ids_grid = (img_ids, leading_raster(ids[-(len(ids) // (shape[0] if len(shape) == 3 else 1)):]))
+        self.ids_grid = (img_ids, leading_raster(ids[-min(tokens, len(ids) // (shape[0] if len(shape) == 3 else 1)):]))
         return self.ids_grid[1]
 
 

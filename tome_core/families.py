@@ -452,6 +452,20 @@ BLOCK_FAMILIES += (
     ),
 )
 
+BLOCK_FAMILIES += (
+    BlockFamily(  # Krea 2: its model hands it [text; image] (a key-padding mask over both); ids tell the grid
+        "krea2",
+        ("Krea2TransformerBlock",),
+        (
+            Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True, masks=(("attention_mask", (-1,)),)),
+            Sublayer("ff", "mlp", text=TEXT_PREFIX),
+        ),
+        rotary="image_rotary_emb",
+        stream=TEXT_PREFIX,
+        timesteps=1.0,
+    ),
+)
+
 _BY_CLASS: Dict[str, BlockFamily] = {name: family for family in BLOCK_FAMILIES for name in family.classes}
 
 

@@ -117,9 +117,6 @@ REFUSED: Dict[str, str] = {
         "not supported yet: one stream of text, condition images and the target image last, attention prefilled "
         "segment by segment with a key cache, and a single complex rotary table"
     ),
-    "Krea2Transformer2DModel": (
-        "not supported yet: its blocks run one [text; image] stream whose grid only its position ids tell"
-    ),
     "ErnieImageTransformer2DModel": (
         "not supported yet: its stream is sequence-first [S, B, C] ([image; text]) at the feed-forward, batch-first "
         "at the attention"

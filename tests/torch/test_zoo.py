@@ -171,6 +171,26 @@ def _video(preset: str, frames: int = 2, height: int = 8, width: int = 12):
     return build
 
 
+def _krea2():
+    """Krea 2 on a 6x8 grid after 5 text tokens (the last one padding); its ids cover [text; image]."""
+    config = dict(
+        in_channels=8, num_layers=2, attention_head_dim=8, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=32, timestep_embed_dim=8, text_hidden_dim=16, num_text_layers=3, text_num_attention_heads=2,
+        text_num_key_value_heads=1, text_intermediate_size=16, num_layerwise_text_blocks=1, num_refiner_text_blocks=1,
+        axes_dims_rope=(4, 2, 2),
+    )
+    rows, cols, text = 6, 8, 5
+    ids = torch.zeros(text + rows * cols, 3)
+    ids[text:, 1] = torch.arange(rows).repeat_interleave(cols)
+    ids[text:, 2] = torch.arange(cols).repeat(rows)
+    mask = torch.ones(2, text, dtype=torch.bool)
+    mask[1, -1] = False
+    return _built(
+        "Krea2Transformer2DModel", config, hidden_states=(2, rows * cols, 8), encoder_hidden_states=(2, text, 3, 16),
+        timestep=torch.tensor([0.5, 0.5]), position_ids=ids, encoder_attention_mask=mask,
+    )()
+
+
 def _built(name: str, config: Dict[str, Any], **inputs: Any):
     """A builder of diffusers' class ``name`` from ``config`` (seeded; zero-initialised output layers given
     values) called with ``inputs`` (tensors drawn from a seeded generator where given as shapes)."""
@@ -418,6 +438,7 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
         hidden_states=(2, 4, 12, 16), encoder_hidden_states=(2, 7, 16), timestep=torch.tensor([0.5, 0.5]),
         attention_mask=torch.tensor([[True] * 7, [True] * 4 + [False] * 3]),
     ),
+    "Krea2Transformer2DModel": _krea2,
     "AllegroTransformer3DModel": _allegro,
     "EasyAnimateTransformer3DModel": _built(
         "EasyAnimateTransformer3DModel",
