@@ -60,12 +60,13 @@ def _qwen_vae(levels: int) -> Callable[[Dict[str, Any]], torch.nn.Module]:
     return build
 
 
-def _kl_vae(config: Dict[str, Any]) -> torch.nn.Module:
-    """The tiny 2x AutoencoderKL of the SD pipelines with the transformer's latent channels (its input channels,
-    or a quarter of them where the pipeline packs 2x2 latent pixels into a token)."""
-    channels = config.get("in_channels")
-    packed = len(config.get("axes_dims_rope") or ()) > 0
-    return diffusers.AutoencoderKL(**{**TINY_VAE, "latent_channels": channels // 4 if packed else channels}, shift_factor=0.0)
+def _kl_vae(packing: int = 1, **options: Any) -> Callable[[Dict[str, Any]], torch.nn.Module]:
+    """The tiny 2x AutoencoderKL of the SD pipelines with the transformer's latent channels: its input channels,
+    divided by ``packing`` where the pipeline packs 2x2 latent pixels into a token (4)."""
+
+    def build(config: Dict[str, Any]) -> torch.nn.Module:
+        return diffusers.AutoencoderKL(**{**TINY_VAE, "latent_channels": config["in_channels"] // packing, "shift_factor": 0.0, **options})
+    return build
 
 
 def _hunyuan_video_vae(config: Dict[str, Any]) -> torch.nn.Module:
@@ -188,6 +189,36 @@ def _cogvideox_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
     )
 
 
+def _cogview4_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    text = config["text_embed_dim"]
+    return dict(prompt_embeds=randn(1, 16, text), negative_prompt_embeds=randn(1, 16, text), guidance_scale=5.0, height=32, width=48)
+
+
+def _lumina2_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    # Lumina 2 assumes an 8x VAE whatever it holds (the latent is 1/8 of the size). Captions of one length: with
+    # captions of different lengths (padded) its joint blocks run unmerged (tests/torch/test_zoo.py checks that).
+    text = config["cap_feat_dim"]
+    mask = torch.ones(1, 8, dtype=torch.bool)
+    return dict(
+        prompt_embeds=randn(1, 8, text), prompt_attention_mask=mask, negative_prompt_embeds=randn(1, 8, text),
+        negative_prompt_attention_mask=mask, guidance_scale=4.0, height=96, width=128,
+    )
+
+
+def _hidream_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    # T5 and per-layer Llama-3 hidden states ([layers, batch, tokens, width]) and a pooled CLIP embedding; a square
+    # latent (a non-square one is padded to a square and masked: run unmerged, tests/torch/test_zoo.py)
+    t5, llama = config["caption_channels"]
+    layers = max(config["llama_layers"]) + 1
+    text = lambda: dict(t5=randn(1, 8, t5), llama3=randn(layers, 1, 6, llama), pooled=randn(1, config["text_emb_dim"]))  # noqa: E731
+    prompt, negative = text(), text()
+    return dict(
+        prompt_embeds_t5=prompt["t5"], prompt_embeds_llama3=prompt["llama3"], pooled_prompt_embeds=prompt["pooled"],
+        negative_prompt_embeds_t5=negative["t5"], negative_prompt_embeds_llama3=negative["llama3"],
+        negative_pooled_prompt_embeds=negative["pooled"], guidance_scale=5.0, height=32, width=32,
+    )
+
+
 def _img2img(call: Callable[[Dict[str, Any], Randn], Dict[str, Any]]) -> Callable[[Dict[str, Any], Randn], Dict[str, Any]]:
     """``call`` with an input image of its size in [0, 1] and a strength (of 2 steps, 1 runs)."""
 
@@ -213,7 +244,8 @@ class ZooPipeline:
     ``TRANSFORMERS`` or ``VIDEO_TRANSFORMERS``), its ``vae`` from the transformer's config, the ``call``'s keyword
     arguments (text embeddings, sizes, images) from the transformer's config and a seeded ``randn``, ``extra``
     components from the transformer preset's config and a seed, fixed constructor ``options`` and the
-    ``scheduler`` (a flow-matching Euler one unless the pipeline takes another)."""
+    ``scheduler`` (a flow-matching Euler one unless the pipeline takes another), and pipeline ``attributes`` set
+    after construction."""
 
     pipeline: str
     transformer: str
@@ -222,6 +254,7 @@ class ZooPipeline:
     extra: Optional[Callable[[Dict[str, Any], int], Dict[str, Any]]] = None
     options: Dict[str, Any] = field(default_factory=dict)
     scheduler: Callable[[], Any] = diffusers.FlowMatchEulerDiscreteScheduler
+    attributes: Dict[str, Any] = field(default_factory=dict)
 
 
 ZOO_PIPELINES: Dict[str, ZooPipeline] = {
@@ -233,14 +266,25 @@ ZOO_PIPELINES: Dict[str, ZooPipeline] = {
     "qwen-image-controlnet": ZooPipeline(
         "QwenImageControlNetPipeline", "tiny-qwen-image", _qwen_vae(2), _qwen_controlnet_call, _qwen_controlnet
     ),
-    "z-image": ZooPipeline("ZImagePipeline", "tiny-z-image", _kl_vae, _z_image_call),
-    "z-image-img2img": ZooPipeline("ZImageImg2ImgPipeline", "tiny-z-image", _kl_vae, _img2img(_z_image_call)),
-    "chroma": ZooPipeline("ChromaPipeline", "tiny-chroma", _kl_vae, _chroma_call),
-    "chroma-img2img": ZooPipeline("ChromaImg2ImgPipeline", "tiny-chroma", _kl_vae, _img2img(_chroma_call)),
+    "z-image": ZooPipeline("ZImagePipeline", "tiny-z-image", _kl_vae(), _z_image_call),
+    "z-image-img2img": ZooPipeline("ZImageImg2ImgPipeline", "tiny-z-image", _kl_vae(), _img2img(_z_image_call)),
+    "chroma": ZooPipeline("ChromaPipeline", "tiny-chroma", _kl_vae(4), _chroma_call),
+    "chroma-img2img": ZooPipeline("ChromaImg2ImgPipeline", "tiny-chroma", _kl_vae(4), _img2img(_chroma_call)),
     "hunyuan-video": ZooPipeline("HunyuanVideoPipeline", "tiny-hunyuan-video", _hunyuan_video_vae, _hunyuan_video_call),
     "ltx": ZooPipeline("LTXPipeline", "tiny-ltx", _ltx_vae, _ltx_call),
     "cogvideox": ZooPipeline(
         "CogVideoXPipeline", "tiny-cogvideox", _cogvideox_vae, _cogvideox_call, scheduler=diffusers.CogVideoXDDIMScheduler
+    ),
+    "cogview4": ZooPipeline(
+        "CogView4Pipeline", "tiny-cogview4", _kl_vae(), _cogview4_call,
+        scheduler=lambda: diffusers.FlowMatchEulerDiscreteScheduler(
+            base_shift=0.25, max_shift=0.75, base_image_seq_len=256, use_dynamic_shifting=True, time_shift_type="linear"
+        ),
+    ),
+    "lumina2": ZooPipeline("Lumina2Pipeline", "tiny-lumina2", _kl_vae(), _lumina2_call),
+    # HiDream rescales every request to an area of default_sample_size squared latent pixels (128: 4096 tokens)
+    "hidream-image": ZooPipeline(
+        "HiDreamImagePipeline", "tiny-hidream-image", _kl_vae(), _hidream_call, attributes={"default_sample_size": 16}
     ),
 }
 
@@ -267,7 +311,10 @@ def build_zoo_pipeline(kind: str, seed: int = 0) -> Tuple[Any, Dict[str, Any]]:
             parts[parameter.name] = None  # text encoders, tokenizers, processors
     generator = torch.Generator().manual_seed(seed + 3)
     randn = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
-    return cls(**parts), recipe.call(dict(transformer.config), randn)
+    pipe = cls(**parts)
+    for name, value in recipe.attributes.items():
+        setattr(pipe, name, value)
+    return pipe, recipe.call(dict(transformer.config), randn)
 
 
 __all__ = ["ZOO_PIPELINES", "ZooPipeline", "build_zoo_pipeline"]

@@ -185,6 +185,31 @@ TRANSFORMERS.update({
             joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
         ),
     ),
+    # tiny CogView4, Lumina 2 and HiDream-I1 (diffusers' model-test sizes): their pipelines' transformers
+    "tiny-cogview4": (
+        "CogView4Transformer2DModel",
+        dict(
+            patch_size=2, in_channels=4, num_layers=2, attention_head_dim=4, num_attention_heads=4, out_channels=4,
+            text_embed_dim=8, time_embed_dim=8, condition_dim=4,
+        ),
+    ),
+    "tiny-lumina2": (
+        "Lumina2Transformer2DModel",
+        dict(
+            sample_size=16, patch_size=2, in_channels=4, hidden_size=24, num_layers=2, num_refiner_layers=1,
+            num_attention_heads=3, num_kv_heads=1, multiple_of=2, ffn_dim_multiplier=None, norm_eps=1e-5,
+            scaling_factor=1.0, axes_dim_rope=(4, 2, 2), axes_lens=(128, 128, 128), cap_feat_dim=32,
+        ),
+    ),
+    "tiny-hidream-image": (
+        "HiDreamImageTransformer2DModel",
+        dict(
+            patch_size=2, in_channels=4, out_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=8,
+            num_attention_heads=4, caption_channels=(8, 4), text_emb_dim=8, num_routed_experts=2,
+            num_activated_experts=2, axes_dims_rope=(4, 2, 2), max_resolution=(32, 32), llama_layers=(0, 1),
+            force_inference_output=True,
+        ),
+    ),
 })
 TRANSFORMERS["tiny-dit"] = (
     "DiTTransformer2DModel",
