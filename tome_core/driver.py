@@ -643,6 +643,9 @@ class _MergeInput:
         if rotary is None:
             return args, kwargs
         family, after = self.run.family, self.sublayer.text in (TEXT_AFTER, TEXT_SUFFIX)
+        if isinstance(rotary, dict):  # tables by name (AnyFlow's query and key frequencies)
+            moved = _merge_positions(tuple(rotary.values()), match, family.rotary_axis, self.run.tail, after)
+            return replace_argument(args, kwargs, self.rotary, self.rotary_at, type(rotary)(zip(rotary, moved)))
         if not isinstance(rotary, (tuple, list)):  # one table (Z-Image's complex frequencies)
             moved = _merge_positions((rotary,), match, family.rotary_axis, self.run.tail, after)[0]
             return replace_argument(args, kwargs, self.rotary, self.rotary_at, moved)

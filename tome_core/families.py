@@ -466,6 +466,16 @@ BLOCK_FAMILIES += (
     ),
 )
 
+BLOCK_FAMILIES += (
+    BlockFamily(  # AnyFlow: Wan's blocks; rotary tables by name ({"query": ..., "key": ...}) [1, 1, tokens, d/2]
+        "anyflow",
+        ("AnyFlowTransformerBlock",),
+        (Sublayer("attn1", "attn", attention=True), Sublayer("attn2", "crossattn"), Sublayer("ffn", "mlp")),
+        rotary="rotary_emb",
+        rotary_axis=2,
+    ),
+)
+
 _BY_CLASS: Dict[str, BlockFamily] = {name: family for family in BLOCK_FAMILIES for name in family.classes}
 
 
@@ -520,7 +530,7 @@ class GridLayout:
 
 GRID_LAYOUTS: Tuple[GridLayout, ...] = (
     GridLayout(("HunyuanVideoTransformer3DModel", "HunyuanVideo15Transformer3DModel")),
-    GridLayout(("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel"), frames_axis=1),
+    GridLayout(("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel", "AnyFlowTransformer3DModel"), frames_axis=1),
     GridLayout(
         ("LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel"), frames_axis=None, sizes=("num_frames", "height", "width")
     ),

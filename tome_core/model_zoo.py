@@ -132,10 +132,6 @@ REFUSED: Dict[str, str] = {
         "not supported yet: HunyuanVideo-like blocks whose single-stream MLP runs on [image; text], with "
         "first-frame image tokens prepended to the text and its own video layout"
     ),
-    "AnyFlowTransformer3DModel": (
-        "not supported yet: a frames-first latent (B, F, C, H, W) with rotary tables in a dict of query and key "
-        "frequencies"
-    ),
     "OmniGenTransformer2DModel": (
         "not supported yet: one stream of text, input images and the output image last, under a query-by-key "
         "attention mask, with self-attention through encoder_hidden_states"

@@ -439,6 +439,14 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
         attention_mask=torch.tensor([[True] * 7, [True] * 4 + [False] * 3]),
     ),
     "Krea2Transformer2DModel": _krea2,
+    "AnyFlowTransformer3DModel": _built(  # frames-first latent (B, F, C, H, W), a timestep per frame
+        "AnyFlowTransformer3DModel",
+        dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+             text_dim=16, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True, rope_max_seq_len=32,
+             gate_value=0.25, deltatime_type="r"),
+        hidden_states=(2, 2, 4, 8, 12), timestep=torch.full((2, 2), 500.0), r_timestep=torch.full((2, 2), 250.0),
+        encoder_hidden_states=(2, 5, 16),
+    ),
     "AllegroTransformer3DModel": _allegro,
     "EasyAnimateTransformer3DModel": _built(
         "EasyAnimateTransformer3DModel",
