@@ -72,7 +72,7 @@ def _kl_vae(packing: int = 1, **options: Any) -> Callable[[Dict[str, Any]], torc
 def _hunyuan_video_vae(config: Dict[str, Any]) -> torch.nn.Module:
     """AutoencoderKLHunyuanVideo (8x in space, 4x in time; diffusers' own test size)."""
     return diffusers.AutoencoderKLHunyuanVideo(
-        latent_channels=config["in_channels"], block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4,
+        latent_channels=config["out_channels"], block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4,
         down_block_types=("HunyuanVideoDownBlock3D",) * 4, up_block_types=("HunyuanVideoUpBlock3D",) * 4,
     )
 
@@ -80,7 +80,7 @@ def _hunyuan_video_vae(config: Dict[str, Any]) -> torch.nn.Module:
 def _ltx_vae(config: Dict[str, Any]) -> torch.nn.Module:
     """AutoencoderKLLTXVideo (4x in space and time; diffusers' own test size)."""
     vae = diffusers.AutoencoderKLLTXVideo(
-        latent_channels=config["in_channels"], block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+        latent_channels=config["out_channels"], block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
         layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1),
         spatio_temporal_scaling=(True, True, False, False), decoder_spatio_temporal_scaling=(True, True, False, False),
         decoder_inject_noise=(False,) * 5, upsample_residual=(False,) * 4, upsample_factor=(1,) * 4, patch_size=1,
@@ -93,9 +93,21 @@ def _cogvideox_vae(config: Dict[str, Any]) -> torch.nn.Module:
     """AutoencoderKLCogVideoX (8x in space, 4x in time; diffusers' own test size)."""
     return diffusers.AutoencoderKLCogVideoX(
         down_block_types=("CogVideoXDownBlock3D",) * 4, up_block_types=("CogVideoXUpBlock3D",) * 4,
-        block_out_channels=(8, 8, 8, 8), latent_channels=config["in_channels"], layers_per_block=1, norm_num_groups=2,
+        block_out_channels=(8, 8, 8, 8), latent_channels=config["out_channels"], layers_per_block=1, norm_num_groups=2,
         temporal_compression_ratio=config["temporal_compression_ratio"],
     )
+
+
+def _hunyuan_video_15_vae(config: Dict[str, Any]) -> torch.nn.Module:
+    """AutoencoderKLHunyuanVideo15 (4x in space, 2x in time; diffusers' own test size)."""
+    return diffusers.AutoencoderKLHunyuanVideo15(
+        latent_channels=config["out_channels"], block_out_channels=(16, 16), layers_per_block=1,
+        spatial_compression_ratio=4, temporal_compression_ratio=2, downsample_match_channel=False, upsample_match_channel=False,
+    )
+
+
+# The video VAEs take their latent channels from the transformer's output: conditioned variants (image to video)
+# concatenate more channels at its input.
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -171,6 +183,19 @@ def _hunyuan_video_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
     )
 
 
+def _hunyuan_video_15_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    # Qwen2.5-VL and ByT5 hidden states with their masks, for the prompt and the negative one (the guider's CFG);
+    # 3 frames (2 latent frames) of 32x48 pixels
+    text, glyphs = config["text_embed_dim"], config["text_embed_2_dim"]
+    call: Dict[str, Any] = dict(height=32, width=48, num_frames=3)
+    for prefix in ("", "negative_"):
+        call.update({
+            f"{prefix}prompt_embeds": randn(1, 7, text), f"{prefix}prompt_embeds_mask": _padded_mask(),
+            f"{prefix}prompt_embeds_2": randn(1, 4, glyphs), f"{prefix}prompt_embeds_mask_2": torch.ones(1, 4, dtype=torch.long),
+        })
+    return call
+
+
 def _ltx_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
     text = config["caption_channels"]
     return dict(
@@ -219,6 +244,17 @@ def _hidream_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
     )
 
 
+def _with_image(call: Callable[[Dict[str, Any], Randn], Dict[str, Any]], name: str = "image", pil: bool = False) -> Callable[[Dict[str, Any], Randn], Dict[str, Any]]:
+    """``call`` with a conditioning image of its size (first frame, control image): a PIL image or ``[1, 3, H, W]``
+    in [0, 1], under ``name``."""
+
+    def build(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+        kwargs = call(config, randn)
+        height, width = kwargs["height"], kwargs["width"]
+        return dict(kwargs, **{name: _image(randn, height, width) if pil else randn(1, 3, height, width).sigmoid()})
+    return build
+
+
 def _img2img(call: Callable[[Dict[str, Any], Randn], Dict[str, Any]]) -> Callable[[Dict[str, Any], Randn], Dict[str, Any]]:
     """``call`` with an input image of its size in [0, 1] and a strength (of 2 steps, 1 runs)."""
 
@@ -244,8 +280,9 @@ class ZooPipeline:
     ``TRANSFORMERS`` or ``VIDEO_TRANSFORMERS``), its ``vae`` from the transformer's config, the ``call``'s keyword
     arguments (text embeddings, sizes, images) from the transformer's config and a seeded ``randn``, ``extra``
     components from the transformer preset's config and a seed, fixed constructor ``options`` and the
-    ``scheduler`` (a flow-matching Euler one unless the pipeline takes another), and pipeline ``attributes`` set
-    after construction."""
+    ``scheduler`` (a flow-matching Euler one unless the pipeline takes another), pipeline ``attributes`` set
+    after construction, and ``overrides`` of the transformer preset's config (a conditioned variant's input
+    channels)."""
 
     pipeline: str
     transformer: str
@@ -255,6 +292,7 @@ class ZooPipeline:
     options: Dict[str, Any] = field(default_factory=dict)
     scheduler: Callable[[], Any] = diffusers.FlowMatchEulerDiscreteScheduler
     attributes: Dict[str, Any] = field(default_factory=dict)
+    overrides: Dict[str, Any] = field(default_factory=dict)
 
 
 ZOO_PIPELINES: Dict[str, ZooPipeline] = {
@@ -286,6 +324,37 @@ ZOO_PIPELINES: Dict[str, ZooPipeline] = {
     "hidream-image": ZooPipeline(
         "HiDreamImagePipeline", "tiny-hidream-image", _kl_vae(), _hidream_call, attributes={"default_sample_size": 16}
     ),
+    "hunyuan-video-15": ZooPipeline(
+        "HunyuanVideo15Pipeline", "tiny-hunyuan-video-15", _hunyuan_video_15_vae, _hunyuan_video_15_call,
+        extra=lambda config, seed: {"guider": diffusers.ClassifierFreeGuidance(guidance_scale=4.0)},
+        overrides=dict(in_channels=2 * 4 + 1),  # the latents, a condition's latents and its mask
+    ),
+    # conditioned variants: the control image's latents concatenated to the latents' channels (CogView4 Control,
+    # HunyuanVideo and CogVideoX image to video) or the first frame's tokens in place (HunyuanVideo token_replace, LTX)
+    "cogview4-control": ZooPipeline(
+        "CogView4ControlPipeline", "tiny-cogview4", _kl_vae(2), _with_image(_cogview4_call, "control_image"),
+        scheduler=lambda: diffusers.FlowMatchEulerDiscreteScheduler(
+            base_shift=0.25, max_shift=0.75, base_image_seq_len=256, use_dynamic_shifting=True, time_shift_type="linear"
+        ),
+        overrides=dict(in_channels=8),
+    ),
+    "hunyuan-video-image2video": ZooPipeline(
+        "HunyuanVideoImageToVideoPipeline", "tiny-hunyuan-video", _hunyuan_video_vae, _with_image(_hunyuan_video_call, pil=True),
+        overrides=dict(in_channels=2 * 4 + 1, guidance_embeds=False, image_condition_type="latent_concat"),
+    ),
+    "hunyuan-video-image2video-token-replace": ZooPipeline(
+        "HunyuanVideoImageToVideoPipeline", "tiny-hunyuan-video", _hunyuan_video_vae, _with_image(_hunyuan_video_call, pil=True),
+        overrides=dict(image_condition_type="token_replace"),
+    ),
+    "ltx-image2video": ZooPipeline("LTXImageToVideoPipeline", "tiny-ltx", _ltx_vae, _with_image(_ltx_call)),
+    "cogvideox-image2video": ZooPipeline(
+        "CogVideoXImageToVideoPipeline", "tiny-cogvideox", _cogvideox_vae, _with_image(_cogvideox_call, pil=True),
+        scheduler=diffusers.CogVideoXDDIMScheduler,
+        overrides=dict(
+            in_channels=8, attention_head_dim=16, use_rotary_positional_embeddings=True, use_learned_positional_embeddings=True,
+            sample_height=8, sample_width=12, sample_frames=5,  # learned positions: the call's latent size only
+        ),
+    ),
 }
 
 
@@ -297,6 +366,7 @@ def build_zoo_pipeline(kind: str, seed: int = 0) -> Tuple[Any, Dict[str, Any]]:
         raise ValueError(f"kind must be one of {', '.join(ZOO_PIPELINES)}, got {kind!r}")
     recipe = ZOO_PIPELINES[kind]
     name, config = (TRANSFORMERS.get(recipe.transformer) or VIDEO_TRANSFORMERS[recipe.transformer])
+    config = {**config, **recipe.overrides}
     transformer = _random_transformer(name, config, seed)
     torch.manual_seed(seed + 1)
     parts: Dict[str, Any] = dict(

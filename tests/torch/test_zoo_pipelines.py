@@ -16,6 +16,16 @@ import tome_core.torch as tome
 from tome_core.adapters.diffusers_zoo_pipelines import ZOO_PIPELINES, build_zoo_pipeline
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: these models are tiny, and on a busy 2-core machine two threads wait on each other (the
+    file takes several times longer)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _models(pipe) -> List[torch.nn.Module]:
     """The pipeline's transformer and ControlNet, the modules ToMe patches."""
     return [m for m in (getattr(pipe, "transformer", None), getattr(pipe, "controlnet", None)) if m is not None]
@@ -36,6 +46,7 @@ def _run(pipe, call: Dict[str, Any]) -> Tuple[torch.Tensor, List[Tuple[str, int]
         for name, module in model.named_modules()
         if type(module).__name__.endswith("Attention")
     ]
+    torch.manual_seed(0)  # CogView4 Control samples its control image's latents from torch's global generator
     try:
         with torch.no_grad():
             output = pipe(num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="latent", **call)[0]
