@@ -178,7 +178,9 @@ def arrangement_problem(fw: Framework, block: Any, sublayer: Sublayer, module: A
     keys and values apart from its queries, through its ``kv_input``."""
     where = lambda: f"{type(block).__name__}.{sublayer.child}"  # noqa: E731 (formatted only for a problem)
     if sublayer.kv_input is None:
-        return f"{where()} runs joint attention over text and image tokens"
+        if sublayer.text != TEXT_NONE:
+            return f"{where()} runs joint attention over text and image tokens"
+        return f"{where()} takes no keys and values apart from its queries"
     if sublayer.text_if is not None and getattr(block, sublayer.text_if, False):
         return f"{where()} attends to the text ({sublayer.text_if}=True), not to its own tokens"
     if not fw.separate_kv(module):

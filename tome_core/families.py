@@ -476,6 +476,21 @@ BLOCK_FAMILIES += (
     ),
 )
 
+BLOCK_FAMILIES += (
+    BlockFamily(  # Motif-Video: HunyuanVideo's double block, with an optional text cross-attention
+        "motif-video-double",
+        ("MotifVideoTransformerBlock",),
+        (*_HUNYUAN_DOUBLE, Sublayer("cross_attn", "crossattn")),
+        rotary="image_rotary_emb",
+    ),
+    BlockFamily(  # its decoder layers take the image tokens of the main stack as their "text"
+        "motif-video-single",
+        ("MotifVideoSingleTransformerBlock",),
+        (_HUNYUAN_DOUBLE[0], Sublayer("cross_attn", "crossattn"), Sublayer("proj_mlp", "mlp", text=TEXT_SUFFIX)),
+        rotary="image_rotary_emb",
+    ),
+)
+
 _BY_CLASS: Dict[str, BlockFamily] = {name: family for family in BLOCK_FAMILIES for name in family.classes}
 
 
@@ -529,7 +544,7 @@ class GridLayout:
 
 
 GRID_LAYOUTS: Tuple[GridLayout, ...] = (
-    GridLayout(("HunyuanVideoTransformer3DModel", "HunyuanVideo15Transformer3DModel")),
+    GridLayout(("HunyuanVideoTransformer3DModel", "HunyuanVideo15Transformer3DModel", "MotifVideoTransformer3DModel")),
     GridLayout(("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel", "AnyFlowTransformer3DModel"), frames_axis=1),
     GridLayout(
         ("LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel"), frames_axis=None, sizes=("num_frames", "height", "width")

@@ -128,10 +128,6 @@ REFUSED: Dict[str, str] = {
     "JoyImageEditPlusTransformer3DModel": (
         "not supported yet: JoyImage-Edit's 6-D multi-item inputs, plus a key mask over [image; text]"
     ),
-    "MotifVideoTransformer3DModel": (
-        "not supported yet: HunyuanVideo-like blocks whose single-stream MLP runs on [image; text], with "
-        "first-frame image tokens prepended to the text and its own video layout"
-    ),
     "OmniGenTransformer2DModel": (
         "not supported yet: one stream of text, input images and the output image last, under a query-by-key "
         "attention mask, with self-attention through encoder_hidden_states"

@@ -447,6 +447,15 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
         hidden_states=(2, 2, 4, 8, 12), timestep=torch.full((2, 2), 500.0), r_timestep=torch.full((2, 2), 250.0),
         encoder_hidden_states=(2, 5, 16),
     ),
+    "MotifVideoTransformer3DModel": _built(  # with its text cross-attentions and a decoder layer
+        "MotifVideoTransformer3DModel",
+        dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12, num_layers=1,
+             num_single_layers=2, num_decoder_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1,
+             text_embed_dim=16, image_embed_dim=4, rope_axes_dim=(4, 4, 4), enable_text_cross_attention_dual=True,
+             enable_text_cross_attention_single=True),
+        hidden_states=(2, 4, 2, 8, 12), encoder_hidden_states=(2, 6, 16), timestep=torch.tensor([500, 500]),
+        encoder_attention_mask=torch.tensor([[1] * 6, [1] * 4 + [0] * 2]),
+    ),
     "AllegroTransformer3DModel": _allegro,
     "EasyAnimateTransformer3DModel": _built(
         "EasyAnimateTransformer3DModel",
