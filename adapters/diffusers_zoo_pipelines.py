@@ -128,6 +128,15 @@ def _flux2_klein_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
     return dict(prompt_embeds=randn(1, 7, text), negative_prompt_embeds=randn(1, 7, text), guidance_scale=4.0, height=32, width=32)
 
 
+def _flux2_klein_edit_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    return dict(_flux2_klein_call(config, randn), image=_image(randn, 64, 64))
+
+
+def _flux2_klein_kv_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    # step-distilled: no negative prompt; the reference's keys and values are cached at the first step and reused
+    return dict(prompt_embeds=randn(1, 7, config["joint_attention_dim"]), image=_image(randn, 64, 64), height=32, width=32)
+
+
 def _qwen_text(config: Dict[str, Any], randn: Randn, negative: bool = True) -> Dict[str, Any]:
     """Qwen-Image's prompt embeddings and masks; the negative prompt is padded after 5 tokens (true CFG)."""
     text = config["joint_attention_dim"]
@@ -299,6 +308,8 @@ ZOO_PIPELINES: Dict[str, ZooPipeline] = {
     "flux2": ZooPipeline("Flux2Pipeline", "tiny-flux2", _flux2_vae, _flux2_call),
     "flux2-edit": ZooPipeline("Flux2Pipeline", "tiny-flux2", _flux2_vae, _flux2_edit_call),
     "flux2-klein": ZooPipeline("Flux2KleinPipeline", "tiny-flux2-klein", _flux2_vae, _flux2_klein_call),
+    "flux2-klein-edit": ZooPipeline("Flux2KleinPipeline", "tiny-flux2-klein", _flux2_vae, _flux2_klein_edit_call),
+    "flux2-klein-kv": ZooPipeline("Flux2KleinKVPipeline", "tiny-flux2-klein", _flux2_vae, _flux2_klein_kv_call),
     "qwen-image": ZooPipeline("QwenImagePipeline", "tiny-qwen-image", _qwen_vae(2), _qwen_call),
     "qwen-image-edit": ZooPipeline("QwenImageEditPipeline", "tiny-qwen-image", _qwen_vae(4), _qwen_edit_call),
     "qwen-image-controlnet": ZooPipeline(
