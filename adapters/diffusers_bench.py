@@ -586,6 +586,7 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
             "block_ours_plain_softmax": lambda: ours(False, proportional_attn=False),
             "block_oracle": oracle,
         }
+        raw: Dict[str, List[float]] = {}
         with torch.no_grad():
             medians = median_ms(
                 {
@@ -596,6 +597,7 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
                 args.repeats,
                 args.warmup,
                 contexts={k: v for k, v in contexts.items() if k in timed},
+                raw=raw,
             )
         merge_unmerge = medians["merge_unmerge"] * len(sublayers)
         entry = {
@@ -607,6 +609,7 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
             "kept": match.kept,
             "merged_sublayers": [s.child for s in sublayers],
             "median_ms": medians,
+            "times_ms": {k: [round(x, 1) for x in v] for k, v in raw.items() if k.startswith("block_")},
             "overhead_ms": {"match": medians["match"], "merge_unmerge": merge_unmerge},
         }
         unpatched, mine, free = (medians.get(f"block_{row}") for row in ("unpatched", "ours", "oracle"))

@@ -876,6 +876,20 @@ def resolve_trained(args: argparse.Namespace) -> None:
         args.resolution = [info["image_size"] if info else 512]
 
 
+def transformer_size_label(args: argparse.Namespace, resolution: int) -> str:
+    """How a run's title names its size (:func:`tome_core.bench_video.size_label`); a video transformer preset of
+    :data:`~tome_core.presets.TRANSFORMER_VIDEOS`: ``5 frames of 544x960px``."""
+    from tome_core import bench_video
+    from tome_core.presets import TRANSFORMER_VIDEOS
+
+    entry = None if args.model else TRANSFORMER_VIDEOS.get(args.preset)
+    if entry is None:
+        return bench_video.size_label(args, resolution)
+    height, width = entry["size"]
+    width = round(resolution * width / height / entry["space"]) * entry["space"]
+    return f"{entry['frames']} frames of {resolution}x{width}px"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
     from tome_core.console import quiet_known_notices
 
@@ -924,7 +938,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
     for resolution in args.resolution:
         mine = [r for r in rows if r.resolution == resolution]
         title = (
-            f"{args.backend} {args.model or args.preset} {bench_video.size_label(args, resolution)} batch {args.batch} "
+            f"{args.backend} {args.model or args.preset} {transformer_size_label(args, resolution)} batch {args.batch} "
             + (f"{args.steps}-step pipeline loops " if args.stack else "")
             + (f"training steps ({args.train}) " if args.train else "")
             + f"on {platform.processor() or platform.machine()}"

@@ -504,11 +504,12 @@ def install_transformer_oracle(
 
 def median_ms(
     functions: Dict[str, Callable[[], Any]], repeats: int, warmup: int = 2,
-    contexts: Optional[Dict[str, Callable[[], Any]]] = None,
+    contexts: Optional[Dict[str, Callable[[], Any]]] = None, raw: Optional[Dict[str, List[float]]] = None,
 ) -> Dict[str, float]:
     """Median milliseconds of each function, called in turn (A B A B ...) ``repeats`` times after ``warmup``
     untimed rounds (the micro benchmarks' timing). ``contexts[name]()`` (if given) is a context manager each
-    call of ``name`` runs inside, entered and left outside the timed part (e.g. a patch)."""
+    call of ``name`` runs inside, entered and left outside the timed part (e.g. a patch). ``raw`` (if given)
+    receives every timed call's milliseconds, in round order."""
     times: Dict[str, List[float]] = {name: [] for name in functions}
     for round_index in range(warmup + repeats):
         for name, function in functions.items():
@@ -518,6 +519,8 @@ def median_ms(
                 elapsed = time.perf_counter() - start
             if round_index >= warmup:
                 times[name].append(elapsed)
+    if raw is not None:
+        raw.update({name: [x * 1000 for x in t] for name, t in times.items()})
     return {name: statistics.median(t) * 1000 for name, t in times.items()}
 
 
