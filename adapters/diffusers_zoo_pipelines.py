@@ -137,6 +137,19 @@ def _flux2_klein_kv_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]
     return dict(prompt_embeds=randn(1, 7, config["joint_attention_dim"]), image=_image(randn, 64, 64), height=32, width=32)
 
 
+def _text_cfg(width_key: str, masks: Optional[str] = None, **extra: Any) -> Callable[[Dict[str, Any], Randn], Dict[str, Any]]:
+    """A prompt and a negative prompt of 7 tokens of the transformer's ``width_key`` width at 32x32 pixels (CFG), with
+    masks named ``{masks}`` / ``negative_{masks}`` where the pipeline takes them (the negative one padded after 5)."""
+
+    def build(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+        text = config[width_key]
+        call = dict(prompt_embeds=randn(1, 7, text), negative_prompt_embeds=randn(1, 7, text), height=32, width=32, **extra)
+        if masks:
+            call.update({masks: torch.ones(1, 7, dtype=torch.long), f"negative_{masks}": _padded_mask()})
+        return call
+    return build
+
+
 def _qwen_text(config: Dict[str, Any], randn: Randn, negative: bool = True) -> Dict[str, Any]:
     """Qwen-Image's prompt embeddings and masks; the negative prompt is padded after 5 tokens (true CFG)."""
     text = config["joint_attention_dim"]
@@ -339,6 +352,15 @@ ZOO_PIPELINES: Dict[str, ZooPipeline] = {
         "HunyuanVideo15Pipeline", "tiny-hunyuan-video-15", _hunyuan_video_15_vae, _hunyuan_video_15_call,
         extra=lambda config, seed: {"guider": diffusers.ClassifierFreeGuidance(guidance_scale=4.0)},
         overrides=dict(in_channels=2 * 4 + 1),  # the latents, a condition's latents and its mask
+    ),
+    "ovis-image": ZooPipeline("OvisImagePipeline", "tiny-ovis", _kl_vae(4), _text_cfg("joint_attention_dim", guidance_scale=5.0, negative_prompt=None)),
+    "bria": ZooPipeline("BriaPipeline", "tiny-bria", _kl_vae(4), _text_cfg("joint_attention_dim", guidance_scale=5.0)),
+    "auraflow": ZooPipeline(
+        "AuraFlowPipeline", "tiny-auraflow", _kl_vae(), _text_cfg("joint_attention_dim", "prompt_attention_mask", guidance_scale=3.5)
+    ),
+    "cogview3plus": ZooPipeline(
+        "CogView3PlusPipeline", "tiny-cogview3plus", _kl_vae(), _text_cfg("text_embed_dim", guidance_scale=5.0),
+        scheduler=diffusers.CogVideoXDDIMScheduler,
     ),
     # conditioned variants: the control image's latents concatenated to the latents' channels (CogView4 Control,
     # HunyuanVideo and CogVideoX image to video) or the first frame's tokens in place (HunyuanVideo token_replace, LTX)

@@ -210,6 +210,21 @@ TRANSFORMERS.update({
             force_inference_output=True,
         ),
     ),
+    "tiny-auraflow": (
+        "AuraFlowTransformer2DModel",
+        dict(
+            sample_size=32, patch_size=2, in_channels=4, num_mmdit_layers=1, num_single_dit_layers=1,
+            attention_head_dim=8, num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=32,
+            out_channels=4, pos_embed_max_size=256,
+        ),
+    ),
+    "tiny-cogview3plus": (
+        "CogView3PlusTransformer2DModel",
+        dict(
+            patch_size=2, in_channels=4, num_layers=2, attention_head_dim=4, num_attention_heads=2, out_channels=4,
+            text_embed_dim=8, time_embed_dim=8, condition_dim=2, pos_embed_max_size=16, sample_size=8,
+        ),
+    ),
 })
 TRANSFORMERS["tiny-dit"] = (
     "DiTTransformer2DModel",
