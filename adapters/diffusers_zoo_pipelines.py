@@ -106,6 +106,48 @@ def _hunyuan_video_15_vae(config: Dict[str, Any]) -> torch.nn.Module:
     )
 
 
+def _mochi_vae(config: Dict[str, Any]) -> torch.nn.Module:
+    """AutoencoderKLMochi (the pipeline assumes 8x in space, 6x in time; diffusers' own test size)."""
+    return diffusers.AutoencoderKLMochi(
+        latent_channels=config["in_channels"], out_channels=3, encoder_block_out_channels=(32, 32, 32, 32),
+        decoder_block_out_channels=(32, 32, 32, 32), layers_per_block=(1, 1, 1, 1, 1),
+    )
+
+
+def _wan_vae(config: Dict[str, Any]) -> torch.nn.Module:
+    """AutoencoderKLWan, 8x in space, 4x in time (diffusers' SkyReels-V2 test size)."""
+    return diffusers.AutoencoderKLWan(
+        base_dim=3, z_dim=config["out_channels"], dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
+
+
+def _allegro_vae(config: Dict[str, Any]) -> torch.nn.Module:
+    """AutoencoderKLAllegro, 8x in space, 4x in time (diffusers' own test size)."""
+    return diffusers.AutoencoderKLAllegro(
+        down_block_types=("AllegroDownBlock3D",) * 4, up_block_types=("AllegroUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 8, 8), latent_channels=config["out_channels"], layers_per_block=1, norm_num_groups=2,
+        temporal_compression_ratio=4,
+    )
+
+
+def _magvit_vae(config: Dict[str, Any]) -> torch.nn.Module:
+    """AutoencoderKLMagvit (EasyAnimate's), 8x in space, 4x in time (diffusers' own test size)."""
+    return diffusers.AutoencoderKLMagvit(
+        down_block_types=("SpatialDownBlock3D",) + ("SpatialTemporalDownBlock3D",) * 3,
+        up_block_types=("SpatialUpBlock3D",) + ("SpatialTemporalUpBlock3D",) * 3, block_out_channels=(8, 8, 8, 8),
+        latent_channels=config["out_channels"], layers_per_block=1, norm_num_groups=2, spatial_group_norm=False,
+    )
+
+
+def _kandinsky5_vae(config: Dict[str, Any]) -> torch.nn.Module:
+    """AutoencoderKLHunyuanVideo as Kandinsky 5 holds it, 8x in space, 4x in time (diffusers' own test size)."""
+    return diffusers.AutoencoderKLHunyuanVideo(
+        block_out_channels=(32, 64), down_block_types=("HunyuanVideoDownBlock3D",) * 2,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 2, latent_channels=config["out_visual_dim"], layers_per_block=1,
+        mid_block_add_attention=False, spatial_compression_ratio=8, temporal_compression_ratio=4,
+    )
+
+
 # The video VAEs take their latent channels from the transformer's output: conditioned variants (image to video)
 # concatenate more channels at its input.
 
@@ -277,6 +319,35 @@ def _with_image(call: Callable[[Dict[str, Any], Randn], Dict[str, Any]], name: s
     return build
 
 
+def _video_cfg(
+    width_key: str, masks: Optional[str] = None, tokens: int = 7, frames: int = 5, **extra: Any
+) -> Callable[[Dict[str, Any], Randn], Dict[str, Any]]:
+    """:func:`_text_cfg` for a video: ``tokens`` tokens, ``frames`` frames of 64x96 pixels (2 latent frames)."""
+
+    def build(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+        text = config[width_key]
+        call = dict(
+            prompt_embeds=randn(1, tokens, text), negative_prompt_embeds=randn(1, tokens, text), height=64, width=96,
+            num_frames=frames, **extra,
+        )
+        if masks:
+            call.update({masks: torch.ones(1, tokens, dtype=torch.long), f"negative_{masks}": _padded_mask(tokens, 5)})
+        return call
+    return build
+
+
+def _kandinsky5_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    # Qwen2.5-VL hidden states of a prompt (cumulative lengths over the batch) and CLIP's pooled embedding
+    call: Dict[str, Any] = dict(height=64, width=96, num_frames=5, guidance_scale=5.0)
+    for prefix, tokens in (("", 7), ("negative_", 5)):
+        call.update({
+            f"{prefix}prompt_embeds_qwen": randn(1, tokens, config["in_text_dim"]),
+            f"{prefix}prompt_embeds_clip": randn(1, config["in_text_dim2"]),
+            f"{prefix}prompt_cu_seqlens": torch.tensor([0, tokens], dtype=torch.int32),
+        })
+    return call
+
+
 def _img2img(call: Callable[[Dict[str, Any], Randn], Dict[str, Any]]) -> Callable[[Dict[str, Any], Randn], Dict[str, Any]]:
     """``call`` with an input image of its size in [0, 1] and a strength (of 2 steps, 1 runs)."""
 
@@ -361,6 +432,26 @@ ZOO_PIPELINES: Dict[str, ZooPipeline] = {
     "cogview3plus": ZooPipeline(
         "CogView3PlusPipeline", "tiny-cogview3plus", _kl_vae(), _text_cfg("text_embed_dim", guidance_scale=5.0),
         scheduler=diffusers.CogVideoXDDIMScheduler,
+    ),
+    "nucleusmoe-image": ZooPipeline(
+        "NucleusMoEImagePipeline", "tiny-nucleusmoe-image", _qwen_vae(2),
+        _text_cfg("joint_attention_dim", "prompt_embeds_mask", guidance_scale=4.0),
+    ),
+    "mochi": ZooPipeline("MochiPipeline", "tiny-mochi", _mochi_vae, _video_cfg("text_embed_dim", "prompt_attention_mask", 16, 7, guidance_scale=4.5)),
+    "skyreels-v2": ZooPipeline(
+        "SkyReelsV2Pipeline", "tiny-skyreels-v2", _wan_vae, _video_cfg("text_dim", guidance_scale=6.0),
+        scheduler=lambda: diffusers.UniPCMultistepScheduler(flow_shift=8.0, use_flow_sigmas=True, prediction_type="flow_prediction"),
+    ),
+    "allegro": ZooPipeline(
+        "AllegroPipeline", "tiny-allegro", _allegro_vae, _video_cfg("caption_channels", "prompt_attention_mask", guidance_scale=7.5, negative_prompt=None),
+        scheduler=diffusers.DDIMScheduler,
+    ),
+    "easyanimate": ZooPipeline(
+        "EasyAnimatePipeline", "tiny-easyanimate", _magvit_vae, _video_cfg("text_embed_dim", "prompt_attention_mask", guidance_scale=5.0)
+    ),
+    "kandinsky5": ZooPipeline(
+        "Kandinsky5T2VPipeline", "tiny-kandinsky5", _kandinsky5_vae, _kandinsky5_call,
+        scheduler=lambda: diffusers.FlowMatchEulerDiscreteScheduler(shift=7.0),
     ),
     # conditioned variants: the control image's latents concatenated to the latents' channels (CogView4 Control,
     # HunyuanVideo and CogVideoX image to video) or the first frame's tokens in place (HunyuanVideo token_replace, LTX)

@@ -225,6 +225,14 @@ TRANSFORMERS.update({
             text_embed_dim=8, time_embed_dim=8, condition_dim=2, pos_embed_max_size=16, sample_size=8,
         ),
     ),
+    "tiny-nucleusmoe-image": (
+        "NucleusMoEImageTransformer2DModel",
+        dict(
+            patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=4,
+            joint_attention_dim=16, axes_dims_rope=(8, 4, 4), moe_enabled=True, capacity_factors=[8.0, 8.0],
+            dense_moe_strategy="leave_first_block_dense",
+        ),
+    ),
 })
 TRANSFORMERS["tiny-dit"] = (
     "DiTTransformer2DModel",
@@ -472,6 +480,40 @@ VIDEO_TRANSFORMERS: Dict[str, Tuple[str, Dict[str, Any]]] = {
         ),
     ),
 }
+# More tiny video transformers (diffusers' model-test sizes), for their pipelines
+VIDEO_TRANSFORMERS.update({
+    "tiny-mochi": (
+        "MochiTransformer3DModel",
+        dict(
+            patch_size=2, num_attention_heads=2, attention_head_dim=8, num_layers=2, pooled_projection_dim=16,
+            in_channels=4, out_channels=None, qk_norm="rms_norm", text_embed_dim=16, time_embed_dim=4,
+            activation_fn="swiglu", max_sequence_length=16,
+        ),
+    ),
+    "tiny-skyreels-v2": ("SkyReelsV2Transformer3DModel", dict(VIDEO_TRANSFORMERS["tiny-wan"][1])),
+    "tiny-allegro": (
+        "AllegroTransformer3DModel",
+        dict(
+            num_attention_heads=2, attention_head_dim=24, in_channels=4, out_channels=4, num_layers=1,
+            cross_attention_dim=48, sample_width=8, sample_height=8, sample_frames=8, caption_channels=8,
+        ),
+    ),
+    "tiny-easyanimate": (
+        "EasyAnimateTransformer3DModel",
+        dict(
+            attention_head_dim=16, num_attention_heads=2, in_channels=4, mmdit_layers=2, num_layers=3, out_channels=4,
+            patch_size=2, sample_height=60, sample_width=90, text_embed_dim=16, time_embed_dim=8,
+            time_position_encoding_type="3d_rope", timestep_activation_fn="silu",
+        ),
+    ),
+    "tiny-kandinsky5": (
+        "Kandinsky5Transformer3DModel",
+        dict(
+            in_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=16, out_visual_dim=4, patch_size=(1, 2, 2),
+            model_dim=16, ff_dim=32, num_text_blocks=1, num_visual_blocks=2, axes_dims=(4, 6, 6),
+        ),
+    ),
+})
 
 
 def video_unet_config(preset: str, **overrides: Any) -> Tuple[str, Dict[str, Any]]:
