@@ -20,7 +20,7 @@ import torch
 import diffusers
 
 from tome_core.adapters.diffusers_models import _random_transformer
-from tome_core.presets import TINY_VAE, TRANSFORMERS, VIDEO_TRANSFORMERS
+from tome_core.presets import SMALL_VAE, TINY_VAE, TRANSFORMERS, VIDEO_TRANSFORMERS
 
 Randn = Callable[..., torch.Tensor]
 
@@ -60,12 +60,12 @@ def _qwen_vae(levels: int) -> Callable[[Dict[str, Any]], torch.nn.Module]:
     return build
 
 
-def _kl_vae(packing: int = 1, **options: Any) -> Callable[[Dict[str, Any]], torch.nn.Module]:
-    """The tiny 2x AutoencoderKL of the SD pipelines with the transformer's latent channels: its input channels,
-    divided by ``packing`` where the pipeline packs 2x2 latent pixels into a token (4)."""
+def _kl_vae(packing: int = 1, base: Dict[str, Any] = TINY_VAE) -> Callable[[Dict[str, Any]], torch.nn.Module]:
+    """The tiny 2x AutoencoderKL of the SD pipelines (or ``base``) with the transformer's latent channels: its input
+    channels, divided by ``packing`` where the pipeline packs 2x2 latent pixels into a token (4)."""
 
     def build(config: Dict[str, Any]) -> torch.nn.Module:
-        return diffusers.AutoencoderKL(**{**TINY_VAE, "latent_channels": config["in_channels"] // packing, "shift_factor": 0.0, **options})
+        return diffusers.AutoencoderKL(**{**base, "latent_channels": config["in_channels"] // packing, "shift_factor": 0.0})
     return build
 
 
@@ -116,8 +116,10 @@ def _mochi_vae(config: Dict[str, Any]) -> torch.nn.Module:
 
 def _wan_vae(config: Dict[str, Any]) -> torch.nn.Module:
     """AutoencoderKLWan, 8x in space, 4x in time (diffusers' SkyReels-V2 test size)."""
+    z_dim = config["out_channels"]
     return diffusers.AutoencoderKLWan(
-        base_dim=3, z_dim=config["out_channels"], dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+        base_dim=3, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim,
     )
 
 
@@ -348,6 +350,51 @@ def _kandinsky5_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
     return call
 
 
+def _latte_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    text = config["caption_channels"]
+    return dict(
+        prompt_embeds=randn(1, 7, text), negative_prompt_embeds=randn(1, 7, text), guidance_scale=5.0, height=32, width=32,
+        video_length=config["video_length"], clean_caption=False, mask_feature=False, negative_prompt=None,
+    )
+
+
+def _hunyuandit_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    # BERT and mT5 hidden states, each of exactly its text length (the model learns padding for those lengths); its
+    # pipeline places rotary positions for an 8x VAE
+    call: Dict[str, Any] = dict(guidance_scale=5.0, height=128, width=128, use_resolution_binning=False)
+    for prefix in ("", "negative_"):
+        call.update({
+            f"{prefix}prompt_embeds": randn(1, config["text_len"], config["cross_attention_dim"]),
+            f"{prefix}prompt_attention_mask": torch.ones(1, config["text_len"], dtype=torch.long),
+            f"{prefix}prompt_embeds_2": randn(1, config["text_len_t5"], config["cross_attention_dim_t5"]),
+            f"{prefix}prompt_attention_mask_2": torch.ones(1, config["text_len_t5"], dtype=torch.long),
+        })
+    return call
+
+
+def _dit_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    # class-conditional; the latent is the model's sample size (its positions are fixed)
+    return dict(class_labels=[3], guidance_scale=4.0)
+
+
+def _wan_i2v_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    # the first frame: its latent and mask concatenated to the latents' channels (Wan 2.2's image to video; Wan
+    # 2.1's also takes CLIP image embeddings, which its pipeline only computes itself: it refuses image_embeds with
+    # the image it still needs)
+    return dict(_video_cfg("text_dim", guidance_scale=5.0)(config, randn), image=_image(randn, 64, 96))
+
+
+def _wan_vace_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    # a control video and its mask (the masked half regenerated)
+    import PIL.Image
+
+    call = _video_cfg("text_dim", guidance_scale=5.0)(config, randn)
+    frames = [_image(randn, 64, 96) for _ in range(call["num_frames"])]
+    mask = np.zeros((64, 96), dtype=np.uint8)
+    mask[:, 48:] = 255
+    return dict(call, video=frames, mask=[PIL.Image.fromarray(mask, mode="L")] * call["num_frames"])
+
+
 def _img2img(call: Callable[[Dict[str, Any], Randn], Dict[str, Any]]) -> Callable[[Dict[str, Any], Randn], Dict[str, Any]]:
     """``call`` with an input image of its size in [0, 1] and a strength (of 2 steps, 1 runs)."""
 
@@ -365,6 +412,12 @@ def _qwen_controlnet(config: Dict[str, Any], seed: int) -> Dict[str, Any]:
     """QwenImageControlNetModel shaped like the transformer (one block), zero-initialised outputs given values."""
     config = {k: v for k, v in config.items() if k != "guidance_embeds"}
     return {"controlnet": _random_transformer("QwenImageControlNetModel", {**config, "num_layers": 1}, seed)}
+
+
+def _hunyuandit_controlnet(config: Dict[str, Any], seed: int) -> Dict[str, Any]:
+    """HunyuanDiT2DControlNetModel shaped like the transformer, zero-initialised outputs given values."""
+    config = {k: v for k, v in config.items() if k != "num_layers"}
+    return {"controlnet": _random_transformer("HunyuanDiT2DControlNetModel", {**config, "transformer_num_layers": 4}, seed)}
 
 
 @dataclass(frozen=True)
@@ -452,6 +505,24 @@ ZOO_PIPELINES: Dict[str, ZooPipeline] = {
     "kandinsky5": ZooPipeline(
         "Kandinsky5T2VPipeline", "tiny-kandinsky5", _kandinsky5_vae, _kandinsky5_call,
         scheduler=lambda: diffusers.FlowMatchEulerDiscreteScheduler(shift=7.0),
+    ),
+    "latte": ZooPipeline("LattePipeline", "tiny-latte", _kl_vae(), _latte_call, scheduler=diffusers.DDIMScheduler),
+    "hunyuandit": ZooPipeline(
+        "HunyuanDiTPipeline", "tiny-hunyuandit", _kl_vae(base=SMALL_VAE), _hunyuandit_call, scheduler=diffusers.DDPMScheduler,
+        options=dict(requires_safety_checker=False),
+    ),
+    "hunyuandit-controlnet": ZooPipeline(
+        "HunyuanDiTControlNetPipeline", "tiny-hunyuandit", _kl_vae(base=SMALL_VAE), _with_image(_hunyuandit_call, "control_image"),
+        extra=_hunyuandit_controlnet, scheduler=diffusers.DDPMScheduler, options=dict(requires_safety_checker=False),
+    ),
+    "dit": ZooPipeline("DiTPipeline", "tiny-dit", _kl_vae(), _dit_call, scheduler=diffusers.DDIMScheduler),
+    "wan-image2video": ZooPipeline(
+        "WanImageToVideoPipeline", "tiny-wan", _wan_vae, _wan_i2v_call, overrides=dict(in_channels=3 * 4)
+    ),
+    "wan-vace": ZooPipeline("WanVACEPipeline", "tiny-wan-vace", _wan_vae, _wan_vace_call),
+    "skyreels-v2-diffusion-forcing": ZooPipeline(
+        "SkyReelsV2DiffusionForcingPipeline", "tiny-skyreels-v2", _wan_vae, _video_cfg("text_dim", guidance_scale=6.0, prompt=None),
+        scheduler=lambda: diffusers.UniPCMultistepScheduler(flow_shift=8.0, use_flow_sigmas=True, prediction_type="flow_prediction"),
     ),
     # conditioned variants: the control image's latents concatenated to the latents' channels (CogView4 Control,
     # HunyuanVideo and CogVideoX image to video) or the first frame's tokens in place (HunyuanVideo token_replace, LTX)

@@ -232,6 +232,13 @@ TRANSFORMERS.update({
             joint_attention_dim=16, axes_dims_rope=(8, 4, 4), moe_enabled=True, capacity_factors=[8.0, 8.0],
             dense_moe_strategy="leave_first_block_dense",
         ),
+    ),    "tiny-hunyuandit": (
+        "HunyuanDiT2DModel",
+        dict(
+            sample_size=8, patch_size=2, in_channels=4, attention_head_dim=8, num_attention_heads=2,
+            cross_attention_dim=8, cross_attention_dim_t5=8, pooled_projection_dim=4, hidden_size=16, text_len=4,
+            text_len_t5=4, activation_fn="gelu-approximate", num_layers=4,
+        ),
     ),
 })
 TRANSFORMERS["tiny-dit"] = (
@@ -511,6 +518,18 @@ VIDEO_TRANSFORMERS.update({
         dict(
             in_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=16, out_visual_dim=4, patch_size=(1, 2, 2),
             model_dim=16, ff_dim=32, num_text_blocks=1, num_visual_blocks=2, axes_dims=(4, 6, 6),
+        ),
+    ),    # Wan VACE: control blocks on [inactive; reactive] latents and an 8x8-packed mask (2 * 4 + 64 channels)
+    "tiny-wan-vace": (
+        "WanVACETransformer3DModel", {**VIDEO_TRANSFORMERS["tiny-wan"][1], "vace_layers": [0, 1], "vace_in_channels": 72}
+    ),
+    "tiny-latte": (
+        "LatteTransformer3DModel",
+        dict(
+            sample_size=8, num_layers=1, patch_size=2, attention_head_dim=4, num_attention_heads=2, caption_channels=8,
+            in_channels=4, cross_attention_dim=8, out_channels=8, attention_bias=True, activation_fn="gelu-approximate",
+            num_embeds_ada_norm=1000, norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6,
+            video_length=2,
         ),
     ),
 })

@@ -53,7 +53,7 @@ def _run(pipe, call: Dict[str, Any]) -> Tuple[torch.Tensor, List[Tuple[str, int]
     finally:
         for handle in handles:
             handle.remove()
-    return output, seen
+    return torch.as_tensor(output), seen  # DiT's pipeline always decodes: a numpy image
 
 
 # Pipelines whose patched call fails today: a driver gap, each with its reproduction in the reason.
