@@ -478,7 +478,7 @@ class _BlockRun:
             _, self.matches, self.config, self.tail = earlier
             return None
         self.config, fallback = self._arrangement(self.state.active)
-        self.tail = self.state.tail
+        self.tail = self._tail(metric)
         if self._unmerged(args, kwargs):
             self.matches = {}
             return None
@@ -500,6 +500,15 @@ class _BlockRun:
             return False
         self.state.say_once(f"ToMe on {self.where}: calls whose blocks get {name} ({why}) run unmerged in those blocks")
         return True
+
+    def _tail(self, x: Any) -> int:
+        """Tokens after the grid's in this block's image stream: the call's (reference tokens its model put in the
+        stream), or, in a stream of image tokens alone, every token past the grid (FLUX.3's joint blocks get the
+        reference images' tokens after the output's, which its earlier blocks ran apart)."""
+        grid = self.state.grid_hw
+        if self.family.stream != TEXT_NONE or grid is None:
+            return self.state.tail
+        return max(self.state.tail, get_ops(x).shape(x)[1] - grid[0] * grid[1])
 
     def _image(self, x: Any) -> Any:
         """The image tokens of the block's input: without the tail, and without the text in front where the
@@ -828,11 +837,20 @@ def temporal_modules(fw: Framework, model: Any, table: Callable[[type], Any] = t
         entry = table(type(module))
         if entry is None:
             continue
-        roots = [getattr(module, child, None) for child in entry.children] if entry.children else [module]
+        roots = [_child(module, child) for child in entry.children] if entry.children else [module]
         for root in roots:
             if root is not None and fw.is_module(root):
                 inside.update(id(sub) for sub in fw.submodules(root))
     return inside
+
+
+def _child(module: Any, path: str) -> Any:
+    """The submodule at a dotted attribute ``path`` of ``module`` (``"mode_blocks.image_cond"``), or None."""
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module
 
 
 def blocks_of(fw: Framework, model: Any) -> List[Tuple[Any, BlockFamily]]:

@@ -491,6 +491,23 @@ BLOCK_FAMILIES += (
     ),
 )
 
+BLOCK_FAMILIES += (
+    BlockFamily(  # FLUX.3's per-mode blocks (the image mode's; attention and MLP side by side on the image)
+        "flux3-mode",
+        ("Flux3ModeTransformerBlock",),
+        (Sublayer("attn", "attn", attention=True), Sublayer("ff", "mlp")),
+        rotary="image_rotary_emb",
+        timesteps=1.0,
+    ),
+    BlockFamily(  # its joint blocks: the block gets [image; references], its sub-layers [text; image; references]
+        "flux3-single",
+        ("Flux3SingleTransformerBlock",),
+        (Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True), Sublayer("ff", "mlp", text=TEXT_PREFIX)),
+        rotary="image_rotary_emb",
+        timesteps=1.0,
+    ),
+)
+
 _BY_CLASS: Dict[str, BlockFamily] = {name: family for family in BLOCK_FAMILIES for name in family.classes}
 
 
@@ -565,8 +582,9 @@ def grid_layout(cls: type) -> Optional[GridLayout]:
 
 @dataclass(frozen=True)
 class TextOnly:
-    """A model class whose listed children hold blocks of a known family that run on the text alone (Z-Image's
-    and Lumina 2's caption refiners): ToMe never hooks them."""
+    """A model class whose listed children (dotted paths) hold blocks of a known family that run on the text
+    alone (Z-Image's and Lumina 2's caption refiners), or on other tokens than the output image's (FLUX.3's
+    reference-image blocks): ToMe never hooks them."""
 
     name: str
     children: Tuple[str, ...]
@@ -575,6 +593,7 @@ class TextOnly:
 TEXT_ONLY: Tuple[TextOnly, ...] = (
     TextOnly("ZImageTransformer2DModel", ("context_refiner", "siglip_refiner")),
     TextOnly("Lumina2Transformer2DModel", ("context_refiner",)),
+    TextOnly("Flux3Transformer2DModel", ("txt_mode_blocks", "mode_blocks.image_cond")),  # (and the reference images)
 )
 
 _TEXT_ONLY: Dict[str, TextOnly] = {entry.name: entry for entry in TEXT_ONLY}

@@ -47,8 +47,9 @@ def leading_raster(ids: Sequence[Sequence[float]]) -> Optional[Tuple[int, int, i
     ``tail`` tokens of other images, each in raster order under a higher index; None when they do not (random
     ids, as diffusers' own model tests pass). Columns: ``(row, col)`` where ``k == 2``; ``(index, row, col)``
     (FLUX.1, whose Kontext appends its reference image's tokens, index 1, after the output's); ``(index, row,
-    col, layer)`` (Flux.2: references at index 10, 20...). Ids are whole numbers."""
-    if not ids or any(value != int(value) for row in ids for value in row):
+    col, layer)`` (Flux.2: references at index 10, 20...). Rows and columns step evenly, by 1 or by the scale a
+    model was trained with (FLUX.3's ids step by its ``image_rope_scale``)."""
+    if not ids:
         return None
     at = 0 if len(ids[0]) == 2 else 1  # the row's column
     segments = []
@@ -61,14 +62,22 @@ def leading_raster(ids: Sequence[Sequence[float]]) -> Optional[Tuple[int, int, i
         count = len(rows) if index is None else next((i for i, row in enumerate(rows) if row[0] != index), len(rows))
         top, left = rows[0][at], rows[0][at + 1]
         width = next((i for i in range(1, count) if rows[i][at] != top), count)
-        if count % width or any(
-            rows[i][at] != top + i // width or rows[i][at + 1] != left + i % width for i in range(count)
+        col_step = rows[1][at + 1] - left if width > 1 else 1.0
+        row_step = rows[width][at] - top if count > width else 1.0
+        if count % width or col_step <= 0 or row_step <= 0 or any(
+            not _near(rows[i][at], top + (i // width) * row_step) or not _near(rows[i][at + 1], left + (i % width) * col_step)
+            for i in range(count)
         ):
             return None
         segments.append((index, count // width, width))
         start += count
     _, height, width = segments[0]
     return height, width, len(ids) - height * width
+
+
+def _near(value: float, expected: float) -> bool:
+    """Equal up to float32 rounding of position ids."""
+    return abs(value - expected) <= 1e-5 * max(1.0, abs(expected))
 
 
 def finest_attention_level(down_blocks_with_attention: Sequence[bool]) -> int:

@@ -109,10 +109,6 @@ REFUSED: Dict[str, str] = {
         "not supported yet: Kandinsky 5's channels-last latent in fused video-audio blocks that call their video "
         "sub-layers through a nested block"
     ),
-    "Flux3Transformer2DModel": (
-        "not supported yet: one block class serves its text, image and reference streams (only the image one may "
-        "merge), its config has no patch size and its ids are scaled to half steps"
-    ),
     "QwenImage21Transformer2DModel": (
         "not supported yet: one stream of text, condition images and the target image last, attention prefilled "
         "segment by segment with a key cache, and a single complex rotary table"

@@ -581,7 +581,9 @@ def test_leading_raster_reads_grids_and_refuses_the_rest():
     assert leading_raster(raster(0, 3, 4) + raster(0, 2, 2)) is None  # another image under the same index
     assert leading_raster(raster(1, 2, 2) + raster(0, 3, 4)) is None  # indices must rise
     assert leading_raster(raster(0, 3, 4)[::-1]) is None
-    assert leading_raster([[0, 0.5, 0], [0, 1.5, 0]]) is None  # not whole numbers
+    assert leading_raster([[0, 0.5, 0], [0, 1.25, 0], [0, 2.5, 0]]) is None  # uneven steps
+    half = [[index, row * 0.5, col * 0.5, 0] for index, row, col in raster(0, 3, 4)]
+    assert leading_raster(half) == (3, 4, 0)  # FLUX.3: ids scaled by its image_rope_scale
 
 
 # ---------------------------------------------------------------------------------------------------------

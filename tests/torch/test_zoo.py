@@ -191,6 +191,25 @@ def _krea2():
     )()
 
 
+def _flux3_ids(rows: int, cols: int, layer: int = 0, scale: float = 0.5) -> torch.Tensor:
+    """FLUX.3's image ids (t, h, w, l): h and w scaled by its image_rope_scale, references at layers -1, -2..."""
+    ids = torch.zeros(rows * cols, 4)
+    ids[:, 1] = torch.arange(rows).repeat_interleave(cols) * scale
+    ids[:, 2] = torch.arange(cols).repeat(rows) * scale
+    ids[:, 3] = layer
+    return ids
+
+
+_FLUX3 = dict(
+    in_channels=8, cond_in_channels=8, num_layers=1, num_single_layers=2, attention_head_dim=8, num_attention_heads=2,
+    joint_attention_dim=16, timestep_channels=16, axes_dims_rope=(2, 2, 2, 2),
+)
+_FLUX3_CALL = dict(
+    hidden_states=(2, 48, 8), encoder_hidden_states=(2, 5, 16), timestep=torch.tensor([0.5, 0.5]),
+    img_ids=_flux3_ids(6, 8), txt_ids=torch.zeros(5, 4),
+)
+
+
 def _built(name: str, config: Dict[str, Any], **inputs: Any):
     """A builder of diffusers' class ``name`` from ``config`` (seeded; zero-initialised output layers given
     values) called with ``inputs`` (tensors drawn from a seeded generator where given as shapes)."""
@@ -455,6 +474,10 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
              enable_text_cross_attention_single=True),
         hidden_states=(2, 4, 2, 8, 12), encoder_hidden_states=(2, 6, 16), timestep=torch.tensor([500, 500]),
         encoder_attention_mask=torch.tensor([[1] * 6, [1] * 4 + [0] * 2]),
+    ),
+    "Flux3Transformer2DModel": _built(  # with a reference image: its tokens join after the output's
+        "Flux3Transformer2DModel", _FLUX3, **_FLUX3_CALL, image_cond_hidden_states=(2, 16, 8),
+        image_cond_ids=_flux3_ids(4, 4, layer=-1),
     ),
     "AllegroTransformer3DModel": _allegro,
     "EasyAnimateTransformer3DModel": _built(
@@ -761,6 +784,23 @@ def test_cogview4_feed_forward_merges_its_image_call_and_runs_its_text_call_whol
     output = _run(model, inputs)
     assert seen == [(30,), (8,), (30,), (8,)]
     assert torch.isfinite(output).all() and _rel(output, plain) > 1e-6
+
+
+def test_flux3_merges_the_output_image_only_and_its_reference_passes_through():
+    model, inputs = MERGED["Flux3Transformer2DModel"]()
+    tome.patch(model, ratio=0.5)
+    seen = {}
+    for name, module in model.named_modules():  # registered after ToMe's hooks: what each attention gets
+        if name.endswith(".attn"):
+            module.register_forward_pre_hook(
+                lambda m, a, k, name=name: seen.setdefault(name.rsplit(".", 2)[0], set()).add(k["hidden_states"].shape[1]),
+                with_kwargs=True,
+            )
+    _run(model, inputs)
+    assert seen["txt_mode_blocks"] == {5}  # the text's own blocks: never hooked
+    assert seen["mode_blocks.image_cond"] == {16}  # the reference image's own blocks: never hooked
+    assert seen["mode_blocks.image"] == {24}  # the output's 48 tokens, half merged
+    assert seen["single_transformer_blocks"] == {5 + 24 + 16}  # [text; merged output; reference]
 
 
 def test_nucleus_moe_router_tokens_merge_alike():
