@@ -239,6 +239,23 @@ TRANSFORMERS.update({
             cross_attention_dim=8, cross_attention_dim_t5=8, pooled_projection_dim=4, hidden_size=16, text_len=4,
             text_len_t5=4, activation_fn="gelu-approximate", num_layers=4,
         ),
+    ),    "tiny-hunyuan-image": (
+        "HunyuanImageTransformer2DModel",
+        dict(
+            in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8, num_layers=1,
+            num_single_layers=1, num_refiner_layers=1, patch_size=(1, 1), guidance_embeds=False, text_embed_dim=32,
+            text_embed_2_dim=32, rope_axes_dim=(4, 4),
+        ),
+    ),
+    "tiny-prx": (
+        "PRXTransformer2DModel",
+        dict(in_channels=4, patch_size=2, context_in_dim=16, hidden_size=32, mlp_ratio=2.0, num_heads=2, depth=2, axes_dim=[8, 8]),
+    ),    "tiny-glm-image": (
+        "GlmImageTransformer2DModel",
+        dict(
+            patch_size=2, in_channels=4, out_channels=4, num_layers=1, attention_head_dim=8, num_attention_heads=2,
+            text_embed_dim=32, time_embed_dim=16, condition_dim=8, prior_vq_quantizer_codebook_size=64,
+        ),
     ),
 })
 TRANSFORMERS["tiny-dit"] = (
