@@ -479,7 +479,7 @@ class _BlockRun:
             return None
         self.config, fallback = self._arrangement(self.state.active)
         self.tail = self._tail(metric)
-        if self._unmerged(args, kwargs):
+        if not self.state.merging or self._unmerged(args, kwargs):  # a call that runs unmerged, said where decided
             self.matches = {}
             return None
         image = self._image(metric)
