@@ -472,6 +472,18 @@ class _Captured(Exception):
 MICRO_ROWS = ("unpatched", "ours", "ours_reused_match", "ours_plain_softmax", "oracle")
 
 
+def paired_ratios(unpatched: List[float], ours: List[float], oracle: List[float]) -> Dict[str, float]:
+    """Ratios within each round (the three calls of one round run back to back, so a machine whose load
+    drifts slows them alike), then their medians over the rounds: ``ours/unpatched``, ``oracle/unpatched`` and
+    the share of the oracle's saving that ours gets, ``(unpatched - ours) / (unpatched - oracle)`` (the ratio
+    of the two medians' savings)."""
+    import statistics
+
+    mine = statistics.median(o / u for o, u in zip(ours, unpatched))
+    free = statistics.median(f / u for f, u in zip(oracle, unpatched))
+    return {"ours/unpatched": mine, "oracle/unpatched": free, "share_of_oracle_saving": (1 - mine) / (1 - free) if free != 1 else float("nan")}
+
+
 def _block_kinds(model: Any, blocks: List[Tuple[Any, Any]]) -> Dict[str, Tuple[int, Any, Any]]:
     """The first block of each kind: ``{name: (stream index, block, family)}``, a kind being a family in one
     container of the model (Flux's ``transformer_blocks`` and ``single_transformer_blocks``; Z-Image's
@@ -623,6 +635,8 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
                 "oracle/unpatched": free / unpatched,
                 "share_of_oracle_saving": (unpatched - mine) / (unpatched - free) if unpatched != free else float("nan"),
             }
+        if all(f"block_{row}" in raw for row in ("unpatched", "ours", "oracle")):
+            entry["paired_ratios"] = paired_ratios(raw["block_unpatched"], raw["block_ours"], raw["block_oracle"])
         results.append(entry)
     return {
         "preset": args.preset, "resolution": args.resolution, "batch": args.batch, "ratio": ratio,

@@ -319,7 +319,8 @@ def test_new_families_run_whole_calls_and_the_micro_path(tmp_path, capsys):
     assert [b["stream_tokens"] for b in result["blocks"]] == [16, 3 + 16]  # the single block's input is [text; image]
     for block in result["blocks"]:
         assert block["kept"] == 8 and block["image_tokens"][1] == 16
-        assert set(block["ratios"]) == {"ours/unpatched", "oracle/unpatched", "share_of_oracle_saving"}
+        assert set(block["ratios"]) == set(block["paired_ratios"]) == {"ours/unpatched", "oracle/unpatched", "share_of_oracle_saving"}
+        assert [len(times) for times in block["times_ms"].values()] == [1] * 5  # every timed call, per row
     assert json.loads(out_json.read_text())["command"].startswith("python -m tome_core.bench --micro")
     result = bench.main(["--micro", "--preset", "tiny-z-image", "--resolution", "64", "--batch", "1", "--repeats", "1",
                          "--warmup", "0", "--micro-methods", "unpatched", "ours", "oracle"])
