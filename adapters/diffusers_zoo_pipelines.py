@@ -142,19 +142,15 @@ def _magvit_vae(config: Dict[str, Any]) -> torch.nn.Module:
 
 
 def _kandinsky5_vae(config: Dict[str, Any]) -> torch.nn.Module:
-    """AutoencoderKLHunyuanVideo as Kandinsky 5 holds it, 8x in space, 4x in time (diffusers' own test size)."""
-    return diffusers.AutoencoderKLHunyuanVideo(
-        block_out_channels=(32, 64), down_block_types=("HunyuanVideoDownBlock3D",) * 2,
-        up_block_types=("HunyuanVideoUpBlock3D",) * 2, latent_channels=config["out_visual_dim"], layers_per_block=1,
-        mid_block_add_attention=False, spatial_compression_ratio=8, temporal_compression_ratio=4,
-    )
+    """AutoencoderKLHunyuanVideo as Kandinsky 5 holds it (:func:`_hunyuan_video_vae`, 8x in space, 4x in time)."""
+    return _hunyuan_video_vae({"out_channels": config["out_visual_dim"]})
 
 
 def _hunyuan_image_vae(config: Dict[str, Any]) -> torch.nn.Module:
     """AutoencoderKLHunyuanImage, 8x (diffusers' own test size)."""
     return diffusers.AutoencoderKLHunyuanImage(
-        in_channels=3, out_channels=3, latent_channels=config["in_channels"], block_out_channels=(32, 64, 64, 64), layers_per_block=1,
-        spatial_compression_ratio=8, sample_size=128,
+        in_channels=3, out_channels=3, latent_channels=config["in_channels"], block_out_channels=(32, 64, 64, 64),
+        layers_per_block=1, spatial_compression_ratio=8, sample_size=128,
     )
 
 
@@ -346,9 +342,9 @@ def _video_cfg(
     return build
 
 
-def _kandinsky5_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+def _kandinsky5_call(config: Dict[str, Any], randn: Randn, frames: int = 5) -> Dict[str, Any]:
     # Qwen2.5-VL hidden states of a prompt (cumulative lengths over the batch) and CLIP's pooled embedding
-    call: Dict[str, Any] = dict(height=64, width=96, num_frames=5, guidance_scale=5.0)
+    call: Dict[str, Any] = dict(height=64, width=96, num_frames=frames, guidance_scale=5.0)
     for prefix, tokens in (("", 7), ("negative_", 5)):
         call.update({
             f"{prefix}prompt_embeds_qwen": randn(1, tokens, config["in_text_dim"]),
@@ -441,6 +437,27 @@ def _img2img(call: Callable[[Dict[str, Any], Randn], Dict[str, Any]]) -> Callabl
     def build(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
         kwargs = call(config, randn)
         return dict(kwargs, image=randn(1, 3, kwargs["height"], kwargs["width"]).sigmoid(), strength=0.75)
+    return build
+
+
+def _inpaint(call: Callable[[Dict[str, Any], Randn], Dict[str, Any]]) -> Callable[[Dict[str, Any], Randn], Dict[str, Any]]:
+    """``call`` with an image of its size in [0, 1], a mask over its right half and a strength (of 2 steps, 1 runs)."""
+
+    def build(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+        kwargs = _img2img(call)(config, randn)
+        mask = torch.zeros(1, 1, kwargs["height"], kwargs["width"])
+        mask[..., kwargs["width"] // 2 :] = 1
+        return dict(kwargs, mask_image=mask)
+    return build
+
+
+def _frames(call: Callable[[Dict[str, Any], Randn], Dict[str, Any]], name: str) -> Callable[[Dict[str, Any], Randn], Dict[str, Any]]:
+    """``call`` with a video of its size and length (PIL frames) under ``name``, which sets the length."""
+
+    def build(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+        kwargs = call(config, randn)
+        frames = kwargs.pop("num_frames")
+        return dict(kwargs, **{name: [_image(randn, kwargs["height"], kwargs["width"]) for _ in range(frames)]})
     return build
 
 
@@ -579,6 +596,25 @@ ZOO_PIPELINES: Dict[str, ZooPipeline] = {
         ),
         overrides=dict(in_channels=8),
     ),
+    "qwen-image-inpaint": ZooPipeline("QwenImageInpaintPipeline", "tiny-qwen-image", _qwen_vae(2), _inpaint(_qwen_call)),
+    "z-image-inpaint": ZooPipeline("ZImageInpaintPipeline", "tiny-z-image", _kl_vae(), _inpaint(_z_image_call)),
+    "flux2-klein-inpaint": ZooPipeline("Flux2KleinInpaintPipeline", "tiny-flux2-klein", _flux2_vae, _inpaint(_flux2_klein_call)),
+    "ltx-condition": ZooPipeline("LTXConditionPipeline", "tiny-ltx", _ltx_vae, _with_image(_ltx_call)),
+    "cogvideox-video2video": ZooPipeline(
+        "CogVideoXVideoToVideoPipeline", "tiny-cogvideox", _cogvideox_vae, _frames(_cogvideox_call, "video"),
+        scheduler=diffusers.CogVideoXDDIMScheduler,
+    ),
+    "cogvideox-fun-control": ZooPipeline(
+        "CogVideoXFunControlPipeline", "tiny-cogvideox", _cogvideox_vae, _frames(_cogvideox_call, "control_video"),
+        scheduler=diffusers.CogVideoXDDIMScheduler, overrides=dict(in_channels=8),
+    ),
+    "kandinsky5-image2video": ZooPipeline(
+        # 21 frames (6 latent frames): its image to video renormalises the first 4 latent frames by the later ones
+        "Kandinsky5I2VPipeline", "tiny-kandinsky5", _kandinsky5_vae,
+        _with_image(lambda config, randn: _kandinsky5_call(config, randn, frames=21), pil=True),
+        scheduler=lambda: diffusers.FlowMatchEulerDiscreteScheduler(shift=7.0),
+        overrides=dict(visual_cond=True),  # the latents, the first frame's and its mask, concatenated
+    ),
     "hunyuan-video-image2video": ZooPipeline(
         "HunyuanVideoImageToVideoPipeline", "tiny-hunyuan-video", _hunyuan_video_vae, _with_image(_hunyuan_video_call, pil=True),
         overrides=dict(in_channels=2 * 4 + 1, guidance_embeds=False, image_condition_type="latent_concat"),
@@ -609,6 +645,10 @@ NOT_BUILT: Dict[str, str] = {
     "image_embeds given together with the image it still needs",
     "WanImageToVideoPipeline (Wan 2.1, image_dim set)": "the same: it refuses image_embeds with the image; Wan 2.2's "
     "image to video (no image embeddings) is built",
+    "HunyuanVideo15ImageToVideoPipeline": "encodes the image with its SigLIP image encoder (no image embeddings "
+    "argument)",
+    "ChromaInpaintPipeline": "fails unpatched: it reads transformer.config.guidance_embeds, which Chroma's "
+    "transformer has not",
     "ZImageControlNetPipeline": "ZImageControlNetModel is refused by tome_core.model_zoo (its control blocks take a "
     "stack of earlier hints), so patch refuses the pipeline",
     "Cosmos2TextToImagePipeline / CosmosTextToWorldPipeline": "they need the cosmos_guardrail package (not installed "

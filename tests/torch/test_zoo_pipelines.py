@@ -58,11 +58,11 @@ def _run(pipe, call: Dict[str, Any]) -> Tuple[torch.Tensor, List[Tuple[str, int]
 
 # Pipelines whose patched call fails today: a driver gap, each with its reproduction in the reason.
 KNOWN_FAILURES = {
-    "flux2-klein-kv": (
-        ValueError,
-        "Flux2KleinKVPipeline's first step calls the transformer with kv_cache_mode='extract' on [reference; output] "
-        "tokens (the reference FIRST, img_ids likewise, per-token blended modulations): the patched model finds no "
-        "grid and its single blocks raise 'got no token grid from its model's call' instead of running unmerged",
+    "ltx-condition": (
+        AssertionError,
+        "LTXConditionPipeline calls the transformer with video_coords [B, 3, N] and no num_frames/height/width: ToMe "
+        "warns 'the call gave none of num_frames, height, width' and runs every call unmerged, so the pipeline merges "
+        "nothing (the grid is in video_coords)",
     ),
 }
 
