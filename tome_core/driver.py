@@ -101,32 +101,33 @@ class SizeBias:
     attention over ``K`` keys, or raises if ``K`` does not fit.
     """
 
-    def __init__(self, match: Match, text: str, like: Any, tail: int = 0):
+    def __init__(self, match: Match, text: str, like: Any, tail: int = 0, head: int = 0):
         self.match = match
         self.text = text
         self.like = like  # the merged tokens: the dtype of the mask
         self.tail = tail  # unmerged tokens of other images right after the merged ones (size 1, bias 0)
+        self.head = head  # and right before them (FramePack's history)
 
     def for_merged_tokens(self) -> Any:
         """The bias as a whole-batch additive ``attention_mask`` over the merged tokens (self-attention)."""
-        return self.for_keys(self.match.kept + self.tail, self.like)
+        return self.for_keys(self.head + self.match.kept + self.tail, self.like)
 
     def for_keys(self, keys: int, like: Any) -> Any:
-        """``[B, 1, keys]``: the log sizes where the merged image keys sit, 0 for text and tail keys."""
+        """``[B, 1, keys]``: the log sizes where the merged image keys sit, 0 for text, head and tail keys."""
         ops = get_ops(like)
         match = self.match
         sizes = ops.reshape(ops.log(ops.astype_like(match.sizes, like)), (match.batch, 1, match.kept))
-        text = keys - match.kept - self.tail
+        text = keys - self.head - match.kept - self.tail
         if text < 0 or (text and self.text == TEXT_NONE):
             raise RuntimeError(
                 f"size-aware attention: the attention has {keys} keys but the merged sequence has "
-                f"{match.kept + self.tail} tokens; pass proportional_attn=False"
+                f"{self.head + match.kept + self.tail} tokens; pass proportional_attn=False"
             )
         zeros = lambda count: [ops.zeros((match.batch, 1, count), like)] if count else []  # noqa: E731
-        if self.text in (TEXT_AFTER, TEXT_SUFFIX):  # [image; tail; text]
-            parts = [sizes, *zeros(self.tail + text)]
-        else:  # [text; image; tail]
-            parts = [*zeros(text), sizes, *zeros(self.tail)]
+        if self.text in (TEXT_AFTER, TEXT_SUFFIX):  # [head; image; tail; text]
+            parts = [*zeros(self.head), sizes, *zeros(self.tail + text)]
+        else:  # [text; head; image; tail]
+            parts = [*zeros(text + self.head), sizes, *zeros(self.tail)]
         return parts[0] if len(parts) == 1 else ops.concat(parts, axis=2)
 
 
@@ -358,7 +359,9 @@ class _CallStart:
                 self.state.begin_call(None, step, merging=False, why=why)
                 return None
             grid, tail = packed[:2], packed[2]
-        self.state.begin_call(grid, step, videos=videos, merging=merging, tail=tail)
+        self.state.begin_call(
+            grid, step, videos=videos, merging=merging, tail=tail, grid_last=layout is not None and layout.grid_last
+        )
         self.state.enter_grid(grid)
         return None
 
@@ -467,7 +470,8 @@ class _BlockRun:
         self.matches: Dict[str, Match] = {}
         self.config = state.active
         self.tail = 0  # this run's tokens after the grid's (ToMeState.tail)
-        # id(input): (weakref, matches, options, tail)
+        self.head = 0  # and before them, in a stream whose grid comes last (GridLayout.grid_last)
+        # id(input): (weakref, matches, options, (head, tail))
         self.ran: Dict[int, Tuple[Any, Dict[str, Match], ToMeConfig, int]] = {}
 
     def begin(self, module, args, kwargs):
@@ -475,10 +479,10 @@ class _BlockRun:
         metric = argument(args, kwargs, "hidden_states", 0)
         earlier = self.ran.get(id(metric))
         if earlier is not None and earlier[0]() is metric:
-            _, self.matches, self.config, self.tail = earlier
+            _, self.matches, self.config, (self.head, self.tail) = earlier
             return None
         self.config, fallback = self._arrangement(self.state.active)
-        self.tail = self._tail(metric)
+        self.head, self.tail = self._around(metric)
         if not self.state.merging or self._unmerged(args, kwargs):  # a call that runs unmerged, said where decided
             self.matches = {}
             return None
@@ -488,7 +492,7 @@ class _BlockRun:
         )
         if self.fw.may_run_again(metric):
             self.ran = {key: entry for key, entry in self.ran.items() if entry[0]() is not None}
-            self.ran[id(metric)] = (weakref.ref(metric), self.matches, self.config, self.tail)
+            self.ran[id(metric)] = (weakref.ref(metric), self.matches, self.config, (self.head, self.tail))
         return None
 
     def _unmerged(self, args, kwargs) -> bool:
@@ -501,24 +505,28 @@ class _BlockRun:
         self.state.say_once(f"ToMe on {self.where}: calls whose blocks get {name} ({why}) run unmerged in those blocks")
         return True
 
-    def _tail(self, x: Any) -> int:
-        """Tokens after the grid's in this block's image stream: the call's (reference tokens its model put in the
-        stream), or, in a stream of image tokens alone, every token past the grid (FLUX.3's joint blocks get the
-        reference images' tokens after the output's, which its earlier blocks ran apart)."""
+    def _around(self, x: Any) -> Tuple[int, int]:
+        """``(head, tail)``: the tokens before and after the grid's in this block's image stream. The tail: the
+        call's (reference tokens its model put in the stream), or, in a stream of image tokens alone, every token
+        past the grid (FLUX.3's joint blocks get the reference images' tokens after the output's, which its
+        earlier blocks ran apart). Where the call's grid comes last (FramePack), those tokens are the head."""
         grid = self.state.grid_hw
         if self.family.stream != TEXT_NONE or grid is None:
-            return self.state.tail
-        return max(self.state.tail, get_ops(x).shape(x)[1] - grid[0] * grid[1])
+            return 0, self.state.tail
+        extra = get_ops(x).shape(x)[1] - grid[0] * grid[1] - self.state.tail
+        if self.state.grid_last:
+            return max(extra, 0), self.state.tail
+        return 0, self.state.tail + max(extra, 0)
 
     def _image(self, x: Any) -> Any:
         """The image tokens of the block's input: without the tail, and without the text in front where the
         block's input is ``[text; image; tail]`` (their count: the call's grid)."""
         stream = self.family.stream
-        if stream == TEXT_NONE and not self.tail:
+        if stream == TEXT_NONE and not self.tail and not self.head:
             return x
         length = get_ops(x).shape(x)[1]
         if stream == TEXT_NONE:
-            return x[:, : length - self.tail]
+            return x[:, self.head : length - self.tail]
         grid = self.state.grid_hw
         if grid is None:
             raise ValueError(f"ToMe on {self.where}: a {type(self.block).__name__} got no token grid from its model's call")
@@ -582,7 +590,7 @@ class _MergeInput:
         mode, size_aware = self.run.config.arrangement(self.sublayer.kind, self.sublayer.attention)
         self.fw.output_cache(module)  # a cache set after patch is checked here
         x = argument(args, kwargs, "hidden_states", 0)
-        merged = around_image(x, match.tokens, self.run.tail, self.sublayer.text, lambda image: merge(image, match))
+        merged = around_image(x, match.tokens, self.run.tail, self.sublayer.text, lambda image: merge(image, match), self.run.head)
         if mode != "tokens":
             return self._arrange(module, args, kwargs, x, merged, match, mode, size_aware)
         args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
@@ -590,7 +598,7 @@ class _MergeInput:
             other = argument(args, kwargs, name, self.aligned_at[name])
             if other is not None:
                 alike = merged if other is x else around_image(
-                    other, match.tokens, self.run.tail, self.sublayer.text, lambda image: merge(image, match)
+                    other, match.tokens, self.run.tail, self.sublayer.text, lambda image: merge(image, match), self.run.head
                 )
                 args, kwargs = replace_argument(args, kwargs, name, self.aligned_at[name], alike)
         if self.rotary is not None:
@@ -634,7 +642,7 @@ class _MergeInput:
             if mask is None:
                 continue
             for axis in axes:  # none: a mask over the text only, which the processor extends over the image
-                mask = _merge_positions((mask,), match, axis, self.run.tail, self.sublayer.text == TEXT_AFTER)[0]
+                mask = _merge_positions((mask,), match, axis, self.run.tail, self.sublayer.text == TEXT_AFTER, self.run.head)[0]
             gathered[name] = mask
         return gathered
 
@@ -655,15 +663,15 @@ class _MergeInput:
             return args, kwargs
         family, after = self.run.family, self.sublayer.text in (TEXT_AFTER, TEXT_SUFFIX)
         if isinstance(rotary, dict):  # tables by name (AnyFlow's query and key frequencies)
-            moved = _merge_positions(tuple(rotary.values()), match, family.rotary_axis, self.run.tail, after)
+            moved = _merge_positions(tuple(rotary.values()), match, family.rotary_axis, self.run.tail, after, self.run.head)
             return replace_argument(args, kwargs, self.rotary, self.rotary_at, type(rotary)(zip(rotary, moved)))
         if not isinstance(rotary, (tuple, list)):  # one table (Z-Image's complex frequencies)
-            moved = _merge_positions((rotary,), match, family.rotary_axis, self.run.tail, after)[0]
+            moved = _merge_positions((rotary,), match, family.rotary_axis, self.run.tail, after, self.run.head)[0]
             return replace_argument(args, kwargs, self.rotary, self.rotary_at, moved)
         items = family.rotary_items
         moved = _merge_positions(
             [table for i, table in enumerate(rotary) if items is None or i in items], match, family.rotary_axis,
-            self.run.tail, after,
+            self.run.tail, after, self.run.head,
         )
         if items is not None:
             moved = iter(moved)
@@ -671,18 +679,20 @@ class _MergeInput:
         return replace_argument(args, kwargs, self.rotary, self.rotary_at, type(rotary)(moved))
 
     def _size_aware(self, module, args, kwargs, match, merged, masked=False):
-        return self.fw.size_aware(module, args, kwargs, SizeBias(match, self.sublayer.text, merged, self.run.tail))
+        return self.fw.size_aware(
+            module, args, kwargs, SizeBias(match, self.sublayer.text, merged, self.run.tail, self.run.head)
+        )
 
 
-def around_image(x: Any, tokens: int, tail: int, text: str, change: Callable[[Any], Any]) -> Any:
-    """``x`` ``[B, L, C]`` with its ``tokens`` image tokens replaced by ``change(image)``: ``x`` is ``[image;
+def around_image(x: Any, tokens: int, tail: int, text: str, change: Callable[[Any], Any], head: int = 0) -> Any:
+    """``x`` ``[B, L, C]`` with its ``tokens`` image tokens replaced by ``change(image)``: ``x`` is ``[head; image;
     tail]``, or with the rest of ``L`` text in front (``text == TEXT_PREFIX``) or behind (``TEXT_SUFFIX``)."""
     ops = get_ops(x)
     length = ops.shape(x)[1]
-    words = length - tokens - tail if text in (TEXT_PREFIX, TEXT_SUFFIX) else 0
-    if not words and not tail:
+    words = length - head - tokens - tail if text in (TEXT_PREFIX, TEXT_SUFFIX) else 0
+    if not words and not tail and not head:
         return change(x)
-    start = words if text == TEXT_PREFIX else 0
+    start = (words if text == TEXT_PREFIX else 0) + head
     parts = [x[:, :start]] if start else []
     parts.append(change(x[:, start : start + tokens]))
     if start + tokens < length:
@@ -690,9 +700,11 @@ def around_image(x: Any, tokens: int, tail: int, text: str, change: Callable[[An
     return ops.concat(parts, axis=1)
 
 
-def _merge_positions(rotary: Any, match: Match, axis: int = 0, tail: int = 0, text_after: bool = False) -> Any:
-    """Tables ``(cos, sin)`` (rotary positions, token masks) over ``[text; image; tail]`` tokens along ``axis``
-    (``[image; tail; text]`` with ``text_after``) moved to the merged tokens: each merged token takes the entry
+def _merge_positions(
+    rotary: Any, match: Match, axis: int = 0, tail: int = 0, text_after: bool = False, head: int = 0
+) -> Any:
+    """Tables ``(cos, sin)`` (rotary positions, token masks) over ``[text; head; image; tail]`` tokens along
+    ``axis`` (``[head; image; tail; text]`` with ``text_after``) moved to the merged tokens: each merged token takes the entry
     of the token it stands at (its destination). The match is shared by the batch, so batch item 0 tells every
     item's positions."""
     if match.representatives is None:
@@ -700,14 +712,14 @@ def _merge_positions(rotary: Any, match: Match, axis: int = 0, tail: int = 0, te
     moved = []
     for table in rotary:
         if isinstance(table, (tuple, list)):  # nested: Allegro's per-token positions (t, h, w)
-            moved.append(type(table)(_merge_positions(table, match, axis, tail, text_after)))
+            moved.append(type(table)(_merge_positions(table, match, axis, tail, text_after, head)))
             continue
         ops = get_ops(table)
-        text = ops.shape(table)[axis] - match.tokens - tail
-        first = 0 if text_after else text  # the image's first row
+        text = ops.shape(table)[axis] - head - match.tokens - tail
+        first = (0 if text_after else text) + head  # the image's first row
         image = match.representatives[0] + first
         rows = lambda start, stop: ops.astype_like(ops.arange(stop - start, image), image) + start  # noqa: E731
-        pieces = [rows(0, text)] if text and not text_after else []
+        pieces = [rows(0, first)] if first else []
         pieces.append(image)
         if tail or (text and text_after):
             end = first + match.tokens
@@ -753,7 +765,7 @@ class _UnmergeOutput:
     def _unmerge(self, output: Any, match: Match) -> Any:
         index = self.sublayer.output
         image = output if index is None else output[index]
-        image = around_image(image, match.kept, self.run.tail, self.sublayer.text, lambda x: unmerge(x, match))
+        image = around_image(image, match.kept, self.run.tail, self.sublayer.text, lambda x: unmerge(x, match), self.run.head)
         if index is None:
             return image
         return type(output)(image if i == index else part for i, part in enumerate(output))

@@ -550,6 +550,8 @@ class GridLayout:
     patch_arguments: the call's arguments that give ``(temporal, spatial)`` patch sizes (Z-Image), their
         defaults those of the model's ``forward``; else the config's (a 3-D ``patch_size`` gives both).
     channels_last: its latent is ``(B, F, H, W, C)`` (Kandinsky 5), frames on ``frames_axis`` 1.
+    grid_last: its blocks' image stream ends with the latent's tokens, after tokens of other grids that pass
+        through unmerged (FramePack's clean and history latents, at other resolutions).
     """
 
     classes: Tuple[str, ...]
@@ -558,10 +560,12 @@ class GridLayout:
     sizes: Tuple[str, ...] = ()
     patch_arguments: Tuple[str, ...] = ()
     channels_last: bool = False
+    grid_last: bool = False
 
 
 GRID_LAYOUTS: Tuple[GridLayout, ...] = (
     GridLayout(("HunyuanVideoTransformer3DModel", "HunyuanVideo15Transformer3DModel", "MotifVideoTransformer3DModel")),
+    GridLayout(("HunyuanVideoFramepackTransformer3DModel",), grid_last=True),
     GridLayout(("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel", "AnyFlowTransformer3DModel"), frames_axis=1),
     GridLayout(
         ("LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel"), frames_axis=None, sizes=("num_frames", "height", "width")

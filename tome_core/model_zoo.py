@@ -97,10 +97,6 @@ REFUSED: Dict[str, str] = {
         "while the ControlNet runs unmerged"
     ),
     # not supported yet: what each needs that the driver does not have
-    "HunyuanVideoFramepackTransformer3DModel": (
-        "not supported yet: its image stream starts with history tokens of other resolutions before the noisy "
-        "grid, and ToMe keeps extra tokens only after the grid (a head of unmerged tokens is missing)"
-    ),
     "HeliosTransformer3DModel": (
         "not supported yet: its image stream starts with history tokens at three resolutions before the current "
         "grid (a head of unmerged tokens is missing), and its self-attention takes the history length as an argument"

@@ -47,6 +47,7 @@ class ToMeState:
     merging: bool = True  # False: this call's timestep is outside timestep_range, or ``why`` (it runs unmerged)
     why: Optional[str] = None
     tail: int = 0  # tokens after the grid's in each block's image stream (a reference image's), never merged
+    grid_last: bool = False  # tokens past the grid's in a block's image stream come before it (FramePack's history)
     last_timestep: Optional[float] = None  # with reuse_steps > 1: the previous call's (largest) timestep
     fallbacks: Dict[Tuple[int, str], LevelStats] = field(default_factory=dict)  # (level, why): blocks run as tokens
     fallback_configs: Dict[bool, ToMeConfig] = field(default_factory=dict)  # :meth:`fallback`'s, by takes_bias
@@ -99,12 +100,13 @@ class ToMeState:
 
     def begin_call(
         self, latent_hw: Optional[Tuple[int, int]], step: Any, videos: Optional[int] = None, merging: bool = True,
-        tail: int = 0, why: Optional[str] = None,
+        tail: int = 0, why: Optional[str] = None, grid_last: bool = False,
     ) -> None:
         """Start a model call on a latent of ``latent_hw`` (None: the first grid seen) at ``step``; ``videos``:
         the batch of a video model's call (None: not a video call); ``merging``: False runs the call unmerged
         (its timestep is outside ``timestep_range``, or ``why`` says why); ``tail``: tokens of other images
-        (a reference image's) after the grid's in every block's image stream, passed through unmerged."""
+        (a reference image's) after the grid's in every block's image stream, passed through unmerged;
+        ``grid_last``: a block's image stream ends with the grid, the tokens before it passed through unmerged."""
         if self.config.reuse_steps == 1:
             self.cache = {}  # also where reuse_blocks keeps its matches within the call
         else:  # the call counter is read only here, so compiled models do not specialise on it otherwise
@@ -116,6 +118,7 @@ class ToMeState:
         self.merging = merging
         self.why = why
         self.tail = tail
+        self.grid_last = grid_last
         self.grid_hw = None
         self.step = step
         self.stats = {}

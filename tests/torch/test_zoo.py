@@ -479,6 +479,19 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
         "Flux3Transformer2DModel", _FLUX3, **_FLUX3_CALL, image_cond_hidden_states=(2, 16, 8),
         image_cond_ids=_flux3_ids(4, 4, layer=-1),
     ),
+    "HunyuanVideoFramepackTransformer3DModel": _built(  # its image stream: [history 4x; history 2x; clean; latent]
+        "HunyuanVideoFramepackTransformer3DModel",
+        dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
+             num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, guidance_embeds=True,
+             text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 4, 4), image_condition_type=None,
+             has_image_proj=True, image_proj_dim=16, has_clean_x_embedder=True),
+        hidden_states=(2, 4, 3, 8, 8), timestep=torch.tensor([500, 500]), encoder_hidden_states=(2, 6, 16),
+        pooled_projections=(2, 8), encoder_attention_mask=torch.tensor([[1] * 6, [1] * 4 + [0] * 2]),
+        guidance=torch.tensor([3500.0, 3500.0]), image_embeds=(2, 3, 16), indices_latents=torch.arange(3),
+        latents_clean=(2, 4, 2, 8, 8), indices_latents_clean=torch.arange(3, 5),
+        latents_history_2x=(2, 4, 2, 8, 8), indices_latents_history_2x=torch.arange(5, 7),
+        latents_history_4x=(2, 4, 8, 8, 8), indices_latents_history_4x=torch.arange(7, 15),
+    ),
     "AllegroTransformer3DModel": _allegro,
     "EasyAnimateTransformer3DModel": _built(
         "EasyAnimateTransformer3DModel",
@@ -801,6 +814,26 @@ def test_flux3_merges_the_output_image_only_and_its_reference_passes_through():
     assert seen["mode_blocks.image_cond"] == {16}  # the reference image's own blocks: never hooked
     assert seen["mode_blocks.image"] == {24}  # the output's 48 tokens, half merged
     assert seen["single_transformer_blocks"] == {5 + 24 + 16}  # [text; merged output; reference]
+
+
+def test_framepack_merges_the_latent_and_its_history_before_it_passes_through():
+    model, inputs = MERGED["HunyuanVideoFramepackTransformer3DModel"]()
+    attentions = [block.attn for block in [*model.transformer_blocks, *model.single_transformer_blocks]]
+
+    def tokens_seen(run):
+        seen = []
+        handles = [a.register_forward_pre_hook(lambda m, a, k: seen.append(k["hidden_states"].shape[1]), with_kwargs=True) for a in attentions]
+        output = run()
+        for handle in handles:
+            handle.remove()
+        return seen, output
+
+    unpatched, plain = tokens_seen(lambda: _run(model, inputs))
+    tome.patch(model, ratio=0.5)
+    seen, output = tokens_seen(lambda: _run(model, inputs))  # hooks after ToMe's: what attention gets
+    assert unpatched == [38 + 48] * 2  # 38 tokens of history and clean frames, then 3 frames of 4x4 latent tokens
+    assert seen == [38 + 24] * 2  # the latent's tokens half merged, the history's untouched
+    assert torch.isfinite(output).all() and _rel(output, plain) > 1e-6
 
 
 def test_nucleus_moe_router_tokens_merge_alike():
