@@ -1,11 +1,13 @@
-"""Tiny pipelines of the newer diffusers families (Flux.2, Qwen-Image, Z-Image, Chroma, HunyuanVideo, LTX,
-CogVideoX...), built from the tiny transformer presets of :mod:`tome_core.presets` with seeded random weights and
-tiny VAEs of each pipeline's own class; nothing is downloaded.
+"""Tiny pipelines of the diffusers families whose transformers ToMe merges (Flux.2, Qwen-Image, Z-Image, Chroma,
+CogView, Lumina 2, HiDream, HunyuanVideo, LTX, CogVideoX, Wan, Mochi, Kandinsky 5... with their edit, inpainting,
+image-to-video and ControlNet variants), built from the tiny transformer presets of :mod:`tome_core.presets` with
+seeded random weights and tiny VAEs of each pipeline's own class; nothing is downloaded. (SD, SDXL, SD3, Flux,
+PixArt, AnimateDiff, SVD and Wan's text-to-video have their builders in :mod:`tome_core.adapters.diffusers_models`.)
 
 No tokenizer or text encoder can be had offline, so the pipelines hold none: each call passes text embeddings
 (and their masks where the pipeline takes them) instead. A recipe is data: the pipeline class, the transformer
 preset, the VAE, the call's keyword arguments and any extra component (a ControlNet); :func:`build_zoo_pipeline`
-puts one together.
+puts one together. :data:`NOT_BUILT` says which pipelines cannot be built so, and why.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tome_core.adapters.diffusers_models import _random_transformer
 from tome_core.presets import SMALL_VAE, TINY_VAE, TRANSFORMERS, VIDEO_TRANSFORMERS
 
 Randn = Callable[..., torch.Tensor]
+Call = Callable[[Dict[str, Any], Randn], Dict[str, Any]]  # (transformer config, seeded randn) -> call kwargs
 
 
 def _image(randn: Randn, height: int, width: int) -> Any:
@@ -34,7 +37,9 @@ def _image(randn: Randn, height: int, width: int) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# VAEs: each pipeline's own class, tiny. A builder takes the transformer's config (its latent channels).
+# VAEs: each pipeline's own class, tiny. A builder takes the transformer's config (its latent channels). The video
+# VAEs take their latent channels from the transformer's output: conditioned variants (image to video) concatenate
+# more channels at its input.
 
 
 def _flux2_vae(config: Dict[str, Any]) -> torch.nn.Module:
@@ -154,12 +159,15 @@ def _hunyuan_image_vae(config: Dict[str, Any]) -> torch.nn.Module:
     )
 
 
-# The video VAEs take their latent channels from the transformer's output: conditioned variants (image to video)
-# concatenate more channels at its input.
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Calls: the text embeddings (and masks) each pipeline takes in place of its text encoder, and the sizes.
+
+
+def _padded_mask(tokens: int = 7, kept: int = 5, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A text mask of one prompt padded after ``kept`` tokens."""
+    mask = torch.ones(1, tokens, dtype=dtype)
+    mask[:, kept:] = 0
+    return mask
 
 
 def _flux2_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
@@ -185,7 +193,7 @@ def _flux2_klein_kv_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]
     return dict(prompt_embeds=randn(1, 7, config["joint_attention_dim"]), image=_image(randn, 64, 64), height=32, width=32)
 
 
-def _text_cfg(width_key: str, masks: Optional[str] = None, **extra: Any) -> Callable[[Dict[str, Any], Randn], Dict[str, Any]]:
+def _text_cfg(width_key: str, masks: Optional[str] = None, **extra: Any) -> Call:
     """A prompt and a negative prompt of 7 tokens of the transformer's ``width_key`` width at 32x32 pixels (CFG), with
     masks named ``{masks}`` / ``negative_{masks}`` where the pipeline takes them (the negative one padded after 5)."""
 
@@ -203,9 +211,7 @@ def _qwen_text(config: Dict[str, Any], randn: Randn, negative: bool = True) -> D
     text = config["joint_attention_dim"]
     call = dict(prompt_embeds=randn(1, 7, text), prompt_embeds_mask=torch.ones(1, 7, dtype=torch.long))
     if negative:
-        mask = torch.ones(1, 7, dtype=torch.long)
-        mask[:, 5:] = 0
-        call.update(negative_prompt_embeds=randn(1, 7, text), negative_prompt_embeds_mask=mask, true_cfg_scale=2.0)
+        call.update(negative_prompt_embeds=randn(1, 7, text), negative_prompt_embeds_mask=_padded_mask(), true_cfg_scale=2.0)
     return call
 
 
@@ -230,19 +236,10 @@ def _z_image_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
 def _chroma_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
     text = config["joint_attention_dim"]
     mask = torch.ones(1, 7)  # float, as the pipeline's own text encoding gives it
-    negative = mask.clone()
-    negative[:, 5:] = 0
     return dict(
         prompt_embeds=randn(1, 7, text), prompt_attention_mask=mask, negative_prompt_embeds=randn(1, 7, text),
-        negative_prompt_attention_mask=negative, guidance_scale=5.0, height=32, width=32,
+        negative_prompt_attention_mask=_padded_mask(dtype=mask.dtype), guidance_scale=5.0, height=32, width=32,
     )
-
-
-def _padded_mask(tokens: int = 7, kept: int = 5, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A text mask of one prompt padded after ``kept`` tokens."""
-    mask = torch.ones(1, tokens, dtype=dtype)
-    mask[:, kept:] = 0
-    return mask
 
 
 def _hunyuan_video_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
@@ -314,7 +311,7 @@ def _hidream_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
     )
 
 
-def _with_image(call: Callable[[Dict[str, Any], Randn], Dict[str, Any]], name: str = "image", pil: bool = False) -> Callable[[Dict[str, Any], Randn], Dict[str, Any]]:
+def _with_image(call: Call, name: str = "image", pil: bool = False) -> Call:
     """``call`` with a conditioning image of its size (first frame, control image): a PIL image or ``[1, 3, H, W]``
     in [0, 1], under ``name``."""
 
@@ -327,7 +324,7 @@ def _with_image(call: Callable[[Dict[str, Any], Randn], Dict[str, Any]], name: s
 
 def _video_cfg(
     width_key: str, masks: Optional[str] = None, tokens: int = 7, frames: int = 5, **extra: Any
-) -> Callable[[Dict[str, Any], Randn], Dict[str, Any]]:
+) -> Call:
     """:func:`_text_cfg` for a video: ``tokens`` tokens, ``frames`` frames of 64x96 pixels (2 latent frames)."""
 
     def build(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
@@ -431,7 +428,7 @@ def _wan_vace_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
     return dict(call, video=frames, mask=[PIL.Image.fromarray(mask, mode="L")] * call["num_frames"])
 
 
-def _img2img(call: Callable[[Dict[str, Any], Randn], Dict[str, Any]]) -> Callable[[Dict[str, Any], Randn], Dict[str, Any]]:
+def _img2img(call: Call) -> Call:
     """``call`` with an input image of its size in [0, 1] and a strength (of 2 steps, 1 runs)."""
 
     def build(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
@@ -440,7 +437,7 @@ def _img2img(call: Callable[[Dict[str, Any], Randn], Dict[str, Any]]) -> Callabl
     return build
 
 
-def _inpaint(call: Callable[[Dict[str, Any], Randn], Dict[str, Any]]) -> Callable[[Dict[str, Any], Randn], Dict[str, Any]]:
+def _inpaint(call: Call) -> Call:
     """``call`` with an image of its size in [0, 1], a mask over its right half and a strength (of 2 steps, 1 runs)."""
 
     def build(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
@@ -451,7 +448,7 @@ def _inpaint(call: Callable[[Dict[str, Any], Randn], Dict[str, Any]]) -> Callabl
     return build
 
 
-def _frames(call: Callable[[Dict[str, Any], Randn], Dict[str, Any]], name: str) -> Callable[[Dict[str, Any], Randn], Dict[str, Any]]:
+def _frames(call: Call, name: str) -> Call:
     """``call`` with a video of its size and length (PIL frames) under ``name``, which sets the length."""
 
     def build(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
@@ -490,7 +487,7 @@ class ZooPipeline:
     pipeline: str
     transformer: str
     vae: Callable[[Dict[str, Any]], torch.nn.Module]
-    call: Callable[[Dict[str, Any], Randn], Dict[str, Any]]
+    call: Call
     extra: Optional[Callable[[Dict[str, Any], int], Dict[str, Any]]] = None
     options: Dict[str, Any] = field(default_factory=dict)
     scheduler: Callable[[], Any] = diffusers.FlowMatchEulerDiscreteScheduler
@@ -534,7 +531,9 @@ ZOO_PIPELINES: Dict[str, ZooPipeline] = {
         extra=lambda config, seed: {"guider": diffusers.ClassifierFreeGuidance(guidance_scale=4.0)},
         overrides=dict(in_channels=2 * 4 + 1),  # the latents, a condition's latents and its mask
     ),
-    "ovis-image": ZooPipeline("OvisImagePipeline", "tiny-ovis", _kl_vae(4), _text_cfg("joint_attention_dim", guidance_scale=5.0, negative_prompt=None)),
+    "ovis-image": ZooPipeline(
+        "OvisImagePipeline", "tiny-ovis", _kl_vae(4), _text_cfg("joint_attention_dim", guidance_scale=5.0, negative_prompt=None)
+    ),
     "bria": ZooPipeline("BriaPipeline", "tiny-bria", _kl_vae(4), _text_cfg("joint_attention_dim", guidance_scale=5.0)),
     "auraflow": ZooPipeline(
         "AuraFlowPipeline", "tiny-auraflow", _kl_vae(), _text_cfg("joint_attention_dim", "prompt_attention_mask", guidance_scale=3.5)
@@ -547,13 +546,16 @@ ZOO_PIPELINES: Dict[str, ZooPipeline] = {
         "NucleusMoEImagePipeline", "tiny-nucleusmoe-image", _qwen_vae(2),
         _text_cfg("joint_attention_dim", "prompt_embeds_mask", guidance_scale=4.0),
     ),
-    "mochi": ZooPipeline("MochiPipeline", "tiny-mochi", _mochi_vae, _video_cfg("text_embed_dim", "prompt_attention_mask", 16, 7, guidance_scale=4.5)),
+    "mochi": ZooPipeline(  # 7 frames: 2 latent frames (6x in time)
+        "MochiPipeline", "tiny-mochi", _mochi_vae, _video_cfg("text_embed_dim", "prompt_attention_mask", 16, 7, guidance_scale=4.5)
+    ),
     "skyreels-v2": ZooPipeline(
         "SkyReelsV2Pipeline", "tiny-skyreels-v2", _wan_vae, _video_cfg("text_dim", guidance_scale=6.0),
         scheduler=lambda: diffusers.UniPCMultistepScheduler(flow_shift=8.0, use_flow_sigmas=True, prediction_type="flow_prediction"),
     ),
     "allegro": ZooPipeline(
-        "AllegroPipeline", "tiny-allegro", _allegro_vae, _video_cfg("caption_channels", "prompt_attention_mask", guidance_scale=7.5, negative_prompt=None),
+        "AllegroPipeline", "tiny-allegro", _allegro_vae,
+        _video_cfg("caption_channels", "prompt_attention_mask", guidance_scale=7.5, negative_prompt=None),
         scheduler=diffusers.DDIMScheduler,
     ),
     "easyanimate": ZooPipeline(
