@@ -65,12 +65,13 @@ def _qwen_vae(levels: int) -> Callable[[Dict[str, Any]], torch.nn.Module]:
     return build
 
 
-def _kl_vae(packing: int = 1, base: Dict[str, Any] = TINY_VAE) -> Callable[[Dict[str, Any]], torch.nn.Module]:
-    """The tiny 2x AutoencoderKL of the SD pipelines (or ``base``) with the transformer's latent channels: its input
-    channels, divided by ``packing`` where the pipeline packs 2x2 latent pixels into a token (4)."""
+def _kl_vae(packing: int = 1, base: Dict[str, Any] = TINY_VAE, key: str = "in_channels") -> Callable[[Dict[str, Any]], torch.nn.Module]:
+    """The tiny 2x AutoencoderKL of the SD pipelines (or ``base``) with the transformer's latent channels: its
+    ``key`` channels (its output's where conditions are concatenated at its input), divided by ``packing`` where
+    the pipeline packs 2x2 latent pixels into a token (4)."""
 
     def build(config: Dict[str, Any]) -> torch.nn.Module:
-        return diffusers.AutoencoderKL(**{**base, "latent_channels": config["in_channels"] // packing, "shift_factor": 0.0})
+        return diffusers.AutoencoderKL(**{**base, "latent_channels": config[key] // packing, "shift_factor": 0.0})
     return build
 
 
@@ -168,6 +169,13 @@ def _padded_mask(tokens: int = 7, kept: int = 5, dtype: torch.dtype = torch.long
     mask = torch.ones(1, tokens, dtype=dtype)
     mask[:, kept:] = 0
     return mask
+
+
+def _flux_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    return dict(
+        prompt_embeds=randn(1, 7, config["joint_attention_dim"]), pooled_prompt_embeds=randn(1, config["pooled_projection_dim"]),
+        height=32, width=32,
+    )
 
 
 def _flux2_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
@@ -496,6 +504,21 @@ class ZooPipeline:
 
 
 ZOO_PIPELINES: Dict[str, ZooPipeline] = {
+    # FLUX.1's variants (its text-to-image, Kontext and ControlNet pipelines: tome_core.adapters.diffusers_models)
+    "flux-img2img": ZooPipeline("FluxImg2ImgPipeline", "tiny-flux", _kl_vae(4), _img2img(_flux_call)),
+    "flux-inpaint": ZooPipeline("FluxInpaintPipeline", "tiny-flux", _kl_vae(4), _inpaint(_flux_call)),
+    "flux-fill": ZooPipeline(  # the masked image's latents and the 2x2-packed mask concatenated to the latents
+        "FluxFillPipeline", "tiny-flux", _kl_vae(4, key="out_channels"), _inpaint(_flux_call),
+        overrides=dict(in_channels=16 + 16 + 16, out_channels=16),
+    ),
+    "flux-control": ZooPipeline(  # FLUX.1 Canny/Depth: the control image's latents concatenated to the latents
+        "FluxControlPipeline", "tiny-flux", _kl_vae(4, key="out_channels"), _with_image(_flux_call, "control_image"),
+        overrides=dict(in_channels=2 * 16, out_channels=16),
+    ),
+    "flux-kontext-inpaint": ZooPipeline(  # Kontext resizes to max_area unless told not to
+        "FluxKontextInpaintPipeline", "tiny-flux", _kl_vae(4),
+        lambda config, randn: dict(_inpaint(_flux_call)(config, randn), _auto_resize=False, max_area=32 * 32),
+    ),
     "flux2": ZooPipeline("Flux2Pipeline", "tiny-flux2", _flux2_vae, _flux2_call),
     "flux2-edit": ZooPipeline("Flux2Pipeline", "tiny-flux2", _flux2_vae, _flux2_edit_call),
     "flux2-klein": ZooPipeline("Flux2KleinPipeline", "tiny-flux2-klein", _flux2_vae, _flux2_klein_call),

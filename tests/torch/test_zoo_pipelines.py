@@ -58,12 +58,6 @@ def _run(pipe, call: Dict[str, Any]) -> Tuple[torch.Tensor, List[Tuple[str, int]
 
 # Pipelines whose patched call fails today: a driver gap, each with its reproduction in the reason.
 KNOWN_FAILURES = {
-    "ltx-condition": (
-        AssertionError,
-        "LTXConditionPipeline calls the transformer with video_coords [B, 3, N] and no num_frames/height/width: ToMe "
-        "warns 'the call gave none of num_frames, height, width' and runs every call unmerged, so the pipeline merges "
-        "nothing (the grid is in video_coords)",
-    ),
 }
 
 
