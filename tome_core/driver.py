@@ -37,7 +37,7 @@ from .families import (
     BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_AFTER, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer, GridLayout, block_family, grid_layout,
     temporal, text_only,
 )
-from .levels import finest_attention_level, leading_raster
+from .levels import finest_attention_level, leading_raster, trailing_frames, trailing_raster
 from .match import Match
 from .merge import merge, unmerge
 from .model_zoo import AUXILIARY, refusal
@@ -117,6 +117,8 @@ class SizeBias:
         ops = get_ops(like)
         match = self.match
         sizes = ops.reshape(ops.log(ops.astype_like(match.sizes, like)), (match.batch, 1, match.kept))
+        if self.head and keys == self.head:  # an attention over the head's tokens alone (Flux.2 Klein KV's extract
+            return ops.zeros((match.batch, 1, keys), like)  # step): unmerged tokens, each of size 1
         text = keys - self.head - match.kept - self.tail
         if text < 0 or (text and self.text == TEXT_NONE):
             raise RuntimeError(
@@ -285,7 +287,8 @@ class _CallStart:
         self.layout = grid_layout(type(model)) if self.transformer else None
         if self.layout is not None:
             self.temporal_patch = (self.layout.temporal_patch and _config_value(model, self.layout.temporal_patch)) or 1
-            self.where.update(argument_positions(forward, *self.layout.sizes, *self.layout.patch_arguments))
+            coords = (self.layout.coords,) if self.layout.coords else ()
+            self.where.update(argument_positions(forward, *self.layout.sizes, *self.layout.patch_arguments, *coords))
 
     def __call__(self, module, args, kwargs):
         where = self.where
@@ -323,15 +326,19 @@ class _CallStart:
             shape = get_ops(sample).shape(sample)
         videos, tail = None, 0
         layout = self.layout
+        grid_last = layout is not None and layout.grid_last
         if layout is not None:
             sizes = self._video_grid(layout, shape, args, kwargs)
             if sizes is None:
-                why = f"the call gave none of {', '.join(layout.sizes)}, so no token grid is known; such calls run unmerged"
+                given = ", ".join((*layout.sizes, *((layout.coords,) if layout.coords else ())))
+                why = f"the call gave none of {given} (or coordinates of no video grid), so no token grid is known; such calls run unmerged"
                 self.state.say_once(f"ToMe on {self.model}: {why}")
                 self.state.begin_call(None, step, merging=False, why=why)
                 return None
-            frames, height, width = sizes
+            frames, height, width, from_coords = sizes
             grid, tail = (frames * height, width), (shape[1] - frames * height * width if layout.frames_axis is None else 0)
+            if from_coords:  # conditioning tokens before the grid: the blocks' head
+                grid_last, tail = True, 0
         elif len(shape) == 4:
             height, width = _spatial(sample, self.data_format)
             patch = self.patch_size if isinstance(self.patch_size, int) else self.patch_size[-1]  # (1, 1): HunyuanImage
@@ -346,7 +353,7 @@ class _CallStart:
         else:
             shapes = argument(args, kwargs, "img_shapes", where["img_shapes"])
             if shapes is not None:
-                packed = shapes_grid(shapes, shape[1])
+                packed = (*shapes_grid(shapes, shape[1]), False)
             else:
                 ids = next((value for value in (argument(args, kwargs, name, where[name]) for name in TOKEN_IDS) if value is not None), None)
                 packed = self._packed_grid(ids, shape[1])
@@ -358,16 +365,15 @@ class _CallStart:
                 self.state.say_once(f"ToMe on {self.model}: {why}")
                 self.state.begin_call(None, step, merging=False, why=why)
                 return None
-            grid, tail = packed[:2], packed[2]
-        self.state.begin_call(
-            grid, step, videos=videos, merging=merging, tail=tail, grid_last=layout is not None and layout.grid_last
-        )
+            grid, tail, grid_last = packed[:2], packed[2], packed[3]
+        self.state.begin_call(grid, step, videos=videos, merging=merging, tail=tail, grid_last=grid_last)
         self.state.enter_grid(grid)
         return None
 
-    def _video_grid(self, layout: GridLayout, shape: Sequence[int], args, kwargs) -> Optional[Tuple[int, int, int]]:
-        """``(frames, rows, cols)`` of a video transformer's tokens (:class:`~tome_core.families.GridLayout`), or
-        None where its call does not give them."""
+    def _video_grid(self, layout: GridLayout, shape: Sequence[int], args, kwargs) -> Optional[Tuple[int, int, int, bool]]:
+        """``(frames, rows, cols, from_coords)`` of a video transformer's tokens
+        (:class:`~tome_core.families.GridLayout`), or None where its call does not give them; ``from_coords``: read
+        from the tokens' coordinates, after conditioning tokens."""
         temporal = self.temporal_patch
         spatial = self.patch_size if isinstance(self.patch_size, int) else (self.patch_size or (1,))[-1]
         if isinstance(self.patch_size, (tuple, list)) and len(self.patch_size) == 3:
@@ -379,10 +385,24 @@ class _CallStart:
         if layout.frames_axis is None:
             sizes = [argument(args, kwargs, name, self.where[name]) for name in layout.sizes]
             if any(size is None for size in sizes):
-                return None
+                coords = argument(args, kwargs, layout.coords, self.where[layout.coords]) if layout.coords else None
+                found = None if coords is None else self._coords_grid(coords)
+                return None if found is None else (*found[:3], True)
         else:
             sizes = [shape[layout.frames_axis], *(shape[2:4] if layout.channels_last else shape[-2:])]
-        return sizes[0] // temporal, sizes[1] // spatial, sizes[2] // spatial
+        return sizes[0] // temporal, sizes[1] // spatial, sizes[2] // spatial, False
+
+    def _coords_grid(self, coords: Any) -> Optional[Tuple[int, int, int, int]]:
+        """``(frames, rows, cols, head)`` of tokens from their coordinates ``[B, 3, N]`` (batch item 0), read on
+        the host once per coordinates array (:func:`~tome_core.levels.trailing_frames`)."""
+        if self.ids_grid[0] is coords:
+            return self.ids_grid[1]
+        shape = get_ops(coords).shape(coords)
+        values = self.fw.host_values(coords)[: shape[-2] * shape[-1]]
+        tokens = shape[-1]
+        rows = [[values[axis * tokens + i] for axis in range(shape[-2])] for i in range(tokens)]
+        self.ids_grid = (coords, trailing_frames(rows))
+        return self.ids_grid[1]
 
     def _merges_at(self, timesteps: Optional[List[float]]) -> bool:
         """Whether this call, at ``timesteps`` (read on the host where an option needs them), merges under
@@ -393,10 +413,12 @@ class _CallStart:
             raise ValueError(f"timestep_range={self.state.config.timestep_range} needs the model's timestep, and this call gave none")
         return self.state.config.merges_at(timesteps)
 
-    def _packed_grid(self, img_ids: Any, tokens: int) -> Optional[Tuple[int, int, int]]:
-        """``(h, w, tail)`` of ``tokens`` packed image tokens from their ids ``[N, 3]`` (:func:`~tome_core.levels.leading_raster`:
-        the output image's raster grid, then ``tail`` tokens of reference images), or None. Ids of more rows than
-        tokens (Krea 2's ``position_ids`` over ``[text; image]``) are read from their last ``tokens`` rows.
+    def _packed_grid(self, img_ids: Any, tokens: int) -> Optional[Tuple[int, int, int, bool]]:
+        """``(h, w, tail, grid_last)`` of ``tokens`` packed image tokens from their ids ``[N, 3]``
+        (:func:`~tome_core.levels.leading_raster`: the output image's raster grid, then ``tail`` tokens of
+        reference images; or :func:`~tome_core.levels.trailing_raster`: the grid last, after reference images'
+        tokens, ``grid_last``), or None. Ids of more rows than tokens (Krea 2's ``position_ids`` over ``[text;
+        image]``) are read from their last ``tokens`` rows.
 
         Read on the host once per ids array (pipelines build it once per generation)."""
         if img_ids is None:
@@ -407,7 +429,12 @@ class _CallStart:
         shape = ops.shape(img_ids)
         values = self.fw.host_values(img_ids)
         ids = [values[i : i + shape[-1]] for i in range(0, len(values), shape[-1])]
-        self.ids_grid = (img_ids, leading_raster(ids[-min(tokens, len(ids) // (shape[0] if len(shape) == 3 else 1)):]))
+        ids = ids[-min(tokens, len(ids) // (shape[0] if len(shape) == 3 else 1)):]
+        leading = leading_raster(ids)
+        trailing = None if leading is not None else trailing_raster(ids)
+        self.ids_grid = (
+            img_ids, (*leading, False) if leading is not None else None if trailing is None else (*trailing[:2], 0, True)
+        )
         return self.ids_grid[1]
 
 

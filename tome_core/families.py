@@ -552,6 +552,8 @@ class GridLayout:
     channels_last: its latent is ``(B, F, H, W, C)`` (Kandinsky 5), frames on ``frames_axis`` 1.
     grid_last: its blocks' image stream ends with the latent's tokens, after tokens of other grids that pass
         through unmerged (FramePack's clean and history latents, at other resolutions).
+    coords: the call's argument of per-token ``(t, h, w)`` coordinates ``[B, 3, N]``, read where ``sizes`` are not
+        given: the video's frames last, after conditioning tokens (LTX-Video's condition pipeline).
     """
 
     classes: Tuple[str, ...]
@@ -561,6 +563,7 @@ class GridLayout:
     patch_arguments: Tuple[str, ...] = ()
     channels_last: bool = False
     grid_last: bool = False
+    coords: Optional[str] = None
 
 
 GRID_LAYOUTS: Tuple[GridLayout, ...] = (
@@ -568,7 +571,8 @@ GRID_LAYOUTS: Tuple[GridLayout, ...] = (
     GridLayout(("HunyuanVideoFramepackTransformer3DModel",), grid_last=True),
     GridLayout(("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel", "AnyFlowTransformer3DModel"), frames_axis=1),
     GridLayout(
-        ("LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel"), frames_axis=None, sizes=("num_frames", "height", "width")
+        ("LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel"), frames_axis=None, sizes=("num_frames", "height", "width"),
+        coords="video_coords",
     ),
     GridLayout(("ZImageTransformer2DModel",), patch_arguments=("f_patch_size", "patch_size")),
     GridLayout(("Kandinsky5Transformer3DModel",), frames_axis=1, channels_last=True),

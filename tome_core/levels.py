@@ -75,6 +75,51 @@ def leading_raster(ids: Sequence[Sequence[float]]) -> Optional[Tuple[int, int, i
     return height, width, len(ids) - height * width
 
 
+def trailing_raster(ids: Sequence[Sequence[float]]) -> Optional[Tuple[int, int, int]]:
+    """``(h, w, head)`` when packed token ids ``[N, k]`` (``k > 2``: an index column first) end with one image's
+    ``h x w`` tokens in raster order under their own index, after ``head`` tokens of other images (Flux.2 Klein
+    KV's first step puts its reference images first); None otherwise."""
+    if not ids or len(ids[0]) < 3:
+        return None
+    index = ids[-1][0]
+    start = len(ids)
+    while start and ids[start - 1][0] == index:
+        start -= 1
+    found = leading_raster(ids[start:])
+    if found is None or found[2] or (start and leading_raster(ids[:start]) is None):  # the head: images too
+        return None
+    return found[0], found[1], start
+
+
+def trailing_frames(coords: Sequence[Sequence[float]]) -> Optional[Tuple[int, int, int, int]]:
+    """``(frames, h, w, head)`` when per-token coordinates ``(t, h, w)`` end with a video's frames, each ``h x w``
+    tokens in raster order at a later time than the frame before, after ``head`` tokens that are such frames
+    too (LTX-Video's condition pipeline puts its conditioning frames first); None otherwise (frames of one
+    token are no grid)."""
+    if not coords:
+        return None
+    last = coords[-1][0]
+    width_start = len(coords)
+    while width_start and coords[width_start - 1][0] == last:
+        width_start -= 1
+    pattern = [row[1:] for row in coords[width_start:]]
+    frame = leading_raster(pattern)
+    size = len(pattern)
+    if frame is None or frame[2] or size < 2:
+        return None
+    frames, start = 1, width_start
+    while start >= size:
+        previous = coords[start - size : start]
+        if any(row[0] != previous[0][0] for row in previous) or previous[0][0] >= coords[start][0]:
+            break
+        if any(not _near(a[1], b[0]) or not _near(a[2], b[1]) for a, b in zip(previous, pattern)):
+            break
+        frames, start = frames + 1, start - size
+    if start and trailing_frames(coords[:start]) is None:
+        return None
+    return frames, frame[0], frame[1], start
+
+
 def _near(value: float, expected: float) -> bool:
     """Equal up to float32 rounding of position ids."""
     return abs(value - expected) <= 1e-5 * max(1.0, abs(expected))

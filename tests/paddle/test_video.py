@@ -68,7 +68,7 @@ def test_temporal_table_names_ppdiffusers_classes():
     assert families.temporal(TransformerSpatioTemporalModel).children == ("temporal_transformer_blocks",)
     assert families.temporal(ppdiffusers.Transformer2DModel) is None
     assert families.temporal(BasicTransformerBlock) is None
-    assert {ppdiffusers.Transformer2DModel.__name__, TransformerSpatioTemporalModel.__name__} == set(families.GRID_CONTAINERS)
+    assert {ppdiffusers.Transformer2DModel.__name__, TransformerSpatioTemporalModel.__name__} <= set(families.GRID_CONTAINERS)
 
 
 def test_only_spatial_blocks_are_found(video, checks):

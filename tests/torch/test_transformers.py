@@ -586,6 +586,20 @@ def test_leading_raster_reads_grids_and_refuses_the_rest():
     assert leading_raster(half) == (3, 4, 0)  # FLUX.3: ids scaled by its image_rope_scale
 
 
+def test_trailing_readers_find_the_grid_after_conditioning_tokens():
+    from tome_core.levels import trailing_frames, trailing_raster
+
+    raster = lambda index, h, w: [[index, i // w, i % w] for i in range(h * w)]  # noqa: E731
+    assert trailing_raster(raster(10, 2, 2) + raster(0, 3, 4)) == (3, 4, 4)  # Flux.2 Klein KV: references first
+    assert trailing_raster(raster(0, 3, 4)) == (3, 4, 0)
+    assert trailing_raster(raster(0, 3, 4)[::-1]) is None
+    video = lambda frames, h, w, t0=0: [[t0 + f, r * 32, c * 32] for f in range(frames) for r in range(h) for c in range(w)]  # noqa: E731
+    assert trailing_frames(video(3, 2, 4)) == (3, 2, 4, 0)
+    assert trailing_frames(video(1, 2, 4) + video(3, 2, 4)) == (3, 2, 4, 8)  # LTX: a condition frame at time 0 first
+    assert trailing_frames(video(2, 3, 4) + video(3, 2, 4, t0=5)) == (3, 2, 4, 24)  # another grid before
+    assert trailing_frames([[0, 0, 0], [0, 0, 1], [0, 1, 1]]) is None
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Latte (issue 33): spatial and temporal BasicTransformerBlocks alternate; its input (batch, C, frames, H, W) has
 # a 2-D patch, so each frame is an item of the spatial blocks' batch and merges on its own grid

@@ -751,16 +751,27 @@ def test_hidream_padded_non_square_latent_runs_unmerged_and_says_so():
     assert torch.equal(output, plain)
 
 
-def test_ltx_without_sizes_runs_unmerged_and_says_so():
+def test_ltx_reads_its_grid_from_video_coords_after_conditioning_tokens():
+    """LTX-Video's condition pipeline gives no sizes: its video_coords place [condition frame; 2 frames of 4x6],
+    the condition's 24 tokens passing through as a head; coordinates of no grid run unmerged, said once."""
     model = zoo.build_video_transformer("tiny-ltx")
-    inputs = zoo.video_transformer_inputs(model, 2, 4, 6, batch=2)
-    coords = torch.stack(torch.meshgrid(torch.arange(2) * 8.0, torch.arange(4) * 32.0, torch.arange(6) * 32.0, indexing="ij")).flatten(1)
+    grid = lambda frames, t0=0.0: torch.stack(torch.meshgrid(  # noqa: E731
+        torch.arange(frames) * 8.0 + t0, torch.arange(4) * 32.0, torch.arange(6) * 32.0, indexing="ij")).flatten(1)
+    inputs = zoo.video_transformer_inputs(model, 3, 4, 6, batch=2)  # 72 tokens: 24 of the condition, then 48
     inputs = {k: v for k, v in inputs.items() if k not in ("num_frames", "height", "width")}
-    inputs["video_coords"] = coords[None].repeat(2, 1, 1)
+    inputs["video_coords"] = torch.cat([grid(1), grid(2)], dim=1)[None].repeat(2, 1, 1)
     plain = _run(model, inputs)
     tome.patch(model, ratio=0.5)
-    output, _ = _warned_once(lambda: _run(model, inputs), "gave none of num_frames, height, width")
-    assert torch.equal(output, plain)
+    seen = []
+    for block in model.transformer_blocks:  # registered after ToMe's hooks: what attention gets
+        block.attn1.register_forward_pre_hook(lambda m, a, k: seen.append(k["hidden_states"].shape[1]), with_kwargs=True)
+    output = _run(model, inputs)
+    assert seen and set(seen) == {24 + 24}  # the condition's tokens whole, the video's half merged
+    assert torch.isfinite(output).all() and _rel(output, plain) > 1e-6
+    inputs["video_coords"] = torch.randn(2, 3, 72)
+    tome.patch(model, ratio=0.5)
+    output, _ = _warned_once(lambda: _run(model, inputs), "gave none of num_frames, height, width, video_coords")
+    assert torch.isfinite(output).all()
 
 
 def test_z_image_list_of_lists_runs_unmerged_and_says_so():
