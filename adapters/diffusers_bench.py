@@ -554,14 +554,14 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
         model_hook.remove()
         for handle in handles:
             handle.remove()
-    grid, tail = seen.grid_hw, seen.tail
+    grid, tail, grid_last = seen.grid_hw, seen.tail, getattr(seen, "grid_last", False)
     if grid is None:
         raise SystemExit(f"--micro: ToMe places no token grid on this call of {type(model).__name__} ({seen.why})")
 
     results = []
     for name, (stream, block, family) in firsts.items():
         block_args, block_kwargs = captured[name]
-        hidden = image_part(driver.argument(block_args, block_kwargs, "hidden_states", 0), family, grid, tail)
+        hidden = image_part(driver.argument(block_args, block_kwargs, "hidden_states", 0), family, grid, tail, grid_last)
         shared = family.rotary is not None or any(s.masks for s in family.sublayers)
         sublayers = [s for s in family.sublayers if getattr(block, s.child, None) is not None and config.sublayers[s.kind]]
 
@@ -569,7 +569,7 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
         def ours(reused: bool, stream=stream, hidden=hidden, shared=shared, **extra):
             tome.patch(model, **{**options, **extra}, reuse_blocks=10**6 if reused else 1)
             state = tome.patched_models(model)[0][1]
-            state.begin_call(grid, MID_TIMESTEP, tail=tail)
+            state.begin_call(grid, MID_TIMESTEP, tail=tail, grid_last=grid_last)
             state.enter_grid(grid)
             if reused:  # the match a run of blocks shares is there already
                 state.block_matches(hidden, stream, shared=shared)
@@ -580,14 +580,14 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
 
         @contextlib.contextmanager
         def oracle():
-            undo = remover(install_transformer_oracle(FRAMEWORK, model, config, call=(grid, tail)))
+            undo = remover(install_transformer_oracle(FRAMEWORK, model, config, call=(grid, tail, grid_last)))
             try:
                 yield
             finally:
                 undo()
 
         state = ToMeState(config=config)
-        state.begin_call(grid, MID_TIMESTEP, tail=tail)
+        state.begin_call(grid, MID_TIMESTEP, tail=tail, grid_last=grid_last)
         state.enter_grid(grid)
         match = state.block_matches(hidden, stream, shared=shared)["attn"]
         run_block = lambda block=block, a=block_args, k=block_kwargs: block(*a, **k)

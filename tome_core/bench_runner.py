@@ -25,7 +25,7 @@ from tome_core import driver, selection
 from tome_core.backend import get_ops
 from tome_core.bench import image_like_latents, noised, peak_memory_in_fresh_process
 from tome_core.config import ToMeConfig
-from tome_core.families import TEXT_AFTER, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer
+from tome_core.families import TEXT_AFTER, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer
 from tome_core.levels import block_grid, downsample_factor, level_grid
 from tome_core.state import ToMeState
 
@@ -304,41 +304,60 @@ def draw_latents(args: Any, shape: Tuple[int, ...], image_like: Callable[..., np
 
 def _keep_rows(x: Any, axis: int, first: int, tokens: int, kept: int) -> Any:
     """``x`` along ``axis`` without the image rows ``first + kept ... first + tokens`` (the ones the oracle drops):
-    what comes before the image, its first ``kept`` rows, and what comes after it, in order."""
+    what comes before the image, its first ``kept`` rows, and what comes after it, in order; a new array (a
+    sub-layer may view it as contiguous, as HiDream's MoE feed-forward does)."""
     ops = get_ops(x)
     shape = ops.shape(x)
     axis = axis % len(shape)
     cut = lambda a, b: x[(slice(None),) * axis + (slice(a, b),)]  # noqa: E731
-    if first + tokens >= shape[axis]:
-        return cut(0, first + kept)
-    return ops.concat([cut(0, first + kept), cut(first + tokens, shape[axis])], axis=axis)
+    pieces = [cut(0, first + kept)] + ([cut(first + tokens, shape[axis])] if first + tokens < shape[axis] else [])
+    return ops.concat(pieces, axis=axis)
 
 
-def _cut_tables(tables: Any, axis: int, tokens: int, tail: int, kept: int, after: bool, items: Optional[Tuple[int, ...]] = None) -> Any:
-    """Rotary tables or token masks over ``[text; image; tail]`` along ``axis`` (``[image; tail; text]`` with
-    ``after``) with the dropped image rows left out; a tuple's items outside ``items`` (None: all) stay as they
-    are, nested tuples (Allegro's) are cut alike, one table alone (Z-Image's) is cut itself."""
+def _cut_tables(
+    tables: Any, axis: int, tokens: int, tail: int, kept: int, after: bool, items: Optional[Tuple[int, ...]] = None,
+    head: int = 0,
+) -> Any:
+    """Rotary tables or token masks over ``[text; head; image; tail]`` along ``axis`` (``[head; image; tail;
+    text]`` with ``after``) with the dropped image rows left out; a tuple's items outside ``items`` (None: all)
+    stay as they are, nested tuples (Allegro's) are cut alike, tables by name (a dict) each, one table alone
+    (Z-Image's) itself."""
+    if isinstance(tables, dict):
+        return {name: _cut_tables(t, axis, tokens, tail, kept, after, None, head) for name, t in tables.items()}
     if not isinstance(tables, (tuple, list)):
         length = get_ops(tables).shape(tables)[axis]
-        return _keep_rows(tables, axis, 0 if after else length - tokens - tail, tokens, kept)
+        return _keep_rows(tables, axis, (0 if after else length - head - tokens - tail) + head, tokens, kept)
     return type(tables)(
-        _cut_tables(t, axis, tokens, tail, kept, after) if items is None or i in items else t for i, t in enumerate(tables)
+        _cut_tables(t, axis, tokens, tail, kept, after, None, head) if items is None or i in items else t
+        for i, t in enumerate(tables)
     )
 
 
-def image_part(x: Any, family: BlockFamily, grid: Tuple[int, int], tail: int = 0) -> Any:
-    """The image tokens of a block's input ``x`` ``[B, L, C]`` (what the patch matches on): without the ``tail``
-    tokens after the grid's, and without the text its family's ``stream`` puts in front or behind."""
+def around_grid(x: Any, family: BlockFamily, grid: Tuple[int, int], tail: int = 0, grid_last: bool = False) -> Tuple[int, int]:
+    """``(head, tail)``: the tokens before and after the grid's in a block's input ``x``, as the patch counts them:
+    the call's ``tail``, or in a stream of image tokens alone every token past the grid's (the head where the
+    call's grid comes last, ``grid_last``)."""
+    if family.stream != TEXT_NONE:
+        return 0, tail
+    extra = max(get_ops(x).shape(x)[1] - grid[0] * grid[1] - tail, 0)
+    return (extra, tail) if grid_last else (0, tail + extra)
+
+
+def image_part(x: Any, family: BlockFamily, grid: Tuple[int, int], tail: int = 0, grid_last: bool = False) -> Any:
+    """The image tokens of a block's input ``x`` ``[B, L, C]`` (what the patch matches on): without the head and
+    tail tokens around the grid's (:func:`around_grid`), and without the text its family's ``stream`` puts in
+    front or behind."""
     tokens = grid[0] * grid[1]
+    head, tail = around_grid(x, family, grid, tail, grid_last)
     length = get_ops(x).shape(x)[1]
     if family.stream == TEXT_PREFIX:
         return x[:, length - tail - tokens : length - tail]
-    return x[:, :tokens]
+    return x[:, head : head + tokens]
 
 
 class _OracleCall:
     """What the oracle knows of the model call in flight: its token grid and tail (reference tokens after the
-    grid's), found by the patch's own call hook (:class:`~tome_core.driver._CallStart`: ids, ``img_shapes``,
+    grid's, or head tokens before it where its grid comes last), found by the patch's own call hook (:class:`~tome_core.driver._CallStart`: ids, ``img_shapes``,
     a video's sizes, :class:`~tome_core.families.GridLayout`) on a state of its own, so that the oracle cuts the
     calls and counts 'ours' merges, and none where 'ours' runs unmerged."""
 
@@ -346,17 +365,20 @@ class _OracleCall:
         self.state = ToMeState(config=config, where=type(model).__qualname__)
         self.hook = driver._CallStart(fw, model, self.state)
 
-    def set(self, grid: Tuple[int, int], tail: int = 0) -> None:
-        """A call on ``grid`` with ``tail`` tokens after it (for blocks run on their own, as ``--micro`` runs)."""
-        self.state.begin_call(grid, MID_TIMESTEP, tail=tail)
+    def set(self, grid: Tuple[int, int], tail: int = 0, grid_last: bool = False) -> None:
+        """A call on ``grid`` with ``tail`` tokens after it (or before it: ``grid_last``), for blocks run on their
+        own, as ``--micro`` runs them."""
+        self.state.begin_call(grid, MID_TIMESTEP, tail=tail, grid_last=grid_last)
         self.state.enter_grid(grid)
 
-    def image(self) -> Optional[Tuple[int, int]]:
-        """``(grid tokens, tail)`` of the call, or None where it runs unmerged."""
+    def image(self, x: Any, family: BlockFamily) -> Optional[Tuple[int, int, int]]:
+        """``(grid tokens, head, tail)`` of a block's input ``x`` in this call (:func:`around_grid`), or None
+        where the call runs unmerged."""
         state = self.state
         if not state.merging or state.grid_hw is None:
             return None
-        return state.grid_hw[0] * state.grid_hw[1], state.tail
+        head, tail = around_grid(x, family, state.grid_hw, state.tail, getattr(state, "grid_last", False))
+        return state.grid_hw[0] * state.grid_hw[1], head, tail
 
 
 class _OracleBlock:
@@ -377,14 +399,14 @@ class _OracleBlock:
         self.plan = plan
         self.family = family
         self.call = call
-        self.image: Optional[Tuple[int, int]] = None  # (grid tokens, tail) of this run of the block
+        self.image: Optional[Tuple[int, int, int]] = None  # (grid tokens, head, tail) of this run of the block
         self.done: set = set()  # sub-layers cut in this run of the block (Sublayer.once)
         name = family.unmerged_with[0] if family.unmerged_with else None
         self.unmerged_at = driver.argument_positions(type(block).forward, name)[name] if name else None
 
     def begin(self, module, args, kwargs):
         self.done = set()
-        self.image = self.call.image()
+        self.image = self.call.image(driver.argument(args, kwargs, "hidden_states", 0), self.family)
         if self.image is not None and self.family.unmerged_with is not None:
             if driver.argument(args, kwargs, self.family.unmerged_with[0], self.unmerged_at) is not None:
                 self.image = None
@@ -408,7 +430,7 @@ class _OracleBlock:
         def drop(module, args, kwargs):
             if self.image is None:
                 return None
-            tokens, tail = self.image
+            tokens, head, tail = self.image
             kept = self.plan.kept(sublayer.kind, tokens)
             if kept is None or kept == tokens:
                 return None
@@ -426,7 +448,7 @@ class _OracleBlock:
                 module.__dict__["_tome_oracle"] = (tokens, kept, 0)
                 return args, {**kwargs, sublayer.kv_input: x}
             length = get_ops(x).shape(x)[1]
-            first = length - tokens - tail if sublayer.text == TEXT_PREFIX else 0
+            first = (length - head - tokens - tail if sublayer.text == TEXT_PREFIX else 0) + head
             short = _keep_rows(x, 1, first, tokens, kept)
             args, kwargs = driver.replace_argument(args, kwargs, "hidden_states", 0, short)
             for name in sublayer.aligned:
@@ -436,14 +458,14 @@ class _OracleBlock:
                     args, kwargs = driver.replace_argument(args, kwargs, name, at[name], alike)
             tables = driver.argument(args, kwargs, rotary, at[rotary]) if rotary else None
             if tables is not None:
-                cut = _cut_tables(tables, axis, tokens, tail, kept, after, family.rotary_items)
+                cut = _cut_tables(tables, axis, tokens, tail, kept, after, family.rotary_items, head)
                 args, kwargs = driver.replace_argument(args, kwargs, rotary, at[rotary], cut)
             for name, axes in sublayer.masks:
                 mask = driver.argument(args, kwargs, name, at[name])
                 if mask is None:
                     continue
                 for mask_axis in axes:  # none: a mask over the text only, which the processor extends
-                    mask = _cut_tables(mask, mask_axis, tokens, tail, kept, after)
+                    mask = _cut_tables(mask, mask_axis, tokens, tail, kept, after, None, head)
                 args, kwargs = driver.replace_argument(args, kwargs, name, at[name], mask)
             module.__dict__["_tome_oracle"] = (tokens, kept, first)
             return args, kwargs
@@ -472,13 +494,13 @@ class _OracleBlock:
 
 def install_transformer_oracle(
     fw: "driver.Framework", model: Any, config: ToMeConfig, latent_hw: Optional[Tuple[int, int]] = None,
-    call: Optional[Tuple[Tuple[int, int], int]] = None,
+    call: Optional[Tuple[Tuple[int, int], int, bool]] = None,
 ) -> List[Any]:
     """Hook the oracle into every block 'ours' merges with ``config`` (``blocks`` included) and every
     sub-layer it wraps (:mod:`tome_core.families`); returns the hook handles. ``latent_hw`` (the latent
     grid) places the tokens on a grid for cell matching's counts (default: the call's token grid). The call's
-    grid and tail are read from each model call as the patch reads them; ``call=(grid, tail)`` gives them
-    instead (blocks run on their own)."""
+    grid and tail are read from each model call as the patch reads them; ``call=(grid, tail, grid_last)``
+    gives them instead (blocks run on their own)."""
     blocks = driver.blocks_of(fw, model)
     chosen = set(selection.selected_blocks(config, len(blocks), type(model).__qualname__))
     plan = OraclePlan(config, latent_hw or (0, 0), None)

@@ -291,6 +291,8 @@ def _shapes(name, args, kwargs):
             return tuple(value.shape)
         if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
             return tuple(shape(v) for v in value)
+        if isinstance(value, dict) and any(isinstance(v, torch.Tensor) for v in value.values()):
+            return tuple((k, shape(v)) for k, v in sorted(value.items()))
         return None
 
     given = [("#%d" % i, shape(v)) for i, v in enumerate(args)] + [(k, shape(v)) for k, v in sorted(kwargs.items())]
@@ -332,6 +334,80 @@ def test_new_families_run_whole_calls_and_the_micro_path(tmp_path, capsys):
     for row in rows[1:]:
         assert row.fidelity_step > 0 and np.isfinite(row.fidelity_sampled) and row.fidelity_sampled > 0
     capsys.readouterr()
+
+
+# One model class per mechanism the oracle follows from the family table: [text; image] single streams (Flux.2,
+# AuraFlow), img_shapes and (image, text) rotary tables (Qwen-Image), [image; text] streams with one complex
+# table and a key mask (Z-Image), masks on two axes (Chroma), a text-only mask (HunyuanVideo 1.5), [image; text]
+# MLP inputs (HunyuanVideo), packed video tokens with sizes (LTX), audio beside the video (LTX-2), aligned inputs
+# (Lumina 2, Nucleus-MoE), a sub-layer run again on the text (CogView4), nested rotary positions (Allegro), tables
+# by name (AnyFlow), head tokens before the grid (FramePack), tokens past the grid (FLUX.3), a mask it cannot
+# place (SkyReels-V2), rotation matrices and an MoE feed-forward viewing its input (HiDream).
+ZOO_ORACLE_CLASSES = (
+    "Flux2Transformer2DModel", "AuraFlowTransformer2DModel", "QwenImageTransformer2DModel", "ZImageTransformer2DModel",
+    "ChromaTransformer2DModel", "HunyuanVideo15Transformer3DModel", "HunyuanVideoTransformer3DModel",
+    "LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel", "Lumina2Transformer2DModel",
+    "NucleusMoEImageTransformer2DModel", "CogView4Transformer2DModel", "AllegroTransformer3DModel",
+    "AnyFlowTransformer3DModel", "HunyuanVideoFramepackTransformer3DModel", "Flux3Transformer2DModel",
+    "SkyReelsV2Transformer3DModel", "HiDreamImageTransformer2DModel",
+)
+
+
+def _zoo_builders():
+    """The zoo test's tiny model builders (tests/torch/test_zoo.py's MERGED), imported from its file."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_zoo_models", os.path.join(os.path.dirname(__file__), "test_zoo.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.MERGED
+
+
+@pytest.mark.parametrize("name", ZOO_ORACLE_CLASSES)
+def test_the_oracle_gives_every_merged_sublayer_of_the_zoo_the_shapes_of_ours(name):
+    """Model classes of the zoo, the oracle installed on its own (its call hook reads the grid, tail and head as
+    the patch does): every sub-layer call gets inputs of the shapes ours gives it (tokens, rotary tables, masks),
+    attention alone and with the MLPs."""
+    import tome_core.torch as tome
+    from tome_core import driver
+    from tome_core.adapters.diffusers import FRAMEWORK
+    from tome_core.bench_runner import install_transformer_oracle, remover
+
+    builders = _zoo_builders()
+    if name not in builders:
+        pytest.skip(f"the zoo builds no {name} here")
+    model, inputs = builders[name]()
+
+    def calls(setup):
+        seen, undo = [], setup()
+        handles = [
+            getattr(block, sublayer.child).register_forward_pre_hook(
+                lambda m, a, k, where=f"{index}/{sublayer.child}": seen.append(_shapes(where, a, k)), with_kwargs=True
+            )
+            for index, (block, family) in enumerate(driver.blocks_of(FRAMEWORK, model))
+            for sublayer in family.sublayers
+            if isinstance(getattr(block, sublayer.child, None), torch.nn.Module)
+        ]
+        try:
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model(**inputs)
+        finally:
+            for handle in handles:
+                handle.remove()
+            undo()
+        return seen
+
+    plain = calls(lambda: (lambda: None))
+    for options in ({}, {"merge_mlp": True}):
+        def ours():
+            tome.patch(model, ratio=0.5, **options)
+            return lambda: tome.remove(model)
+
+        config = ToMeConfig.from_options({"ratio": 0.5, **options})
+        merged = calls(ours)
+        assert merged != plain
+        assert calls(lambda: remover(install_transformer_oracle(FRAMEWORK, model, config))) == merged
 
 
 # -- arrangements (mode), cell matching, several resolutions, missing dependencies -------------------------
