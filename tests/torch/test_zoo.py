@@ -587,6 +587,16 @@ def test_the_models_page_says_what_the_registry_says():
     assert readme.count(f"{len(merging)} of the {len(generation)} ") == 2  # the opening and the support table
 
 
+def test_the_models_page_lists_the_pipelines_checked_and_those_not_built():
+    from tome_core.adapters.diffusers_zoo_pipelines import NOT_BUILT, ZOO_PIPELINES
+
+    part = MODELS_PAGE.read_text().split("## Pipelines checked end to end", 1)[1].split("\n## ", 1)[0]
+    for recipe in ZOO_PIPELINES.values():
+        assert re.search(rf"\b{recipe.pipeline}\b", part), recipe.pipeline
+    for name, why in NOT_BUILT.items():
+        assert f"| {name} | {why} |" in part
+
+
 def test_the_models_page_snippet_runs_as_its_comments_say(capsys):
     code = "\n".join(re.findall(r"```python\n(.*?)```", MODELS_PAGE.read_text(), flags=re.S))
     with warnings.catch_warnings():
