@@ -198,8 +198,10 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
         timesteps=1.0,
     ),
     BlockFamily(
-        "wan",  # Wan 2.1/2.2 (and its copies: Animate, ChronoEdit, SkyReels-V2): frames x height x width tokens
-        ("WanTransformerBlock", "SkyReelsV2TransformerBlock"),
+        # Wan 2.1/2.2 (and its copies: Animate, ChronoEdit, SkyReels-V2): frames x height x width tokens. VACE's
+        # control blocks run on control tokens of the same grid, matched on the main stream's (their first input)
+        "wan",
+        ("WanTransformerBlock", "SkyReelsV2TransformerBlock", "WanVACETransformerBlock"),
         (
             Sublayer("attn1", "attn", attention=True),
             Sublayer("attn2", "crossattn"),

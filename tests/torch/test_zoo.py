@@ -857,6 +857,19 @@ def test_framepack_merges_the_latent_and_its_history_before_it_passes_through():
     assert torch.isfinite(output).all() and _rel(output, plain) > 1e-6
 
 
+def test_wan_vace_control_blocks_merge_like_its_main_blocks():
+    model, inputs = MERGED["WanVACETransformer3DModel"]()
+    tome.patch(model, ratio=0.5)
+    seen = {}
+    for name, module in model.named_modules():  # registered after ToMe's hooks: what attention gets
+        if name.endswith("attn1"):
+            module.register_forward_pre_hook(
+                lambda m, a, k, name=name: seen.setdefault(name.split(".")[0], set()).add(a[0].shape[1]), with_kwargs=True
+            )
+    _run(model, inputs)
+    assert seen == {"blocks": {36}, "vace_blocks": {36}}  # 3 frames of 4x6 tokens, half merged in both
+
+
 def test_nucleus_moe_router_tokens_merge_alike():
     model, inputs = MERGED["NucleusMoEImageTransformer2DModel"]()
     plain = _run(model, inputs)
