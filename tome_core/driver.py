@@ -609,6 +609,8 @@ class _MergeInput:
         self.rotary_at = argument_positions(type(module).forward, self.rotary)[self.rotary] if self.rotary else None
         self.masks_at = argument_positions(type(module).forward, "attention_mask", *(name for name, _ in sublayer.masks))
         self.aligned_at = argument_positions(type(module).forward, *sublayer.aligned)
+        self.counts_at = argument_positions(type(module).forward, *sublayer.counts)
+        self.head = 0  # the head in this call's input (sublayer_head)
 
     def __call__(self, module, args, kwargs):
         match = self.run.matches.get(self.sublayer.kind)
@@ -617,7 +619,8 @@ class _MergeInput:
         mode, size_aware = self.run.config.arrangement(self.sublayer.kind, self.sublayer.attention)
         self.fw.output_cache(module)  # a cache set after patch is checked here
         x = argument(args, kwargs, "hidden_states", 0)
-        merged = around_image(x, match.tokens, self.run.tail, self.sublayer.text, lambda image: merge(image, match), self.run.head)
+        self.head = sublayer_head(self.run, self.sublayer, get_ops(x).shape(x)[1], match.tokens)
+        merged = around_image(x, match.tokens, self.run.tail, self.sublayer.text, lambda image: merge(image, match), self.head)
         if mode != "tokens":
             return self._arrange(module, args, kwargs, x, merged, match, mode, size_aware)
         args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
@@ -625,7 +628,7 @@ class _MergeInput:
             other = argument(args, kwargs, name, self.aligned_at[name])
             if other is not None:
                 alike = merged if other is x else around_image(
-                    other, match.tokens, self.run.tail, self.sublayer.text, lambda image: merge(image, match), self.run.head
+                    other, match.tokens, self.run.tail, self.sublayer.text, lambda image: merge(image, match), self.head
                 )
                 args, kwargs = replace_argument(args, kwargs, name, self.aligned_at[name], alike)
         if self.rotary is not None:
@@ -633,6 +636,9 @@ class _MergeInput:
         gathered = self._gather_masks(args, kwargs, match)
         for name, mask in gathered.items():
             args, kwargs = replace_argument(args, kwargs, name, self.masks_at[name], mask)
+        for name in self.sublayer.counts:
+            if argument(args, kwargs, name, self.counts_at[name]) is not None:
+                args, kwargs = replace_argument(args, kwargs, name, self.counts_at[name], match.kept)
         if not size_aware:
             return args, kwargs
         # With only_cross_attention, a BasicTransformerBlock's attn1 attends to text: its keys are not merged.
@@ -669,7 +675,7 @@ class _MergeInput:
             if mask is None:
                 continue
             for axis in axes:  # none: a mask over the text only, which the processor extends over the image
-                mask = _merge_positions((mask,), match, axis, self.run.tail, self.sublayer.text == TEXT_AFTER, self.run.head)[0]
+                mask = _merge_positions((mask,), match, axis, self.run.tail, self.sublayer.text == TEXT_AFTER, self.head)[0]
             gathered[name] = mask
         return gathered
 
@@ -690,15 +696,15 @@ class _MergeInput:
             return args, kwargs
         family, after = self.run.family, self.sublayer.text in (TEXT_AFTER, TEXT_SUFFIX)
         if isinstance(rotary, dict):  # tables by name (AnyFlow's query and key frequencies)
-            moved = _merge_positions(tuple(rotary.values()), match, family.rotary_axis, self.run.tail, after, self.run.head)
+            moved = _merge_positions(tuple(rotary.values()), match, family.rotary_axis, self.run.tail, after, self.head)
             return replace_argument(args, kwargs, self.rotary, self.rotary_at, type(rotary)(zip(rotary, moved)))
         if not isinstance(rotary, (tuple, list)):  # one table (Z-Image's complex frequencies)
-            moved = _merge_positions((rotary,), match, family.rotary_axis, self.run.tail, after, self.run.head)[0]
+            moved = _merge_positions((rotary,), match, family.rotary_axis, self.run.tail, after, self.head)[0]
             return replace_argument(args, kwargs, self.rotary, self.rotary_at, moved)
         items = family.rotary_items
         moved = _merge_positions(
             [table for i, table in enumerate(rotary) if items is None or i in items], match, family.rotary_axis,
-            self.run.tail, after, self.run.head,
+            self.run.tail, after, self.head,
         )
         if items is not None:
             moved = iter(moved)
@@ -707,8 +713,17 @@ class _MergeInput:
 
     def _size_aware(self, module, args, kwargs, match, merged, masked=False):
         return self.fw.size_aware(
-            module, args, kwargs, SizeBias(match, self.sublayer.text, merged, self.run.tail, self.run.head)
+            module, args, kwargs, SizeBias(match, self.sublayer.text, merged, self.run.tail, self.head)
         )
+
+
+def sublayer_head(run: "_BlockRun", sublayer: Sublayer, length: int, tokens: int) -> int:
+    """The block's head in a sub-layer's input (or output) of ``length`` tokens around ``tokens`` image tokens:
+    where no text shares the tensor, a sub-layer may run on the grid alone (Helios' cross-attention gets the
+    current frames without their history), and then it has none."""
+    if sublayer.text in (TEXT_PREFIX, TEXT_SUFFIX) or length == run.head + tokens + run.tail:
+        return run.head
+    return 0
 
 
 def around_image(x: Any, tokens: int, tail: int, text: str, change: Callable[[Any], Any], head: int = 0) -> Any:
@@ -792,7 +807,8 @@ class _UnmergeOutput:
     def _unmerge(self, output: Any, match: Match) -> Any:
         index = self.sublayer.output
         image = output if index is None else output[index]
-        image = around_image(image, match.kept, self.run.tail, self.sublayer.text, lambda x: unmerge(x, match), self.run.head)
+        head = sublayer_head(self.run, self.sublayer, get_ops(image).shape(image)[1], match.kept)
+        image = around_image(image, match.kept, self.run.tail, self.sublayer.text, lambda x: unmerge(x, match), head)
         if index is None:
             return image
         return type(output)(image if i == index else part for i, part in enumerate(output))

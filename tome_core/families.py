@@ -42,6 +42,8 @@ class Sublayer:
         only the block's first call merges.
     aligned: arguments that carry the same tokens as its input (Lumina 2's self-attention gets its input again as
         ``encoder_hidden_states``; Nucleus-MoE's router the unmodulated tokens): merged alike.
+    counts: arguments that give how many of its input's tokens are the grid's (Helios' ``original_context_length``,
+        from which its attention tells the history before them): given the merged count.
     """
 
     child: str
@@ -54,6 +56,7 @@ class Sublayer:
     masks: Tuple[Tuple[str, Tuple[int, ...]], ...] = ()
     once: bool = False
     aligned: Tuple[str, ...] = ()
+    counts: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -510,6 +513,20 @@ BLOCK_FAMILIES += (
     ),
 )
 
+BLOCK_FAMILIES += (
+    BlockFamily(  # Helios: Wan's blocks on [history at three resolutions; current frames], rotary [B, tokens, d]
+        "helios",
+        ("HeliosTransformerBlock",),
+        (
+            Sublayer("attn1", "attn", attention=True, counts=("original_context_length",)),
+            Sublayer("attn2", "crossattn", counts=("original_context_length",)),  # on the current frames alone
+            Sublayer("ffn", "mlp"),
+        ),
+        rotary="rotary_emb",
+        rotary_axis=1,
+    ),
+)
+
 _BY_CLASS: Dict[str, BlockFamily] = {name: family for family in BLOCK_FAMILIES for name in family.classes}
 
 
@@ -570,7 +587,7 @@ class GridLayout:
 
 GRID_LAYOUTS: Tuple[GridLayout, ...] = (
     GridLayout(("HunyuanVideoTransformer3DModel", "HunyuanVideo15Transformer3DModel", "MotifVideoTransformer3DModel")),
-    GridLayout(("HunyuanVideoFramepackTransformer3DModel",), grid_last=True),
+    GridLayout(("HunyuanVideoFramepackTransformer3DModel", "HeliosTransformer3DModel"), grid_last=True),
     GridLayout(("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel", "AnyFlowTransformer3DModel"), frames_axis=1),
     GridLayout(
         ("LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel"), frames_axis=None, sizes=("num_frames", "height", "width"),

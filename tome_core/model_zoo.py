@@ -97,10 +97,6 @@ REFUSED: Dict[str, str] = {
         "while the ControlNet runs unmerged"
     ),
     # not supported yet: what each needs that the driver does not have
-    "HeliosTransformer3DModel": (
-        "not supported yet: its image stream starts with history tokens at three resolutions before the current "
-        "grid (a head of unmerged tokens is missing), and its self-attention takes the history length as an argument"
-    ),
     "Kandinsky6Transformer3DModel": (
         "not supported yet: Kandinsky 5's channels-last latent in fused video-audio blocks that call their video "
         "sub-layers through a nested block"

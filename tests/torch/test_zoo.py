@@ -492,6 +492,17 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
         latents_history_2x=(2, 4, 2, 8, 8), indices_latents_history_2x=torch.arange(5, 7),
         latents_history_4x=(2, 4, 8, 8, 8), indices_latents_history_4x=torch.arange(7, 15),
     ),
+    "HeliosTransformer3DModel": _built(  # its image stream: [long; mid; short history; current frames]
+        "HeliosTransformer3DModel",
+        dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
+             text_dim=16, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+             rope_dim=(4, 4, 4), has_multi_term_memory_patch=True, guidance_cross_attn=True,
+             zero_history_timestep=True, is_amplify_history=True),
+        hidden_states=(2, 4, 2, 8, 16), timestep=torch.tensor([500, 500]), encoder_hidden_states=(2, 6, 16),
+        indices_hidden_states=torch.tensor([[4, 5]] * 2), indices_latents_history_short=torch.tensor([[3]] * 2),
+        indices_latents_history_mid=torch.tensor([[2]] * 2), indices_latents_history_long=torch.tensor([[0, 0, 1, 1]] * 2),
+        latents_history_short=(2, 4, 1, 8, 16), latents_history_mid=(2, 4, 1, 8, 16), latents_history_long=(2, 4, 4, 8, 16),
+    ),
     "AllegroTransformer3DModel": _allegro,
     "EasyAnimateTransformer3DModel": _built(
         "EasyAnimateTransformer3DModel",
@@ -868,6 +879,35 @@ def test_wan_vace_control_blocks_merge_like_its_main_blocks():
             )
     _run(model, inputs)
     assert seen == {"blocks": {36}, "vace_blocks": {36}}  # 3 frames of 4x6 tokens, half merged in both
+
+
+def test_helios_merges_its_current_frames_and_counts_them_for_its_history_scale():
+    """Helios' attention tells its history from original_context_length (it scales the history's keys): that
+    count becomes the merged one; its cross-attention runs on the current frames alone (no head there)."""
+    model, inputs = MERGED["HeliosTransformer3DModel"]()
+    attentions = [(i, name, getattr(block, name)) for i, block in enumerate(model.blocks) for name in ("attn1", "attn2")]
+
+    def seen(run):
+        calls = {}
+        handles = [
+            module.register_forward_pre_hook(
+                lambda m, a, k, key=(i, name): calls.setdefault(key, (a[0].shape[1], a[4] if len(a) > 4 else None)) and None,
+                with_kwargs=True,
+            )
+            for i, name, module in attentions
+        ]
+        output = run()
+        for handle in handles:
+            handle.remove()
+        return calls, output
+
+    plain_calls, plain = seen(lambda: _run(model, inputs))
+    tome.patch(model, ratio=0.5, merge_crossattn=True)
+    calls, output = seen(lambda: _run(model, inputs))
+    history = plain_calls[(0, "attn1")][0] - 64  # 2 frames of 4x8 current tokens after the history
+    assert history > 0 and plain_calls[(0, "attn2")] == (64, 64)
+    assert calls[(0, "attn1")] == (history + 32, 32) and calls[(0, "attn2")] == (32, 32)
+    assert torch.isfinite(output).all() and _rel(output, plain) > 1e-6
 
 
 def test_nucleus_moe_router_tokens_merge_alike():
