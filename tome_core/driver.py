@@ -35,7 +35,7 @@ from .backend import get_ops
 from .config import ToMeConfig
 from .families import (
     BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_AFTER, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer, GridLayout, block_family, grid_layout,
-    temporal, text_only,
+    grid_last, temporal, text_only,
 )
 from .levels import finest_attention_level, leading_raster, trailing_frames, trailing_raster
 from .match import Match
@@ -285,6 +285,7 @@ class _CallStart:
         self.model = type(model).__qualname__
         self.ids_grid: Tuple[Any, Optional[Tuple[int, int, int]]] = (None, None)  # (ids, leading_raster of them)
         self.layout = grid_layout(type(model)) if self.transformer else None
+        self.grid_last = grid_last(type(model))  # the latent's tokens end each block's image stream
         if self.layout is not None:
             self.temporal_patch = (self.layout.temporal_patch and _config_value(model, self.layout.temporal_patch)) or 1
             coords = (self.layout.coords,) if self.layout.coords else ()
@@ -326,7 +327,7 @@ class _CallStart:
             shape = get_ops(sample).shape(sample)
         videos, tail = None, 0
         layout = self.layout
-        grid_last = layout is not None and layout.grid_last
+        grid_last = self.grid_last
         if layout is not None:
             sizes = self._video_grid(layout, shape, args, kwargs)
             if sizes is None:
@@ -497,7 +498,7 @@ class _BlockRun:
         self.matches: Dict[str, Match] = {}
         self.config = state.active
         self.tail = 0  # this run's tokens after the grid's (ToMeState.tail)
-        self.head = 0  # and before them, in a stream whose grid comes last (GridLayout.grid_last)
+        self.head = 0  # and before them, in a stream whose grid comes last (GRID_LAST)
         # id(input): (weakref, matches, options, (head, tail))
         self.ran: Dict[int, Tuple[Any, Dict[str, Match], ToMeConfig, int]] = {}
 

@@ -527,6 +527,21 @@ BLOCK_FAMILIES += (
     ),
 )
 
+BLOCK_FAMILIES += (
+    BlockFamily(  # OmniGen: one stream [prompt with input images; time token; output image], its attention mask
+        "omnigen",  # over all of it (both axes); the attention gets its input again as encoder_hidden_states
+        ("OmniGenBlock",),
+        (
+            Sublayer(
+                "self_attn", "attn", attention=True, masks=(("attention_mask", (-2, -1)),), aligned=("encoder_hidden_states",),
+            ),
+            Sublayer("mlp", "mlp"),
+        ),
+        rotary="image_rotary_emb",
+        timesteps=1.0,
+    ),
+)
+
 _BY_CLASS: Dict[str, BlockFamily] = {name: family for family in BLOCK_FAMILIES for name in family.classes}
 
 
@@ -569,8 +584,6 @@ class GridLayout:
     patch_arguments: the call's arguments that give ``(temporal, spatial)`` patch sizes (Z-Image), their
         defaults those of the model's ``forward``; else the config's (a 3-D ``patch_size`` gives both).
     channels_last: its latent is ``(B, F, H, W, C)`` (Kandinsky 5), frames on ``frames_axis`` 1.
-    grid_last: its blocks' image stream ends with the latent's tokens, after tokens of other grids that pass
-        through unmerged (FramePack's clean and history latents, at other resolutions).
     coords: the call's argument of per-token ``(t, h, w)`` coordinates ``[B, 3, N]``, read where ``sizes`` are not
         given: the video's frames last, after conditioning tokens (LTX-Video's condition pipeline).
     """
@@ -581,13 +594,12 @@ class GridLayout:
     sizes: Tuple[str, ...] = ()
     patch_arguments: Tuple[str, ...] = ()
     channels_last: bool = False
-    grid_last: bool = False
     coords: Optional[str] = None
 
 
 GRID_LAYOUTS: Tuple[GridLayout, ...] = (
     GridLayout(("HunyuanVideoTransformer3DModel", "HunyuanVideo15Transformer3DModel", "MotifVideoTransformer3DModel")),
-    GridLayout(("HunyuanVideoFramepackTransformer3DModel", "HeliosTransformer3DModel"), grid_last=True),
+    GridLayout(("HunyuanVideoFramepackTransformer3DModel", "HeliosTransformer3DModel")),
     GridLayout(("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel", "AnyFlowTransformer3DModel"), frames_axis=1),
     GridLayout(
         ("LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel"), frames_axis=None, sizes=("num_frames", "height", "width"),
@@ -600,6 +612,18 @@ GRID_LAYOUTS: Tuple[GridLayout, ...] = (
 )
 
 _LAYOUTS: Dict[str, GridLayout] = {name: layout for layout in GRID_LAYOUTS for name in layout.classes}
+
+# Model classes whose blocks' image stream ends with the latent's tokens, after tokens that pass through unmerged:
+# other grids (FramePack's clean and history latents, Helios' history) or the prompt (OmniGen's text, input images
+# and time token, all in one stream).
+GRID_LAST: Tuple[str, ...] = (
+    "HunyuanVideoFramepackTransformer3DModel", "HeliosTransformer3DModel", "OmniGenTransformer2DModel",
+)
+
+
+def grid_last(cls: type) -> bool:
+    """Whether a model class (or its nearest base class) is in :data:`GRID_LAST`."""
+    return any(base.__name__ in GRID_LAST for base in cls.__mro__)
 
 
 def grid_layout(cls: type) -> Optional[GridLayout]:

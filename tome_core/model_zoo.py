@@ -116,10 +116,6 @@ REFUSED: Dict[str, str] = {
     "JoyImageEditPlusTransformer3DModel": (
         "not supported yet: JoyImage-Edit's 6-D multi-item inputs, plus a key mask over [image; text]"
     ),
-    "OmniGenTransformer2DModel": (
-        "not supported yet: one stream of text, input images and the output image last, under a query-by-key "
-        "attention mask, with self-attention through encoder_hidden_states"
-    ),
     "LuminaNextDiT2DModel": (
         "not supported yet: separate query and key rotary tables, attention outputs shaped [B, N, heads, d], and a "
         "softmax scale that its pipeline sets from the number of tokens"

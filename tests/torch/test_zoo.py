@@ -210,6 +210,24 @@ _FLUX3_CALL = dict(
 )
 
 
+def _omnigen():
+    """OmniGen: 5 prompt tokens, an input image's 16 tokens in item 0's prompt (at 5..21), the time token, then the
+    output's 16; its attention mask over all 38 tokens, the second item's last prompt token masked."""
+    config = dict(
+        hidden_size=16, num_attention_heads=4, num_key_value_heads=4, intermediate_size=32, num_layers=2, pad_token_id=0,
+        vocab_size=1000, in_channels=4, time_step_dim=4, rope_scaling={"long_factor": [1, 2], "short_factor": [1, 2]},
+    )
+    tokens = 21 + 1 + 16
+    mask = torch.ones(2, tokens, tokens)
+    mask[1, :, 20] = 0
+    return _built(
+        "OmniGenTransformer2DModel", config, hidden_states=(2, 4, 8, 8), timestep=torch.tensor([0.5, 0.5]),
+        input_ids=torch.randint(0, 10, (2, 21), generator=torch.Generator().manual_seed(2)),
+        input_img_latents=[torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(3))],
+        input_image_sizes={0: [[5, 21]]}, attention_mask=mask, position_ids=torch.arange(tokens).repeat(2, 1),
+    )()
+
+
 def _built(name: str, config: Dict[str, Any], **inputs: Any):
     """A builder of diffusers' class ``name`` from ``config`` (seeded; zero-initialised output layers given
     values) called with ``inputs`` (tensors drawn from a seeded generator where given as shapes)."""
@@ -503,6 +521,7 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
         indices_latents_history_mid=torch.tensor([[2]] * 2), indices_latents_history_long=torch.tensor([[0, 0, 1, 1]] * 2),
         latents_history_short=(2, 4, 1, 8, 16), latents_history_mid=(2, 4, 1, 8, 16), latents_history_long=(2, 4, 4, 8, 16),
     ),
+    "OmniGenTransformer2DModel": _omnigen,
     "AllegroTransformer3DModel": _allegro,
     "EasyAnimateTransformer3DModel": _built(
         "EasyAnimateTransformer3DModel",
@@ -639,7 +658,8 @@ def _attention_calls(model, inputs):
     def record(module, args, kwargs, name):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         text = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
-        text = text.clone() if isinstance(text, torch.Tensor) else None  # Cosmos' (text, image context) pair: not compared
+        # not compared: Cosmos' (text, image context) pair; the attention's own input given again (Lumina 2, OmniGen)
+        text = text.clone() if isinstance(text, torch.Tensor) and text is not hidden else None
         seen.append((name, hidden.shape[1] if hidden.dim() == 3 else None, text))
 
     handles = [
@@ -907,6 +927,20 @@ def test_helios_merges_its_current_frames_and_counts_them_for_its_history_scale(
     history = plain_calls[(0, "attn1")][0] - 64  # 2 frames of 4x8 current tokens after the history
     assert history > 0 and plain_calls[(0, "attn2")] == (64, 64)
     assert calls[(0, "attn1")] == (history + 32, 32) and calls[(0, "attn2")] == (32, 32)
+    assert torch.isfinite(output).all() and _rel(output, plain) > 1e-6
+
+
+def test_omnigen_merges_the_output_after_its_prompt_and_gathers_its_mask():
+    model, inputs = MERGED["OmniGenTransformer2DModel"]()
+    plain = _run(model, inputs)
+    tome.patch(model, ratio=0.5)
+    seen = []
+    for layer in model.layers:  # registered after ToMe's hooks: what attention gets
+        layer.self_attn.register_forward_pre_hook(
+            lambda m, a, k: seen.append((k["hidden_states"].shape[1], tuple(k["attention_mask"].shape[-2:]))), with_kwargs=True
+        )
+    output = _run(model, inputs)
+    assert seen == [(22 + 8, (30, 30))] * 2  # 21 prompt tokens and the time token whole, the output's 16 halved
     assert torch.isfinite(output).all() and _rel(output, plain) > 1e-6
 
 
