@@ -730,6 +730,16 @@ def _seen(model, inputs):
     return [tokens for _, tokens, _ in calls], output
 
 
+def _seen_by(model, inputs, group):
+    """Token counts the attention modules receive, as sets by ``group(module name)`` (None: left out)."""
+    calls, output = _attention_calls(model, inputs)
+    seen: Dict[str, set] = {}
+    for name, tokens, _ in calls:
+        if group(name) is not None:
+            seen.setdefault(group(name), set()).add(tokens)
+    return seen, output
+
+
 def test_flux2_reference_tokens_pass_through_and_the_output_grid_merges():
     model = zoo.build_transformer("tiny-flux2")
     inputs = zoo.transformer_inputs(model, 8, 12, batch=2)  # a 4x6 token grid
@@ -803,11 +813,8 @@ def test_ltx_reads_its_grid_from_video_coords_after_conditioning_tokens():
     inputs["video_coords"] = torch.cat([grid(1), grid(2)], dim=1)[None].repeat(2, 1, 1)
     plain = _run(model, inputs)
     tome.patch(model, ratio=0.5)
-    seen = []
-    for block in model.transformer_blocks:  # registered after ToMe's hooks: what attention gets
-        block.attn1.register_forward_pre_hook(lambda m, a, k: seen.append(k["hidden_states"].shape[1]), with_kwargs=True)
-    output = _run(model, inputs)
-    assert seen and set(seen) == {24 + 24}  # the condition's tokens whole, the video's half merged
+    seen, output = _seen_by(model, inputs, lambda name: "attn1" if name.endswith("attn1") else None)
+    assert seen == {"attn1": {24 + 24}}  # the condition's tokens whole, the video's half merged
     assert torch.isfinite(output).all() and _rel(output, plain) > 1e-6
     inputs["video_coords"] = torch.randn(2, 3, 72)
     tome.patch(model, ratio=0.5)
@@ -854,14 +861,7 @@ def test_cogview4_feed_forward_merges_its_image_call_and_runs_its_text_call_whol
 def test_flux3_merges_the_output_image_only_and_its_reference_passes_through():
     model, inputs = MERGED["Flux3Transformer2DModel"]()
     tome.patch(model, ratio=0.5)
-    seen = {}
-    for name, module in model.named_modules():  # registered after ToMe's hooks: what each attention gets
-        if name.endswith(".attn"):
-            module.register_forward_pre_hook(
-                lambda m, a, k, name=name: seen.setdefault(name.rsplit(".", 2)[0], set()).add(k["hidden_states"].shape[1]),
-                with_kwargs=True,
-            )
-    _run(model, inputs)
+    seen, _ = _seen_by(model, inputs, lambda name: name.rsplit(".", 2)[0] if name.endswith(".attn") else None)
     assert seen["txt_mode_blocks"] == {5}  # the text's own blocks: never hooked
     assert seen["mode_blocks.image_cond"] == {16}  # the reference image's own blocks: never hooked
     assert seen["mode_blocks.image"] == {24}  # the output's 48 tokens, half merged
@@ -870,34 +870,20 @@ def test_flux3_merges_the_output_image_only_and_its_reference_passes_through():
 
 def test_framepack_merges_the_latent_and_its_history_before_it_passes_through():
     model, inputs = MERGED["HunyuanVideoFramepackTransformer3DModel"]()
-    attentions = [block.attn for block in [*model.transformer_blocks, *model.single_transformer_blocks]]
-
-    def tokens_seen(run):
-        seen = []
-        handles = [a.register_forward_pre_hook(lambda m, a, k: seen.append(k["hidden_states"].shape[1]), with_kwargs=True) for a in attentions]
-        output = run()
-        for handle in handles:
-            handle.remove()
-        return seen, output
-
-    unpatched, plain = tokens_seen(lambda: _run(model, inputs))
+    blocks = lambda name: name.split(".")[0] if name.endswith(".attn") and "transformer_blocks" in name else None  # noqa: E731
+    unpatched, plain = _seen_by(model, inputs, blocks)
     tome.patch(model, ratio=0.5)
-    seen, output = tokens_seen(lambda: _run(model, inputs))  # hooks after ToMe's: what attention gets
-    assert unpatched == [38 + 48] * 2  # 38 tokens of history and clean frames, then 3 frames of 4x4 latent tokens
-    assert seen == [38 + 24] * 2  # the latent's tokens half merged, the history's untouched
+    seen, output = _seen_by(model, inputs, blocks)
+    # 38 tokens of history and clean frames, then 3 frames of 4x4 latent tokens; the latent's half merged
+    assert unpatched == {"transformer_blocks": {38 + 48}, "single_transformer_blocks": {38 + 48}}
+    assert seen == {"transformer_blocks": {38 + 24}, "single_transformer_blocks": {38 + 24}}
     assert torch.isfinite(output).all() and _rel(output, plain) > 1e-6
 
 
 def test_wan_vace_control_blocks_merge_like_its_main_blocks():
     model, inputs = MERGED["WanVACETransformer3DModel"]()
     tome.patch(model, ratio=0.5)
-    seen = {}
-    for name, module in model.named_modules():  # registered after ToMe's hooks: what attention gets
-        if name.endswith("attn1"):
-            module.register_forward_pre_hook(
-                lambda m, a, k, name=name: seen.setdefault(name.split(".")[0], set()).add(a[0].shape[1]), with_kwargs=True
-            )
-    _run(model, inputs)
+    seen, _ = _seen_by(model, inputs, lambda name: name.split(".")[0] if name.endswith("attn1") else None)
     assert seen == {"blocks": {36}, "vace_blocks": {36}}  # 3 frames of 4x6 tokens, half merged in both
 
 
