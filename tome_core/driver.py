@@ -394,15 +394,20 @@ class _CallStart:
         return sizes[0] // temporal, sizes[1] // spatial, sizes[2] // spatial, False
 
     def _coords_grid(self, coords: Any) -> Optional[Tuple[int, int, int, int]]:
-        """``(frames, rows, cols, head)`` of tokens from their coordinates ``[B, 3, N]`` (batch item 0), read on
-        the host once per coordinates array (:func:`~tome_core.levels.trailing_frames`)."""
-        if self.ids_grid[0] is coords:
-            return self.ids_grid[1]
-        shape = get_ops(coords).shape(coords)
-        values = self.fw.host_values(coords)[: shape[-2] * shape[-1]]
-        tokens = shape[-1]
-        rows = [[values[axis * tokens + i] for axis in range(shape[-2])] for i in range(tokens)]
-        self.ids_grid = (coords, trailing_frames(rows))
+        """``(frames, rows, cols, head)`` of tokens from their coordinates ``[B, 3, N]`` (batch item 0)
+        (:func:`~tome_core.levels.trailing_frames`)."""
+
+        def read(values: List[float], shape: Tuple[int, ...]) -> Optional[Tuple[int, int, int, int]]:
+            axes, tokens = shape[-2], shape[-1]
+            return trailing_frames([[values[axis * tokens + i] for axis in range(axes)] for i in range(tokens)])
+
+        return self._read_once(coords, read)
+
+    def _read_once(self, array: Any, read: Callable[[List[float], Tuple[int, ...]], Any]) -> Any:
+        """``read(values, shape)`` of an array's values, read on the host once per array (pipelines build their
+        ids and coordinates once per generation)."""
+        if self.ids_grid[0] is not array:
+            self.ids_grid = (array, read(self.fw.host_values(array), get_ops(array).shape(array)))
         return self.ids_grid[1]
 
     def _merges_at(self, timesteps: Optional[List[float]]) -> bool:
@@ -424,19 +429,17 @@ class _CallStart:
         Read on the host once per ids array (pipelines build it once per generation)."""
         if img_ids is None:
             raise ValueError("ToMe needs img_ids to place packed image tokens on their grid")
-        if self.ids_grid[0] is img_ids:
-            return self.ids_grid[1]
-        ops = get_ops(img_ids)
-        shape = ops.shape(img_ids)
-        values = self.fw.host_values(img_ids)
-        ids = [values[i : i + shape[-1]] for i in range(0, len(values), shape[-1])]
-        ids = ids[-min(tokens, len(ids) // (shape[0] if len(shape) == 3 else 1)):]
-        leading = leading_raster(ids)
-        trailing = None if leading is not None else trailing_raster(ids)
-        self.ids_grid = (
-            img_ids, (*leading, False) if leading is not None else None if trailing is None else (*trailing[:2], 0, True)
-        )
-        return self.ids_grid[1]
+
+        def read(values: List[float], shape: Tuple[int, ...]) -> Optional[Tuple[int, int, int, bool]]:
+            ids = [values[i : i + shape[-1]] for i in range(0, len(values), shape[-1])]
+            ids = ids[-min(tokens, len(ids) // (shape[0] if len(shape) == 3 else 1)):]
+            leading = leading_raster(ids)
+            if leading is not None:
+                return (*leading, False)
+            trailing = trailing_raster(ids)
+            return None if trailing is None else (*trailing[:2], 0, True)
+
+        return self._read_once(img_ids, read)
 
 
 def shapes_grid(img_shapes: Sequence[Any], tokens: int) -> Tuple[int, int, int]:

@@ -621,9 +621,12 @@ GRID_LAST: Tuple[str, ...] = (
 )
 
 
+_GRID_LAST: Dict[str, bool] = dict.fromkeys(GRID_LAST, True)
+
+
 def grid_last(cls: type) -> bool:
     """Whether a model class (or its nearest base class) is in :data:`GRID_LAST`."""
-    return any(base.__name__ in GRID_LAST for base in cls.__mro__)
+    return _nearest(_GRID_LAST, cls) is not None
 
 
 def grid_layout(cls: type) -> Optional[GridLayout]:
