@@ -24,6 +24,7 @@ import inspect
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.overrides import TorchFunctionMode
@@ -81,11 +82,16 @@ def _tgate_hands_back_cache(module: torch.nn.Module) -> bool:
 
 
 class _SizeBiasMode(TorchFunctionMode):
-    """Adds a :class:`~tome_core.driver.SizeBias` to every SDPA call made while it is active."""
+    """Adds a :class:`~tome_core.driver.SizeBias` to every SDPA call made while it is active.
 
-    def __init__(self, bias: driver.SizeBias):
+    Under Ulysses context parallelism (``group``: the processes that exchange heads) each SDPA call attends to
+    the keys of every process in turn, its own among them: each process's bias over its own keys is gathered in
+    that order, as diffusers gathers the keys."""
+
+    def __init__(self, bias: driver.SizeBias, group: Any = None):
         super().__init__()
         self.bias = bias
+        self.group = group
         self.calls = 0
         self.offset = 0  # first batch item of the next partial-batch call
 
@@ -94,7 +100,7 @@ class _SizeBiasMode(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             query = args[0] if args else kwargs["query"]
             key = args[1] if len(args) > 1 else kwargs["key"]
-            bias = self._rows(self.bias.for_keys(key.shape[-2], query), query)
+            bias = self._rows(self._for_keys(key.shape[-2], query), query)
             mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
             if mask is not None and mask.dtype == torch.bool:
                 mask = torch.zeros_like(mask, dtype=query.dtype).masked_fill(~mask, float("-inf"))
@@ -105,6 +111,20 @@ class _SizeBiasMode(TorchFunctionMode):
                 kwargs["attn_mask"] = mask
             self.calls += 1
         return func(*args, **kwargs)
+
+    def _for_keys(self, keys: int, query: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return self.bias.for_keys(keys, query)
+        pieces = dist.get_world_size(self.group)
+        if keys % pieces:
+            raise RuntimeError(
+                f"size-aware attention under context parallelism: an SDPA call over {keys} keys does not hold "
+                f"{pieces} equal pieces; pass proportional_attn=False"
+            )
+        from torch.distributed._functional_collectives import all_gather_single, wait_tensor  # traceable
+
+        own = self.bias.for_keys(keys // pieces, query).movedim(2, 0).contiguous()  # it gathers along dim 0
+        return wait_tensor(all_gather_single(own, gather_dim=0, group=self.group)).movedim(0, 2)
 
     def _rows(self, bias: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
         """``[B, 1, K]`` shaped for an SDPA query: 4-D ``[b, heads, L, d]`` over the whole batch takes every
@@ -165,7 +185,7 @@ class TorchFramework:
         processor = getattr(module, "processor", None)
         if type(processor).__name__ in MASK_PROCESSORS:
             return args, {**kwargs, "attention_mask": bias.for_merged_tokens()}
-        mode = _SizeBiasMode(bias)
+        mode = _SizeBiasMode(bias, _ulysses_group(processor))
         module.__dict__["_tome_size_bias"] = mode
         mode.__enter__()
         return args, kwargs
@@ -197,6 +217,23 @@ class TorchFramework:
             )
         return driver.REUSED if names & REUSING_CACHES else None
 
+    def shards(self, model: torch.nn.Module) -> Optional[driver.Shards]:
+        """From diffusers' ``enable_parallelism`` (``model._parallel_config``), read once per config."""
+        config = getattr(getattr(model, "_parallel_config", None), "context_parallel_config", None)
+        if config is None:
+            return None
+        known = model.__dict__.get("_tome_shards")
+        if known is not None and known[0] is config:
+            return known[1]
+        mesh = config._flattened_mesh
+        shards = driver.Shards(
+            count=mesh.size(), rank=dist.get_rank(mesh.get_group()),
+            even=not (config.ulysses_anything or config.ring_anything), ring=config.ring_degree > 1,
+            split_inside=frozenset(id(m) for m in model.modules() if m is not model and _splits_hidden_states(m)),
+        )
+        model.__dict__["_tome_shards"] = (config, shards)
+        return shards
+
     def size_aware_done(self, module: torch.nn.Module, computed: bool) -> None:
         mode = module.__dict__.pop("_tome_size_bias", None)
         if mode is None:
@@ -212,6 +249,24 @@ class TorchFramework:
 
 
 FRAMEWORK = TorchFramework()
+
+
+def _ulysses_group(processor: Any) -> Any:
+    """The process group of a processor's Ulysses attention (diffusers' ``enable_parallelism``), or None."""
+    config = getattr(getattr(processor, "_parallel_config", None), "context_parallel_config", None)
+    if config is None or config.ulysses_degree == 1:
+        return None
+    return config._ulysses_mesh.get_group()
+
+
+def _splits_hidden_states(module: torch.nn.Module) -> bool:
+    """Whether diffusers' context-parallel hook on ``module`` splits its ``hidden_states`` argument."""
+    registry = module.__dict__.get("_diffusers_hook")
+    for name, hook in (getattr(registry, "hooks", None) or {}).items():
+        plan = getattr(hook, "metadata", None)
+        if name.startswith("cp_input") and isinstance(plan, dict) and "hidden_states" in plan:
+            return True
+    return False
 
 
 def _check_compiled_regions(obj: Any) -> None:

@@ -280,6 +280,9 @@ class PaddleFramework:
     def output_cache(self, module: Layer) -> None:
         return None  # ppdiffusers has no output-caching hooks
 
+    def shards(self, model: Layer) -> None:
+        return None  # ppdiffusers has no context parallelism
+
     def size_aware_done(self, module: Layer, computed: bool = True) -> None:
         armed = _SDPA_WRAPPER.disarm(module)
         if not computed or armed is None or armed.calls > 0:  # computed is False also when the attention raised

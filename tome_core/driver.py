@@ -49,6 +49,22 @@ PreHook = Callable[[Any, Tuple[Any, ...], Dict[str, Any]], Optional[Tuple[Tuple[
 PostHook = Callable[[Any, Tuple[Any, ...], Dict[str, Any], Any], Any]
 
 
+class Shards(NamedTuple):
+    """How context parallelism splits a model's token sequence across processes (diffusers'
+    ``enable_parallelism``): into ``count`` contiguous shards, this process holding shard ``rank``.
+
+    ``even``: every shard has the same length (False under ``ulysses_anything`` / ``ring_anything``);
+    ``ring``: ring attention passes keys and values around shard by shard; ``split_inside``: ids of the blocks
+    that split their own ``hidden_states`` inside their call (Wan's first block), whose pre-hook still sees
+    the whole sequence."""
+
+    count: int
+    rank: int
+    even: bool = True
+    ring: bool = False
+    split_inside: frozenset = frozenset()
+
+
 class Framework(Protocol):
     """What an adapter tells the driver about its framework."""
 
@@ -87,6 +103,9 @@ class Framework(Protocol):
     def may_run_again(self, x: Any) -> bool:
         """Whether a block called on ``x`` may be run again on the very same ``x`` in the backward pass
         (gradient checkpointing recomputes it then): true in an eager forward that records gradients."""
+
+    def shards(self, model: Any) -> Optional[Shards]:
+        """How context parallelism splits ``model``'s tokens now (None: it does not)."""
 
     def output_cache(self, module: Any) -> Optional[str]:
         """How another library caches ``module``'s output across calls: None (it does not), ``REUSED`` (it
@@ -284,6 +303,7 @@ class _CallStart:
         self.rising = any(family.timesteps_rise for _, family in blocks_of(fw, model))
         self.model = type(model).__qualname__
         self.ids_grid: Tuple[Any, Optional[Tuple[int, int, int]]] = (None, None)  # (ids, leading_raster of them)
+        self.size_aware = size_aware_somewhere(fw, model, state.config)
         self.layout = grid_layout(type(model)) if self.transformer else None
         self.grid_last = grid_last(type(model))  # the latent's tokens end each block's image stream
         if self.layout is not None:
@@ -367,8 +387,14 @@ class _CallStart:
                 self.state.begin_call(None, step, merging=False, why=why)
                 return None
             grid, tail, grid_last = packed[:2], packed[2], packed[3]
-        self.state.begin_call(grid, step, videos=videos, merging=merging, tail=tail, grid_last=grid_last)
+        shards = self.fw.shards(module)
+        if shards is not None:
+            check_shards(shards, self.size_aware, self.model)
+            grid = shard_grid(grid, shards, tail, videos, self.model)
+        self.state.begin_call(grid, step, videos=videos, merging=merging, tail=tail, grid_last=grid_last, shards=shards)
         self.state.enter_grid(grid)
+        if shards is not None:
+            check_shard_cells(grid, shards, self.state.active, self.model)
         return None
 
     def _video_grid(self, layout: GridLayout, shape: Sequence[int], args, kwargs) -> Optional[Tuple[int, int, int, bool]]:
@@ -442,6 +468,76 @@ class _CallStart:
         return self._read_once(img_ids, read)
 
 
+def size_aware_somewhere(fw: Framework, model: Any, config: ToMeConfig) -> bool:
+    """Whether some merged self-attention of ``model`` runs size-aware under ``config``."""
+    choices = [choice for _, choice in auto_choices(fw, model, config)]
+    return any(
+        choice.arrangement(sublayer.kind, sublayer.attention)[1]
+        for *_, sublayer, _ in _sublayers(fw, model, config) for choice in choices
+    )
+
+
+CONTEXT_PARALLEL = "under context parallelism"
+
+
+def check_shards(shards: Shards, size_aware: bool, where: str) -> None:
+    """Refuse a context-parallel set-up that merging cannot follow (at ``patch`` and at each call, since
+    ``enable_parallelism`` may come after ``patch``)."""
+    if not shards.even:
+        raise ValueError(
+            f"ToMe cannot merge {where} {CONTEXT_PARALLEL} with ulysses_anything or ring_anything: its shards differ "
+            "in length, so the processes would merge different numbers of tokens on grids no shard fills; use an "
+            "even ContextParallelConfig (a token count that divides by the number of processes)"
+        )
+    if shards.ring and size_aware:
+        raise ValueError(
+            f"proportional_attn=True (size-aware attention) cannot run on {where} under ring attention "
+            "(ring_degree > 1): each process attends to the other processes' keys chunk by chunk with one mask for "
+            "every chunk, so the merged keys' sizes cannot follow them; pass proportional_attn=False, or use "
+            "ulysses_degree alone"
+        )
+
+
+def shard_grid(
+    grid: Tuple[int, int], shards: Shards, tail: int, videos: Optional[int], where: str
+) -> Tuple[int, int]:
+    """This process's token grid under context parallelism: ``count`` equal contiguous pieces of a ``rows x
+    cols`` grid (a video's frames stacked as rows) are ``rows / count`` whole rows each, merged on their own
+    (every process merges as many tokens, so the exchange between them keeps its size)."""
+    rows, cols = grid
+    problem = None
+    if tail:
+        problem = (
+            f"its image stream holds {tail} tokens of other images after the output's {rows}x{cols} grid, which the "
+            "split divides together with it"
+        )
+    elif videos is not None:
+        problem = "its frames are items of the batch, which the split does not divide"
+    elif rows % shards.count:
+        problem = (
+            f"its {rows}x{cols} token grid (rows, or frames x rows, by columns) splits into {shards.count} pieces that "
+            f"are not whole rows ({rows} rows do not divide by {shards.count}); choose a size whose token rows do"
+        )
+    if problem is not None:
+        raise ValueError(
+            f"ToMe cannot merge {where} {CONTEXT_PARALLEL} on {shards.count} processes: it merges each process's "
+            f"piece of the sequence on that piece's own rows, and {problem}"
+        )
+    return rows // shards.count, cols
+
+
+def check_shard_cells(grid: Tuple[int, int], shards: Shards, config: ToMeConfig, where: str) -> None:
+    """Refuse a shard shorter than one cell: it would merge nothing."""
+    rows, cols = grid
+    sx, sy = config.cell_at(1)
+    if rows < sy or cols < sx:
+        raise ValueError(
+            f"ToMe cannot merge {where} {CONTEXT_PARALLEL} on {shards.count} processes: each process's piece of the "
+            f"token grid is {rows}x{cols}, smaller than one {sx}x{sy} cell (sx, sy), so it would merge nothing; use "
+            "fewer processes, a larger image, or smaller cells"
+        )
+
+
 def shapes_grid(img_shapes: Sequence[Any], tokens: int) -> Tuple[int, int, int]:
     """``(h, w, tail)`` of packed tokens from Qwen-Image's ``img_shapes``: per batch item, the ``(frames, h, w)``
     of each image in the sequence (or one such tuple), the output's first; the images after it (Edit's
@@ -513,6 +609,8 @@ class _BlockRun:
             _, self.matches, self.config, (self.head, self.tail) = earlier
             return None
         self.config, fallback = self._arrangement(self.state.active)
+        whole = metric
+        metric = self._own_piece(metric)
         self.head, self.tail = self._around(metric)
         if not self.state.merging or self._unmerged(args, kwargs):  # a call that runs unmerged, said where decided
             self.matches = {}
@@ -521,10 +619,24 @@ class _BlockRun:
         self.matches = self.state.block_matches(
             image, self.stream, self.family.rotary is not None or self.masks, self.ratio, self.config, fallback
         )
-        if self.fw.may_run_again(metric):
+        if self.fw.may_run_again(whole):
             self.ran = {key: entry for key, entry in self.ran.items() if entry[0]() is not None}
-            self.ran[id(metric)] = (weakref.ref(metric), self.matches, self.config, (self.head, self.tail))
+            self.ran[id(whole)] = (weakref.ref(whole), self.matches, self.config, (self.head, self.tail))
         return None
+
+    def _own_piece(self, x: Any) -> Any:
+        """This process's piece of a block input that context parallelism splits inside the block's own call
+        (:attr:`Shards.split_inside`); ``x`` itself otherwise."""
+        shards = self.state.shards
+        if shards is None or id(self.block) not in shards.split_inside:
+            return x
+        if self.family.stream != TEXT_NONE:
+            raise ValueError(
+                f"ToMe cannot merge {self.where} {CONTEXT_PARALLEL}: its {type(self.block).__name__} splits its "
+                "input of text and image tokens together, so a process's piece mixes both"
+            )
+        length = get_ops(x).shape(x)[1] // shards.count
+        return x[:, shards.rank * length : (shards.rank + 1) * length]
 
     def _unmerged(self, args, kwargs) -> bool:
         """Whether this call of the block runs unmerged (:attr:`BlockFamily.unmerged_with`), said once."""
@@ -545,6 +657,11 @@ class _BlockRun:
         if self.family.stream != TEXT_NONE or grid is None:
             return 0, self.state.tail
         extra = get_ops(x).shape(x)[1] - grid[0] * grid[1] - self.state.tail
+        if extra > 0 and self.state.shards is not None:
+            raise ValueError(
+                f"ToMe cannot merge {self.where} {CONTEXT_PARALLEL}: its {type(self.block).__name__}s get {extra} "
+                "tokens of other images beside the output's grid, which the split divides together with it"
+            )
         if self.state.grid_last:
             return max(extra, 0), self.state.tail
         return 0, self.state.tail + max(extra, 0)
@@ -1115,6 +1232,9 @@ def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any]
         check_grids(fw, model)
         check_model(config, model_facts(fw, model))
         check_sublayers(fw, model, config)
+        shards = fw.shards(model)
+        if shards is not None:
+            check_shards(shards, size_aware_somewhere(fw, model, config), type(model).__qualname__)
     remove(fw, obj, undo)
     for model in models:
         attach(fw, model, config)

@@ -51,6 +51,7 @@ class ToMeState:
     last_timestep: Optional[float] = None  # with reuse_steps > 1: the previous call's (largest) timestep
     fallbacks: Dict[Tuple[int, str], LevelStats] = field(default_factory=dict)  # (level, why): blocks run as tokens
     fallback_configs: Dict[bool, ToMeConfig] = field(default_factory=dict)  # :meth:`fallback`'s, by takes_bias
+    shards: Any = None  # driver.Shards: how context parallelism splits this call's tokens (None: it does not)
     where: str = "the model"  # the patched model's class, for warnings
     said: set = field(default_factory=set)  # warnings given (each once per patch)
 
@@ -65,7 +66,8 @@ class ToMeState:
         if self.latent_hw is None:
             return choices[-1][1]
         height, width = level_grid(self.latent_hw, self.finest_level)
-        return next(config for fewest, config in choices if height * width >= fewest)
+        pieces = self.shards.count if self.shards is not None else 1  # chosen as for the whole sequence
+        return next(config for fewest, config in choices if height * width * pieces >= fewest)
 
     def fallback(self, takes_bias: bool) -> ToMeConfig:
         """What ``mode="auto"`` runs in a block whose self-attention cannot take keys and values apart from its
@@ -88,6 +90,8 @@ class ToMeState:
         if not self.merging:
             return f"  no block merged: {self.why or f'the timestep is outside timestep_range={self.config.timestep_range}'}"
         lines = [_summary_line(self.active, factor, level) for factor, level in sorted(self.stats.items())]
+        if lines and self.shards is not None:
+            lines.append(f"  (each of {self.shards.count} processes merges its own piece of the tokens, counted above)")
         lines += [
             _summary_line(self.fallback(True), factor, level) + f"; {why}, so ToMe for SD's arrangement runs there"
             for (factor, why), level in sorted(self.fallbacks.items())
@@ -100,13 +104,14 @@ class ToMeState:
 
     def begin_call(
         self, latent_hw: Optional[Tuple[int, int]], step: Any, videos: Optional[int] = None, merging: bool = True,
-        tail: int = 0, why: Optional[str] = None, grid_last: bool = False,
+        tail: int = 0, why: Optional[str] = None, grid_last: bool = False, shards: Any = None,
     ) -> None:
         """Start a model call on a latent of ``latent_hw`` (None: the first grid seen) at ``step``; ``videos``:
         the batch of a video model's call (None: not a video call); ``merging``: False runs the call unmerged
         (its timestep is outside ``timestep_range``, or ``why`` says why); ``tail``: tokens of other images
         (a reference image's) after the grid's in every block's image stream, passed through unmerged;
-        ``grid_last``: a block's image stream ends with the grid, the tokens before it passed through unmerged."""
+        ``grid_last``: a block's image stream ends with the grid, the tokens before it passed through unmerged;
+        ``shards``: how context parallelism splits the call (``latent_hw`` is then this process's piece)."""
         if self.config.reuse_steps == 1:
             self.cache = {}  # also where reuse_blocks keeps its matches within the call
         else:  # the call counter is read only here, so compiled models do not specialise on it otherwise
@@ -119,6 +124,7 @@ class ToMeState:
         self.why = why
         self.tail = tail
         self.grid_last = grid_last
+        self.shards = shards
         self.grid_hw = None
         self.step = step
         self.stats = {}
