@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 from tome_core import driver
 from tome_core.config import document
 from tome_core.backend import get_ops
+from tome_core.shards import Shards
 from tome_core.state import ToMeState
 
 ACCEPTED = (
@@ -217,7 +218,7 @@ class TorchFramework:
             )
         return driver.REUSED if names & REUSING_CACHES else None
 
-    def shards(self, model: torch.nn.Module) -> Optional[driver.Shards]:
+    def shards(self, model: torch.nn.Module) -> Optional[Shards]:
         """From diffusers' ``enable_parallelism`` (``model._parallel_config``), read once per config."""
         config = getattr(getattr(model, "_parallel_config", None), "context_parallel_config", None)
         if config is None:
@@ -226,7 +227,7 @@ class TorchFramework:
         if known is not None and known[0] is config:
             return known[1]
         mesh = config._flattened_mesh
-        shards = driver.Shards(
+        shards = Shards(
             count=mesh.size(), rank=dist.get_rank(mesh.get_group()),
             even=not (config.ulysses_anything or config.ring_anything), ring=config.ring_degree > 1,
             split_inside=frozenset(id(m) for m in model.modules() if m is not model and _splits_hidden_states(m)),

@@ -135,10 +135,10 @@ def _packed_inputs(model: torch.nn.Module, h: int, w: int, batch: int, text: int
 TRANSFORMER_PIPELINES = ("sd3", "sd3-img2img", "sd3-controlnet", "flux", "flux-kontext", "flux-controlnet", "pixart-alpha", "pixart-sigma")
 
 
-def build_transformer_pipeline(kind: str = "sd3", seed: int = 0) -> Tuple[Any, Dict[str, Any]]:
+def build_transformer_pipeline(kind: str = "sd3", seed: int = 0, text: int = 7) -> Tuple[Any, Dict[str, Any]]:
     """A transformer pipeline of ``kind`` (:data:`TRANSFORMER_PIPELINES`) on the tiny presets, and the keyword
-    arguments of a call: text embeddings stand in for the text encoders (no tokenizer files can be had
-    offline), so the pipeline holds none. Call it with ``height``/``width``, steps and a generator."""
+    arguments of a call: text embeddings of ``text`` tokens stand in for the text encoders (no tokenizer files
+    can be had offline), so the pipeline holds none. Call it with ``height``/``width``, steps and a generator."""
     if kind not in TRANSFORMER_PIPELINES:
         raise ValueError(f"kind must be one of {', '.join(TRANSFORMER_PIPELINES)}, got {kind!r}")
     family = kind.split("-")[0]
@@ -152,16 +152,16 @@ def build_transformer_pipeline(kind: str = "sd3", seed: int = 0) -> Tuple[Any, D
     parts: Dict[str, Any] = dict(transformer=transformer, vae=vae)
     if family == "pixart":
         cls = diffusers.PixArtAlphaPipeline if kind == "pixart-alpha" else diffusers.PixArtSigmaPipeline
-        mask = torch.ones(1, 7, dtype=torch.long)
+        mask = torch.ones(1, text, dtype=torch.long)
         call = dict(
-            prompt_embeds=randn(1, 7, config.caption_channels), prompt_attention_mask=mask,
-            negative_prompt=None, negative_prompt_embeds=randn(1, 7, config.caption_channels),
+            prompt_embeds=randn(1, text, config.caption_channels), prompt_attention_mask=mask,
+            negative_prompt=None, negative_prompt_embeds=randn(1, text, config.caption_channels),
             negative_prompt_attention_mask=mask, use_resolution_binning=False,
         )
         return cls(scheduler=diffusers.DPMSolverMultistepScheduler(), text_encoder=None, tokenizer=None, **parts), call
     parts.update(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), **no_text)
     if family == "flux":
-        call = dict(prompt_embeds=randn(1, 7, config.joint_attention_dim), pooled_prompt_embeds=randn(1, config.pooled_projection_dim))
+        call = dict(prompt_embeds=randn(1, text, config.joint_attention_dim), pooled_prompt_embeds=randn(1, config.pooled_projection_dim))
         if kind == "flux":
             return diffusers.FluxPipeline(**parts), call
         if kind == "flux-kontext":  # the reference image's tokens follow the output's (their ids' index 1)
@@ -177,8 +177,8 @@ def build_transformer_pipeline(kind: str = "sd3", seed: int = 0) -> Tuple[Any, D
         return diffusers.FluxControlNetPipeline(controlnet=controlnet, **parts), call
     parts.update(text_encoder_3=None, tokenizer_3=None)
     call = dict(
-        prompt_embeds=randn(1, 7, config.joint_attention_dim), pooled_prompt_embeds=randn(1, config.pooled_projection_dim),
-        negative_prompt_embeds=randn(1, 7, config.joint_attention_dim),
+        prompt_embeds=randn(1, text, config.joint_attention_dim), pooled_prompt_embeds=randn(1, config.pooled_projection_dim),
+        negative_prompt_embeds=randn(1, text, config.joint_attention_dim),
         negative_pooled_prompt_embeds=randn(1, config.pooled_projection_dim),
     )
     if kind == "sd3":

@@ -12,6 +12,7 @@ from .levels import block_grid, downsample_factor, level_grid
 from .match import Match, bipartite_matches, cell_match, chunk_matches, identity_match, sampled_cell_match
 from .partition import random_offsets
 from .selection import scale
+from .shards import Shards
 
 
 @dataclass
@@ -51,7 +52,7 @@ class ToMeState:
     last_timestep: Optional[float] = None  # with reuse_steps > 1: the previous call's (largest) timestep
     fallbacks: Dict[Tuple[int, str], LevelStats] = field(default_factory=dict)  # (level, why): blocks run as tokens
     fallback_configs: Dict[bool, ToMeConfig] = field(default_factory=dict)  # :meth:`fallback`'s, by takes_bias
-    shards: Any = None  # driver.Shards: how context parallelism splits this call's tokens (None: it does not)
+    shards: Optional[Shards] = None  # how context parallelism splits this call's tokens (None: it does not)
     where: str = "the model"  # the patched model's class, for warnings
     said: set = field(default_factory=set)  # warnings given (each once per patch)
 
@@ -104,7 +105,7 @@ class ToMeState:
 
     def begin_call(
         self, latent_hw: Optional[Tuple[int, int]], step: Any, videos: Optional[int] = None, merging: bool = True,
-        tail: int = 0, why: Optional[str] = None, grid_last: bool = False, shards: Any = None,
+        tail: int = 0, why: Optional[str] = None, grid_last: bool = False, shards: Optional[Shards] = None,
     ) -> None:
         """Start a model call on a latent of ``latent_hw`` (None: the first grid seen) at ``step``; ``videos``:
         the batch of a video model's call (None: not a video call); ``merging``: False runs the call unmerged

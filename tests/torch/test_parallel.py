@@ -20,7 +20,6 @@ not: it runs only on GPUs, and is not run here (its refusal with size-aware atte
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import pathlib
 import socket
@@ -108,8 +107,6 @@ def _flux_inputs(height: int = 32, width: int = 32) -> Dict[str, Any]:
 
 def _refusals(world: int) -> Dict[str, str]:
     """The messages of set-ups merging cannot follow ("" where nothing was raised)."""
-    from diffusers import ContextParallelConfig
-
     flux = lambda: build_transformer("tiny-flux")  # noqa: E731
     found = {}
     odd_rows = _parallel(tome.patch(flux(), ratio=0.5), world)  # 15 x 16 tokens: 240 divide, 15 rows do not
@@ -135,8 +132,7 @@ def _refusals(world: int) -> Dict[str, str]:
 def _pipelines(world: int) -> Dict[str, Any]:
     """FluxPipeline and WanPipeline, 2 steps, unpatched and patched (ratio 0.5) under context parallelism."""
     found = {}
-    pipe, call = build_transformer_pipeline("flux")
-    call["prompt_embeds"] = torch.randn(1, TEXT, pipe.transformer.config.joint_attention_dim, generator=torch.Generator().manual_seed(3))
+    pipe, call = build_transformer_pipeline("flux", text=TEXT)
     call.update(height=64, width=64, num_inference_steps=2, output_type="latent")
     _parallel(pipe.transformer, world)
     wan, wan_call = build_wan_pipeline()
@@ -169,6 +165,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str, full: bool) -> None:
         if full:
             wan = lambda: build_video_transformer("tiny-wan")  # noqa: E731
             seen["wan"] = _model_scenarios(wan, video_transformer_inputs(wan(), 3, 16, 16, text=TEXT), world)
+            for preset in ("tiny-flux2", "tiny-qwen-image"):
+                build = lambda: build_transformer(preset)  # noqa: E731
+                inputs = transformer_inputs(build(), 32, 32, text=TEXT)
+                if "flux2" in preset:  # diffusers' plan splits Flux.2's ids along their token axis: batched ids
+                    inputs.update(img_ids=inputs["img_ids"][None], txt_ids=inputs["txt_ids"][None])
+                seen[preset[5:]] = _model_scenarios(build, inputs, world)
             seen["refused"] = _refusals(world)
             seen["pipelines"] = _pipelines(world)
         torch.save(seen, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -218,7 +220,10 @@ def _distance(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().mean().item()
 
 
-@pytest.mark.parametrize("family", ["flux", "wan"])
+MODELS = ["flux", "wan", "flux2", "qwen-image"]
+
+
+@pytest.mark.parametrize("family", MODELS)
 def test_every_process_merges_its_piece_and_they_agree(two, family):
     ranks = [seen[family] for seen in two]
     for name in ("cp", "cpp", "cpd", "removed", "before"):
@@ -231,7 +236,7 @@ def test_every_process_merges_its_piece_and_they_agree(two, family):
         assert "each of 2 processes" in seen["summary"]
 
 
-@pytest.mark.parametrize("family", ["flux", "wan"])
+@pytest.mark.parametrize("family", MODELS)
 def test_parallel_patched_output_is_as_close_to_unpatched_as_one_process(two, family):
     seen = two[0][family]
     torch.testing.assert_close(seen["cp"]["out"], seen["ref"]["out"], rtol=0, atol=1e-5)  # the split alone
@@ -241,7 +246,7 @@ def test_parallel_patched_output_is_as_close_to_unpatched_as_one_process(two, fa
     assert _distance(seen["cpd"]["out"], seen["ref"]["out"]) > 1e-4
 
 
-@pytest.mark.parametrize("family", ["flux", "wan"])
+@pytest.mark.parametrize("family", MODELS)
 def test_remove_restores_the_exact_parallel_output_in_either_order(two, family):
     seen = two[0][family]
     assert torch.equal(seen["removed"]["out"], seen["cp"]["out"])
@@ -304,3 +309,32 @@ def test_four_processes_merge_strips_of_rows(four):
         assert flux["cpp"]["keys"] == [4 * (2 + 32)] * 2
     one, parallel = (_distance(four[0]["flux"][name]["out"], four[0]["flux"]["ref"]["out"]) for name in ("one", "cpp"))
     assert parallel < 2 * one, (parallel, one)
+
+
+PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "parallel.md"
+
+
+def _snippet_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One process of docs/parallel.md's snippet, as torchrun would start it (its environment variables)."""
+    import contextlib
+    import re
+    import warnings
+
+    torch.set_num_threads(1)
+    torch.accelerator.device_count = lambda: 1  # CPU-only torch (see _worker)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    code = "\n".join(re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S))
+    with open(os.path.join(out_dir, f"printed{rank}.txt"), "w") as out, contextlib.redirect_stdout(out), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(code, str(PAGE), "exec"), {})
+
+
+def test_the_parallel_page_snippet_runs_as_its_comments_say(spawnable, tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_snippet_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    printed = (tmp_path / "printed0.txt").read_text()
+    comments = [line[2:] for line in PAGE.read_text().split("print(tome.patched_models")[1].splitlines()[1:3]]
+    for comment in comments:
+        assert comment.strip() in printed
+    assert (tmp_path / "printed1.txt").read_text() == ""

@@ -300,24 +300,35 @@ def ddp_batch(rank: int, step: int) -> Batch:
     return unet_batch(100 * step + rank, batch=1)
 
 
-def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    """One DDP rank: a patched tiny UNet, DDP_STEPS SGD steps on this rank's own data, weights saved."""
+def _ddp_worker(rank: int, world: int, port: int, out_dir: str, wrap: str = "ddp") -> None:
+    """One rank: a patched tiny UNet under DistributedDataParallel (``wrap="ddp"``) or FSDP2's
+    ``fully_shard`` on each of its down, middle and up blocks and on the whole (``"fsdp"``), DDP_STEPS SGD
+    steps on this rank's own data, full weights saved."""
     torch.set_num_threads(1)
     from torch import distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     address, timeout = f"tcp://127.0.0.1:{port}", datetime.timedelta(seconds=60)
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world, timeout=timeout)
     try:
         unet = tome.patch(build_unet("tiny", seed=0).train(), ratio=0.5)
-        model = DistributedDataParallel(unet)
+        if wrap == "ddp":
+            model = DistributedDataParallel(unet)
+        else:
+            mesh = init_device_mesh("cpu", (world,))
+            for part in [*unet.down_blocks, unet.mid_block, *unet.up_blocks]:
+                fully_shard(part, mesh=mesh)
+            model = fully_shard(unet, mesh=mesh)
         optimizer = torch.optim.SGD(model.parameters(), lr=DDP_LR)
         for step in range(DDP_STEPS):
             unet_loss(model, ddp_batch(rank, step)).backward()
             optimizer.step()
             optimizer.zero_grad()
         merged_summary(unet)
-        torch.save(unet.state_dict(), os.path.join(out_dir, f"rank{rank}.pt"))
+        weights = {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in unet.state_dict().items()}
+        torch.save(weights, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -328,7 +339,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ddp_gloo_ranks_stay_identical_and_equal_the_mean_gradient(tmp_path, monkeypatch):
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_ddp_gloo_ranks_stay_identical_and_equal_the_mean_gradient(tmp_path, monkeypatch, wrap):
+    """DistributedDataParallel, and FSDP2 (``fully_shard``, parameters sharded across the ranks and gathered
+    around each block), with no change to the patch."""
     import torch.multiprocessing as mp
 
     # spawned ranks unpickle the worker from this module (tests.torch.test_training): the checkout's root must
@@ -336,7 +350,7 @@ def test_ddp_gloo_ranks_stay_identical_and_equal_the_mean_gradient(tmp_path, mon
     root = str(pathlib.Path(__file__).resolve().parents[2])
     monkeypatch.syspath_prepend(root)  # spawn gives the children a copy of this process's sys.path
     world = 2
-    arguments = (world, free_port(), str(tmp_path))
+    arguments = (world, free_port(), str(tmp_path), wrap)
     context = mp.start_processes(_ddp_worker, args=arguments, nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + 240
     while not context.join(timeout=5):  # raises if a rank failed
