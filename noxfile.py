@@ -2,7 +2,7 @@
 
 import nox
 
-nox.options.sessions = ["tests-numpy", "tests-torch", "tests-paddle", "tests-paddle-torch", "tests-jax"]
+nox.options.sessions = ["tests-numpy", "tests-torch", "tests-paddle", "tests-paddle-torch", "tests-jax", "docs"]
 nox.options.error_on_missing_interpreters = True
 
 TEST = ["pytest", "hypothesis", "numpy"]
@@ -51,7 +51,7 @@ def tests_numpy(session):
 def tests_torch(session):
     session.install(*TEST, *TORCH, "tqdm", "matplotlib")
     # Speed-ups that tests/torch/test_compose.py stacks with ToMe; --no-deps: tgate pins DeepCache and pulls
-    # accelerate. (HiDiffusion 0.1.10 does not import with diffusers 0.42: README, "Works with".)
+    # accelerate. (HiDiffusion 0.1.10 does not import with diffusers 0.42: docs/works-with.md.)
     session.install("--no-deps", "DeepCache==0.1.1", "tgate==1.0.0")
     session.install(".")
     run_tests(session, "numpy,torch", "tests/torch")
@@ -97,3 +97,10 @@ def tests_jax(session):
             "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
         },
     )
+
+
+@nox.session
+def docs(session):
+    """The guides (docs/) as a site: MkDocs, warnings as errors (mkdocs.yml: strict, links checked)."""
+    session.install("mkdocs==1.6.1")
+    session.run("mkdocs", "build", "--strict", "--site-dir", session.create_tmp())

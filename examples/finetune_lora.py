@@ -3,7 +3,7 @@ what training with reduction does to the fine-tuned model itself (issue #19).
 
 Runs offline on a CPU: the defaults (4 runs of 100 steps) take about 12 minutes on one thread of a 2-core
 machine, the quick look below about 3. Every configuration fine-tunes its own copy of ``models/trained-unet``
-(the tiny class-conditional pixel-space UNet of the README's "Fidelity on small trained models") with a peft
+(the tiny class-conditional pixel-space UNet of docs/fidelity.md) with a peft
 LoRA added through diffusers (``unet.add_adapter(LoraConfig(...))``; only the adapter weights train). The
 copies train side by side: every step draws one batch and each configuration takes its step on it in turn
 (the order alternating from step to step), so the loss curves compare point by point and the step times share
@@ -32,16 +32,16 @@ Choices (each is an argument):
 * Token reduction: ``tome.patch(unet, ...)`` after ``add_adapter``; ``--methods`` from ``unpatched``,
   ``tokens-0.5`` (``ratio=0.5``: ToMe for SD, similarity matching, size-aware attention), ``kv-cell``
   (``mode="kv", matching="cell"``: ToDo-like, keys/values pooled in 2x2 cells, every query kept), ``kv-42``
-  (the README's speed set for fine-tuning: keys/values pooled in 4x4 cells at the finest level, 32x32 here,
+  (docs/training.md's speed set for fine-tuning: keys/values pooled in 4x4 cells at the finest level, 32x32 here,
   and 2x2 at the next), ``kv-sample`` and ``kv-42-sample`` (the same cells with ``cell_pool="sample"``: each
-  cell's keys and values are one of its tokens, drawn per call, instead of their mean; the README's advice),
+  cell's keys and values are one of its tokens, drawn per call, instead of their mean; docs/training.md's advice),
   ``tokens-0.75``, ``kv-0.5`` (``mode="kv", ratio=0.5``), ``ratio-0`` (``ratio=0.0`` merges
   nothing: equals ``unpatched`` exactly, a check) and ``unpatched-reseeded`` (no reduction, but its own
   batches and adapter init from ``--seed`` + 1: how far two plain fine-tunes land apart by chance). ToMe's
   random partition is a seeded hash (``seed=0``), so every run repeats exactly.
 * Schedules, added to a patched method's name, each at most once (``kv-42+after10+stop50``):
   ``+afterN`` is an unmerged warm-up: the first N steps run unpatched, then the loop calls ``tome.patch``
-  and merging goes on from step N + 1 (the README's advice: Adam's first steps weigh their gradients most, so
+  and merging goes on from step N + 1 (docs/training.md's advice: Adam's first steps weigh their gradients most, so
   a gradient changed by merging there leaves a lasting mark on the adapter). ``+stop`` is the kohya-ss PR's
   ``stop_tome``: merging off after step ``--stop-tome-at`` (default: half the steps), when the loop calls
   ``tome.remove(unet)`` and the remaining steps run unpatched; ``+stopN`` stops after step N instead, so one
@@ -96,7 +96,7 @@ OPTIONS: Dict[str, Optional[Dict[str, Any]]] = {
     "tokens-0.5": {"ratio": 0.5},
     "tokens-0.75": {"ratio": 0.75},
     "kv-cell": {"mode": "kv", "matching": "cell"},
-    "kv-42": {"mode": "kv", "matching": "cell", "level_cells": {1: 4, 2: 2}, "max_downsample": 2},  # README's speed set
+    "kv-42": {"mode": "kv", "matching": "cell", "level_cells": {1: 4, 2: 2}, "max_downsample": 2},  # docs/training.md's speed set
     "kv-sample": {"mode": "kv", "matching": "cell", "cell_pool": "sample"},
     "kv-42-sample": {"mode": "kv", "matching": "cell", "level_cells": {1: 4, 2: 2}, "max_downsample": 2, "cell_pool": "sample"},
     "kv-0.5": {"mode": "kv", "ratio": 0.5},

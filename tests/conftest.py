@@ -158,6 +158,17 @@ def readme_code():
     return code
 
 
+@pytest.fixture(scope="session")
+def guide_code():
+    """``guide_code(page)``: the python code blocks of the guide ``docs/<page>.md``, joined, and its path."""
+
+    def code(page: str):
+        path = pathlib.Path(__file__).resolve().parents[1] / "docs" / f"{page}.md"
+        return "\n".join(re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)), str(path)
+
+    return code
+
+
 class ComposeMatrix:
     """The set-up of a "works with" matrix (tests/*/test_compose.py), the same on every backend: a fresh
     pipeline of ``kind`` with feature ``name`` and ToMe (patched with ``options``: ratio 0.5 unless given; ``{}``

@@ -137,7 +137,7 @@ def parse_stacks(items: Sequence[str]) -> Dict[str, Dict[str, Any]]:
             need = ", ".join(f"{k}={v}" for k, v in stack.fixed.items())
             raise SystemExit(
                 f"--stack {item}: beside ToMe {name} must run with {need} (its self-attention reuse hands back "
-                "outputs merged at another step, which ToMe refuses); README, 'Works with'"
+                "outputs merged at another step, which ToMe refuses); docs/works-with.md"
             )
         stacks[name] = {**stack.options, **given}
     return stacks

@@ -15,9 +15,9 @@ MATCHINGS = ("similarity", "cell")
 CELL_POOLS = ("mean", "sample")
 DEFAULT_RATIO = 0.5  # with similarity matching; a cell match's reduction is fixed by its cell
 # mode="auto" where self-attention takes separate keys (UNets, PixArt, DiT): keys/values in n x n cells, n
-# chosen by the token count of the finest merged level (README, "High resolution": measured speed per
-# resolution), each cell standing as one of its tokens drawn per call and block (README, "Fidelity on small
-# trained models": on learned weights a mean of the same cells at every step drifts, drawn tokens do not).
+# chosen by the token count of the finest merged level (docs/high-resolution.md: measured speed per
+# resolution), each cell standing as one of its tokens drawn per call and block (docs/fidelity.md: on learned
+# weights a mean of the same cells at every step drifts, drawn tokens do not).
 AUTO_CELLS = ((128 * 128, 4), (0, 2))
 AUTO_POOL = "sample"
 # Options that say how many tokens to merge or how to match them: giving any of them leaves mode="auto" out.
@@ -66,8 +66,8 @@ class ToMeConfig:
         0 compares with all destinations, as tomesd does.
     proportional_attn: size-aware self-attention: each merged key's attention logit gets ``log(size)``, as if
         every token it stands for were still there. On by default: it is 2-3x closer to the unpatched model at
-        every ratio for ~5% of the call time (README, "Size-aware attention"); ``False`` is tomesd's arithmetic.
-    mode: the arrangement around self-attention (README, "High resolution"). ``None`` (default): ``"auto"``
+        every ratio for ~5% of the call time (docs/size-aware.md); ``False`` is tomesd's arithmetic.
+    mode: the arrangement around self-attention (docs/high-resolution.md). ``None`` (default): ``"auto"``
         unless an option above or ``matching``, ``level_cells``, a sub-layer, level or block ratio is given,
         else ``"tokens"``. ``"auto"`` chooses by the latent size from measured speed and fidelity: where
         self-attention takes separate keys (UNets, PixArt, DiT), ``"kv"`` with 2x2 cells, each cell one of its
@@ -85,8 +85,8 @@ class ToMeConfig:
         default with an explicit ``matching="cell"``) or ``"sample"``: one of its tokens, drawn per call and
         block from ``seed`` and the timestep as ``use_rand`` places destinations (the cell's first token with
         ``use_rand=False``: strided downsampling). A mean is the same bias in every step; samples average out
-        over steps, so sampling loops and fine-tunes stay close to the unpatched model (README, "Fidelity on
-        small trained models"). ``None`` under ``mode="auto"``: ``"sample"``; ``cell_pool="mean"`` there keeps
+        over steps, so sampling loops and fine-tunes stay close to the unpatched model (docs/fidelity.md).
+        ``None`` under ``mode="auto"``: ``"sample"``; ``cell_pool="mean"`` there keeps
         the earlier default's mean.
     level_cells: ``{downsample factor: n or (sx, sy)}``: the cell at those levels instead of ``sx``, ``sy``
         (with ``matching="cell"``, e.g. ``{1: 4, 2: 2}`` pools 4x4 at the finest level and 2x2 at the next).
@@ -96,8 +96,8 @@ class ToMeConfig:
         block.
     block_ratios: ``{block index: ratio}`` replacing ``ratio`` (and level ratios) in those blocks (indices as in
         ``blocks``); a sub-layer ratio still wins.
-    frames_per_chunk: video models: merge across this many consecutive frames (VidToMe's arrangement, README
-        "Video"): the spatial self-attention of each chunk of frames runs once, over the merged tokens of all
+    frames_per_chunk: video models: merge across this many consecutive frames (VidToMe's arrangement,
+        docs/video.md): the spatial self-attention of each chunk of frames runs once, over the merged tokens of all
         its frames. ``None`` or 1 (default): each frame merges on its own. Must divide the frame count of every
         call; needs ``mode="tokens"`` with similarity matching and ``merge_crossattn=False``.
     frame_ratio: with ``frames_per_chunk > 1``, the share of the other frames' tokens merged into their most

@@ -5,7 +5,7 @@ same-named subclass of their class (:func:`tome_core.driver.patched_class`) and 
 Oracle: the eager model in the same state (unpatched, or patched with the same options), to float tolerance.
 Compilations are counted by a backend that runs dynamo's graph as it is (``fullgraph=True`` everywhere, so a
 graph break raises): only graphs of the model's own layers count (a hook's small frame, compiled once per
-process, does not). The counts are those the README's "Limits and errors" table gives.
+process, does not). The counts are those the table of docs/limits.md gives.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The README's PyTorch snippet runs as written and does what its comments say."""
+"""The PyTorch snippets of the README and of the guides (docs/) run as written and do what their comments say."""
 
 from __future__ import annotations
 
@@ -15,17 +15,17 @@ def test_quick_start_snippet_patches_and_restores_the_pipeline(readme_code):
     assert model is pipe.unet and state.config.ratio == 0.5
 
 
-def test_transformer_snippet_merges_image_tokens_and_restores(readme_code):
+def test_transformer_snippet_merges_image_tokens_and_restores(guide_code):
     namespace: dict = {}
-    exec(compile(readme_code("Diffusion transformers"), "README.md", "exec"), namespace)
+    exec(compile(*guide_code("transformers"), "exec"), namespace)
     pipe, latents = namespace["pipe"], namespace["latents"]
     assert latents.shape == (1, 64, 16)  # Flux's packed latents of a 32 px image
     assert not namespace["tome"].patched_models(pipe)  # removed again
 
 
-def test_high_resolution_snippet_runs_every_arrangement(readme_code, capsys):
+def test_high_resolution_snippet_runs_every_arrangement(guide_code, capsys):
     namespace: dict = {}
-    exec(compile(readme_code("High resolution: three arrangements, and what `patch(pipe)` picks"), "README.md", "exec"), namespace)
+    exec(compile(*guide_code("high-resolution"), "exec"), namespace)
     lines = capsys.readouterr().out.splitlines()
     printed = [line for line in lines if line.startswith("{")]
     assert len(printed) == 5
@@ -37,27 +37,27 @@ def test_high_resolution_snippet_runs_every_arrangement(readme_code, capsys):
     assert not namespace["tome"].patched_models(namespace["pipe"])
 
 
-def test_trained_models_snippet_compares_samples(readme_code, capsys, monkeypatch):
+def test_trained_models_snippet_compares_samples(guide_code, capsys, monkeypatch):
     import os
 
     monkeypatch.setenv("TOME_CORE_MODELS", os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "models"))
     namespace: dict = {}
-    exec(compile(readme_code("Fidelity on small trained models"), "README.md", "exec"), namespace)
+    exec(compile(*guide_code("fidelity"), "exec"), namespace)
     psnr, ssim = namespace["psnr"], namespace["ssim"]
     assert 10 < psnr < float("inf") and 0 < ssim < 1
     assert capsys.readouterr().out.strip() == f"PSNR {psnr:.1f} dB, SSIM {ssim:.3f}"
     assert not namespace["tome"].patched_models(namespace["model"].model)  # removed again
 
 
-def test_compiled_models_snippet_patch_and_remove_take_effect(readme_code):
+def test_compiled_models_snippet_patch_and_remove_take_effect(guide_code):
     """Compiled with dynamo's graph run as captured (backend="eager"): inductor compiles this UNet in minutes on
     two CPU cores; tests/torch/test_compile.py runs inductor on a smaller model."""
     import numpy as np
 
-    code = readme_code("Compiled models: patch before or after `torch.compile`, `paddle.jit`, `jax.jit`")
+    code, path = guide_code("compile")
     assert "torch.compile(pipe.unet, fullgraph=True)" in code
     namespace: dict = {}
-    exec(compile(code.replace("fullgraph=True)", 'fullgraph=True, backend="eager")'), "README.md", "exec"), namespace)
+    exec(compile(code.replace("fullgraph=True)", 'fullgraph=True, backend="eager")'), path, "exec"), namespace)
     plain, merged, again = namespace["plain"], namespace["merged"], namespace["again"]
     assert np.abs(merged - plain).max() > 1e-4
     np.testing.assert_allclose(again, plain, rtol=1e-5, atol=1e-5)
@@ -69,9 +69,9 @@ def test_compiled_models_snippet_patch_and_remove_take_effect(readme_code):
     np.testing.assert_allclose(eager_merged, merged, rtol=1e-4, atol=1e-4)
 
 
-def test_video_snippet_merges_per_frame_then_across_frames(readme_code, capsys):
+def test_video_snippet_merges_per_frame_then_across_frames(guide_code, capsys):
     namespace: dict = {}
-    exec(compile(readme_code("Video: AnimateDiff, Stable Video Diffusion, text-to-video"), "README.md", "exec"), namespace)
+    exec(compile(*guide_code("video"), "exec"), namespace)
     printed = [line.strip() for line in capsys.readouterr().out.splitlines() if "scale:" in line]
     assert printed == [
         "1/1 scale: 3 blocks, 64 -> 32 tokens (50% merged; tokens, similarity)",
@@ -81,11 +81,21 @@ def test_video_snippet_merges_per_frame_then_across_frames(readme_code, capsys):
     assert not namespace["tome"].patched_models(namespace["pipe"])
 
 
-def test_training_snippet_trains_lora_and_leaves_an_unpatched_lora_unet(readme_code):
+def test_training_snippet_trains_lora_and_leaves_an_unpatched_lora_unet(guide_code):
     namespace: dict = {}
-    exec(compile(readme_code("Training and fine-tuning"), "README.md", "exec"), namespace)
+    exec(compile(*guide_code("training"), "exec"), namespace)
     unet, lora = namespace["unet"], namespace["lora"]
     assert lora and all("lora" in key for key in lora)
     assert not namespace["tome"].patched_models(unet)
     assert bool(namespace["loss"].isfinite())
     assert all(("lora" in name) == p.requires_grad for name, p in unet.named_parameters())
+
+
+def test_every_guide_with_python_has_its_snippets_run():
+    """The guides whose snippets the tests run (here, test_zoo.py and test_parallel.py): any other page with a
+    python block would go unchecked."""
+    import pathlib
+
+    docs = pathlib.Path(__file__).resolve().parents[2] / "docs"
+    with_code = {path.stem for path in docs.glob("*.md") if "```python" in path.read_text()}
+    assert with_code == {"compile", "fidelity", "high-resolution", "models", "parallel", "training", "transformers", "video"}
