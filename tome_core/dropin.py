@@ -48,27 +48,29 @@ def tomesd_functions(patch: Callable[..., Any], remove: Callable[[Any], Any]) ->
     return apply_patch, remove_patch
 
 
-def apply_tome_function(patch: Callable[..., Any], module: str) -> Callable[..., Any]:
-    """``apply_tome(model, ratio=None, **options)``: :func:`patch` that also takes the ratio positionally, as
-    ppdiffusers' and tomesd's users write it (``pipe.apply_tome(0.5)``); every other option by keyword.
-    ``module``: the entry point that defines it (shown by ``help``, and how tests tell it from ppdiffusers')."""
+def ratio_positional(patch: Callable[..., Any], name: str, module: str) -> Callable[..., Any]:
+    """An entry point ``name(model, ratio=None, **options)``: :func:`patch` that also takes the ratio
+    positionally, as ppdiffusers' and tomesd's users write it (``pipe.apply_tome(0.5)``, ``patch(pipe, 0.5)``);
+    every other option by keyword. ``module``: the entry point's module (shown by ``help``, and how tests tell
+    ``apply_tome`` from ppdiffusers')."""
 
-    def apply_tome(model: Any, *ratio: Any, **options: Any) -> Any:
+    def entry(model: Any, *ratio: Any, **options: Any) -> Any:
         if len(ratio) > 1:
             raise TypeError(
-                f"apply_tome takes the ratio as its only positional argument, got {len(ratio)} positional values "
-                f"{ratio!r}; pass every other option by keyword, e.g. apply_tome(0.5, max_downsample=2)"
+                f"{name} takes the ratio as its only positional argument, got {len(ratio)} positional values "
+                f"{ratio!r}; pass every other option by keyword, e.g. {name}(model, 0.5, max_downsample=2)"
             )
         if ratio:
             if "ratio" in options:
-                raise TypeError("apply_tome got the ratio twice: positionally and as ratio=")
+                raise TypeError(f"{name} got the ratio twice: positionally and as ratio=")
             options["ratio"] = ratio[0]
         return patch(model, **options)
 
-    apply_tome.__doc__ = (
-        "apply_tome(model, ratio=None, **options): patch(model, ratio=ratio, **options), the ratio positional "
-        "or by keyword.\n\n" + (patch.__doc__ or "")
+    entry.__doc__ = (
+        f"{name}(model, ratio=None, **options): the ratio positional or by keyword, every other option by "
+        "keyword.\n\n" + (patch.__doc__ or "")
     )
-    apply_tome.__wrapped__ = patch
-    apply_tome.__module__ = module
-    return apply_tome
+    entry.__wrapped__ = patch
+    entry.__name__ = entry.__qualname__ = name
+    entry.__module__ = module
+    return entry

@@ -17,10 +17,12 @@ collects what each patched call merged while jax traced it.
 
 from __future__ import annotations
 
-from tome_core.adapters.flax import block_paths, is_patched, patch, patched_models, record, remove
-from tome_core.dropin import apply_tome_function
+from tome_core.adapters.flax import patch as _patch
+from tome_core.adapters.flax import block_paths, is_patched, patched_models, record, remove
+from tome_core.dropin import ratio_positional
 
-apply_tome = apply_tome_function(patch, __name__)
+patch = ratio_positional(_patch, "patch", __name__)  # patch(pipe, 0.5) as apply_tome(0.5)
+apply_tome = ratio_positional(_patch, "apply_tome", __name__)
 remove_tome = remove
 
 __all__ = ["patch", "remove", "apply_tome", "remove_tome", "patched_models", "is_patched", "record", "block_paths"]

@@ -12,12 +12,13 @@ import paddle
 import ppdiffusers.patches.tomesd_patch_utils  # noqa: F401  (installs ppdiffusers' methods before ours replace them)
 from ppdiffusers import DiffusionPipeline
 
-from tome_core.adapters.ppdiffusers import patch, patched_models, ppdiffusers_targets, remove
-from tome_core.dropin import apply_tome_function, tomesd_functions
+from tome_core.adapters.ppdiffusers import patch as _patch, patched_models, ppdiffusers_targets, remove
+from tome_core.dropin import ratio_positional, tomesd_functions
 
-apply_tome = apply_tome_function(patch, __name__)
+patch = ratio_positional(_patch, "patch", __name__)  # patch(pipe, 0.5) as apply_tome(0.5)
+apply_tome = ratio_positional(_patch, "apply_tome", __name__)
 remove_tome = remove
-apply_patch, remove_patch = tomesd_functions(patch, remove)
+apply_patch, remove_patch = tomesd_functions(_patch, remove)
 
 
 def _remove_tome_method(self, only_return_self: bool = True):

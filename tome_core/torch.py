@@ -1,4 +1,4 @@
-"""ToMe for torch / diffusers: ``tome_core.torch.patch(pipe, ratio=0.5)``.
+"""ToMe for torch / diffusers: ``tome_core.torch.patch(pipe, ratio=0.5)`` (or ``patch(pipe, 0.5)``).
 
 Importing this module also gives every diffusers ``DiffusionPipeline`` and ``ModelMixin`` the methods
 ``apply_tome(ratio=None, **options)`` (the ratio may be positional) and ``remove_tome()``.
@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from diffusers import DiffusionPipeline, ModelMixin
 
-from tome_core.adapters.diffusers import patch, patched_models, remove
-from tome_core.dropin import apply_tome_function, tomesd_functions
+from tome_core.adapters.diffusers import patch as _patch, patched_models, remove
+from tome_core.dropin import ratio_positional, tomesd_functions
 
-apply_tome = apply_tome_function(patch, __name__)
+patch = ratio_positional(_patch, "patch", __name__)  # patch(pipe, 0.5) as apply_tome(0.5)
+apply_tome = ratio_positional(_patch, "apply_tome", __name__)
 remove_tome = remove
-apply_patch, remove_patch = tomesd_functions(patch, remove)
+apply_patch, remove_patch = tomesd_functions(_patch, remove)
 
 
 def _remove_tome_method(self):

@@ -95,7 +95,7 @@ def test_tomesd_drop_in_names_use_tomesd_defaults(unet, inputs):
     torch.testing.assert_close(call(model, inputs), call(reference, inputs), rtol=0, atol=0)
     tome.remove_patch(model)
     torch.testing.assert_close(call(model, inputs), call(unet, inputs), rtol=0, atol=0)
-    assert tome.apply_tome.__wrapped__ is tome.patch and tome.remove_tome is tome.remove
+    assert tome.apply_tome.__wrapped__ is tome.patch.__wrapped__ and tome.remove_tome is tome.remove
 
 
 def test_deepcopy_of_a_patched_model_stays_patched_independently(unet, inputs):
@@ -187,6 +187,10 @@ def test_apply_tome_takes_the_ratio_positionally_and_names_itself_when_misused(u
     with pytest.raises(TypeError, match="apply_tome got the ratio twice"):
         tome.apply_tome(model, 0.5, ratio=0.5)
     assert tome.patched_models(model)[0][1].config.ratio == 0.3  # a refused call keeps the earlier patch
+    tome.patch(model, 0.4)  # patch takes it positionally too, as users of apply_tome write it
+    assert tome.patched_models(model)[0][1].config.ratio == 0.4
+    with pytest.raises(TypeError, match=r"patch takes the ratio as its only positional argument, got 2"):
+        tome.patch(model, 0.5, 2)
 
 
 def test_patched_models_print_briefly_and_dir_shows_the_public_names(unet):
