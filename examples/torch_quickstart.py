@@ -4,7 +4,8 @@ Runs anywhere, offline: the pipeline has the SD 1.5 UNet architecture at half wi
 random weights, a narrow VAE and a tiny text encoder, so the image is noise but the work is real. Point
 ``--model`` at a local diffusers folder to use real weights instead.
 
-    python examples/torch_quickstart.py                # 512x512, ratio 0.5, 4 steps
+    python examples/torch_quickstart.py                # 512x512, patch(pipe) (the default), 4 steps
+    python examples/torch_quickstart.py --ratio 0.5    # ToMe for SD's arrangement (tomesd's), at ratio 0.5
     python examples/torch_quickstart.py --size 256 --steps 2 --preset tiny
 """
 
@@ -44,7 +45,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--preset", default="sd15-small", help="UNet architecture when --model is not given")
     parser.add_argument("--size", type=int, default=512, help="image height and width")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--ratio", type=float, default=0.5)
+    parser.add_argument("--ratio", type=float, help="ToMe for SD at this ratio (default: patch(pipe), what users get)")
     parser.add_argument("--repeats", type=int, default=2, help="paired runs for the timing (medians)")
     args = parser.parse_args(argv)
 
@@ -63,12 +64,13 @@ def main(argv=None) -> dict:
         start = time.perf_counter()
         plain = generate(pipe, args)
         plain_times.append(time.perf_counter() - start)
-        tome.patch(pipe, ratio=args.ratio)
+        tome.patch(pipe) if args.ratio is None else tome.patch(pipe, ratio=args.ratio)
         start = time.perf_counter()
         merged = generate(pipe, args)
         tome_times.append(time.perf_counter() - start)
 
-    print(f"ToMe ratio={args.ratio} on a {args.size}x{args.size} pipeline, {args.steps} steps")
+    how = "patch(pipe) (the default)" if args.ratio is None else f"ratio={args.ratio}"
+    print(f"ToMe {how} on a {args.size}x{args.size} pipeline, {args.steps} steps")
     for model, state in tome.patched_models(pipe):
         blocks = sum(isinstance(m, BasicTransformerBlock) for m in model.modules())
         print(f"{type(model).__name__}: {blocks} transformer blocks hooked; in the last call these ran on fewer tokens:")

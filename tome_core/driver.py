@@ -39,7 +39,7 @@ from .families import (
 )
 from .levels import finest_attention_level, leading_raster, trailing_frames, trailing_raster
 from .match import Match
-from .merge import merge, unmerge
+from .merge import merge, size_bias, unmerge
 from .model_zoo import AUXILIARY, refusal
 from .selection import ModelFacts, block_ratios, check_model, selected_blocks
 from .shards import CONTEXT_PARALLEL, Shards, check_shard_cells, check_shards, shard_grid
@@ -120,7 +120,7 @@ class SizeBias:
         """``[B, 1, keys]``: the log sizes where the merged image keys sit, 0 for text, head and tail keys."""
         ops = get_ops(like)
         match = self.match
-        sizes = ops.reshape(ops.log(ops.astype_like(match.sizes, like)), (match.batch, 1, match.kept))
+        sizes = size_bias(match, like)
         if self.head and keys == self.head:  # an attention over the head's tokens alone (Flux.2 Klein KV's extract
             return ops.zeros((match.batch, 1, keys), like)  # step): unmerged tokens, each of size 1
         text = keys - self.head - match.kept - self.tail

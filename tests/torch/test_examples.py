@@ -23,6 +23,11 @@ def load(name: str):
 def test_quickstart_reports_merged_tokens_and_a_real_change(capsys):
     result = load("torch_quickstart").main(["--preset", "tiny", "--size", "64", "--steps", "1", "--repeats", "1"])
     out = capsys.readouterr().out
+    assert "ToMe patch(pipe) (the default)" in out  # what users get: keys and values in 2x2 cells
+    assert "1/1 scale: 3 blocks, 1024 -> 256 keys/values (75% merged; kv, 2x2 cells)" in out
+    assert 0 < result["change"] < 1
+    result = load("torch_quickstart").main(["--preset", "tiny", "--size", "64", "--steps", "1", "--repeats", "1", "--ratio", "0.5"])
+    out = capsys.readouterr().out
     assert "UNet2DConditionModel: 7 transformer blocks hooked" in out
     assert "1/1 scale: 3 blocks, 1024 -> 512 tokens (50% merged; tokens, similarity)" in out
     assert 0 < result["change"] < 1 and result["speedup"] > 0
