@@ -48,14 +48,19 @@ class ToMeConfig:
         0.5 with similarity matching and ``1 - 1/(sx*sy)`` (the cell's) with cell matching.
     max_downsample: merge blocks whose latent downsample factor is at most this (1, 2, 4 or 8);
         ``None`` (default) means the finest level that has attention (1 on SD 1.x/2.x, 2 on SDXL).
-    sx, sy: cell width and height; each cell of the grid keeps one destination token.
+    sx: cell width in tokens (``None``: 2); each ``sx x sy`` cell of the grid keeps one destination token.
+    sy: cell height in tokens (``None``: 2).
     use_rand: place each cell's destination at a pseudo-random position (else the cell's first).
-    merge_attn, merge_crossattn, merge_mlp: merge around self-attention, cross-attention, feed-forward.
+    merge_attn: merge around self-attention (the arrangement: ``mode``).
+    merge_crossattn: merge around cross-attention (its queries; the text keys are never merged).
+    merge_mlp: merge around the feed-forward.
     seed: seeds the destination placement; with the timestep it fully determines the partition.
 
     Beyond tomesd (all but ``proportional_attn`` off by default; with it off too, and ``use_rand=False``,
     results equal tomesd's, the reference configuration):
-    attn_ratio, crossattn_ratio, mlp_ratio: a ratio for one sub-layer only (``None``: the level's ratio).
+    attn_ratio: a ratio for self-attention only (``None``: the level's ratio).
+    crossattn_ratio: a ratio for cross-attention only (``None``: the level's ratio).
+    mlp_ratio: a ratio for the feed-forward only (``None``: the level's ratio).
     level_ratios: ``{downsample factor: ratio}`` replacing ``ratio`` at those levels (a sub-layer ratio wins).
     reuse_level: compute one match per level per model call (from the level's first block) instead of one
         per block.
