@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 
-def test_quick_start_snippet_patches_and_restores_the_pipeline(readme_code):
+def test_quick_start_snippet_patches_and_restores_the_pipeline(readme_code, capsys):
     namespace: dict = {}
     exec(compile(readme_code("Quick start: PyTorch / diffusers"), "README.md", "exec"), namespace)
+    assert "1/2 scale: 6 blocks, 256 -> 64 keys/values (75% merged; kv, 2x2 cells)" in capsys.readouterr().out  # SDXL
+    assert not namespace["tome"].patched_models(namespace["xl"])
     pipe, image = namespace["pipe"], namespace["image"]
     assert image.size == (64, 64)
     assert not any("_tome_patch" in m.__dict__ for m in pipe.unet.modules())  # removed again
