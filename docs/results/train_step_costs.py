@@ -7,7 +7,7 @@ weight frozen (gradients for the input only: what a LoRA step computes besides i
 scaled-dot-product attention (self- and cross-attention, forward and backward), ``convolution`` every
 convolution, ``linear`` every matrix product of the projections and feed-forward. ``ceiling`` is the step time
 over the step without its attention: the speedup if attention cost nothing. Run: ``python
-docs/train_step_costs.py`` (torch; about 10 minutes). Where docs/train_step_costs.txt comes from."""
+docs/results/train_step_costs.py`` (torch; about 10 minutes). Where docs/results/train_step_costs.txt comes from."""
 
 import collections
 import time

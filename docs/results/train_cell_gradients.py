@@ -6,8 +6,8 @@ to the noise), the gradient of every weight. For each cell set: the relative L2 
 gradient of the mean-pooled step, of one sampled step (averaged over the draws), and of the average of the
 first 4, 8, 16 and 32 draws (``seed`` 0-31 draw the tokens). If the distance of the average falls towards zero
 as draws are added, sampling moves the gradient by noise that averages out over steps; the mean-pooled step's
-distance is a fixed bias. Run: ``python docs/train_cell_gradients.py`` (torch; about a minute). Where
-docs/train_cell_gradients.txt comes from."""
+distance is a fixed bias. Run: ``python docs/results/train_cell_gradients.py`` (torch; about a minute). Where
+docs/results/train_cell_gradients.txt comes from."""
 
 import torch
 from diffusers import DDPMScheduler

@@ -1,8 +1,8 @@
 """One spatial self-attention of a video UNet block, per frame vs across frames: the match, and merge +
 attention + unmerge, on 8 correlated frames of a 48x48 latent (2304 tokens, 320 channels, 5 heads of 64),
-one thread, medians of alternating rounds. Run: ``python docs/video_block_costs.py`` (torch).
+one thread, medians of alternating rounds. Run: ``python docs/results/video_block_costs.py`` (torch).
 
-Where docs/video_block_costs.txt comes from: it shows what a full-UNet run on a CPU cannot separate (the
+Where docs/results/video_block_costs.txt comes from: it shows what a full-UNet run on a CPU cannot separate (the
 cross-frame similarity search against the attention it saves)."""
 
 import statistics
