@@ -720,7 +720,7 @@ class _MergeInput:
             if mask is None:
                 continue
             for axis in axes:  # none: a mask over the text only, which the processor extends over the image
-                mask = _merge_positions((mask,), match, axis, self.run.tail, self.sublayer.text == TEXT_AFTER, self.head)[0]
+                mask = _merge_positions((mask,), match, axis, self.run.tail, self.sublayer.text in (TEXT_AFTER, TEXT_SUFFIX), self.head)[0]
             gathered[name] = mask
         return gathered
 

@@ -978,3 +978,32 @@ def test_size_aware_attention_over_image_then_text_in_one_tensor_equals_repeated
     torch.testing.assert_close(unmerge(sized[:, : match.kept], match), plain[:, :tokens], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(sized[:, match.kept :], plain[:, tokens:], rtol=1e-4, atol=1e-5)
     assert _rel(unmerge(unsized[:, : match.kept], match), plain[:, :tokens]) > 1e-3  # the oracle can fail
+
+
+def test_a_key_mask_after_the_image_keeps_its_text_part_in_place():
+    """Z-Image's stream is [image; image padding; caption; caption padding] with a key mask over all of it;
+    the shorter caption is padded. Merged, each attention must get the unpatched mask with the image's part
+    gathered for the kept image tokens and the rest (padding and caption, after the image) unchanged: its
+    padding stays masked, no image token is."""
+    model, inputs = _z_image()
+    seen: Dict[str, List[torch.Tensor]] = {"unpatched": [], "patched": []}
+    attentions = [m for name, m in model.named_modules() if name.endswith(".attention")]
+
+    def record(arm):
+        return [a.register_forward_pre_hook(lambda m, a, k: seen[arm].append(k["attention_mask"]), with_kwargs=True) for a in attentions]
+
+    with torch.no_grad():
+        handles = record("unpatched")
+        model(**inputs)
+        for handle in handles:
+            handle.remove()
+        tome.patch(model, ratio=0.5)
+        handles = record("patched")  # after the patch's own hooks: what the attention gets
+        model(**inputs)
+    masked = [(u, p) for u, p in zip(seen["unpatched"], seen["patched"]) if u is not None and u.shape != p.shape]
+    assert masked  # the main blocks merged: 60 image tokens -> 30
+    for unpatched, patched in masked:
+        merged = unpatched.shape[1] - patched.shape[1]
+        assert torch.equal(patched[:, 60 - merged :], unpatched[:, 60:])  # padding and caption, in place
+        assert bool(patched[:, : 60 - merged].all())  # every kept image token attends
+        assert not bool(patched.all())  # the shorter caption's padding stays masked
