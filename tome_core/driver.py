@@ -534,7 +534,7 @@ class _BlockRun:
             return None
         self.config, fallback = self._arrangement(self.state.active)
         whole = metric
-        metric = self._own_piece(metric)
+        metric = self._own_piece(_batch_first(metric) if self.family.sequence_first else metric)
         self.head, self.tail = self._around(metric)
         if not self.state.merging or self._unmerged(args, kwargs):  # a call that runs unmerged, said where decided
             self.matches = {}
@@ -626,6 +626,14 @@ class _BlockRun:
         self.matches = {}
         self.merged.clear()
         return None
+
+
+def _batch_first(x: Any) -> Any:
+    """``[S, B, C]`` as ``[B, S, C]``, with the ops protocol's transpose of the last two axes."""
+    ops = get_ops(x)
+    length, batch, channels = ops.shape(x)
+    x = ops.matrix_transpose(ops.reshape(x, (length, batch * channels)))  # [B * C, S]
+    return ops.matrix_transpose(ops.reshape(x, (batch, channels, length)))
 
 
 def block_problem(block: Any, config: ToMeConfig) -> None:

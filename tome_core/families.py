@@ -83,6 +83,7 @@ class BlockFamily:
     timesteps: the largest timestep a model of this family receives from its pipeline (1000 for DDPM-style
         and most flow-matching models; 1 where the pipeline passes sigmas, as Flux's do): ``timestep_range``
         outside ``[0, timesteps]`` is refused.
+    sequence_first: the block's own input is ``[S, B, C]`` (ERNIE-Image's); its sub-layers get theirs batch-first.
     """
 
     name: str
@@ -95,6 +96,7 @@ class BlockFamily:
     timesteps: float = 1000.0
     timesteps_rise: bool = False
     unmerged_with: Optional[Tuple[str, str]] = None
+    sequence_first: bool = False
 
 
 # FLUX.1's double-stream block: joint attention over [text; image] (image output first), an image MLP.
@@ -539,6 +541,18 @@ BLOCK_FAMILIES += (
         ),
         rotary="image_rotary_emb",
         timesteps=1.0,
+    ),
+)
+
+BLOCK_FAMILIES += (
+    BlockFamily(  # ERNIE-Image: one [image; text] stream, sequence-first in the block; its attention gets it
+        "ernie-image",  # batch-first with a key mask and one rotary table over both; its MLP runs sequence-first
+        ("ErnieImageSharedAdaLNBlock",),
+        (Sublayer("self_attention", "attn", text=TEXT_SUFFIX, attention=True, masks=(("attention_mask", (-1,)),)),),
+        rotary="image_rotary_emb",
+        rotary_axis=1,
+        stream=TEXT_SUFFIX,
+        sequence_first=True,
     ),
 )
 

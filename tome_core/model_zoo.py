@@ -105,10 +105,6 @@ REFUSED: Dict[str, str] = {
         "not supported yet: one stream of text, condition images and the target image last, attention prefilled "
         "segment by segment with a key cache, and a single complex rotary table"
     ),
-    "ErnieImageTransformer2DModel": (
-        "not supported yet: its stream is sequence-first [S, B, C] ([image; text]) at the feed-forward, batch-first "
-        "at the attention"
-    ),
     "JoyImageEditTransformer3DModel": (
         "not supported yet: its edit inputs are 6-D (batch, items, C, T, H, W), the target item moved first among "
         "the items read as frames, with separate image and text rotary tables"

@@ -475,6 +475,13 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
         hidden_states=(2, 4, 12, 16), encoder_hidden_states=(2, 7, 16), timestep=torch.tensor([0.5, 0.5]),
         attention_mask=torch.tensor([[True] * 7, [True] * 4 + [False] * 3]),
     ),
+    "ErnieImageTransformer2DModel": _built(  # sequence-first [image; text] blocks, a padded second prompt
+        "ErnieImageTransformer2DModel",
+        dict(hidden_size=16, num_attention_heads=1, num_layers=2, ffn_hidden_size=16, in_channels=16, out_channels=16,
+             patch_size=1, text_in_dim=16, rope_theta=256, rope_axes_dim=(8, 4, 4), eps=1e-6, qk_layernorm=True),
+        hidden_states=(2, 16, 12, 16), timestep=torch.tensor([500.0, 500.0]), text_bth=(2, 7, 16),
+        text_lens=torch.tensor([7, 4]),
+    ),
     "Krea2Transformer2DModel": _krea2,
     "AnyFlowTransformer3DModel": _built(  # frames-first latent (B, F, C, H, W), a timestep per frame
         "AnyFlowTransformer3DModel",
