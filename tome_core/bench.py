@@ -722,7 +722,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: the framework's)")
     p.add_argument("--json", help="write the rows to this JSON file")
     p.add_argument("--plot", help="write speedup and fidelity against ratio to this PNG file (one per resolution, "
-                   "NAME_<res>px.png, with several); needs matplotlib: pip install \"tome-core[bench]\"")
+                   "NAME_<res>px.png, with several); needs matplotlib: pip install \".[bench]\" (from the clone)")
     p.add_argument("--micro", action="store_true",
                    help="instead: one block's match+merge+unmerge (B=2, N=4096, C=320), ours vs the peer: time and ops; "
                    "with a transformer preset (torch): the first block of each kind at --resolution/--batch, its "
@@ -812,9 +812,9 @@ def parse_options(items: Sequence[str]) -> Dict[str, Any]:
     return options
 
 
-INSTALL_BENCH = 'pip install "tome-core[bench]"'
+INSTALL_BENCH = 'pip install ".[bench]" (from the clone)'
 FRAMEWORK_EXTRAS = {"torch": "torch", "paddle": "paddle", "jax": "jax"}
-PEER_INSTALL = {"torch": "pip install tomesd==0.1.3", "paddle": 'pip install "tome-core[paddle]" (ppdiffusers\' built-in ToMe)'}
+PEER_INSTALL = {"torch": "pip install tomesd==0.1.3", "paddle": 'pip install ".[paddle]" (ppdiffusers\' built-in ToMe)'}
 
 
 def _importable(name: str) -> bool:
@@ -837,14 +837,14 @@ def check_dependencies(args: argparse.Namespace, explicit_methods: bool) -> None
 
     if args.model and model_info(args.model) is not None and not _importable("skimage"):
         raise SystemExit(
-            "a trained model's sample fidelity needs scikit-image, not installed: pip install \"tome-core[trained]\""
+            "a trained model's sample fidelity needs scikit-image, not installed: pip install \".[trained]\" (from the clone)"
         )
     try:
         module = importlib.import_module(f"tome_core.adapters.{RUNNERS[args.backend]}")
     except ImportError as error:
         extra = FRAMEWORK_EXTRAS[args.backend]
         raise SystemExit(
-            f"--backend {args.backend} needs its framework ({error}): pip install \"tome-core[{extra},bench]\""
+            f"--backend {args.backend} needs its framework ({error}): pip install \".[{extra},bench]\" (from the clone)"
         ) from None
     if explicit_methods and "peer" in args.methods and not args.micro:
         from tome_core.presets import TRANSFORMERS

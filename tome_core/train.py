@@ -7,7 +7,7 @@
 
 Seeded and reproducible (same seed, threads and torch build give the same weights); prints the loss curve and
 stores it in the folder's ``model_info.json`` (``classifier.json`` for the classifier). Needs torch, diffusers
-and scikit-image (``pip install "tome-core[trained]"``).
+and scikit-image (``pip install ".[trained]"`` from the clone).
 """
 
 from __future__ import annotations

@@ -541,10 +541,10 @@ def test_missing_optional_dependencies_fail_before_anything_is_built(monkeypatch
 
     monkeypatch.setattr(Runner, "__init__", no_build)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    with pytest.raises(SystemExit, match=r'pip install "tome-core\[bench\]"'):
+    with pytest.raises(SystemExit, match=r'pip install "\.\[bench\]" \(from the clone\)'):
         bench.main(["--preset", "tiny", "--plot", str(tmp_path / "x.png")])
     monkeypatch.setitem(sys.modules, "tqdm", None)
-    with pytest.raises(SystemExit, match=r"needs tqdm, not installed: pip install \"tome-core\[bench\]\""):
+    with pytest.raises(SystemExit, match=r'needs tqdm, not installed: pip install "\.\[bench\]"'):
         bench.main(["--preset", "tiny"])
     monkeypatch.delitem(sys.modules, "tqdm")
     monkeypatch.setattr(Runner, "has_peer", False)
@@ -553,7 +553,7 @@ def test_missing_optional_dependencies_fail_before_anything_is_built(monkeypatch
     with pytest.raises(SystemExit, match="no such --variant"):
         bench.main(["--preset", "tiny", "--variant-oracles", "nope"])
     monkeypatch.setitem(sys.modules, "skimage", None)
-    with pytest.raises(SystemExit, match=r'scikit-image, not installed: pip install "tome-core\[trained\]"'):
+    with pytest.raises(SystemExit, match=r'scikit-image, not installed: pip install "\.\[trained\]"'):
         bench.main(["--preset", "trained-unet"])
 
 
