@@ -187,6 +187,12 @@ def _flux2_edit_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
     return dict(_flux2_call(config, randn), image=_image(randn, 64, 64))
 
 
+def _ernie_image_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    """A prompt and a shorter negative prompt (ERNIE-Image pads them into one batch, masking the padding)."""
+    text = config["text_in_dim"]
+    return dict(prompt_embeds=[randn(7, text)], negative_prompt_embeds=[randn(4, text)], height=64, width=64)
+
+
 def _flux2_klein_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
     text = config["joint_attention_dim"]
     return dict(prompt_embeds=randn(1, 7, text), negative_prompt_embeds=randn(1, 7, text), guidance_scale=4.0, height=32, width=32)
@@ -520,6 +526,7 @@ ZOO_PIPELINES: Dict[str, ZooPipeline] = {
         lambda config, randn: dict(_inpaint(_flux_call)(config, randn), _auto_resize=False, max_area=32 * 32),
     ),
     "flux2": ZooPipeline("Flux2Pipeline", "tiny-flux2", _flux2_vae, _flux2_call),
+    "ernie-image": ZooPipeline("ErnieImagePipeline", "tiny-ernie-image", _flux2_vae, _ernie_image_call),
     "flux2-edit": ZooPipeline("Flux2Pipeline", "tiny-flux2", _flux2_vae, _flux2_edit_call),
     "flux2-klein": ZooPipeline("Flux2KleinPipeline", "tiny-flux2-klein", _flux2_vae, _flux2_klein_call),
     "flux2-klein-edit": ZooPipeline("Flux2KleinPipeline", "tiny-flux2-klein", _flux2_vae, _flux2_klein_edit_call),

@@ -247,6 +247,11 @@ TRANSFORMERS.update({
             text_embed_2_dim=32, rope_axes_dim=(4, 4),
         ),
     ),
+    "tiny-ernie-image": (  # diffusers' model-test size, two layers
+        "ErnieImageTransformer2DModel",
+        dict(hidden_size=16, num_attention_heads=1, num_layers=2, ffn_hidden_size=16, in_channels=16, out_channels=16,
+             patch_size=1, text_in_dim=16, rope_theta=256, rope_axes_dim=(8, 4, 4), eps=1e-6, qk_layernorm=True),
+    ),
     "tiny-prx": (
         "PRXTransformer2DModel",
         dict(in_channels=4, patch_size=2, context_in_dim=16, hidden_size=32, mlp_ratio=2.0, num_heads=2, depth=2, axes_dim=[8, 8]),
