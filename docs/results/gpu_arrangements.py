@@ -2,7 +2,7 @@
 (no launch overhead; capture also proves the patched call has no host sync), replays timed with CUDA events,
 methods alternating; fidelity (relative L2 at t=500) against unpatched. Needs CUDA and tomesd.
 
-    python examples/gpu_arrangements.py    # writes gpu_graphs.json to $OUT (default /tmp)
+    python docs/results/gpu_arrangements.py    # writes gpu_graphs.json to $OUT (default /tmp)
 """
 import json, os, statistics, warnings
 import torch, tomesd

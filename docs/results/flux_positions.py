@@ -8,7 +8,7 @@ Relative L2 distance of the transformer output to the unpatched output, one call
 * ``truncated``: the first ``N - r`` image positions, ignoring which token is where (what passing the
   positions through untouched would amount to if the attention accepted it).
 
-Run: ``python examples/flux_positions.py --preset flux-small --resolution 512``.
+Run: ``python docs/results/flux_positions.py --preset flux-small --resolution 512``.
 """
 
 from __future__ import annotations
