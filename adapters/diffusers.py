@@ -218,6 +218,12 @@ class TorchFramework:
             )
         return driver.REUSED if names & REUSING_CACHES else None
 
+    def same_data(self, a: Optional[torch.Tensor], b: Any) -> bool:
+        return (
+            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a is not b and a.device == b.device
+            and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+        )
+
     def shards(self, model: torch.nn.Module) -> Optional[Shards]:
         """From diffusers' ``enable_parallelism`` (``model._parallel_config``), read once per config."""
         config = getattr(getattr(model, "_parallel_config", None), "context_parallel_config", None)

@@ -92,6 +92,9 @@ class Framework(Protocol):
     def shards(self, model: Any) -> Optional[Shards]:
         """How context parallelism splits ``model``'s tokens now (None: it does not)."""
 
+    def same_data(self, a: Any, b: Any) -> bool:
+        """Whether ``b`` is ``a``'s data under another array object (a detached copy), ``a`` being alive or None."""
+
     def output_cache(self, module: Any) -> Optional[str]:
         """How another library caches ``module``'s output across calls: None (it does not), ``REUSED`` (it
         returns the very output object of an earlier call), or raises ValueError naming a cache that builds
@@ -528,8 +531,8 @@ class _BlockRun:
     def begin(self, module, args, kwargs):
         block_problem(self.block, self.state.config)
         metric = argument(args, kwargs, "hidden_states", 0)
-        earlier = self.ran.get(id(metric))
-        if earlier is not None and earlier[0]() is metric:
+        earlier = self._ran_on(metric)
+        if earlier is not None:
             _, self.matches, self.config, (self.head, self.tail) = earlier
             return None
         self.config, fallback = self._arrangement(self.state.active)
@@ -547,6 +550,15 @@ class _BlockRun:
             self.ran = {key: entry for key, entry in self.ran.items() if entry[0]() is not None}
             self.ran[id(whole)] = (weakref.ref(whole), self.matches, self.config, (self.head, self.tail))
         return None
+
+    def _ran_on(self, x: Any) -> Optional[Tuple[Any, Dict[str, Match], ToMeConfig, Tuple[int, int]]]:
+        """What an earlier run of this block on ``x`` used, if this is a recomputation of it: on ``x`` itself
+        (non-reentrant checkpointing), or on a tensor whose data ``x`` shares (reentrant checkpointing
+        recomputes from a detached copy); the earlier input is alive, so its memory holds no other tensor."""
+        earlier = self.ran.get(id(x))
+        if earlier is not None and earlier[0]() is x:
+            return earlier
+        return next((entry for entry in self.ran.values() if self.fw.same_data(entry[0](), x)), None)
 
     def _own_piece(self, x: Any) -> Any:
         """This process's piece of a block input that context parallelism splits inside the block's own call

@@ -182,8 +182,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(reentrant: bool, option
     enable_checkpointing(unet, reentrant)
     loss_checkpointed, checkpointed = step_grads(unet, lambda: unet_loss(unet, batch))
     assert calls[0] == 3  # forward + recomputation in backward: checkpointing was on
-    if not reentrant:  # (a reentrant recomputation is not recognised as one: see the two-call test)
-        assert merged_summary(unet) == summary  # recomputed blocks are not counted twice
+    assert merged_summary(unet) == summary  # recomputed blocks are not counted twice
     torch.testing.assert_close(loss_checkpointed, loss_plain, rtol=1e-6, atol=0)
     assert relative_error(checkpointed, plain) < 1e-6
     unet.disable_gradient_checkpointing()
@@ -192,22 +191,15 @@ def test_gradient_checkpointing_gives_the_same_gradients(reentrant: bool, option
     assert relative_error(other_partition, plain) > 1e-3
 
 
-REENTRANT_BUG = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="library bug: reentrant checkpointing recomputes a block from a detached copy of its input, which the "
-    "driver does not recognise as a recomputation: it matches again with the state of the model's last call",
-)
-
-
-@pytest.mark.parametrize("reentrant", [False, pytest.param(True, marks=REENTRANT_BUG)], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("second", ["other-timestep", "other-size"])
 def test_gradient_checkpointing_two_calls_before_backward(second: str, reentrant: bool):
     """Two UNet calls, one backward (a loss over two noise levels, or two resolutions): checkpointed gradients
     equal the plain ones. The first call's blocks are recomputed after the second call has run, when the
     model's state is the second call's: a recomputed block must use the match of its own forward (reading the
     state instead drew another partition at another timestep, or judged the 8x8 call's blocks by the 16x16
-    latent and raised torch's CheckpointError)."""
+    latent and raised torch's CheckpointError). Reentrant checkpointing recomputes from a detached copy of the
+    block's input, recognised by its data."""
     unet = build_unet("tiny", seed=0).train()
     first = unet_batch(1)
     if second == "other-timestep":  # another first timestep: another partition (use_rand=True)
