@@ -53,7 +53,6 @@ class ToMeState:
     fallbacks: Dict[Tuple[int, str], LevelStats] = field(default_factory=dict)  # (level, why): blocks run as tokens
     fallback_configs: Dict[bool, ToMeConfig] = field(default_factory=dict)  # :meth:`fallback`'s, by takes_bias
     shards: Optional[Shards] = None  # how context parallelism splits this call's tokens (None: it does not)
-    resolved: Any = None  # ((latent_hw, shards), the options :attr:`active` resolved for them)
     where: str = "the model"  # the patched model's class, for warnings
     said: set = field(default_factory=set)  # warnings given (each once per patch)
 
@@ -63,13 +62,7 @@ class ToMeState:
     @property
     def active(self) -> ToMeConfig:
         """The options this call runs with: ``mode="auto"`` resolved by the token count of the latent's finest
-        merged level (the first choice whose threshold it reaches); decided once per call, when the latent size
-        is known, and read by every block."""
-        if self.resolved is None or self.resolved[0] != (self.latent_hw, self.shards):
-            self.resolved = ((self.latent_hw, self.shards), self._resolve())
-        return self.resolved[1]
-
-    def _resolve(self) -> ToMeConfig:
+        merged level (the first choice whose threshold it reaches)."""
         choices = self.choices or ((0, self.config),)
         if self.latent_hw is None:
             return choices[-1][1]
