@@ -62,7 +62,12 @@ def _random_transformer(name: str, config: Dict[str, Any], seed: int) -> torch.n
     """diffusers' class ``name`` built from ``config`` with weights drawn from ``seed``, zero-initialised output
     layers given small random values."""
     torch.manual_seed(seed)
-    model = getattr(diffusers, name)(**config).eval()
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)  # torch.empty then fills with NaN, which _randomize_zeros redraws
+    try:
+        model = getattr(diffusers, name)(**config).eval()
+    finally:
+        torch.use_deterministic_algorithms(was)
     _randomize_zeros(model, seed + 1)
     return model
 
@@ -197,11 +202,14 @@ def build_transformer_pipeline(kind: str = "sd3", seed: int = 0, text: int = 7) 
 
 
 def _randomize_zeros(model: torch.nn.Module, seed: int) -> None:
-    """Give zero-initialised parameters (adaLN-zero, ControlNet zero convolutions) small random values."""
+    """Give zero-initialised parameters (adaLN-zero, ControlNet zero convolutions) small random values, and
+    seeded ones to parameters that diffusers leaves uninitialised (``torch.empty``: NucleusMoE's experts),
+    whose memory may hold anything, NaN included."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in model.parameters():
-            if parameter.ndim >= 1 and not parameter.any():
+            unset = parameter.is_floating_point() and not (torch.isfinite(parameter).all() and parameter.abs().max() < 1e3)
+            if parameter.ndim >= 1 and (unset or not parameter.any()):
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
 
 
