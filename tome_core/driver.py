@@ -359,6 +359,10 @@ class _CallStart:
         elif len(shape) == 5:  # a 3-D patch (Wan): (batch, C, frames, H, W), its frames' grids stacked in one sequence
             frames, height, width = (n // p for n, p in zip(shape[2:], self.patch_size))
             grid = (frames * height, width)
+        elif len(shape) == 6:  # (batch, items, C, frames, H, W): one item after another in the sequence, the
+            # output's first (JoyImage-Edit moves its target there); the other items pass through as a tail
+            frames, height, width = (n // p for n, p in zip(shape[3:], self.patch_size))
+            grid, tail = (frames * height, width), (shape[1] - 1) * frames * height * width
         else:
             shapes = argument(args, kwargs, "img_shapes", where["img_shapes"])
             if shapes is not None:

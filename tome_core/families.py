@@ -556,6 +556,16 @@ BLOCK_FAMILIES += (
     ),
 )
 
+BLOCK_FAMILIES += (
+    BlockFamily(  # JoyImage-Edit: image and text streams apart, joint attention over [image; text], an image MLP;
+        "joyimage",  # rotary (cos, sin) per stream, the image's first; its edit items follow the target as a tail
+        ("JoyImageTransformerBlock",),
+        (Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True), Sublayer("img_mlp", "mlp")),
+        rotary="image_rotary_emb",
+        rotary_items=(0,),
+    ),
+)
+
 _BY_CLASS: Dict[str, BlockFamily] = {name: family for family in BLOCK_FAMILIES for name in family.classes}
 
 

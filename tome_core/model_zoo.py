@@ -105,10 +105,6 @@ REFUSED: Dict[str, str] = {
         "not supported yet: one stream of text, condition images and the target image last, attention prefilled "
         "segment by segment with a key cache, and a single complex rotary table"
     ),
-    "JoyImageEditTransformer3DModel": (
-        "not supported yet: its edit inputs are 6-D (batch, items, C, T, H, W), the target item moved first among "
-        "the items read as frames, with separate image and text rotary tables"
-    ),
     "JoyImageEditPlusTransformer3DModel": (
         "not supported yet: JoyImage-Edit's 6-D multi-item inputs, plus a key mask over [image; text]"
     ),

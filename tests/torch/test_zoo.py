@@ -482,6 +482,12 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
         hidden_states=(2, 16, 12, 16), timestep=torch.tensor([500.0, 500.0]), text_bth=(2, 7, 16),
         text_lens=torch.tensor([7, 4]),
     ),
+    "JoyImageEditTransformer3DModel": _built(  # an edit call: (batch, items, C, T, H, W), the target last
+        "JoyImageEditTransformer3DModel",
+        dict(patch_size=[1, 2, 2], in_channels=16, hidden_size=32, num_attention_heads=2, text_dim=16, num_layers=2,
+             rope_dim_list=[4, 6, 6], theta=256),
+        hidden_states=(2, 2, 16, 1, 8, 12), encoder_hidden_states=(2, 12, 16), timestep=torch.tensor([500.0, 500.0]),
+    ),
     "Krea2Transformer2DModel": _krea2,
     "AnyFlowTransformer3DModel": _built(  # frames-first latent (B, F, C, H, W), a timestep per frame
         "AnyFlowTransformer3DModel",
