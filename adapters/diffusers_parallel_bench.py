@@ -125,6 +125,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, name: str, size: int
     try:
         cp = lambda m: m.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))  # noqa: E731
         torch.save(measure(name, size, rounds, ratio, cp), os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # every process done before the group is torn down
     finally:
         dist.destroy_process_group()
 

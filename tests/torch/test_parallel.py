@@ -174,6 +174,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, full: bool) -> None:
             seen["refused"] = _refusals(world)
             seen["pipelines"] = _pipelines(world)
         torch.save(seen, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()  # gloo aborts a process whose peer tears the group down under it
     finally:
         dist.destroy_process_group()
 
