@@ -25,7 +25,7 @@ from tome_core import driver, selection
 from tome_core.backend import get_ops
 from tome_core.bench import image_like_latents, noised, peak_memory_in_fresh_process
 from tome_core.config import ToMeConfig
-from tome_core.families import TEXT_AFTER, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer
+from tome_core.families import TEXT_NONE, TEXT_PREFIX, BlockFamily, Sublayer, text_follows
 from tome_core.levels import block_grid, downsample_factor, level_grid
 from tome_core.state import ToMeState
 
@@ -425,7 +425,7 @@ class _OracleBlock:
             *sublayer.aligned,
         )
         placed_mask = any(name == "attention_mask" for name, _ in sublayer.masks)
-        after = sublayer.text in (TEXT_AFTER, TEXT_SUFFIX)
+        after = text_follows(sublayer.text)
 
         def drop(module, args, kwargs):
             if self.image is None:

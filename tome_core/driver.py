@@ -34,8 +34,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Se
 from .backend import get_ops
 from .config import ToMeConfig
 from .families import (
-    BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_AFTER, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer, GridLayout, block_family, grid_layout,
-    grid_last, temporal, text_only,
+    BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer, GridLayout, block_family, grid_layout,
+    grid_last, temporal, text_follows, text_only,
 )
 from .levels import finest_attention_level, leading_raster, trailing_frames, trailing_raster
 from .match import Match
@@ -133,7 +133,7 @@ class SizeBias:
                 f"{self.head + match.kept + self.tail} tokens; pass proportional_attn=False"
             )
         zeros = lambda count: [ops.zeros((match.batch, 1, count), like)] if count else []  # noqa: E731
-        if self.text in (TEXT_AFTER, TEXT_SUFFIX):  # [head; image; tail; text]
+        if text_follows(self.text):  # [head; image; tail; text]
             parts = [*zeros(self.head), sizes, *zeros(self.tail + text)]
         else:  # [text; head; image; tail]
             parts = [*zeros(text + self.head), sizes, *zeros(self.tail)]
@@ -744,7 +744,7 @@ class _MergeInput:
             if mask is None:
                 continue
             for axis in axes:  # none: a mask over the text only, which the processor extends over the image
-                mask = _merge_positions((mask,), match, axis, self.run.tail, self.sublayer.text in (TEXT_AFTER, TEXT_SUFFIX), self.head)[0]
+                mask = _merge_positions((mask,), match, axis, self.run.tail, text_follows(self.sublayer.text), self.head)[0]
             gathered[name] = mask
         return gathered
 
@@ -763,7 +763,7 @@ class _MergeInput:
         rotary = argument(args, kwargs, self.rotary, self.rotary_at)
         if rotary is None:
             return args, kwargs
-        family, after = self.run.family, self.sublayer.text in (TEXT_AFTER, TEXT_SUFFIX)
+        family, after = self.run.family, text_follows(self.sublayer.text)
         if isinstance(rotary, dict):  # tables by name (AnyFlow's query and key frequencies)
             moved = _merge_positions(tuple(rotary.values()), match, family.rotary_axis, self.run.tail, after, self.head)
             return replace_argument(args, kwargs, self.rotary, self.rotary_at, type(rotary)(zip(rotary, moved)))

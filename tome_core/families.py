@@ -20,6 +20,12 @@ TEXT_PREFIX = "prefix"  # the sub-layer's own input is [text; image] (Flux's sin
 TEXT_SUFFIX = "suffix"  # the sub-layer's own input is [image; text] (HunyuanVideo's single-stream MLP)
 
 
+def text_follows(text: str) -> bool:
+    """Whether the text tokens come after the image's (``[image; text]``) in what a sub-layer with this ``text``
+    attends to: its keys, the rows of its rotary tables and of its token masks."""
+    return text in (TEXT_AFTER, TEXT_SUFFIX)
+
+
 @dataclass(frozen=True)
 class Sublayer:
     """One sub-layer of a block that runs on merged image tokens.
