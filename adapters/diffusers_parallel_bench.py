@@ -17,6 +17,7 @@ column mean anything here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -25,7 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, Iterator, List
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -113,27 +114,37 @@ def measure(name: str, size: int, rounds: int, ratio: float, parallel: Callable[
     return found
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, name: str, size: int, rounds: int, ratio: float) -> None:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def cpu_process_group(rank: int, world: int, port: int, timeout: datetime.timedelta) -> Iterator[None]:
+    """This process as ``rank`` of a ``world``-process gloo group on this machine, one thread each, torn down once
+    every process is done (gloo aborts a process whose peer tears the group down under it). diffusers'
+    ``enable_parallelism`` places a process on accelerator ``rank % device_count()``, which is 0 on a CPU-only
+    torch: the count is taken as 1, and the processes run on the CPU all the same."""
     from torch import distributed as dist
-    from diffusers import ContextParallelConfig
 
     torch.set_num_threads(1)
-    torch.accelerator.device_count = lambda: 1  # CPU-only torch: diffusers divides by it (0)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30)
-    )
+    torch.accelerator.device_count = lambda: 1
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timeout)
     try:
-        cp = lambda m: m.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))  # noqa: E731
-        torch.save(measure(name, size, rounds, ratio, cp), os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()  # every process done before the group is torn down
+        yield
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(rank: int, world: int, port: int, out_dir: str, name: str, size: int, rounds: int, ratio: float) -> None:
+    from diffusers import ContextParallelConfig
+
+    with cpu_process_group(rank, world, port, datetime.timedelta(minutes=30)):
+        cp = lambda m: m.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))  # noqa: E731
+        torch.save(measure(name, size, rounds, ratio, cp), os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 def _error(output: torch.Tensor, reference: torch.Tensor) -> float:
@@ -158,7 +169,7 @@ def run(name: str, size: int, processes: int, rounds: int, ratio: float) -> Dict
     torch.set_num_threads(1)
     one = measure(name, size, rounds, ratio)
     with tempfile.TemporaryDirectory() as out_dir:
-        arguments = (processes, _free_port(), out_dir, name, size, rounds, ratio)
+        arguments = (processes, free_port(), out_dir, name, size, rounds, ratio)
         mp.start_processes(_worker, args=arguments, nprocs=processes, join=True, start_method="spawn")
         ranks = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(processes)]
     reference, patched = one["unpatched"]["out"], one["patched"]["out"]

@@ -22,7 +22,6 @@ from __future__ import annotations
 import datetime
 import os
 import pathlib
-import socket
 import time
 from typing import Any, Callable, Dict, List
 
@@ -31,6 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import tome_core.torch as tome
+from tome_core.adapters.diffusers_parallel_bench import cpu_process_group, free_port
 from tome_core.adapters.diffusers_models import (
     build_transformer, build_transformer_pipeline, build_video_transformer, build_wan_pipeline, transformer_inputs,
     video_transformer_inputs,
@@ -150,15 +150,7 @@ def _pipelines(world: int) -> Dict[str, Any]:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, full: bool) -> None:
-    torch.set_num_threads(1)
-    from torch import distributed as dist
-
-    # diffusers' enable_parallelism places each process on accelerator ``rank % device_count()``, which is 0 on a
-    # CPU-only torch: its processes run on the CPU all the same
-    torch.accelerator.device_count = lambda: 1
-    address, timeout = f"tcp://127.0.0.1:{port}", datetime.timedelta(seconds=120)
-    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world, timeout=timeout)
-    try:
+    with cpu_process_group(rank, world, port, datetime.timedelta(seconds=120)):
         # Ulysses hands each process a share of the heads: as many heads as processes at least
         flux = lambda: build_transformer("tiny-flux", num_attention_heads=max(2, world))  # noqa: E731
         seen: Dict[str, Any] = dict(flux=_model_scenarios(flux, _flux_inputs(), world))
@@ -174,21 +166,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str, full: bool) -> None:
             seen["refused"] = _refusals(world)
             seen["pipelines"] = _pipelines(world)
         torch.save(seen, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()  # gloo aborts a process whose peer tears the group down under it
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(world: int, full: bool, out_dir: pathlib.Path) -> List[Dict[str, Any]]:
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(_worker, args=(world, _free_port(), str(out_dir), full), nprocs=world, join=False, start_method="spawn")
+    context = mp.start_processes(_worker, args=(world, free_port(), str(out_dir), full), nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + 300
     while not context.join(timeout=5):  # raises if a process failed
         if time.monotonic() > deadline:
@@ -322,7 +305,7 @@ def _snippet_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import warnings
 
     torch.set_num_threads(1)
-    torch.accelerator.device_count = lambda: 1  # CPU-only torch (see _worker)
+    torch.accelerator.device_count = lambda: 1  # CPU-only torch (see cpu_process_group)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     code = "\n".join(re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S))
     with open(os.path.join(out_dir, f"printed{rank}.txt"), "w") as out, contextlib.redirect_stdout(out), warnings.catch_warnings():
@@ -333,7 +316,7 @@ def _snippet_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_the_parallel_page_snippet_runs_as_its_comments_say(spawnable, tmp_path):
     import torch.multiprocessing as mp
 
-    mp.start_processes(_snippet_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_snippet_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
     printed = (tmp_path / "printed0.txt").read_text()
     comments = [line[2:] for line in PAGE.read_text().split("print(tome.patched_models")[1].splitlines()[1:3]]
     for comment in comments:

@@ -27,7 +27,6 @@ import datetime
 import functools
 import os
 import pathlib
-import socket
 import time
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -38,6 +37,7 @@ from diffusers import Transformer2DModel
 from torch.func import functional_call
 
 import tome_core.torch as tome
+from tome_core.adapters.diffusers_parallel_bench import cpu_process_group, free_port
 from tome_core.adapters.diffusers_models import build_unet
 from tome_core.state import ToMeState
 
@@ -296,15 +296,11 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str, wrap: str = "ddp
     """One rank: a patched tiny UNet under DistributedDataParallel (``wrap="ddp"``) or FSDP2's
     ``fully_shard`` on each of its down, middle and up blocks and on the whole (``"fsdp"``), DDP_STEPS SGD
     steps on this rank's own data, full weights saved."""
-    torch.set_num_threads(1)
-    from torch import distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
-    address, timeout = f"tcp://127.0.0.1:{port}", datetime.timedelta(seconds=60)
-    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world, timeout=timeout)
-    try:
+    with cpu_process_group(rank, world, port, datetime.timedelta(seconds=60)):
         unet = tome.patch(build_unet("tiny", seed=0).train(), ratio=0.5)
         if wrap == "ddp":
             model = DistributedDataParallel(unet)
@@ -321,14 +317,6 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str, wrap: str = "ddp
         merged_summary(unet)
         weights = {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in unet.state_dict().items()}
         torch.save(weights, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
