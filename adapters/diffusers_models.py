@@ -94,7 +94,7 @@ def transformer_inputs(model: torch.nn.Module, height: int, width: int, batch: i
         return dict(hidden_states=sample, timestep=torch.full((batch,), 500), class_labels=torch.arange(batch) % 10)
     return dict(
         hidden_states=sample,
-        encoder_hidden_states=randn(batch, text, config.cross_attention_dim),
+        encoder_hidden_states=randn(batch, text, config.get("caption_channels") or config.cross_attention_dim),
         timestep=torch.full((batch,), 500, dtype=torch.long),
         added_cond_kwargs={"resolution": None, "aspect_ratio": None},
     )
