@@ -14,11 +14,18 @@ MODES = ("auto", "tokens", "kv", "queries")
 MATCHINGS = ("similarity", "cell")
 CELL_POOLS = ("mean", "sample")
 DEFAULT_RATIO = 0.5  # with similarity matching; a cell match's reduction is fixed by its cell
-# mode="auto" where self-attention takes separate keys (UNets, PixArt, DiT): keys/values in n x n cells, n
-# chosen by the token count of the finest merged level (docs/high-resolution.md: measured speed per
-# resolution), each cell standing as one of its tokens drawn per call and block (docs/fidelity.md: on learned
-# weights a mean of the same cells at every step drifts, drawn tokens do not).
-AUTO_CELLS = ((128 * 128, 4), (0, 2))
+# What mode="auto" runs for each ``prefer``: where self-attention takes separate keys (UNets, PixArt, DiT), keys
+# and values in (sx, sy) cells chosen by the token count of the finest merged level, ((fewest tokens, cell), ...)
+# most tokens first, each cell standing as one of its tokens drawn per call and block (docs/fidelity.md: on
+# learned weights a mean of the same cells at every step drifts, drawn tokens do not); elsewhere ToMe for SD at
+# the ratio. Each setting is a point of the speed-fidelity front measured on the trained models and a GPU
+# (docs/fidelity.md, "One knob").
+PREFERENCES = {
+    "fidelity": (((0, (2, 1)),), 0.25),
+    "balance": (((128 * 128, (4, 4)), (0, (2, 2))), 0.5),
+    "speed": (((0, (4, 4)),), 0.75),
+}
+DEFAULT_PREFERENCE = "balance"
 AUTO_POOL = "sample"
 # Options that say how many tokens to merge or how to match them: giving any of them leaves mode="auto" out.
 _ARRANGING = (
@@ -46,6 +53,11 @@ class ToMeConfig:
 
     ratio: fraction of a merged level's tokens removed, in ``[0, 1 - 1/(sx*sy)]``; ``None`` (default) means
         0.5 with similarity matching and ``1 - 1/(sx*sy)`` (the cell's) with cell matching.
+    prefer: the one knob of the default (``mode="auto"``): ``"fidelity"``, ``"balance"`` or ``"speed"``, each a
+        point of the measured speed-fidelity front per model kind (docs/fidelity.md, "One knob"): keys and values
+        in 2x1 / 2x2 (4x4 from 128x128 tokens) / 4x4 cells where self-attention takes them apart from its
+        queries, ToMe for SD at 0.25 / 0.5 / 0.75 where it cannot. ``None`` (default): ``"balance"``. Options
+        that choose the arrangement themselves (``ratio``, ``mode``...) leave it out.
     max_downsample: merge blocks whose latent downsample factor is at most this (1, 2, 4 or 8);
         ``None`` (default) means the finest level that has attention (1 on SD 1.x/2.x, 2 on SDXL).
     sx: cell width in tokens (``None``: 2); each ``sx x sy`` cell of the grid keeps one destination token.
@@ -144,12 +156,14 @@ class ToMeConfig:
     frames_per_chunk: Optional[int] = None
     frame_ratio: Optional[float] = None
     timestep_range: Optional[Tuple[float, float]] = None
+    prefer: Optional[str] = None
 
     def __repr__(self) -> str:
         """The options that differ from the defaults (``ToMeConfig()``), as the call that makes them (a cell's
         ratio is left out: the cell sets it)."""
         default = ToMeConfig()
         derived = ("ratio",) + (("cell_pool",) if self.cell_pool == "mean" else ()) if self.matching == "cell" else ()
+        derived += ("ratio",) if self.mode == "auto" else ()  # prefer sets it
         changed = [
             f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
             if f.name not in derived and getattr(self, f.name) != getattr(default, f.name)
@@ -224,6 +238,8 @@ class ToMeConfig:
     def _resolve_mode(self) -> None:
         """``mode=None``: "auto" when no option says how to merge, else "tokens"; defaults of the rest."""
         given = [name for name in _ARRANGING if getattr(self, name) is not None and not (name == "frames_per_chunk" and self.frames_per_chunk == 1)]
+        if self.prefer is not None and self.prefer not in PREFERENCES:
+            raise ValueError(f"prefer must be one of {', '.join(map(repr, PREFERENCES))} or None, got {self.prefer!r}")
         if self.mode is None:
             object.__setattr__(self, "mode", "tokens" if given else "auto")
         elif self.mode == "auto" and given:
@@ -231,6 +247,14 @@ class ToMeConfig:
                 f"mode='auto' chooses the arrangement, ratio and cells by the latent size; leave out "
                 f"{', '.join(given)}, or pass mode='tokens', 'kv' or 'queries'"
             )
+        if self.prefer is not None and self.mode != "auto":
+            chosen = ", ".join(given) if given else f"mode={self.mode!r}"
+            raise ValueError(
+                f"prefer={self.prefer!r} chooses among the default's settings (mode='auto'), but {chosen} "
+                "chooses the arrangement itself; pass one or the other"
+            )
+        if self.mode == "auto":  # ToMe for SD's ratio where cells cannot run
+            object.__setattr__(self, "ratio", PREFERENCES[self.preference][1])
         for name, default in (("sx", 2), ("sy", 2), ("matching", "similarity")):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)
@@ -247,14 +271,19 @@ class ToMeConfig:
             return ((0, self.tokens()),)
         pool = self.cell_pool or AUTO_POOL
         return tuple(
-            (tokens, replace(self, mode="kv", matching="cell", ratio=None, sx=n, sy=n, cell_pool=pool))
-            for tokens, n in AUTO_CELLS
+            (tokens, replace(self, mode="kv", matching="cell", ratio=None, sx=sx, sy=sy, cell_pool=pool, prefer=None))
+            for tokens, (sx, sy) in PREFERENCES[self.preference][0]
         )
+
+    @property
+    def preference(self) -> str:
+        """``prefer``, its default resolved."""
+        return self.prefer or DEFAULT_PREFERENCE
 
     def tokens(self, **changes: Any) -> "ToMeConfig":
         """These options in ToMe for SD's arrangement (``mode="tokens"``, similarity matching): what
         ``mode="auto"`` runs where keys and values cannot be pooled."""
-        return replace(self, mode="tokens", cell_pool=None, **changes)
+        return replace(self, mode="tokens", cell_pool=None, prefer=None, **changes)
 
     def _check_arrangement(self) -> None:
         if self.mode not in MODES:

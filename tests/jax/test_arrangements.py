@@ -220,6 +220,8 @@ def test_kv_keys_and_values_are_pooled_while_queries_keep_every_token(small, sma
         (dict(mode="kv", matching="cell", level_cells={1: 4, 2: 2}, max_downsample=2), {(256, 16): 3, (64, 16): 1}),
         (dict(mode="kv", matching="cell", level_cells={1: 4, 2: 2}, max_downsample=2, cell_pool="sample"), {(256, 16): 3, (64, 16): 1}),
         (dict(mode="kv", ratio=0.5), {(256, 128): 3, (64, 64): 1}),
+        (dict(prefer="fidelity"), {(256, 128): 3, (64, 64): 1}),  # the knob: 2x1 cells, drawn
+        (dict(prefer="speed"), {(256, 16): 3, (64, 64): 1}),  # 4x4 cells
         (dict(mode="queries", matching="cell"), {(64, 256): 3, (64, 64): 1}),
         (dict(mode="queries", ratio=0.25), {(192, 256): 3, (64, 64): 1}),
         (dict(mode="tokens", matching="cell"), {(64, 64): 4}),

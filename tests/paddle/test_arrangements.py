@@ -199,6 +199,15 @@ def test_kv_lengths_inside_attn1_follow_the_cell_of_each_level(unet, inputs, cal
     assert (stats[1].tokens, stats[1].kept, stats[2].tokens, stats[2].kept) == (256, 16, 64, 16)
 
 
+@pytest.mark.parametrize("prefer, kept", [("fidelity", 128), ("balance", 64), ("speed", 16)])
+def test_the_knob_pools_the_finest_level_in_its_cells(unet, inputs, call, prefer, kept):
+    """``prefer`` (docs/fidelity.md, "One knob"): 2x1, 2x2, 4x4 cells of the 16x16 finest level, as on torch."""
+    tome.patch(unet, prefer=prefer)
+    call(unet, inputs)
+    stats = patched_state(unet).stats
+    assert (stats[1].tokens, stats[1].kept) == (256, kept) and set(stats) == {1}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # kv with similarity matching: size-aware attention on each of its routes
 

@@ -303,6 +303,57 @@ def test_the_default_per_model_kind(kind):
         assert [(tokens, c.sx, c.cell_pool) for tokens, c in state.choices] == [(128 * 128, 4, "sample"), (0, 2, "sample")]
 
 
+# The one knob (docs/fidelity.md, "One knob"): what each setting runs per model kind, ((fewest tokens, cell), ...)
+# where keys and values pool, else ToMe for SD's ratio.
+KNOB = {
+    ("unet", "fidelity"): [(0, (2, 1))], ("unet", "speed"): [(0, (4, 4))],
+    ("pixart", "fidelity"): [(0, (2, 1))], ("pixart", "speed"): [(0, (4, 4))],
+    ("unet", "balance"): [(128 * 128, (4, 4)), (0, (2, 2))],
+    ("sd3", "fidelity"): 0.25, ("sd3", "balance"): 0.5, ("sd3", "speed"): 0.75,
+    ("flux", "fidelity"): 0.25, ("flux", "speed"): 0.75,
+}
+
+
+@pytest.mark.parametrize("kind, prefer", KNOB, ids=lambda v: str(v))
+def test_the_knob_per_model_kind(kind, prefer):
+    model = tome.patch(DEFAULTS[kind][0](), prefer=prefer)
+    (_, state), = tome.patched_models(model)
+    expected = KNOB[kind, prefer]
+    if isinstance(expected, float):
+        assert [(c.mode, c.matching, c.ratio) for _, c in state.choices] == [("tokens", "similarity", expected)]
+    else:
+        assert [(tokens, (c.sx, c.sy)) for tokens, c in state.choices] == expected
+        assert {(c.mode, c.matching, c.cell_pool) for _, c in state.choices} == {("kv", "cell", "sample")}
+
+
+def test_each_knob_setting_equals_its_explicit_options_and_attention_sees_its_keys(unet, inputs):
+    seen = []
+    explicit = {
+        "fidelity": dict(mode="kv", matching="cell", cell_pool="sample", sx=2, sy=1),
+        "balance": dict(mode="kv", matching="cell", cell_pool="sample"),
+        "speed": dict(mode="kv", matching="cell", cell_pool="sample", sx=4, sy=4),
+    }
+    for prefer, options in explicit.items():
+        model = tome.patch(copy.deepcopy(unet), prefer=prefer)
+        attn = next(m for name, m in model.named_modules() if name.endswith("attn1"))
+        attn.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["encoder_hidden_states"].shape[1]), with_kwargs=True)
+        torch.testing.assert_close(call(model, inputs), call(tome.patch(copy.deepcopy(unet), **options), inputs), rtol=0, atol=0)
+    tokens = inputs[0].shape[-2] * inputs[0].shape[-1]  # the finest level of the tiny UNet: the latent's grid
+    assert seen == [tokens // 2, tokens // 4, tokens // 16]
+
+
+def test_the_knob_on_joint_attention_equals_tome_for_sd_at_its_ratio():
+    model = build_transformer("tiny-flux")
+    x = transformer_inputs(model, 16, 16)
+    with torch.no_grad():
+        for prefer, ratio in (("fidelity", 0.25), ("speed", 0.75)):
+            tome.patch(model, prefer=prefer)
+            knob = model(**x).sample
+            tome.patch(model, ratio=ratio)
+            torch.testing.assert_close(knob, model(**x).sample, rtol=0, atol=0)
+    tome.remove(model)
+
+
 def test_the_default_equals_its_explicit_options_and_keeps_the_mean_when_asked(unet, inputs):
     auto = call(tome.patch(copy.deepcopy(unet)), inputs)
     explicit = call(tome.patch(copy.deepcopy(unet), mode="kv", matching="cell", cell_pool="sample"), inputs)
