@@ -27,6 +27,7 @@ from __future__ import annotations
 import copyreg
 import inspect
 import itertools
+import math
 import numbers
 import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
@@ -673,12 +674,11 @@ class _MergeInput:
         self.fw = fw
         self.run = run
         self.sublayer = sublayer
-        self.rotary = run.family.rotary
-        # where ``module``'s forward takes the rotary argument and masks by position (None: by keyword only)
-        self.rotary_at = argument_positions(type(module).forward, self.rotary)[self.rotary] if self.rotary else None
+        # where ``module``'s forward takes the rotary arguments and masks by position (None: by keyword only)
+        self.rotary_at = argument_positions(type(module).forward, *rotary_arguments(run.family))
         self.masks_at = argument_positions(type(module).forward, "attention_mask", *(name for name, _ in sublayer.masks))
         self.aligned_at = argument_positions(type(module).forward, *sublayer.aligned)
-        self.counts_at = argument_positions(type(module).forward, *sublayer.counts)
+        self.counts_at = argument_positions(type(module).forward, *sublayer.counts, *sublayer.log_bases)
         self.head = 0  # the head in this call's input (sublayer_head)
 
     def __call__(self, module, args, kwargs):
@@ -700,18 +700,25 @@ class _MergeInput:
                     other, match.tokens, self.run.tail, self.sublayer.text, lambda image: merge(image, match), self.head
                 )
                 args, kwargs = replace_argument(args, kwargs, name, self.aligned_at[name], alike)
-        if self.rotary is not None:
-            args, kwargs = self._merge_rotary(args, kwargs, match)
+        for name, at in self.rotary_at.items():
+            args, kwargs = self._merge_rotary(args, kwargs, match, name, at)
         gathered = self._gather_masks(args, kwargs, match)
         for name, mask in gathered.items():
             args, kwargs = replace_argument(args, kwargs, name, self.masks_at[name], mask)
         for name in self.sublayer.counts:
             if argument(args, kwargs, name, self.counts_at[name]) is not None:
                 args, kwargs = replace_argument(args, kwargs, name, self.counts_at[name], match.kept)
+        for name in self.sublayer.log_bases:
+            base = argument(args, kwargs, name, self.counts_at[name])
+            if base is not None:
+                base = same_logarithm(base, get_ops(x).shape(x)[1], get_ops(merged).shape(merged)[1])
+                args, kwargs = replace_argument(args, kwargs, name, self.counts_at[name], base)
         if not size_aware:
             return args, kwargs
-        # With only_cross_attention, a BasicTransformerBlock's attn1 attends to text: its keys are not merged.
-        if self.sublayer.text == TEXT_NONE and kwargs.get("encoder_hidden_states") is not None:
+        # With only_cross_attention, a BasicTransformerBlock's attn1 attends to text: its keys are not merged. (Its
+        # own input given again there, Lumina-Next's and OmniGen's, was merged alike: its keys are.)
+        attends_text = "encoder_hidden_states" not in self.sublayer.aligned and kwargs.get("encoder_hidden_states") is not None
+        if self.sublayer.text == TEXT_NONE and attends_text:
             return args, kwargs
         return self._size_aware(module, args, kwargs, match, merged)
 
@@ -759,17 +766,18 @@ class _MergeInput:
             return self._size_aware(module, args, kwargs, match, merged)
         return args, kwargs
 
-    def _merge_rotary(self, args, kwargs, match):
-        rotary = argument(args, kwargs, self.rotary, self.rotary_at)
+    def _merge_rotary(self, args, kwargs, match, name: str, at: Optional[int]):
+        """The sub-layer's rotary argument ``name`` (at position ``at``) moved to the merged tokens."""
+        rotary = argument(args, kwargs, name, at)
         if rotary is None:
             return args, kwargs
         family, after = self.run.family, text_follows(self.sublayer.text)
         if isinstance(rotary, dict):  # tables by name (AnyFlow's query and key frequencies)
             moved = _merge_positions(tuple(rotary.values()), match, family.rotary_axis, self.run.tail, after, self.head)
-            return replace_argument(args, kwargs, self.rotary, self.rotary_at, type(rotary)(zip(rotary, moved)))
+            return replace_argument(args, kwargs, name, at, type(rotary)(zip(rotary, moved)))
         if not isinstance(rotary, (tuple, list)):  # one table (Z-Image's complex frequencies)
             moved = _merge_positions((rotary,), match, family.rotary_axis, self.run.tail, after, self.head)[0]
-            return replace_argument(args, kwargs, self.rotary, self.rotary_at, moved)
+            return replace_argument(args, kwargs, name, at, moved)
         items = family.rotary_items
         moved = _merge_positions(
             [table for i, table in enumerate(rotary) if items is None or i in items], match, family.rotary_axis,
@@ -778,12 +786,27 @@ class _MergeInput:
         if items is not None:
             moved = iter(moved)
             moved = [next(moved) if i in items else table for i, table in enumerate(rotary)]
-        return replace_argument(args, kwargs, self.rotary, self.rotary_at, type(rotary)(moved))
+        return replace_argument(args, kwargs, name, at, type(rotary)(moved))
 
     def _size_aware(self, module, args, kwargs, match, merged, masked=False):
         return self.fw.size_aware(
             module, args, kwargs, SizeBias(match, self.sublayer.text, merged, self.run.tail, self.head)
         )
+
+
+def rotary_arguments(family: BlockFamily) -> Tuple[str, ...]:
+    """The arguments of a family's sub-layers that carry rotary tables: ``rotary``, and ``key_rotary`` where the
+    keys' table is given apart."""
+    return tuple(name for name in (family.rotary, family.key_rotary) if name is not None)
+
+
+def same_logarithm(base: float, whole: int, short: int) -> float:
+    """The base under which the logarithm of ``short`` is that of ``whole`` under ``base``
+    (:attr:`~tome_core.families.Sublayer.log_bases`): ``base ** (ln short / ln whole)``. ``base`` itself where no
+    base can hold it (fewer than two tokens)."""
+    if short < 2 or whole < 2 or short == whole:
+        return base
+    return float(base) ** (math.log(short) / math.log(whole))
 
 
 def sublayer_head(run: "_BlockRun", sublayer: Sublayer, length: int, tokens: int) -> int:
