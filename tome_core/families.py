@@ -577,6 +577,16 @@ BLOCK_FAMILIES += (
         rotary="image_rotary_emb",
         rotary_items=(0,),
     ),
+    BlockFamily(  # JoyImage-Edit-Plus: as JoyImage-Edit, with a key mask over [image patches; text] and one rotary
+        "joyimage-edit-plus",  # table (cos, sin) [B, patches, d] per batch item, over the image patches only
+        ("JoyImageEditPlusTransformerBlock",),
+        (
+            Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True, masks=(("attention_mask", (-1,)),)),
+            Sublayer("img_mlp", "mlp"),
+        ),
+        rotary="image_rotary_emb",
+        rotary_axis=1,
+    ),
 )
 
 BLOCK_FAMILIES += (

@@ -193,6 +193,22 @@ def _krea2():
     )()
 
 
+def _joyimage_edit_plus():
+    """JoyImage-Edit-Plus: patches [B, N, C, 1, 2, 2], the 4x6 target's first, then each item's references (two for
+    the first, one for the second, padded to its length); a key mask over [patches; text], the second text padded."""
+    config = dict(
+        patch_size=[1, 2, 2], in_channels=16, hidden_size=32, num_attention_heads=2, text_dim=16, num_layers=2,
+        rope_dim_list=[4, 6, 6], theta=256,
+    )
+    shapes = [[(1, 4, 6), (1, 2, 3), (1, 3, 2)], [(1, 4, 6), (1, 3, 3)]]
+    mask = torch.tensor([[1] * 12, [1] * 9 + [0] * 3])
+    return _built(
+        "JoyImageEditPlusTransformer3DModel", config, hidden_states=(2, 24 + 12, 16, 1, 2, 2),
+        encoder_hidden_states=(2, 12, 16), encoder_hidden_states_mask=mask, timestep=torch.tensor([500.0, 500.0]),
+        shape_list=shapes,
+    )()
+
+
 def _flux3_ids(rows: int, cols: int, layer: int = 0, scale: float = 0.5) -> torch.Tensor:
     """FLUX.3's image ids (t, h, w, l): h and w scaled by its image_rope_scale, references at layers -1, -2..."""
     ids = torch.zeros(rows * cols, 4)
@@ -497,6 +513,7 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
              rope_dim_list=[4, 6, 6], theta=256),
         hidden_states=(2, 2, 16, 1, 8, 12), encoder_hidden_states=(2, 12, 16), timestep=torch.tensor([500.0, 500.0]),
     ),
+    "JoyImageEditPlusTransformer3DModel": _joyimage_edit_plus,
     "Krea2Transformer2DModel": _krea2,
     "AnyFlowTransformer3DModel": _built(  # frames-first latent (B, F, C, H, W), a timestep per frame
         "AnyFlowTransformer3DModel",
@@ -1065,3 +1082,41 @@ def test_lumina_next_on_duplicated_tokens_equals_the_unpatched_model():
     for layer in model.layers:
         layer.attn1.register_forward_pre_hook(lambda m, a, k: (a, {**k, "base_sequence_length": 16}), with_kwargs=True)
     assert _rel(_run(model, inputs), plain) > 1e-3
+
+
+def test_joyimage_edit_plus_merges_its_target_and_gathers_its_mask_and_rotary_rows():
+    """JoyImage-Edit-Plus's sequence is [target 4x6; references; padding] per item (shape_list), its key mask and its
+    rotary table (cos, sin) [B, patches, d] over it. Merged, each attention gets the target's 24 patches halved, the
+    unpatched mask and table with the target's rows gathered for the kept patches and every other row in place
+    (the references', the padding's, still masked, and the text's). A batch whose targets differ in size runs
+    unmerged, said once."""
+    model, inputs = _joyimage_edit_plus()
+    seen: Dict[str, list] = {"unpatched": [], "patched": []}
+
+    def record(arm):
+        return [
+            block.attn.register_forward_pre_hook(
+                lambda m, a, k: seen[arm].append((k["hidden_states"].shape[1], k["attention_mask"], k["image_rotary_emb"])),
+                with_kwargs=True,
+            )
+            for block in model.double_blocks
+        ]
+
+    handles = record("unpatched")
+    plain = _run(model, inputs)
+    for handle in handles:
+        handle.remove()
+    tome.patch(model, ratio=0.5)
+    record("patched")  # after the patch's own hooks: what the attention gets
+    output = _run(model, inputs)
+    assert torch.isfinite(output).all() and _rel(output, plain) > 1e-6
+    for (tokens, mask, rotary), (kept, merged_mask, merged_rotary) in zip(seen["unpatched"], seen["patched"]):
+        assert (tokens, kept) == (36, 24)  # 12 of the target's 24 patches, then 12 of references and padding
+        assert torch.equal(merged_mask[..., 12:], mask[..., 24:]) and bool(merged_mask[..., :12].all())
+        assert not bool(merged_mask[1, ..., 12 + 9 :].all())  # the second item's padding stays masked
+        for table, merged_table in zip(rotary, merged_rotary):
+            assert torch.equal(merged_table[:, 12:], table[:, 24:])
+            assert all(any(torch.equal(row, t) for t in table[0, :24]) for row in merged_table[0, :12])
+    inputs["shape_list"] = [[(1, 4, 6), (1, 2, 3), (1, 3, 2)], [(1, 3, 6), (1, 3, 6)]]
+    (tokens, output), _ = _warned_once(lambda: _seen(model, inputs), "output images different sizes")
+    assert tokens == [36, 36] and torch.isfinite(output).all()
