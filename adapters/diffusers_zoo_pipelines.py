@@ -691,6 +691,8 @@ NOT_BUILT: Dict[str, str] = {
     "image to video (no image embeddings) is built",
     "HunyuanVideo15ImageToVideoPipeline": "encodes the image with its SigLIP image encoder (no image embeddings "
     "argument)",
+    "JoyImageEditPlusPipeline": "cannot run on embeddings: it formats one chat prompt per item of prompt even when "
+    "prompt_embeds are given (prompt None is not iterable), and a prompt given with prompt_embeds is refused",
     "ChromaInpaintPipeline": "fails unpatched: it reads transformer.config.guidance_embeds, which Chroma's "
     "transformer has not",
     "ZImageControlNetPipeline": "ZImageControlNetModel is refused by tome_core.model_zoo (its control blocks take a "
