@@ -311,6 +311,17 @@ def _lumina2_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
     )
 
 
+def _lumina_next_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    # an 8x VAE assumed as Lumina 2's; the negative caption padded after 5 of its 8 tokens
+    text = config["cross_attention_dim"]
+    negative_mask = torch.tensor([[1] * 5 + [0] * 3])
+    return dict(
+        prompt_embeds=randn(1, 8, text), prompt_attention_mask=torch.ones(1, 8, dtype=torch.long),
+        negative_prompt_embeds=randn(1, 8, text), negative_prompt_attention_mask=negative_mask, guidance_scale=4.0,
+        height=96, width=128,
+    )
+
+
 def _hidream_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
     # T5 and per-layer Llama-3 hidden states ([layers, batch, tokens, width]) and a pooled CLIP embedding; a square
     # latent (a non-square one is padded to a square and masked: run unmerged, tests/torch/test_zoo.py)
@@ -552,6 +563,7 @@ ZOO_PIPELINES: Dict[str, ZooPipeline] = {
         ),
     ),
     "lumina2": ZooPipeline("Lumina2Pipeline", "tiny-lumina2", _kl_vae(), _lumina2_call),
+    "lumina-next": ZooPipeline("LuminaPipeline", "tiny-lumina-next", _kl_vae(), _lumina_next_call),
     # HiDream rescales every request to an area of default_sample_size squared latent pixels (128: 4096 tokens)
     "hidream-image": ZooPipeline(
         "HiDreamImagePipeline", "tiny-hidream-image", _kl_vae(), _hidream_call, attributes={"default_sample_size": 16}
@@ -679,6 +691,8 @@ NOT_BUILT: Dict[str, str] = {
     "image to video (no image embeddings) is built",
     "HunyuanVideo15ImageToVideoPipeline": "encodes the image with its SigLIP image encoder (no image embeddings "
     "argument)",
+    "JoyImageEditPlusPipeline": "cannot run on embeddings: it formats one chat prompt per item of prompt even when "
+    "prompt_embeds are given (prompt None is not iterable), and a prompt given with prompt_embeds is refused",
     "ChromaInpaintPipeline": "fails unpatched: it reads transformer.config.guidance_embeds, which Chroma's "
     "transformer has not",
     "ZImageControlNetPipeline": "ZImageControlNetModel is refused by tome_core.model_zoo (its control blocks take a "

@@ -418,11 +418,11 @@ class _OracleBlock:
         """The hook cutting the input of ``target``, the block's ``sublayer``."""
         arrangement = self.plan.arrangement(sublayer.kind)
         family = self.family
-        rotary, axis = family.rotary, family.rotary_axis
+        rotaries, axis = driver.rotary_arguments(family), family.rotary_axis
         # where the sub-layer's forward takes these by position (None: by keyword only), read once
         at = driver.argument_positions(
-            type(target).forward, *([rotary] if rotary else []), "attention_mask", *(n for n, _ in sublayer.masks),
-            *sublayer.aligned,
+            type(target).forward, *rotaries, "attention_mask", *(n for n, _ in sublayer.masks), *sublayer.aligned,
+            *sublayer.log_bases,
         )
         placed_mask = any(name == "attention_mask" for name, _ in sublayer.masks)
         after = text_follows(sublayer.text)
@@ -456,10 +456,16 @@ class _OracleBlock:
                 if other is not None:
                     alike = short if other is x else _keep_rows(other, 1, first, tokens, kept)
                     args, kwargs = driver.replace_argument(args, kwargs, name, at[name], alike)
-            tables = driver.argument(args, kwargs, rotary, at[rotary]) if rotary else None
-            if tables is not None:
-                cut = _cut_tables(tables, axis, tokens, tail, kept, after, family.rotary_items, head)
-                args, kwargs = driver.replace_argument(args, kwargs, rotary, at[rotary], cut)
+            for rotary in rotaries:
+                tables = driver.argument(args, kwargs, rotary, at[rotary])
+                if tables is not None:
+                    cut = _cut_tables(tables, axis, tokens, tail, kept, after, family.rotary_items, head)
+                    args, kwargs = driver.replace_argument(args, kwargs, rotary, at[rotary], cut)
+            for name in sublayer.log_bases:
+                base = driver.argument(args, kwargs, name, at[name])
+                if base is not None:
+                    base = driver.same_logarithm(base, length, length - tokens + kept)
+                    args, kwargs = driver.replace_argument(args, kwargs, name, at[name], base)
             for name, axes in sublayer.masks:
                 mask = driver.argument(args, kwargs, name, at[name])
                 if mask is None:

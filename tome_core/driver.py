@@ -27,6 +27,7 @@ from __future__ import annotations
 import copyreg
 import inspect
 import itertools
+import math
 import numbers
 import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
@@ -259,6 +260,9 @@ def is_unet_like(module: Any) -> bool:
 TIMESTEPS = ("timestep", "timesteps", "t")  # what models call their timestep argument (HiDream, Z-Image)
 # what models call the ids of their packed tokens; Krea 2's cover [text; image], the image's rows last
 TOKEN_IDS = ("img_ids", "position_ids")
+# what models call the per-item (frames, h, w) of the images in their token sequence, the output's first (Qwen-Image's
+# packed tokens; JoyImage-Edit-Plus's patches [B, N, C, pt, ph, pw], padded after its references)
+SHAPE_LISTS = ("img_shapes", "shape_list")
 
 
 def is_transformer_model(module: Any) -> bool:
@@ -283,7 +287,7 @@ class _CallStart:
         self.patch_size = _config_value(model, "patch_size") if self.transformer else None
         self.data_format = getattr(model, "data_format", "NCHW")
         forward = type(model).forward
-        self.where = argument_positions(forward, "sample", "hidden_states", *TIMESTEPS, *TOKEN_IDS, "img_shapes")
+        self.where = argument_positions(forward, "sample", "hidden_states", *TIMESTEPS, *TOKEN_IDS, *SHAPE_LISTS)
         parameters = list(inspect.signature(forward).parameters.values())[1:]
         self.first = parameters[0].name if parameters else None  # the latent, by keyword where not named as above
         self.defaults = {p.name: p.default for p in parameters}
@@ -327,23 +331,31 @@ class _CallStart:
         if isinstance(sample, (list, tuple)):  # a list of [C, F, H, W] latents (Z-Image): one batch
             if not sample or isinstance(sample[0], (list, tuple)):
                 why = "its input is a list of lists (several images per item), whose order ToMe does not know; such calls run unmerged"
-                self.state.say_once(f"ToMe on {self.model}: {why}")
-                self.state.begin_call(None, step, merging=False, why=why)
-                return None
+                return self._unplaced(step, why)
             shape = (len(sample),) + tuple(get_ops(sample[0]).shape(sample[0]))
         else:
             shape = get_ops(sample).shape(sample)
         videos, tail = None, 0
         layout = self.layout
         grid_last = self.grid_last
-        if layout is not None:
+        shapes = next(
+            (value for value in (argument(args, kwargs, name, where[name]) for name in SHAPE_LISTS) if value is not None), None
+        )
+        if shapes is not None and layout is None:
+            grid = shapes_grid(shapes, shape[1])
+            if grid is None:
+                why = (
+                    "the items of its batch give their output images different sizes in its shape list, so no one token "
+                    "grid is known; such calls run unmerged"
+                )
+                return self._unplaced(step, why)
+            grid, tail = grid[:2], grid[2]
+        elif layout is not None:
             sizes = self._video_grid(layout, shape, args, kwargs)
             if sizes is None:
                 given = ", ".join((*layout.sizes, *((layout.coords,) if layout.coords else ())))
                 why = f"the call gave none of {given} (or coordinates of no video grid), so no token grid is known; such calls run unmerged"
-                self.state.say_once(f"ToMe on {self.model}: {why}")
-                self.state.begin_call(None, step, merging=False, why=why)
-                return None
+                return self._unplaced(step, why)
             frames, height, width, from_coords = sizes
             grid, tail = (frames * height, width), (shape[1] - frames * height * width if layout.frames_axis is None else 0)
             if from_coords:  # conditioning tokens before the grid: the blocks' head
@@ -364,20 +376,14 @@ class _CallStart:
             frames, height, width = (n // p for n, p in zip(shape[3:], self.patch_size))
             grid, tail = (frames * height, width), (shape[1] - 1) * frames * height * width
         else:
-            shapes = argument(args, kwargs, "img_shapes", where["img_shapes"])
-            if shapes is not None:
-                packed = (*shapes_grid(shapes, shape[1]), False)
-            else:
-                ids = next((value for value in (argument(args, kwargs, name, where[name]) for name in TOKEN_IDS) if value is not None), None)
-                packed = self._packed_grid(ids, shape[1])
+            ids = next((value for value in (argument(args, kwargs, name, where[name]) for name in TOKEN_IDS) if value is not None), None)
+            packed = self._packed_grid(ids, shape[1])
             if packed is None:
                 why = (
                     "its img_ids do not begin with one image's tokens in raster order (row by row), so no token "
                     "grid is known; calls with such ids run unmerged"
                 )
-                self.state.say_once(f"ToMe on {self.model}: {why}")
-                self.state.begin_call(None, step, merging=False, why=why)
-                return None
+                return self._unplaced(step, why)
             grid, tail, grid_last = packed[:2], packed[2], packed[3]
         shards = self.fw.shards(module)
         if shards is not None:
@@ -388,6 +394,11 @@ class _CallStart:
         if shards is not None:
             check_shard_cells(grid, shards, self.state.active, self.model)
         return None
+
+    def _unplaced(self, step: Any, why: str) -> None:
+        """Begin a call whose tokens no grid places: it runs unmerged, and ``why`` is said once."""
+        self.state.say_once(f"ToMe on {self.model}: {why}")
+        self.state.begin_call(None, step, merging=False, why=why)
 
     def _video_grid(self, layout: GridLayout, shape: Sequence[int], args, kwargs) -> Optional[Tuple[int, int, int, bool]]:
         """``(frames, rows, cols, from_coords)`` of a video transformer's tokens
@@ -469,14 +480,17 @@ def size_aware_somewhere(fw: Framework, model: Any, config: ToMeConfig) -> bool:
     )
 
 
-def shapes_grid(img_shapes: Sequence[Any], tokens: int) -> Tuple[int, int, int]:
-    """``(h, w, tail)`` of packed tokens from Qwen-Image's ``img_shapes``: per batch item, the ``(frames, h, w)``
-    of each image in the sequence (or one such tuple), the output's first; the images after it (Edit's
-    references, Layered's further layers and condition) are the tail."""
-    first = img_shapes[0]
-    frames, height, width = first[0] if isinstance(first[0], (tuple, list)) else first
+def shapes_grid(img_shapes: Sequence[Any], tokens: int) -> Optional[Tuple[int, int, int]]:
+    """``(h, w, tail)`` of ``tokens`` tokens from a shape list (:data:`SHAPE_LISTS`: Qwen-Image's ``img_shapes``,
+    JoyImage-Edit-Plus's ``shape_list``): per batch item, the ``(frames, h, w)`` of each image in the sequence (or
+    one such tuple), the output's first; the images after it (Edit's references, Layered's further layers and
+    condition) and any padding are the tail. None where the items' outputs differ in size."""
+    outputs = [tuple(item[0] if isinstance(item[0], (tuple, list)) else item) for item in img_shapes]
+    if any(output != outputs[0] for output in outputs):
+        return None
+    frames, height, width = outputs[0]
     if frames * height * width > tokens:
-        raise ValueError(f"img_shapes {first} give more than the {tokens} packed tokens of hidden_states")
+        raise ValueError(f"shapes {outputs[0]} give more than the {tokens} tokens of hidden_states")
     return frames * height, width, tokens - frames * height * width
 
 
@@ -673,12 +687,11 @@ class _MergeInput:
         self.fw = fw
         self.run = run
         self.sublayer = sublayer
-        self.rotary = run.family.rotary
-        # where ``module``'s forward takes the rotary argument and masks by position (None: by keyword only)
-        self.rotary_at = argument_positions(type(module).forward, self.rotary)[self.rotary] if self.rotary else None
+        # where ``module``'s forward takes the rotary arguments and masks by position (None: by keyword only)
+        self.rotary_at = argument_positions(type(module).forward, *rotary_arguments(run.family))
         self.masks_at = argument_positions(type(module).forward, "attention_mask", *(name for name, _ in sublayer.masks))
         self.aligned_at = argument_positions(type(module).forward, *sublayer.aligned)
-        self.counts_at = argument_positions(type(module).forward, *sublayer.counts)
+        self.counts_at = argument_positions(type(module).forward, *sublayer.counts, *sublayer.log_bases)
         self.head = 0  # the head in this call's input (sublayer_head)
 
     def __call__(self, module, args, kwargs):
@@ -700,18 +713,25 @@ class _MergeInput:
                     other, match.tokens, self.run.tail, self.sublayer.text, lambda image: merge(image, match), self.head
                 )
                 args, kwargs = replace_argument(args, kwargs, name, self.aligned_at[name], alike)
-        if self.rotary is not None:
-            args, kwargs = self._merge_rotary(args, kwargs, match)
+        for name, at in self.rotary_at.items():
+            args, kwargs = self._merge_rotary(args, kwargs, match, name, at)
         gathered = self._gather_masks(args, kwargs, match)
         for name, mask in gathered.items():
             args, kwargs = replace_argument(args, kwargs, name, self.masks_at[name], mask)
         for name in self.sublayer.counts:
             if argument(args, kwargs, name, self.counts_at[name]) is not None:
                 args, kwargs = replace_argument(args, kwargs, name, self.counts_at[name], match.kept)
+        for name in self.sublayer.log_bases:
+            base = argument(args, kwargs, name, self.counts_at[name])
+            if base is not None:
+                base = same_logarithm(base, get_ops(x).shape(x)[1], get_ops(merged).shape(merged)[1])
+                args, kwargs = replace_argument(args, kwargs, name, self.counts_at[name], base)
         if not size_aware:
             return args, kwargs
-        # With only_cross_attention, a BasicTransformerBlock's attn1 attends to text: its keys are not merged.
-        if self.sublayer.text == TEXT_NONE and kwargs.get("encoder_hidden_states") is not None:
+        # With only_cross_attention, a BasicTransformerBlock's attn1 attends to text: its keys are not merged. (Its
+        # own input given again there, Lumina-Next's and OmniGen's, was merged alike: its keys are.)
+        attends_text = "encoder_hidden_states" not in self.sublayer.aligned and kwargs.get("encoder_hidden_states") is not None
+        if self.sublayer.text == TEXT_NONE and attends_text:
             return args, kwargs
         return self._size_aware(module, args, kwargs, match, merged)
 
@@ -759,17 +779,18 @@ class _MergeInput:
             return self._size_aware(module, args, kwargs, match, merged)
         return args, kwargs
 
-    def _merge_rotary(self, args, kwargs, match):
-        rotary = argument(args, kwargs, self.rotary, self.rotary_at)
+    def _merge_rotary(self, args, kwargs, match, name: str, at: Optional[int]):
+        """The sub-layer's rotary argument ``name`` (at position ``at``) moved to the merged tokens."""
+        rotary = argument(args, kwargs, name, at)
         if rotary is None:
             return args, kwargs
         family, after = self.run.family, text_follows(self.sublayer.text)
         if isinstance(rotary, dict):  # tables by name (AnyFlow's query and key frequencies)
             moved = _merge_positions(tuple(rotary.values()), match, family.rotary_axis, self.run.tail, after, self.head)
-            return replace_argument(args, kwargs, self.rotary, self.rotary_at, type(rotary)(zip(rotary, moved)))
+            return replace_argument(args, kwargs, name, at, type(rotary)(zip(rotary, moved)))
         if not isinstance(rotary, (tuple, list)):  # one table (Z-Image's complex frequencies)
             moved = _merge_positions((rotary,), match, family.rotary_axis, self.run.tail, after, self.head)[0]
-            return replace_argument(args, kwargs, self.rotary, self.rotary_at, moved)
+            return replace_argument(args, kwargs, name, at, moved)
         items = family.rotary_items
         moved = _merge_positions(
             [table for i, table in enumerate(rotary) if items is None or i in items], match, family.rotary_axis,
@@ -778,12 +799,27 @@ class _MergeInput:
         if items is not None:
             moved = iter(moved)
             moved = [next(moved) if i in items else table for i, table in enumerate(rotary)]
-        return replace_argument(args, kwargs, self.rotary, self.rotary_at, type(rotary)(moved))
+        return replace_argument(args, kwargs, name, at, type(rotary)(moved))
 
     def _size_aware(self, module, args, kwargs, match, merged, masked=False):
         return self.fw.size_aware(
             module, args, kwargs, SizeBias(match, self.sublayer.text, merged, self.run.tail, self.head)
         )
+
+
+def rotary_arguments(family: BlockFamily) -> Tuple[str, ...]:
+    """The arguments of a family's sub-layers that carry rotary tables: ``rotary``, and ``key_rotary`` where the
+    keys' table is given apart."""
+    return tuple(name for name in (family.rotary, family.key_rotary) if name is not None)
+
+
+def same_logarithm(base: float, whole: int, short: int) -> float:
+    """The base under which the logarithm of ``short`` is that of ``whole`` under ``base``
+    (:attr:`~tome_core.families.Sublayer.log_bases`): ``base ** (ln short / ln whole)``. ``base`` itself where no
+    base can hold it (fewer than two tokens)."""
+    if short < 2 or whole < 2 or short == whole:
+        return base
+    return float(base) ** (math.log(short) / math.log(whole))
 
 
 def sublayer_head(run: "_BlockRun", sublayer: Sublayer, length: int, tokens: int) -> int:

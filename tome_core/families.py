@@ -50,6 +50,9 @@ class Sublayer:
         ``encoder_hidden_states``; Nucleus-MoE's router the unmodulated tokens): merged alike.
     counts: arguments that give how many of its input's tokens are the grid's (Helios' ``original_context_length``,
         from which its attention tells the history before them): given the merged count.
+    log_bases: arguments that give the base ``b`` of a logarithm of its query count by which its attention scales
+        the softmax (Lumina-Next's ``base_sequence_length``: ``sqrt(log_b(queries))``): given the base under which
+        the merged count's logarithm is the whole count's, so that the scale stays the unmerged model's.
     """
 
     child: str
@@ -63,6 +66,7 @@ class Sublayer:
     once: bool = False
     aligned: Tuple[str, ...] = ()
     counts: Tuple[str, ...] = ()
+    log_bases: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,8 @@ class BlockFamily:
         tokens (by keyword or at its place in the sub-layer's ``forward``); merged tokens then take their
         destination's position, and the match is shared by the batch so that every merged token has one
         position.
+    key_rotary: argument of the sub-layers carrying the keys' rotary table apart from the queries' (``rotary``),
+        laid out alike (Lumina-Next's ``key_rotary_emb``); moved as ``rotary``'s where given.
     rotary_axis: the token axis of those tables (Flux: ``[tokens, dim]``; Wan: ``[1, tokens, 1, dim]``).
     rotary_items: which items of the rotary tuple hold token positions (None: all). A table's leading rows
         beyond the image's and the tail's are text (none in Qwen-Image's image table, whose text table is the
@@ -96,6 +102,7 @@ class BlockFamily:
     classes: Tuple[str, ...]
     sublayers: Tuple[Sublayer, ...]
     rotary: Optional[str] = None
+    key_rotary: Optional[str] = None
     rotary_axis: int = 0
     rotary_items: Optional[Tuple[int, ...]] = None
     stream: str = TEXT_NONE
@@ -569,6 +576,36 @@ BLOCK_FAMILIES += (
         (Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True), Sublayer("img_mlp", "mlp")),
         rotary="image_rotary_emb",
         rotary_items=(0,),
+    ),
+    BlockFamily(  # JoyImage-Edit-Plus: as JoyImage-Edit, with a key mask over [image patches; text] and one rotary
+        "joyimage-edit-plus",  # table (cos, sin) [B, patches, d] per batch item, over the image patches only
+        ("JoyImageEditPlusTransformerBlock",),
+        (
+            Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True, masks=(("attention_mask", (-1,)),)),
+            Sublayer("img_mlp", "mlp"),
+        ),
+        rotary="image_rotary_emb",
+        rotary_axis=1,
+    ),
+)
+
+BLOCK_FAMILIES += (
+    BlockFamily(  # Lumina-Next: attention and cross-attention side by side on the image, their outputs
+        "lumina-next",  # [B, N, heads, d] summed before one projection; queries' and keys' rotary tables apart
+        ("LuminaNextDiTBlock",),
+        (
+            Sublayer(
+                "attn1", "attn", attention=True, masks=(("attention_mask", (-1,)),), aligned=("encoder_hidden_states",),
+                log_bases=("base_sequence_length",),
+            ),
+            Sublayer("attn2", "crossattn"),
+            Sublayer("feed_forward", "mlp"),
+        ),
+        rotary="query_rotary_emb",
+        key_rotary="key_rotary_emb",
+        rotary_axis=1,
+        timesteps=1.0,
+        timesteps_rise=True,  # its pipeline passes 1 - t / 1000
     ),
 )
 

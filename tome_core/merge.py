@@ -4,12 +4,31 @@ Merge is one row scatter-add over slots times the inverse slot sizes (each desti
 itself and the sources merged into it), or one row gather where each slot takes one token's value (sampled
 cells); unmerge is one row gather (every token takes its slot's value).
 Both work on the batch flattened into rows, which is several times faster than gathering along axis 1.
+Trailing feature axes (an attention output ``[B, N, heads, d]``, Lumina-Next's) are carried as one ``C``.
 """
 
 from __future__ import annotations
 
+from typing import Callable, Tuple
+
 from .match import Match
 from .ops import Array
+
+
+def _features(x: Array, match: Match, moved: Callable[[Array], Array]) -> Array:
+    """``moved`` on ``x`` ``[B, N, *features]`` seen as ``[B, N, C]`` (C: the product of the features), its result
+    given ``x``'s feature axes back; ``[B, N, C]`` passes straight through."""
+    ops = match.ops
+    shape = ops.shape(x)
+    if len(shape) == 3:
+        return moved(x)
+    features: Tuple[int, ...] = tuple(shape[2:])
+    flat = 1
+    for size in features:
+        flat *= size
+    out = moved(ops.reshape(x, (shape[0], shape[1], flat)))
+    rows, tokens = ops.shape(out)[:2]
+    return ops.reshape(out, (rows, tokens, *features))
 
 
 def merge(x: Array, match: Match) -> Array:
@@ -17,6 +36,10 @@ def merge(x: Array, match: Match) -> Array:
     takes ``[B * K, N / K, C]``: each chunk of ``K`` consecutive items is one sequence."""
     if match.merged == 0:
         return x
+    return _features(x, match, lambda flat: _merge(flat, match))
+
+
+def _merge(x: Array, match: Match) -> Array:
     ops = match.ops
     batch, tokens, channels = ops.shape(x)
     if match.picked is not None:  # each slot is one token: a row gather
@@ -37,6 +60,10 @@ def unmerge(x: Array, match: Match) -> Array:
     nothing merges."""
     if match.merged == 0:
         return x
+    return _features(x, match, lambda flat: _unmerge(flat, match))
+
+
+def _unmerge(x: Array, match: Match) -> Array:
     ops = match.ops
     batch, kept, channels = ops.shape(x)
     rows = ops.take(ops.reshape(x, (batch * kept, channels)), match.rows, axis=0)

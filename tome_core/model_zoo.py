@@ -105,13 +105,6 @@ REFUSED: Dict[str, str] = {
         "not supported yet: one stream of text, condition images and the target image last, attention prefilled "
         "segment by segment with a key cache, and a single complex rotary table"
     ),
-    "JoyImageEditPlusTransformer3DModel": (
-        "not supported yet: JoyImage-Edit's 6-D multi-item inputs, plus a key mask over [image; text]"
-    ),
-    "LuminaNextDiT2DModel": (
-        "not supported yet: separate query and key rotary tables, attention outputs shaped [B, N, heads, d], and a "
-        "softmax scale that its pipeline sets from the number of tokens"
-    ),
     "BriaFibo2Transformer2DModel": (
         "not supported yet: one stream whose gist (text) tokens go before the image or after it depending on the "
         "batch's padding, with context images' tokens after the image"

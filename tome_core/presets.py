@@ -201,6 +201,14 @@ TRANSFORMERS.update({
             scaling_factor=1.0, axes_dim_rope=(4, 2, 2), axes_lens=(128, 128, 128), cap_feat_dim=32,
         ),
     ),
+    "tiny-lumina-next": (  # diffusers' model-test size; learn_sigma: its pipeline keeps half the output channels
+        "LuminaNextDiT2DModel",
+        dict(
+            sample_size=16, patch_size=2, in_channels=4, hidden_size=24, num_layers=2, num_attention_heads=3,
+            num_kv_heads=1, multiple_of=16, ffn_dim_multiplier=None, norm_eps=1e-5, learn_sigma=True, qk_norm=True,
+            cross_attention_dim=32, scaling_factor=1.0,
+        ),
+    ),
     "tiny-hidream-image": (
         "HiDreamImageTransformer2DModel",
         dict(

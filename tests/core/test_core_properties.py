@@ -277,3 +277,40 @@ def test_sampled_cell_match_takes_one_token_of_each_cell(xp, case, data_seed, fi
     np.testing.assert_array_equal(xp.numpy(match.sizes), xp.numpy(pooled.sizes))
     every = [xp.numpy(merge(xp.asarray(x), picked(np.full((h // sy, w // sx), o)))) for o in range(sx * sy)]
     np.testing.assert_allclose(np.mean(every, axis=0), xp.numpy(merge(xp.asarray(x), pooled)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["similarity", "pooled", "sampled"])
+def test_trailing_feature_axes_merge_as_one_channel_axis(xp, kind):
+    """An attention output ``[B, N, heads, d]`` (Lumina-Next's) merges and unmerges as its ``[B, N, heads * d]``
+    view: the same numbers, its axes given back."""
+    rng = np.random.default_rng(3)
+    batch, h, w, heads, d = 2, 4, 6, 3, 2
+    x = rng.standard_normal((batch, h * w, heads, d)).astype(np.float32)
+    flat = xp.asarray(x.reshape(batch, h * w, heads * d))
+    if kind == "similarity":
+        match = bipartite_match(xp.ops, flat, h, w, 2, 2, 10, None)
+    elif kind == "pooled":
+        match = cell_match(xp.ops, flat, batch, h, w, 2, 2)
+    else:
+        match = sampled_cell_match(xp.ops, flat, batch, h, w, 2, 2, None)
+    merged = xp.numpy(merge(xp.asarray(x), match))
+    assert merged.shape == (batch, match.kept, heads, d)
+    np.testing.assert_array_equal(merged.reshape(batch, match.kept, -1), xp.numpy(merge(flat, match)))
+    restored = xp.numpy(unmerge(xp.asarray(merged), match))
+    assert restored.shape == x.shape
+    np.testing.assert_array_equal(restored.reshape(batch, h * w, -1), xp.numpy(unmerge(merge(flat, match), match)))
+
+
+@pytest.mark.parametrize("base, whole, short", [(16, 60, 30), (256.0, 4096, 1024), (4, 3, 2), (16, 60, 60), (16, 60, 1)])
+def test_same_logarithm_keeps_the_logarithm_of_the_whole_count(base, whole, short):
+    """Lumina-Next scales its softmax by ``sqrt(log_b(queries))``: the base given with ``short`` merged queries
+    gives the logarithm ``whole`` queries had (where any base can: two tokens or more)."""
+    import math
+
+    from tome_core.driver import same_logarithm
+
+    given = same_logarithm(base, whole, short)
+    if short < 2:
+        assert given == base
+    else:
+        assert math.log(short, given) == pytest.approx(math.log(whole, base), rel=1e-12)

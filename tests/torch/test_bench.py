@@ -342,14 +342,17 @@ def test_new_families_run_whole_calls_and_the_micro_path(tmp_path, capsys):
 # MLP inputs (HunyuanVideo), packed video tokens with sizes (LTX), audio beside the video (LTX-2), aligned inputs
 # (Lumina 2, Nucleus-MoE), a sub-layer run again on the text (CogView4), nested rotary positions (Allegro), tables
 # by name (AnyFlow), head tokens before the grid (FramePack), tokens past the grid (FLUX.3), a mask it cannot
-# place (SkyReels-V2), rotation matrices and an MoE feed-forward viewing its input (HiDream).
+# place (SkyReels-V2), rotation matrices and an MoE feed-forward viewing its input (HiDream), queries' and keys'
+# rotary tables apart and attention outputs [B, N, heads, d] (Lumina-Next), a grid from a shape list over 6-D
+# patches with references and padding after it (JoyImage-Edit-Plus).
 ZOO_ORACLE_CLASSES = (
     "Flux2Transformer2DModel", "AuraFlowTransformer2DModel", "QwenImageTransformer2DModel", "ZImageTransformer2DModel",
     "ChromaTransformer2DModel", "HunyuanVideo15Transformer3DModel", "HunyuanVideoTransformer3DModel",
     "LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel", "Lumina2Transformer2DModel",
     "NucleusMoEImageTransformer2DModel", "CogView4Transformer2DModel", "AllegroTransformer3DModel",
     "AnyFlowTransformer3DModel", "HunyuanVideoFramepackTransformer3DModel", "Flux3Transformer2DModel",
-    "SkyReelsV2Transformer3DModel", "HiDreamImageTransformer2DModel",
+    "SkyReelsV2Transformer3DModel", "HiDreamImageTransformer2DModel", "LuminaNextDiT2DModel",
+    "JoyImageEditPlusTransformer3DModel",
 )
 
 

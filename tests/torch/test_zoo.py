@@ -9,6 +9,7 @@ class is classified: merged (a tiny builder below, checked against the unpatched
 from __future__ import annotations
 
 import inspect
+import math
 import pathlib
 import re
 from typing import Any, Callable, Dict, List, Tuple
@@ -30,6 +31,7 @@ from tome_core.match import bipartite_matches
 from tome_core.merge import merge, unmerge
 from tome_core.adapters import diffusers_models as zoo
 from tome_core.model_zoo import NOT_GENERATION, REFUSED, refusal
+from tome_core.presets import TRANSFORMERS
 
 ZOO_PACKAGES = ("transformers", "unets", "controlnets")
 
@@ -188,6 +190,22 @@ def _krea2():
     return _built(
         "Krea2Transformer2DModel", config, hidden_states=(2, rows * cols, 8), encoder_hidden_states=(2, text, 3, 16),
         timestep=torch.tensor([0.5, 0.5]), position_ids=ids, encoder_attention_mask=mask,
+    )()
+
+
+def _joyimage_edit_plus():
+    """JoyImage-Edit-Plus: patches [B, N, C, 1, 2, 2], the 4x6 target's first, then each item's references (two for
+    the first, one for the second, padded to its length); a key mask over [patches; text], the second text padded."""
+    config = dict(
+        patch_size=[1, 2, 2], in_channels=16, hidden_size=32, num_attention_heads=2, text_dim=16, num_layers=2,
+        rope_dim_list=[4, 6, 6], theta=256,
+    )
+    shapes = [[(1, 4, 6), (1, 2, 3), (1, 3, 2)], [(1, 4, 6), (1, 3, 3)]]
+    mask = torch.tensor([[1] * 12, [1] * 9 + [0] * 3])
+    return _built(
+        "JoyImageEditPlusTransformer3DModel", config, hidden_states=(2, 24 + 12, 16, 1, 2, 2),
+        encoder_hidden_states=(2, 12, 16), encoder_hidden_states_mask=mask, timestep=torch.tensor([500.0, 500.0]),
+        shape_list=shapes,
     )()
 
 
@@ -353,6 +371,13 @@ def _cosmos_controlnet():
     return build()
 
 
+def _lumina_rotary(head_dim: int) -> torch.Tensor:
+    """Lumina-Next's rotary table as its pipeline builds it (complex, [rows, cols, head_dim / 2]), 32x32 positions."""
+    from diffusers.models.embeddings import get_2d_rotary_pos_embed_lumina
+
+    return get_2d_rotary_pos_embed_lumina(head_dim, 32, 32)
+
+
 # Classes that merge, each with a tiny model (random weights) and the keyword inputs of one call.
 MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
     "UNet2DConditionModel": _unet,
@@ -488,6 +513,7 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
              rope_dim_list=[4, 6, 6], theta=256),
         hidden_states=(2, 2, 16, 1, 8, 12), encoder_hidden_states=(2, 12, 16), timestep=torch.tensor([500.0, 500.0]),
     ),
+    "JoyImageEditPlusTransformer3DModel": _joyimage_edit_plus,
     "Krea2Transformer2DModel": _krea2,
     "AnyFlowTransformer3DModel": _built(  # frames-first latent (B, F, C, H, W), a timestep per frame
         "AnyFlowTransformer3DModel",
@@ -569,6 +595,12 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
              scaling_factor=1.0, axes_dim_rope=(4, 2, 2), axes_lens=(128, 128, 128), cap_feat_dim=32),
         hidden_states=(2, 4, 12, 20), timestep=torch.tensor([0.3, 0.3]), encoder_hidden_states=(2, 16, 32),
         encoder_attention_mask=torch.ones(2, 16, dtype=torch.bool),
+    ),
+    "LuminaNextDiT2DModel": _built(  # its pipeline's rotary table and softmax-scale base; the second caption padded
+        "LuminaNextDiT2DModel", TRANSFORMERS["tiny-lumina-next"][1],
+        hidden_states=(2, 4, 12, 20), timestep=torch.tensor([0.3, 0.3]), encoder_hidden_states=(2, 7, 32),
+        encoder_mask=torch.tensor([[1] * 7, [1] * 4 + [0] * 3]), image_rotary_emb=_lumina_rotary(8),
+        cross_attention_kwargs={"base_sequence_length": 16},
     ),
     "SkyReelsV2Transformer3DModel": _built("SkyReelsV2Transformer3DModel", _WAN, **_WAN_CALL),
     "ChronoEditTransformer3DModel": _built("ChronoEditTransformer3DModel", dict(_WAN, rope_temporal_skip_len=8), **_WAN_CALL),
@@ -1020,3 +1052,71 @@ def test_a_key_mask_after_the_image_keeps_its_text_part_in_place():
         assert torch.equal(patched[:, 60 - merged :], unpatched[:, 60:])  # padding and caption, in place
         assert bool(patched[:, : 60 - merged].all())  # every kept image token attends
         assert not bool(patched.all())  # the shorter caption's padding stays masked
+
+
+def test_lumina_next_on_duplicated_tokens_equals_the_unpatched_model():
+    """Lumina-Next's attention gets its queries' and keys' rotary tables apart, its own input again as keys, returns
+    [B, N, heads, d], and scales its softmax by sqrt(log_b(queries)) with b from its pipeline. Oracle: with every
+    2x2 cell of the token grid holding one token four times and rotary tables that rotate nothing, merging loses
+    nothing (size-aware keys, identical queries), so the patched model equals the unpatched one while its
+    attention sees half the tokens, both rotary tables gathered. The oracle catches a missing size bias and the
+    scale of 30 queries (the base put back after the patch's hook): the base given keeps the logarithm of 60."""
+    model, inputs = MERGED["LuminaNextDiT2DModel"]()
+    cells = torch.randn(2, 4, 3, 1, 2, 5, 1, 2, generator=torch.Generator().manual_seed(4))  # (cell row, -, pixel...)
+    inputs["hidden_states"] = cells.expand(2, 4, 3, 2, 2, 5, 2, 2).reshape(2, 4, 12, 20)  # 6x10 tokens in 2x2 cells
+    inputs["image_rotary_emb"] = torch.ones(32, 32, 4, dtype=torch.complex64)
+    plain = _run(model, inputs)
+    tome.patch(model, ratio=0.5, use_rand=False, merge_crossattn=True, merge_mlp=True)
+    seen = []
+    for layer in model.layers:  # registered after ToMe's hooks: what attention gets
+        layer.attn1.register_forward_pre_hook(lambda m, a, k: seen.append(
+            (k["hidden_states"].shape[1], k["query_rotary_emb"].shape, k["key_rotary_emb"].shape, k["base_sequence_length"])
+        ), with_kwargs=True)
+    torch.testing.assert_close(_run(model, inputs), plain, rtol=1e-4, atol=1e-5)
+    tokens, queries, keys, base = seen[0]
+    assert len(seen) == 2 and tokens == 30 and queries == keys == (1, 30, 4)
+    assert math.log(30, base) == pytest.approx(math.log(60, 16))
+    tome.patch(model, ratio=0.5, use_rand=False, proportional_attn=False)
+    assert _rel(_run(model, inputs), plain) > 1e-3
+    tome.patch(model, ratio=0.5, use_rand=False)
+    for layer in model.layers:
+        layer.attn1.register_forward_pre_hook(lambda m, a, k: (a, {**k, "base_sequence_length": 16}), with_kwargs=True)
+    assert _rel(_run(model, inputs), plain) > 1e-3
+
+
+def test_joyimage_edit_plus_merges_its_target_and_gathers_its_mask_and_rotary_rows():
+    """JoyImage-Edit-Plus's sequence is [target 4x6; references; padding] per item (shape_list), its key mask and its
+    rotary table (cos, sin) [B, patches, d] over it. Merged, each attention gets the target's 24 patches halved, the
+    unpatched mask and table with the target's rows gathered for the kept patches and every other row in place
+    (the references', the padding's, still masked, and the text's). A batch whose targets differ in size runs
+    unmerged, said once."""
+    model, inputs = _joyimage_edit_plus()
+    seen: Dict[str, list] = {"unpatched": [], "patched": []}
+
+    def record(arm):
+        return [
+            block.attn.register_forward_pre_hook(
+                lambda m, a, k: seen[arm].append((k["hidden_states"].shape[1], k["attention_mask"], k["image_rotary_emb"])),
+                with_kwargs=True,
+            )
+            for block in model.double_blocks
+        ]
+
+    handles = record("unpatched")
+    plain = _run(model, inputs)
+    for handle in handles:
+        handle.remove()
+    tome.patch(model, ratio=0.5)
+    record("patched")  # after the patch's own hooks: what the attention gets
+    output = _run(model, inputs)
+    assert torch.isfinite(output).all() and _rel(output, plain) > 1e-6
+    for (tokens, mask, rotary), (kept, merged_mask, merged_rotary) in zip(seen["unpatched"], seen["patched"]):
+        assert (tokens, kept) == (36, 24)  # 12 of the target's 24 patches, then 12 of references and padding
+        assert torch.equal(merged_mask[..., 12:], mask[..., 24:]) and bool(merged_mask[..., :12].all())
+        assert not bool(merged_mask[1, ..., 12 + 9 :].all())  # the second item's padding stays masked
+        for table, merged_table in zip(rotary, merged_rotary):
+            assert torch.equal(merged_table[:, 12:], table[:, 24:])
+            assert all(any(torch.equal(row, t) for t in table[0, :24]) for row in merged_table[0, :12])
+    inputs["shape_list"] = [[(1, 4, 6), (1, 2, 3), (1, 3, 2)], [(1, 3, 6), (1, 3, 6)]]
+    (tokens, output), _ = _warned_once(lambda: _seen(model, inputs), "output images different sizes")
+    assert tokens == [36, 36] and torch.isfinite(output).all()
