@@ -880,7 +880,7 @@ class BenchRunner:
             latent_hw, finest = self.latent_hw, self.finest_level()
         else:  # the patch sees a transformer's grid of 2x2 latent patches as its latent
             latent_hw, finest = (self.latent_hw[0] // 2, self.latent_hw[1] // 2), 1
-        choices = config.auto_choices(self.spec is None or self.spec.separate_kv)
+        choices = config.auto_choices(self.spec is None or self.spec.separate_kv, self.spec is None)
         return ToMeState(config=config, finest_level=finest, latent_hw=latent_hw, choices=choices).active
 
     def effective(self, name: str, ratio: float) -> Tuple[float, str]:

@@ -14,16 +14,17 @@ MODES = ("auto", "tokens", "kv", "queries")
 MATCHINGS = ("similarity", "cell")
 CELL_POOLS = ("mean", "sample")
 DEFAULT_RATIO = 0.5  # with similarity matching; a cell match's reduction is fixed by its cell
-# What mode="auto" runs for each ``prefer``: where self-attention takes separate keys (UNets, PixArt, DiT), keys
-# and values in (sx, sy) cells chosen by the token count of the finest merged level, ((fewest tokens, cell), ...)
-# most tokens first, each cell standing as one of its tokens drawn per call and block (docs/fidelity.md: on
-# learned weights a mean of the same cells at every step drifts, drawn tokens do not); elsewhere ToMe for SD at
-# the ratio. Each setting is a point of the speed-fidelity front measured on the trained models and a GPU
-# (docs/fidelity.md, "One knob").
-PREFERENCES = {
-    "fidelity": (((0, (2, 1)),), 0.25),
-    "balance": (((128 * 128, (4, 4)), (0, (2, 2))), 0.5),
-    "speed": (((0, (4, 4)),), 0.75),
+# What mode="auto" runs for each ``prefer``: where self-attention takes separate keys, keys and values in (sx, sy)
+# cells chosen by the token count of the finest merged level, ((fewest tokens, cell), ...) most tokens first,
+# in UNets and in transformers (PixArt, DiT), each cell standing as one of its tokens drawn per call and block
+# (docs/fidelity.md: on learned weights a mean of the same cells at every step drifts, drawn tokens do not);
+# elsewhere ToMe for SD at the ratio. Each setting is a point of the speed-fidelity front measured on the trained
+# models and a GPU (docs/fidelity.md, "One knob"): 4x4 cells keep a UNet close (its skip connections carry the
+# unpooled tokens past the blocks) but not a transformer, where 4x2 cells are the fast point.
+PREFERENCES = {  # prefer: (UNet cells, transformer cells, ratio)
+    "fidelity": (((0, (2, 1)),), ((0, (2, 1)),), 0.25),
+    "balance": (((128 * 128, (4, 4)), (0, (2, 2))), ((128 * 128, (4, 4)), (0, (2, 2))), 0.5),
+    "speed": (((0, (4, 4)),), ((0, (4, 2)),), 0.75),
 }
 DEFAULT_PREFERENCE = "balance"
 AUTO_POOL = "sample"
@@ -55,8 +56,8 @@ class ToMeConfig:
         0.5 with similarity matching and ``1 - 1/(sx*sy)`` (the cell's) with cell matching.
     prefer: the one knob of the default (``mode="auto"``): ``"fidelity"``, ``"balance"`` or ``"speed"``, each a
         point of the measured speed-fidelity front per model kind (docs/fidelity.md, "One knob"): keys and values
-        in 2x1 / 2x2 (4x4 from 128x128 tokens) / 4x4 cells where self-attention takes them apart from its
-        queries, ToMe for SD at 0.25 / 0.5 / 0.75 where it cannot. ``None`` (default): ``"balance"``. Options
+        in 2x1 / 2x2 (4x4 from 128x128 tokens) / 4x4 cells (4x2 in transformers) where self-attention takes
+        them apart from its queries, ToMe for SD at 0.25 / 0.5 / 0.75 where it cannot. ``None`` (default): ``"balance"``. Options
         that choose the arrangement themselves (``ratio``, ``mode``...) leave it out.
     max_downsample: merge blocks whose latent downsample factor is at most this (1, 2, 4 or 8);
         ``None`` (default) means the finest level that has attention (1 on SD 1.x/2.x, 2 on SDXL).
@@ -254,14 +255,15 @@ class ToMeConfig:
                 "chooses the arrangement itself; pass one or the other"
             )
         if self.mode == "auto":  # ToMe for SD's ratio where cells cannot run
-            object.__setattr__(self, "ratio", PREFERENCES[self.preference][1])
+            object.__setattr__(self, "ratio", PREFERENCES[self.preference][2])
         for name, default in (("sx", 2), ("sy", 2), ("matching", "similarity")):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)
 
-    def auto_choices(self, kv_input: bool) -> Tuple[Tuple[int, "ToMeConfig"], ...]:
+    def auto_choices(self, kv_input: bool, unet: bool = True) -> Tuple[Tuple[int, "ToMeConfig"], ...]:
         """What ``mode="auto"`` runs: ``((fewest tokens at the finest merged level, options), ...)``, most
-        tokens first. ``kv_input``: every merged self-attention takes keys and values apart from its queries.
+        tokens first. ``kv_input``: every merged self-attention takes keys and values apart from its queries;
+        ``unet``: the model is a UNet (else a transformer: the cells of ``speed`` differ).
         Keys and values pooled in cells where that holds and nothing else merges (cross-attention and MLP
         would be pooled too) and no similarity option is set; else ToMe for SD's arrangement (``tokens``)."""
         if self.mode != "auto":
@@ -272,7 +274,7 @@ class ToMeConfig:
         pool = self.cell_pool or AUTO_POOL
         return tuple(
             (tokens, replace(self, mode="kv", matching="cell", ratio=None, sx=sx, sy=sy, cell_pool=pool, prefer=None))
-            for tokens, (sx, sy) in PREFERENCES[self.preference][0]
+            for tokens, (sx, sy) in PREFERENCES[self.preference][0 if unet else 1]
         )
 
     @property

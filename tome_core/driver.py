@@ -1110,7 +1110,7 @@ def auto_choices(fw: Framework, model: Any, config: ToMeConfig) -> Tuple[Tuple[i
     """:meth:`ToMeConfig.auto_choices` for ``model``: keys and values in cells only where every merged
     self-attention takes them apart from its queries (the family table's ``kv_input``)."""
     kv_input = all(s.kv_input is not None for *_, s, _ in _sublayers(fw, model, config) if s.kind == "attn")
-    return config.auto_choices(kv_input)
+    return config.auto_choices(kv_input, is_unet_like(model))
 
 
 def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:

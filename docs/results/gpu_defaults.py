@@ -254,6 +254,8 @@ def pixart_part():
     model = build_transformer("pixart", num_layers=4).to(dev, dtype).eval()
     methods = {"unpatched": None, "ratio 0.5 (ToMe for SD)": {"ratio": 0.5}, "default (kv 2x2 sample)": {},
                "kv 2x1 sample": {"mode": "kv", "matching": "cell", "cell_pool": "sample", "sx": 2, "sy": 1},
+               "kv 4x2 sample": {"mode": "kv", "matching": "cell", "cell_pool": "sample", "sx": 4, "sy": 2},
+               "kv 3x3 sample": {"mode": "kv", "matching": "cell", "cell_pool": "sample", "sx": 3, "sy": 3},
                "kv 4x4 sample": {"mode": "kv", "matching": "cell", "cell_pool": "sample", "sx": 4, "sy": 4},
                "kv similarity 0.5": {"mode": "kv", "ratio": 0.5}}
     for px in (512, 1024):
