@@ -252,7 +252,7 @@ def test_kv_through_other_processors(unet, inputs, processor):
     torch.testing.assert_close(call(model, inputs), call(reference, inputs), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("options", [{"mode": "kv", "matching": "cell"}, {"mode": "kv"}, {"mode": "queries"}])
+@pytest.mark.parametrize("options", [{"mode": "kv", "matching": "cell"}, {"mode": "kv"}, {"mode": "queries"}, {"prefer": "fidelity"}])
 def test_arrangements_trace_into_one_graph(unet, inputs, options):
     """fullgraph: a graph break raises. aot_eager traces what inductor would compile, without its codegen
     (tests/torch/test_transformers.py compiles with inductor once)."""
