@@ -25,7 +25,7 @@ from tome_core import driver, selection
 from tome_core.backend import get_ops
 from tome_core.bench import image_like_latents, noised, peak_memory_in_fresh_process
 from tome_core.config import ToMeConfig
-from tome_core.families import TEXT_NONE, TEXT_PREFIX, BlockFamily, Sublayer, text_follows
+from tome_core.families import TEXT_NONE, TEXT_PREFIX, BlockFamily, Sublayer, child_at, text_follows
 from tome_core.levels import block_grid, downsample_factor, level_grid
 from tome_core.state import ToMeState
 
@@ -522,7 +522,7 @@ def install_transformer_oracle(
         oracle = _OracleBlock(plan, family, seen, block)
         handles.append(fw.add_pre_hook(block, oracle.begin))
         for sublayer in family.sublayers:
-            target = getattr(block, sublayer.child, None)
+            target = child_at(block, sublayer.child)
             if target is None or not fw.is_module(target) or not config.sublayers[sublayer.kind]:
                 continue
             handles.append(fw.add_pre_hook(target, oracle.pre_hook(sublayer, target)))

@@ -35,8 +35,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Se
 from .backend import get_ops
 from .config import ToMeConfig
 from .families import (
-    BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer, GridLayout, block_family, grid_layout,
-    grid_last, temporal, text_follows, text_only,
+    BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer, GridLayout, block_family, child_at,
+    grid_layout, grid_last, temporal, text_follows, text_only,
 )
 from .levels import finest_attention_level, leading_raster, trailing_frames, trailing_raster
 from .match import Match
@@ -300,8 +300,8 @@ class _CallStart:
         self.grid_last = grid_last(type(model))  # the latent's tokens end each block's image stream
         if self.layout is not None:
             self.temporal_patch = (self.layout.temporal_patch and _config_value(model, self.layout.temporal_patch)) or 1
-            coords = (self.layout.coords,) if self.layout.coords else ()
-            self.where.update(argument_positions(forward, *self.layout.sizes, *self.layout.patch_arguments, *coords))
+            named = tuple(name for name in (self.layout.coords, self.layout.frame_types) if name)
+            self.where.update(argument_positions(forward, *self.layout.sizes, *self.layout.patch_arguments, *named))
 
     def __call__(self, module, args, kwargs):
         where = self.where
@@ -358,6 +358,15 @@ class _CallStart:
                 return self._unplaced(step, why)
             frames, height, width, from_coords = sizes
             grid, tail = (frames * height, width), (shape[1] - frames * height * width if layout.frames_axis is None else 0)
+            conditions = self._condition_frames(layout, args, kwargs)
+            if conditions is None:
+                why = (
+                    f"its {layout.frame_types} do not give noisy frames (type 0) first and conditions after them, the "
+                    "same in every item, so no token grid is known; such calls run unmerged"
+                )
+                return self._unplaced(step, why)
+            if conditions:  # appended condition frames: a tail after the grid
+                grid, tail = ((frames - conditions) * height, width), tail + conditions * height * width
             if from_coords:  # conditioning tokens before the grid: the blocks' head
                 grid_last, tail = True, 0
         elif len(shape) == 4:
@@ -421,6 +430,22 @@ class _CallStart:
         else:
             sizes = [shape[layout.frames_axis], *(shape[2:4] if layout.channels_last else shape[-2:])]
         return sizes[0] // temporal, sizes[1] // spatial, sizes[2] // spatial, False
+
+    def _condition_frames(self, layout: GridLayout, args, kwargs) -> Optional[int]:
+        """How many frames at the end of the call's video are conditions (:attr:`GridLayout.frame_types`): 0
+        where it gives no types; None where its types are not noisy frames (0) then conditions in every item."""
+        types = argument(args, kwargs, layout.frame_types, self.where[layout.frame_types]) if layout.frame_types else None
+        if types is None:
+            return 0
+
+        def read(values: List[float], shape: Tuple[int, ...]) -> Optional[int]:
+            rows = [values[i : i + shape[-1]] for i in range(0, len(values), shape[-1])]
+            noisy = sum(1 for value in rows[0] if value == 0)
+            if not noisy or any(row != rows[0] for row in rows) or any(value != 0 for value in rows[0][:noisy]):
+                return None
+            return len(rows[0]) - noisy
+
+        return self._read_once(types, read)
 
     def _coords_grid(self, coords: Any) -> Optional[Tuple[int, int, int, int]]:
         """``(frames, rows, cols, head)`` of tokens from their coordinates ``[B, 3, N]`` (batch item 0)
@@ -997,20 +1022,11 @@ def temporal_modules(fw: Framework, model: Any, table: Callable[[type], Any] = t
         entry = table(type(module))
         if entry is None:
             continue
-        roots = [_child(module, child) for child in entry.children] if entry.children else [module]
+        roots = [child_at(module, child) for child in entry.children] if entry.children else [module]
         for root in roots:
             if root is not None and fw.is_module(root):
                 inside.update(id(sub) for sub in fw.submodules(root))
     return inside
-
-
-def _child(module: Any, path: str) -> Any:
-    """The submodule at a dotted attribute ``path`` of ``module`` (``"mode_blocks.image_cond"``), or None."""
-    for name in path.split("."):
-        module = getattr(module, name, None)
-        if module is None:
-            return None
-    return module
 
 
 def blocks_of(fw: Framework, model: Any) -> List[Tuple[Any, BlockFamily]]:
@@ -1037,7 +1053,7 @@ def finest_level(fw: Framework, model: Any) -> int:
 def _self_attends(fw: Framework, module: Any) -> bool:
     """Whether a block of ``module`` has a self-attention (DreamLite's blocks at its finest levels have none)."""
     return any(
-        fw.is_module(getattr(block, sublayer.child, None))
+        fw.is_module(child_at(block, sublayer.child))
         for block, family in blocks_of(fw, module) for sublayer in family.sublayers if sublayer.kind == "attn"
     )
 
@@ -1101,7 +1117,7 @@ def _sublayers(fw: Framework, model: Any, config: ToMeConfig):
         if stream not in chosen:
             continue
         for sublayer in family.sublayers:
-            target = getattr(block, sublayer.child, None)
+            target = child_at(block, sublayer.child)
             if target is not None and fw.is_module(target) and config.sublayers[sublayer.kind]:
                 yield stream, block, family, ratios.get(stream), sublayer, target
 

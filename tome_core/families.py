@@ -30,7 +30,8 @@ def text_follows(text: str) -> bool:
 class Sublayer:
     """One sub-layer of a block that runs on merged image tokens.
 
-    child: the block's attribute holding the sub-layer module.
+    child: the block's attribute holding the sub-layer module; a dotted path where the block holds it in a nested
+        block whose own ``forward`` it never calls (Kandinsky 6's ``video_dec_block.self_attention``).
     kind: which option selects it and which ratio it uses: "attn", "crossattn" or "mlp".
     text: where text tokens sit in its input or attention (``TEXT_*``).
     output: index of the image stream when the sub-layer returns a tuple (joint attention), else None.
@@ -459,6 +460,16 @@ BLOCK_FAMILIES += (
         rotary_axis=1,
         unmerged_with=("sparse_params", "NABLA sparse attention reorders the tokens into 8x8-token tiles"),
     ),
+    BlockFamily(  # Kandinsky 6: a fused video-audio block that calls its video sub-layers inside a nested block
+        "kandinsky6",  # (never its forward); its audio path and the cross-modal attentions run on all tokens
+        ("Kandinsky6FusedTransformerDecoderBlock",),
+        (
+            Sublayer("video_dec_block.self_attention", "attn", attention=True),
+            Sublayer("video_dec_block.cross_attention", "crossattn"),
+            Sublayer("video_dec_block.feed_forward", "mlp"),
+        ),
+        rotary="rotary_emb",  # [tokens, 1, d/2, 2, 2] rotation matrices
+    ),
 )
 
 BLOCK_FAMILIES += (
@@ -650,9 +661,12 @@ class GridLayout:
     sizes: the call's arguments that give ``(frames, height, width)`` of packed tokens (latent units).
     patch_arguments: the call's arguments that give ``(temporal, spatial)`` patch sizes (Z-Image), their
         defaults those of the model's ``forward``; else the config's (a 3-D ``patch_size`` gives both).
-    channels_last: its latent is ``(B, F, H, W, C)`` (Kandinsky 5), frames on ``frames_axis`` 1.
+    channels_last: its latent is ``(B, F, H, W, C)`` (Kandinsky 5 and 6), frames on ``frames_axis`` 1.
     coords: the call's argument of per-token ``(t, h, w)`` coordinates ``[B, 3, N]``, read where ``sizes`` are not
         given: the video's frames last, after conditioning tokens (LTX-Video's condition pipeline).
+    frame_types: the call's argument of per-frame token types ``[B, F]``: the frames after the last one of type 0
+        are conditions that pass through as a tail (Kandinsky 6's image to video appends its clean reference frame,
+        of type 1, to the noisy ones).
     """
 
     classes: Tuple[str, ...]
@@ -662,6 +676,7 @@ class GridLayout:
     patch_arguments: Tuple[str, ...] = ()
     channels_last: bool = False
     coords: Optional[str] = None
+    frame_types: Optional[str] = None
 
 
 GRID_LAYOUTS: Tuple[GridLayout, ...] = (
@@ -674,6 +689,7 @@ GRID_LAYOUTS: Tuple[GridLayout, ...] = (
     ),
     GridLayout(("ZImageTransformer2DModel",), patch_arguments=("f_patch_size", "patch_size")),
     GridLayout(("Kandinsky5Transformer3DModel",), frames_axis=1, channels_last=True),
+    GridLayout(("Kandinsky6Transformer3DModel",), frames_axis=1, channels_last=True, frame_types="visual_token_type_ids"),
     # a 2-D patch per frame, the frames' tokens in one sequence
     GridLayout(("MochiTransformer3DModel", "AllegroTransformer3DModel", "EasyAnimateTransformer3DModel"), temporal_patch=None),
 )
@@ -729,6 +745,16 @@ def text_only(cls: type) -> Optional[TextOnly]:
 GRID_CONTAINERS: Tuple[str, ...] = ("Transformer2DModel", "TransformerSpatioTemporalModel", "DreamLiteTransformer2DModel")
 
 _TEMPORAL: Dict[str, Temporal] = {entry.name: entry for entry in TEMPORAL}
+
+
+def child_at(module: Any, path: str) -> Any:
+    """The submodule at a dotted attribute ``path`` of ``module`` (``"video_dec_block.self_attention"``: a
+    sub-layer of a block nested in the block, Kandinsky 6's), or None."""
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module
 
 
 def _nearest(table: Dict[str, Any], cls: type) -> Any:

@@ -97,10 +97,6 @@ REFUSED: Dict[str, str] = {
         "while the ControlNet runs unmerged"
     ),
     # not supported yet: what each needs that the driver does not have
-    "Kandinsky6Transformer3DModel": (
-        "not supported yet: Kandinsky 5's channels-last latent in fused video-audio blocks that call their video "
-        "sub-layers through a nested block"
-    ),
     "QwenImage21Transformer2DModel": (
         "not supported yet: one stream of text, condition images and the target image last, attention prefilled "
         "segment by segment with a key cache, and a single complex rotary table"

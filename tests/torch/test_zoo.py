@@ -371,6 +371,19 @@ def _cosmos_controlnet():
     return build()
 
 
+# Kandinsky 6 as released (ca_rope, cross_gates, fix_modulation), tiny: a 2x4x6 token grid, audio of 5 tokens
+_KANDINSKY6 = dict(
+    in_visual_dim=4, out_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=16, patch_size=(1, 2, 2), model_dim=16,
+    ff_dim=32, num_text_blocks=1, num_visual_blocks=2, axes_dims=(4, 6, 6), in_audio_dim=4, out_audio_dim=4,
+    text_token_padding=True, ca_rope=True, cross_gates=True, fix_modulation=True, visual_token_type_num_embeddings=2,
+)
+_KANDINSKY6_CALL = dict(
+    hidden_states=(2, 2, 8, 12, 9), encoder_hidden_states=(2, 7, 16), pooled_projections=(2, 8),
+    timestep=torch.tensor([500.0, 500.0]), audio_hidden_states=(2, 5, 4),
+    encoder_attention_mask=torch.tensor([[True] * 7, [True] * 4 + [False] * 3]),
+)
+
+
 def _lumina_rotary(head_dim: int) -> torch.Tensor:
     """Lumina-Next's rotary table as its pipeline builds it (complex, [rows, cols, head_dim / 2]), 32x32 positions."""
     from diffusers.models.embeddings import get_2d_rotary_pos_embed_lumina
@@ -492,6 +505,9 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
         hidden_states=(2, 2, 8, 12, 4), encoder_hidden_states=(2, 7, 16), timestep=torch.tensor([500.0, 500.0]),
         pooled_projections=(2, 8), visual_rope_pos=[torch.arange(2), torch.arange(4), torch.arange(6)],
         text_rope_pos=torch.arange(7),
+    ),
+    "Kandinsky6Transformer3DModel": _built(  # Kandinsky 5's latent; video and audio in fused blocks
+        "Kandinsky6Transformer3DModel", _KANDINSKY6, **_KANDINSKY6_CALL,
     ),
     "PRXTransformer2DModel": _built(
         "PRXTransformer2DModel",
@@ -1120,3 +1136,89 @@ def test_joyimage_edit_plus_merges_its_target_and_gathers_its_mask_and_rotary_ro
     inputs["shape_list"] = [[(1, 4, 6), (1, 2, 3), (1, 3, 2)], [(1, 3, 6), (1, 3, 6)]]
     (tokens, output), _ = _warned_once(lambda: _seen(model, inputs), "output images different sizes")
     assert tokens == [36, 36] and torch.isfinite(output).all()
+
+
+def test_kandinsky6_merges_its_video_sublayers_and_its_audio_sees_every_video_token():
+    """Kandinsky 6's fused block calls its video sub-layers through a nested block (video_dec_block, whose forward
+    never runs) and the audio's through another of the same class. Merged, the video self-attention gets the
+    2x4x6 = 48 tokens halved with the rows of the unpatched rotary table, the video cross-attention 24 queries and
+    the text as it was, the video feed-forward 24 tokens; the audio's sub-layers get their unpatched shapes, and the cross-modal attentions every
+    video token (as queries with their whole rotary table, and as the audio's keys). Without audio, the video path
+    alone merges alike."""
+    model, inputs = _built("Kandinsky6Transformer3DModel", _KANDINSKY6, **_KANDINSKY6_CALL)()
+
+    def calls(arm):
+        seen = []
+
+        def record(name):
+            def hook(module, args, kwargs):
+                hidden = kwargs.get("hidden_states", args[0] if args else None)
+                context = kwargs.get("encoder_hidden_states")
+                rotary = kwargs.get("rotary_emb", kwargs.get("rope_q"))
+                seen.append((name, hidden.clone(), None if context is None else context.clone(), rotary))
+            return hook
+
+        handles = [
+            module.register_forward_pre_hook(record(name), with_kwargs=True)
+            for name, module in model.named_modules()
+            if name.startswith("visual_transformer_blocks.0.") and name.endswith(("attention", "feed_forward"))
+        ]
+        try:
+            output = _run(model, inputs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return seen, output
+
+    plain, reference = calls("unpatched")
+    tome.patch(model, ratio=0.5, merge_crossattn=True, merge_mlp=True)
+    merged, output = calls("patched")
+    assert torch.isfinite(output).all() and _rel(output, reference) > 1e-6
+    assert [n for n, *_ in merged] == [n for n, *_ in plain] and len(plain) == 8
+    for (name, x, context, rotary), (_, merged_x, merged_context, merged_rotary) in zip(plain, merged):
+        tokens, kept = x.shape[1], merged_x.shape[1]
+        video = name.split(".")[2] == "video_dec_block"
+        assert kept == (tokens // 2 if video else tokens), name
+        if name.endswith("video_dec_block.self_attention"):
+            assert tokens == 48 and merged_rotary.shape[0] == 24
+            assert all(any(torch.equal(row, t) for t in rotary) for row in merged_rotary)
+        elif name.endswith("video_dec_block.cross_attention"):
+            assert torch.equal(context, merged_context)
+        elif name.endswith("va_cross_attention"):
+            assert tokens == 48 and torch.equal(rotary, merged_rotary)
+        elif name.endswith("av_cross_attention"):
+            assert context.shape[1] == merged_context.shape[1] == 48
+    del inputs["audio_hidden_states"]
+    tome.remove(model)
+    plain, reference = calls("unpatched")
+    tome.patch(model, ratio=0.5, merge_crossattn=True, merge_mlp=True)
+    merged, output = calls("patched")
+    assert [(n, x.shape[1] // 2) for n, x, *_ in plain] == [(n, x.shape[1]) for n, x, *_ in merged] and len(merged) == 3
+    assert torch.isfinite(output).all() and _rel(output, reference) > 1e-6
+
+
+def test_kandinsky6_image_to_video_reference_frame_passes_through():
+    """Kandinsky 6's image to video appends the clean reference frame to the 2 noisy ones, of token type 1 and at
+    rotary position 0 (visual_token_type_ids, visual_rope_pos). Merged, the first block's self-attention gets the 48
+    noisy tokens halved, then the reference frame's 24 tokens and their rotary rows exactly as unpatched; types that
+    are not noisy frames then conditions run unmerged, said once."""
+    types = torch.tensor([[0, 0, 1]] * 2)
+    model, inputs = _built(
+        "Kandinsky6Transformer3DModel", _KANDINSKY6, **{**_KANDINSKY6_CALL, "hidden_states": (2, 3, 8, 12, 9)},
+        visual_token_type_ids=types, visual_rope_pos=(torch.tensor([0, 1, 0]), torch.arange(4), torch.arange(6)),
+    )()
+    attention = model.visual_transformer_blocks[0].video_dec_block.self_attention
+    seen = []
+    attention.register_forward_pre_hook(lambda m, a, k: seen.append((a[0].clone(), k["rotary_emb"])), with_kwargs=True)
+    reference = _run(model, inputs)
+    tome.patch(model, ratio=0.5)
+    attention.register_forward_pre_hook(lambda m, a, k: seen.append((a[0].clone(), k["rotary_emb"])), with_kwargs=True)
+    output = _run(model, inputs)
+    assert torch.isfinite(output).all() and _rel(output, reference) > 1e-6
+    (x, rotary), _, (merged_x, merged_rotary) = seen[0], seen[1], seen[2]  # each call: the hook before, and after the patch's
+    assert (x.shape[1], merged_x.shape[1]) == (72, 48)
+    assert torch.equal(merged_x[:, 24:], x[:, 48:]) and torch.equal(merged_rotary[24:], rotary[48:])
+    assert all(any(torch.equal(row, t) for t in rotary[:48]) for row in merged_rotary[:24])
+    inputs["visual_token_type_ids"] = torch.tensor([[0, 1, 0]] * 2)
+    (tokens, output), _ = _warned_once(lambda: _seen(model, inputs), "visual_token_type_ids do not give noisy frames")
+    assert 72 in tokens and 48 not in tokens and torch.isfinite(output).all()
