@@ -148,8 +148,23 @@ def _magvit_vae(config: Dict[str, Any]) -> torch.nn.Module:
 
 
 def _kandinsky5_vae(config: Dict[str, Any]) -> torch.nn.Module:
-    """AutoencoderKLHunyuanVideo as Kandinsky 5 holds it (:func:`_hunyuan_video_vae`, 8x in space, 4x in time)."""
+    """AutoencoderKLHunyuanVideo as Kandinsky 5 and 6 hold it (:func:`_hunyuan_video_vae`, 8x in space, 4x in time)."""
     return _hunyuan_video_vae({"out_channels": config["out_visual_dim"]})
+
+
+def _kandinsky6_audio(config: Dict[str, Any], seed: int) -> Dict[str, Any]:
+    """Kandinsky 6's MMAudio VAE and vocoder, tiny; at a 1600 Hz sample rate five frames get 11 audio tokens."""
+    torch.manual_seed(seed)
+    return dict(
+        audio_vae=diffusers.MMAudioVAE(
+            mel_bins=8, latent_channels=config["in_audio_dim"], hidden_channels=8, channel_multipliers=(1,),
+            layers_per_block=1, sample_rate=1600, n_fft=64, hop_length=16,
+        ).eval(),
+        vocoder=diffusers.MMAudioVocoder(
+            num_mels=8, upsample_initial_channel=8, upsample_rates=(32,), upsample_kernel_sizes=(64,),
+            resblock_kernel_sizes=(3,), resblock_dilation_sizes=((1,),),
+        ).eval(),
+    )
 
 
 def _hunyuan_image_vae(config: Dict[str, Any]) -> torch.nn.Module:
@@ -372,6 +387,17 @@ def _kandinsky5_call(config: Dict[str, Any], randn: Randn, frames: int = 5) -> D
             f"{prefix}prompt_embeds_qwen": randn(1, tokens, config["in_text_dim"]),
             f"{prefix}prompt_embeds_clip": randn(1, config["in_text_dim2"]),
             f"{prefix}prompt_cu_seqlens": torch.tensor([0, tokens], dtype=torch.int32),
+        })
+    return call
+
+
+def _kandinsky6_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    # Qwen2.5-VL hidden states and CLIP's pooled embedding of a prompt and a shorter negative one
+    call: Dict[str, Any] = dict(height=64, width=96, num_frames=5, guidance_scale=5.0)
+    for prefix, tokens in (("", 7), ("negative_", 5)):
+        call.update({
+            f"{prefix}prompt_embeds": randn(1, tokens, config["in_text_dim"]),
+            f"{prefix}pooled_prompt_embeds": randn(1, config["in_text_dim2"]),
         })
     return call
 
@@ -606,6 +632,13 @@ ZOO_PIPELINES: Dict[str, ZooPipeline] = {
     "kandinsky5": ZooPipeline(
         "Kandinsky5T2VPipeline", "tiny-kandinsky5", _kandinsky5_vae, _kandinsky5_call,
         scheduler=lambda: diffusers.FlowMatchEulerDiscreteScheduler(shift=7.0),
+    ),
+    "kandinsky6": ZooPipeline(  # video and audio
+        "Kandinsky6TI2VAPipeline", "tiny-kandinsky6", _kandinsky5_vae, _kandinsky6_call, extra=_kandinsky6_audio,
+    ),
+    "kandinsky6-image2video": ZooPipeline(  # its reference frame appended after the noisy ones
+        "Kandinsky6TI2VAPipeline", "tiny-kandinsky6", _kandinsky5_vae, _with_image(_kandinsky6_call, pil=True),
+        extra=_kandinsky6_audio,
     ),
     "latte": ZooPipeline("LattePipeline", "tiny-latte", _kl_vae(), _latte_call, scheduler=diffusers.DDIMScheduler),
     "hunyuandit": ZooPipeline(

@@ -549,6 +549,16 @@ VIDEO_TRANSFORMERS.update({
             in_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=16, out_visual_dim=4, patch_size=(1, 2, 2),
             model_dim=16, ff_dim=32, num_text_blocks=1, num_visual_blocks=2, axes_dims=(4, 6, 6),
         ),
+    ),
+    # Kandinsky 6 as released (cross-modal rotary and gates, a reference frame's token type), video with audio
+    "tiny-kandinsky6": (
+        "Kandinsky6Transformer3DModel",
+        dict(
+            in_visual_dim=4, out_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=16, patch_size=(1, 2, 2),
+            model_dim=16, ff_dim=32, num_text_blocks=1, num_visual_blocks=2, axes_dims=(4, 6, 6), in_audio_dim=4,
+            out_audio_dim=4, text_token_padding=True, ca_rope=True, cross_gates=True, fix_modulation=True,
+            visual_token_type_num_embeddings=2,
+        ),
     ),    # Wan VACE: control blocks on [inactive; reactive] latents and an 8x8-packed mask (2 * 4 + 64 channels)
     "tiny-wan-vace": (
         "WanVACETransformer3DModel", {**VIDEO_TRANSFORMERS["tiny-wan"][1], "vace_layers": [0, 1], "vace_in_channels": 72}

@@ -31,7 +31,7 @@ from tome_core.match import bipartite_matches
 from tome_core.merge import merge, unmerge
 from tome_core.adapters import diffusers_models as zoo
 from tome_core.model_zoo import NOT_GENERATION, REFUSED, refusal
-from tome_core.presets import TRANSFORMERS
+from tome_core.presets import TRANSFORMERS, VIDEO_TRANSFORMERS
 
 ZOO_PACKAGES = ("transformers", "unets", "controlnets")
 
@@ -372,11 +372,7 @@ def _cosmos_controlnet():
 
 
 # Kandinsky 6 as released (ca_rope, cross_gates, fix_modulation), tiny: a 2x4x6 token grid, audio of 5 tokens
-_KANDINSKY6 = dict(
-    in_visual_dim=4, out_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=16, patch_size=(1, 2, 2), model_dim=16,
-    ff_dim=32, num_text_blocks=1, num_visual_blocks=2, axes_dims=(4, 6, 6), in_audio_dim=4, out_audio_dim=4,
-    text_token_padding=True, ca_rope=True, cross_gates=True, fix_modulation=True, visual_token_type_num_embeddings=2,
-)
+_KANDINSKY6 = VIDEO_TRANSFORMERS["tiny-kandinsky6"][1]
 _KANDINSKY6_CALL = dict(
     hidden_states=(2, 2, 8, 12, 9), encoder_hidden_states=(2, 7, 16), pooled_projections=(2, 8),
     timestep=torch.tensor([500.0, 500.0]), audio_hidden_states=(2, 5, 4),
