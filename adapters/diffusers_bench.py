@@ -562,6 +562,7 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
     results = []
     for name, (stream, block, family) in firsts.items():
         block_args, block_kwargs = captured[name]
+        family = driver.family_in_call(family, driver.family_argument_position(family, block), block_args, block_kwargs)
         hidden = image_part(driver.argument(block_args, block_kwargs, "hidden_states", 0), family, grid, tail, grid_last)
         shared = family.rotary is not None or any(s.masks for s in family.sublayers)
         sublayers = [s for s in family.sublayers if child_at(block, s.child) is not None and config.sublayers[s.kind]]

@@ -42,11 +42,12 @@ def _image(randn: Randn, height: int, width: int) -> Any:
 # more channels at its input.
 
 
-def _flux2_vae(config: Dict[str, Any]) -> torch.nn.Module:
-    """AutoencoderKLFlux2, 2x downsampling; latents packed 2x2 into the transformer's channels."""
+def _flux2_vae(config: Dict[str, Any], packing: int = 4) -> torch.nn.Module:
+    """AutoencoderKLFlux2, 2x downsampling; latents packed 2x2 into the transformer's channels (``packing`` 4; 1:
+    its latent channels are the transformer's, Bria-FIBO 2's)."""
     return diffusers.AutoencoderKLFlux2(
         in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(4, 4), layers_per_block=1, latent_channels=config["in_channels"] // 4, norm_num_groups=1,
+        block_out_channels=(4, 4), layers_per_block=1, latent_channels=config["in_channels"] // packing, norm_num_groups=1,
         use_quant_conv=False, use_post_quant_conv=False, sample_size=32,
     )
 
@@ -200,6 +201,16 @@ def _flux2_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
 def _flux2_edit_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
     # the reference image's tokens follow the output's (Flux.2 checks images are at least 64 px a side)
     return dict(_flux2_call(config, randn), image=_image(randn, 64, 64))
+
+
+def _bria_fibo2_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    """Text encoder features (the Perceiver's bundle and the injection blocks') of two prompts, of 8 and 2 tokens
+    (padded: their gist counts differ, so the gist goes after the image), and of a negative prompt."""
+    bundles, width = 1 + len(config["injection_layer_ids"]), config["cap_feat_dim"]
+    return dict(
+        prompt_embeds=randn(2, bundles, 8, width), prompt_embeds_mask=torch.tensor([[True] * 8, [True] * 2 + [False] * 6]),
+        negative_prompt_embeds=randn(2, bundles, 5, width), height=32, width=48,
+    )
 
 
 def _ernie_image_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
@@ -563,6 +574,13 @@ ZOO_PIPELINES: Dict[str, ZooPipeline] = {
         lambda config, randn: dict(_inpaint(_flux_call)(config, randn), _auto_resize=False, max_area=32 * 32),
     ),
     "flux2": ZooPipeline("Flux2Pipeline", "tiny-flux2", _flux2_vae, _flux2_call),
+    "bria-fibo2": ZooPipeline(
+        "BriaFibo2Pipeline", "tiny-bria-fibo2", lambda config: _flux2_vae(config, packing=1), _bria_fibo2_call
+    ),
+    "bria-fibo2-edit": ZooPipeline(  # the image to edit: its tokens after the output's (Bria-FIBO 2's context latents)
+        "BriaFibo2Pipeline", "tiny-bria-fibo2", lambda config: _flux2_vae(config, packing=1),
+        lambda config, randn: dict(_bria_fibo2_call(config, randn), image=[_image(randn, 32, 32)]),
+    ),
     "ernie-image": ZooPipeline("ErnieImagePipeline", "tiny-ernie-image", _flux2_vae, _ernie_image_call),
     "flux2-edit": ZooPipeline("Flux2Pipeline", "tiny-flux2", _flux2_vae, _flux2_edit_call),
     "flux2-klein": ZooPipeline("Flux2KleinPipeline", "tiny-flux2-klein", _flux2_vae, _flux2_klein_call),

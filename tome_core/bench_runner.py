@@ -397,7 +397,8 @@ class _OracleBlock:
 
     def __init__(self, plan: OraclePlan, family: BlockFamily, call: _OracleCall, block: Any):
         self.plan = plan
-        self.family = family
+        self.base = self.family = family  # family: as this call runs it (driver.family_in_call)
+        self.text_after_at = driver.family_argument_position(family, block)
         self.call = call
         self.image: Optional[Tuple[int, int, int]] = None  # (grid tokens, head, tail) of this run of the block
         self.done: set = set()  # sub-layers cut in this run of the block (Sublayer.once)
@@ -406,6 +407,7 @@ class _OracleBlock:
 
     def begin(self, module, args, kwargs):
         self.done = set()
+        self.family = driver.family_in_call(self.base, self.text_after_at, args, kwargs)
         self.image = self.call.image(driver.argument(args, kwargs, "hidden_states", 0), self.family)
         if self.image is not None and self.family.unmerged_with is not None:
             if driver.argument(args, kwargs, self.family.unmerged_with[0], self.unmerged_at) is not None:
@@ -425,11 +427,13 @@ class _OracleBlock:
             *sublayer.log_bases,
         )
         placed_mask = any(name == "attention_mask" for name, _ in sublayer.masks)
-        after = text_follows(sublayer.text)
+        index = self.base.sublayers.index(sublayer)
 
         def drop(module, args, kwargs):
             if self.image is None:
                 return None
+            text = self.family.sublayers[index].text  # where this call puts the text
+            after = text_follows(text)
             tokens, head, tail = self.image
             kept = self.plan.kept(sublayer.kind, tokens)
             if kept is None or kept == tokens:
@@ -448,7 +452,7 @@ class _OracleBlock:
                 module.__dict__["_tome_oracle"] = (tokens, kept, 0)
                 return args, {**kwargs, sublayer.kv_input: x}
             length = get_ops(x).shape(x)[1]
-            first = (length - head - tokens - tail if sublayer.text == TEXT_PREFIX else 0) + head
+            first = (length - head - tokens - tail if text == TEXT_PREFIX else 0) + head
             short = _keep_rows(x, 1, first, tokens, kept)
             args, kwargs = driver.replace_argument(args, kwargs, "hidden_states", 0, short)
             for name in sublayer.aligned:

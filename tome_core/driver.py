@@ -36,7 +36,7 @@ from .backend import get_ops
 from .config import ToMeConfig
 from .families import (
     BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer, GridLayout, block_family, child_at,
-    grid_layout, grid_last, temporal, text_follows, text_only,
+    context_latents, grid_layout, grid_last, temporal, text_follows, text_only, with_text_after,
 )
 from .levels import finest_attention_level, leading_raster, trailing_frames, trailing_raster
 from .match import Match
@@ -297,6 +297,9 @@ class _CallStart:
         self.ids_grid: Tuple[Any, Optional[Tuple[int, int, int]]] = (None, None)  # (ids, leading_raster of them)
         self.size_aware = size_aware_somewhere(fw, model, state.config)
         self.layout = grid_layout(type(model)) if self.transformer else None
+        self.context = context_latents(type(model)) if self.transformer else None  # images' latents after the grid
+        if self.context is not None:
+            self.where.update(argument_positions(forward, self.context))
         self.grid_last = grid_last(type(model))  # the latent's tokens end each block's image stream
         if self.layout is not None:
             self.temporal_patch = (self.layout.temporal_patch and _config_value(model, self.layout.temporal_patch)) or 1
@@ -373,6 +376,9 @@ class _CallStart:
             height, width = _spatial(sample, self.data_format)
             patch = self.patch_size if isinstance(self.patch_size, int) else self.patch_size[-1]  # (1, 1): HunyuanImage
             grid = (height // patch, width // patch)
+            for latent in (argument(args, kwargs, self.context, where[self.context]) or ()) if self.context else ():
+                rows, cols = _spatial(latent, self.data_format)  # CONTEXT_LATENTS: a tail after the grid
+                tail += (rows // patch) * (cols // patch)
         elif len(shape) == 5 and isinstance(self.patch_size, int):
             # (batch, C, frames, H, W) with a 2-D patch (Latte): each frame is an item of the spatial blocks' batch,
             # merged on its own grid, as in video UNets
@@ -552,7 +558,7 @@ class _BlockRun:
     ):
         self.fw = fw
         self.state = state
-        self.family = family
+        self.base = self.family = family  # family: the base, or its variant in this call (family_in_call)
         self.stream = stream
         self.block = block
         self.ratio = ratio  # its block_ratios entry
@@ -564,6 +570,7 @@ class _BlockRun:
         self.masks = any(sublayer.masks for sublayer in family.sublayers)
         name = family.unmerged_with[0] if family.unmerged_with else None
         self.unmerged_at = argument_positions(type(block).forward, name)[name] if name else None
+        self.text_after_at = family_argument_position(family, block)
         self.matches: Dict[str, Match] = {}
         self.config = state.active
         self.tail = 0  # this run's tokens after the grid's (ToMeState.tail)
@@ -573,6 +580,7 @@ class _BlockRun:
 
     def begin(self, module, args, kwargs):
         block_problem(self.block, self.state.config)
+        self.family = family_in_call(self.base, self.text_after_at, args, kwargs)
         metric = argument(args, kwargs, "hidden_states", 0)
         earlier = self._ran_on(metric)
         if earlier is not None:
@@ -683,6 +691,35 @@ class _BlockRun:
         return None
 
 
+def family_argument_position(family: BlockFamily, block: Any) -> Optional[int]:
+    """Where ``block``'s forward takes its family's ``text_after_with`` argument by position (None: by keyword
+    only, or the family has none)."""
+    name = family.text_after_with
+    return argument_positions(type(block).forward, name)[name] if name else None
+
+
+def family_in_call(family: BlockFamily, at: Optional[int], args, kwargs) -> BlockFamily:
+    """``family`` as a block call with these arguments runs it: with its text after the image where the call gives
+    its ``text_after_with`` argument (at position ``at``, :func:`~tome_core.families.with_text_after`)."""
+    if family.text_after_with is None or argument(args, kwargs, family.text_after_with, at) is None:
+        return family
+    return with_text_after(family)
+
+
+class _SublayerHook:
+    """A hook on one sub-layer of a block run: its :class:`Sublayer` is the family's entry as the block's call
+    now runs it (:func:`family_in_call`)."""
+
+    def __init__(self, fw: Framework, run: "_BlockRun", sublayer: Sublayer):
+        self.fw = fw
+        self.run = run
+        self.index = run.base.sublayers.index(sublayer)
+
+    @property
+    def sublayer(self) -> Sublayer:
+        return self.run.family.sublayers[self.index]
+
+
 def _batch_first(x: Any) -> Any:
     """``[S, B, C]`` as ``[B, S, C]``, with the ops protocol's transpose of the last two axes."""
     ops = get_ops(x)
@@ -700,7 +737,7 @@ def block_problem(block: Any, config: ToMeConfig) -> None:
         )
 
 
-class _MergeInput:
+class _MergeInput(_SublayerHook):
     """Pre-hook on a sub-layer: merge the image tokens of its first input (text tokens stay), give merged
     tokens their destination's rotary position, and arm size-aware attention.
 
@@ -709,9 +746,7 @@ class _MergeInput:
     queries and hands it every token as keys and values."""
 
     def __init__(self, fw: Framework, run: _BlockRun, sublayer: Sublayer, module: Any):
-        self.fw = fw
-        self.run = run
-        self.sublayer = sublayer
+        super().__init__(fw, run, sublayer)
         # where ``module``'s forward takes the rotary arguments and masks by position (None: by keyword only)
         self.rotary_at = argument_positions(type(module).forward, *rotary_arguments(run.family))
         self.masks_at = argument_positions(type(module).forward, "attention_mask", *(name for name, _ in sublayer.masks))
@@ -901,7 +936,7 @@ def _merge_positions(
     return tuple(moved)
 
 
-class _UnmergeOutput:
+class _UnmergeOutput(_SublayerHook):
     """Post-hook on a sub-layer: unmerge the image stream of its output (the text part stays).
 
     Where an output cache (e.g. diffusers' Pyramid Attention Broadcast) hands back an output it stored in an
@@ -909,9 +944,7 @@ class _UnmergeOutput:
     instead, which is what the cache gives an unpatched model."""
 
     def __init__(self, fw: Framework, run: _BlockRun, sublayer: Sublayer):
-        self.fw = fw
-        self.run = run
-        self.sublayer = sublayer
+        super().__init__(fw, run, sublayer)
         self.stored: Tuple[Any, Any] = (None, None)  # (raw output, its unmerged form), only under a cache
 
     def __call__(self, module, args, kwargs, output):

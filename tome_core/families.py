@@ -10,6 +10,7 @@ keeps diffusers' class names.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any, Dict, Optional, Tuple
 
 # Where a sub-layer's attention finds text tokens beside the (merged) image tokens.
@@ -97,6 +98,9 @@ class BlockFamily:
         and most flow-matching models; 1 where the pipeline passes sigmas, as Flux's do): ``timestep_range``
         outside ``[0, timesteps]`` is refused.
     sequence_first: the block's own input is ``[S, B, C]`` (ERNIE-Image's); its sub-layers get theirs batch-first.
+    text_after_with: a block argument whose presence (not None) puts the text after the image in that call
+        (:func:`with_text_after`): Bria-FIBO 2 moves its gist tokens behind the image, under a key mask, when the
+        batch pads them.
     """
 
     name: str
@@ -111,6 +115,19 @@ class BlockFamily:
     timesteps_rise: bool = False
     unmerged_with: Optional[Tuple[str, str]] = None
     sequence_first: bool = False
+    text_after_with: Optional[str] = None
+
+
+@lru_cache(maxsize=None)
+def with_text_after(family: BlockFamily) -> BlockFamily:
+    """``family`` in a call whose text follows the image (:attr:`BlockFamily.text_after_with`): text before the
+    image, in the block's stream and in its sub-layers, reads as after it (``[text; image; tail]`` as ``[image;
+    tail; text]``)."""
+    after = {TEXT_PREFIX: TEXT_SUFFIX, TEXT_BEFORE: TEXT_AFTER}
+    return replace(
+        family, stream=after.get(family.stream, family.stream), text_after_with=None,
+        sublayers=tuple(replace(s, text=after.get(s.text, s.text)) for s in family.sublayers),
+    )
 
 
 # FLUX.1's double-stream block: joint attention over [text; image] (image output first), an image MLP.
@@ -620,6 +637,23 @@ BLOCK_FAMILIES += (
     ),
 )
 
+BLOCK_FAMILIES += (
+    BlockFamily(  # Bria-FIBO 2: Z-Image's block on one stream [gist; image; context images], the gist a Perceiver's
+        "bria-fibo2",  # summary of the text; [image; context; gist] under a key mask when the batch pads the gist
+        ("BriaFibo2TransformerBlock",),
+        (
+            Sublayer("attention", "attn", text=TEXT_PREFIX, attention=True, masks=(("attention_mask", (-1,)),)),
+            Sublayer("cross_attention", "crossattn", text=TEXT_PREFIX),  # its injection blocks' (to the text)
+            Sublayer("feed_forward", "mlp", text=TEXT_PREFIX),
+        ),
+        rotary="freqs_cis",  # one complex table [1, tokens, d/2] over the stream
+        rotary_axis=1,
+        stream=TEXT_PREFIX,
+        timesteps=1.0,
+        text_after_with="attn_mask",
+    ),
+)
+
 _BY_CLASS: Dict[str, BlockFamily] = {name: family for family in BLOCK_FAMILIES for name in family.classes}
 
 
@@ -699,6 +733,16 @@ _LAYOUTS: Dict[str, GridLayout] = {name: layout for layout in GRID_LAYOUTS for n
 # Model classes whose blocks' image stream ends with the latent's tokens, after tokens that pass through unmerged:
 # other grids (FramePack's clean and history latents, Helios' history) or the prompt (OmniGen's text, input images
 # and time token, all in one stream).
+# Model classes whose call takes further images' latents as a list argument (each ``(B, C, h, w)``), whose tokens
+# follow the output's in its blocks' image stream: they pass through as a tail (Bria-FIBO 2's images to edit).
+CONTEXT_LATENTS: Dict[str, str] = {"BriaFibo2Transformer2DModel": "context_latents"}
+
+
+def context_latents(cls: type) -> Optional[str]:
+    """The :data:`CONTEXT_LATENTS` argument of a model class (or of its nearest base class named there), or None."""
+    return _nearest(CONTEXT_LATENTS, cls)
+
+
 GRID_LAST: Tuple[str, ...] = (
     "HunyuanVideoFramepackTransformer3DModel", "HeliosTransformer3DModel", "OmniGenTransformer2DModel",
 )

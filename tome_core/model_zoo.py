@@ -101,10 +101,6 @@ REFUSED: Dict[str, str] = {
         "not supported yet: one stream of text, condition images and the target image last, attention prefilled "
         "segment by segment with a key cache, and a single complex rotary table"
     ),
-    "BriaFibo2Transformer2DModel": (
-        "not supported yet: one stream whose gist (text) tokens go before the image or after it depending on the "
-        "batch's padding, with context images' tokens after the image"
-    ),
     # image models whose attention is not in transformer blocks
     "UNet2DModel": _OWN_ATTENTION + " (an unconditional UNet's AttnDownBlock2D: one Attention module per ResNet)",
     "Kandinsky3UNet": _OWN_ATTENTION + " (Kandinsky3AttentionBlock)",

@@ -178,6 +178,15 @@ TRANSFORMERS.update({
             "text_encoder_dim": 32, "pooled_projection_dim": None, "axes_dims_rope": (0, 4, 4),
         },
     ),
+    # Bria-FIBO 2: 4 to 8 gist tokens from 2 to 8 text tokens (a batch of both pads the gist), one injection block
+    "tiny-bria-fibo2": (
+        "BriaFibo2Transformer2DModel",
+        dict(
+            in_channels=8, patch_size=2, dim=32, n_layers=2, n_refiner_layers=1, n_heads=2, cap_feat_dim=16,
+            injection_layer_ids=(1,), perceiver_num_layers=1, min_num_gist_tokens=4, max_num_gist_tokens=8, gist_step=4,
+            gist_min_text_len=2, gist_max_text_len=8, axes_dims=(4, 6, 6), axes_lens=(16, 16, 16),
+        ),
+    ),
     "tiny-qwen-image": (
         "QwenImageTransformer2DModel",
         dict(

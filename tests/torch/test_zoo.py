@@ -380,6 +380,14 @@ _KANDINSKY6_CALL = dict(
 )
 
 
+_BRIA_FIBO2 = TRANSFORMERS["tiny-bria-fibo2"][1]  # a 4x6 token grid below
+_BRIA_FIBO2_CALL = dict(
+    hidden_states=(2, 8, 8, 12), timestep=torch.tensor([0.5, 0.5]), encoder_hidden_states=(2, 2, 8, 16),
+    context_latents=[torch.randn(2, 8, 4, 6, generator=torch.Generator().manual_seed(4))],  # a 2x3 image to edit
+)
+_BRIA_FIBO2_PADDED = dict(encoder_attention_mask=torch.tensor([[True] * 8, [True] * 2 + [False] * 6]))  # 8 and 4 gist tokens
+
+
 def _lumina_rotary(head_dim: int) -> torch.Tensor:
     """Lumina-Next's rotary table as its pipeline builds it (complex, [rows, cols, head_dim / 2]), 32x32 positions."""
     from diffusers.models.embeddings import get_2d_rotary_pos_embed_lumina
@@ -504,6 +512,9 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
     ),
     "Kandinsky6Transformer3DModel": _built(  # Kandinsky 5's latent; video and audio in fused blocks
         "Kandinsky6Transformer3DModel", _KANDINSKY6, **_KANDINSKY6_CALL,
+    ),
+    "BriaFibo2Transformer2DModel": _built(  # [image; context image; gist]: the batch pads the gist, so it goes last
+        "BriaFibo2Transformer2DModel", _BRIA_FIBO2, **_BRIA_FIBO2_CALL, **_BRIA_FIBO2_PADDED,
     ),
     "PRXTransformer2DModel": _built(
         "PRXTransformer2DModel",
@@ -1218,3 +1229,41 @@ def test_kandinsky6_image_to_video_reference_frame_passes_through():
     inputs["visual_token_type_ids"] = torch.tensor([[0, 1, 0]] * 2)
     (tokens, output), _ = _warned_once(lambda: _seen(model, inputs), "visual_token_type_ids do not give noisy frames")
     assert 72 in tokens and 48 not in tokens and torch.isfinite(output).all()
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["gist-first", "gist-padded-last"])
+def test_bria_fibo2_merges_its_image_between_gist_and_context_tokens_wherever_the_gist_goes(padded):
+    """Bria-FIBO 2's main blocks get one stream: the gist tokens (the text), the 4x6 image's 24 tokens, then a 2x3
+    context image's 6; when the batch pads the gist (prompts of 8 and 2 text tokens: 8 and 4 gist tokens), the gist
+    goes last, under a key mask. Merged (its first main block alone, whose input is then the unpatched one), the
+    attention gets the image's tokens halved, every gist and context token, mask entry and rotary row exactly as
+    unpatched, and the kept tokens' rotary rows from the image's."""
+    model, inputs = _built("BriaFibo2Transformer2DModel", _BRIA_FIBO2, **_BRIA_FIBO2_CALL, **(_BRIA_FIBO2_PADDED if padded else {}))()
+    attention = model.layers[0].attention
+    seen = []
+
+    def record():
+        return attention.register_forward_pre_hook(
+            lambda m, a, k: seen.append((a[0].clone(), k["attention_mask"], k["freqs_cis"])), with_kwargs=True
+        )
+
+    handle = record()
+    reference = _run(model, inputs)
+    handle.remove()
+    tome.patch(model, ratio=0.5, blocks=[1])  # block 0 is the noise refiner's
+    record()  # after the patch's hooks: what the attention gets
+    output = _run(model, inputs)
+    assert torch.isfinite(output).all() and _rel(output, reference) > 1e-6
+    (x, mask, rotary), (merged_x, merged_mask, merged_rotary) = seen
+    assert (x.shape[1], merged_x.shape[1]) == (38, 26)
+    image, rest = (slice(0, 24), slice(24, None)) if padded else (slice(8, 32), slice(32, None))
+    kept, merged_rest = (slice(0, 12), slice(12, None)) if padded else (slice(8, 20), slice(20, None))
+    assert torch.equal(merged_x[:, merged_rest], x[:, rest]) and torch.equal(merged_rotary[:, merged_rest], rotary[:, rest])
+    assert torch.equal(merged_x[:, :kept.start], x[:, :image.start])  # the gist in front (none when it goes last)
+    assert torch.equal(merged_rotary[:, :kept.start], rotary[:, :image.start])
+    assert all(any(torch.equal(row, r) for r in rotary[0, image]) for row in merged_rotary[0, kept])
+    if padded:
+        assert torch.equal(merged_mask[:, 12:], mask[:, 24:]) and bool(merged_mask[:, :12].all())
+        assert not bool(merged_mask[1].all())  # the second prompt's padded gist stays masked
+    else:
+        assert mask is None and merged_mask is None
