@@ -744,6 +744,9 @@ NOT_BUILT: Dict[str, str] = {
     "argument)",
     "JoyImageEditPlusPipeline": "cannot run on embeddings: it formats one chat prompt per item of prompt even when "
     "prompt_embeds are given (prompt None is not iterable), and a prompt given with prompt_embeds is refused",
+    "QwenImage21Pipeline": "its constructor tokenizes its system prompt with its Qwen3-VL processor "
+    "(processor.apply_chat_template): it needs the processor's tokenizer files even when prompt_embeds are given; its "
+    "model's prefill and key-cached steps are checked in test_zoo",
     "ChromaInpaintPipeline": "fails unpatched: it reads transformer.config.guidance_embeds, which Chroma's "
     "transformer has not",
     "ZImageControlNetPipeline": "ZImageControlNetModel is refused by tome_core.model_zoo (its control blocks take a "

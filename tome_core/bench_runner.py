@@ -441,9 +441,10 @@ class _OracleBlock:
             if sublayer.once and sublayer.child in self.done:
                 return None
             self.done.add(sublayer.child)
-            if sublayer.kind == "attn" and not placed_mask and driver.argument(args, kwargs, "attention_mask", at["attention_mask"]) is not None:
-                return None  # 'ours' runs such an attention on all its tokens
             x = driver.argument(args, kwargs, "hidden_states", 0)
+            mask = driver.argument(args, kwargs, "attention_mask", at["attention_mask"])
+            if sublayer.kind == "attn" and mask is not None and not (placed_mask and driver.gatherable(mask, x)):
+                return None  # 'ours' runs such an attention on all its tokens
             if arrangement != "tokens" and sublayer.kv_input is not None:
                 # BasicTransformerBlock's attn1 (PixArt, DiT): no text in its stream, keys/values by keyword
                 if arrangement == "kv":

@@ -125,8 +125,8 @@ class SizeBias:
         ops = get_ops(like)
         match = self.match
         sizes = size_bias(match, like)
-        if self.head and keys == self.head:  # an attention over the head's tokens alone (Flux.2 Klein KV's extract
-            return ops.zeros((match.batch, 1, keys), like)  # step): unmerged tokens, each of size 1
+        if self.head and keys <= self.head:  # an attention over (leading) head tokens alone (Flux.2 Klein KV's extract
+            return ops.zeros((match.batch, 1, keys), like)  # step, Qwen-Image 2.1's prefix segments): each of size 1
         text = keys - self.head - match.kept - self.tail
         if text < 0 or (text and self.text == TEXT_NONE):
             raise RuntimeError(
@@ -345,7 +345,7 @@ class _CallStart:
             (value for value in (argument(args, kwargs, name, where[name]) for name in SHAPE_LISTS) if value is not None), None
         )
         if shapes is not None and layout is None:
-            grid = shapes_grid(shapes, shape[1])
+            grid = shapes_grid(shapes, shape[1], last=grid_last)
             if grid is None:
                 why = (
                     "the items of its batch give their output images different sizes in its shape list, so no one token "
@@ -511,18 +511,20 @@ def size_aware_somewhere(fw: Framework, model: Any, config: ToMeConfig) -> bool:
     )
 
 
-def shapes_grid(img_shapes: Sequence[Any], tokens: int) -> Optional[Tuple[int, int, int]]:
+def shapes_grid(img_shapes: Sequence[Any], tokens: int, last: bool = False) -> Optional[Tuple[int, int, int]]:
     """``(h, w, tail)`` of ``tokens`` tokens from a shape list (:data:`SHAPE_LISTS`: Qwen-Image's ``img_shapes``,
     JoyImage-Edit-Plus's ``shape_list``): per batch item, the ``(frames, h, w)`` of each image in the sequence (or
     one such tuple), the output's first; the images after it (Edit's references, Layered's further layers and
-    condition) and any padding are the tail. None where the items' outputs differ in size."""
-    outputs = [tuple(item[0] if isinstance(item[0], (tuple, list)) else item) for item in img_shapes]
+    condition) and any padding are the tail. With ``last`` the output's is each item's last (Qwen-Image 2.1's,
+    after its condition images: the blocks' head, :data:`~tome_core.families.GRID_LAST`), and the tail is 0. None
+    where the items' outputs differ in size."""
+    outputs = [tuple(item[-1 if last else 0] if isinstance(item[0], (tuple, list)) else item) for item in img_shapes]
     if any(output != outputs[0] for output in outputs):
         return None
     frames, height, width = outputs[0]
     if frames * height * width > tokens:
         raise ValueError(f"shapes {outputs[0]} give more than the {tokens} tokens of hidden_states")
-    return frames * height, width, tokens - frames * height * width
+    return frames * height, width, 0 if last else tokens - frames * height * width
 
 
 class _GridHook:
@@ -806,8 +808,9 @@ class _MergeInput(_SublayerHook):
             run.passing.add(child)
             return True
         run.merged.add(child)
-        masked = argument(args, kwargs, "attention_mask", self.masks_at["attention_mask"]) is not None
-        if not masked or self.sublayer.kind != "attn" or any(name == "attention_mask" for name, _ in self.sublayer.masks):
+        mask = argument(args, kwargs, "attention_mask", self.masks_at["attention_mask"])
+        placed = any(name == "attention_mask" for name, _ in self.sublayer.masks)
+        if mask is None or self.sublayer.kind != "attn" or (placed and gatherable(mask, argument(args, kwargs, "hidden_states", 0))):
             return False
         run.state.say_once(
             f"ToMe on {run.where}: {type(run.block).__name__}.{child} is given an attention_mask over its tokens, which "
@@ -865,6 +868,12 @@ class _MergeInput(_SublayerHook):
         return self.fw.size_aware(
             module, args, kwargs, SizeBias(match, self.sublayer.text, merged, self.run.tail, self.head)
         )
+
+
+def gatherable(mask: Any, x: Any) -> bool:
+    """Whether a token mask can be gathered as a sub-layer's input ``x`` merges: an array of ``x``'s type (not,
+    e.g., a flex-attention ``BlockMask``, which Qwen-Image 2.1's flex processor gets)."""
+    return mask is None or isinstance(mask, type(x)) or isinstance(x, type(mask))
 
 
 def rotary_arguments(family: BlockFamily) -> Tuple[str, ...]:

@@ -654,6 +654,21 @@ BLOCK_FAMILIES += (
     ),
 )
 
+BLOCK_FAMILIES += (
+    BlockFamily(  # Qwen-Image 2.1: one stream [text with condition images; target image] (the target last: GRID_LAST),
+        "qwen-image-21",  # its attention block-causal (the prefix never sees the target), prefilled segment by segment;
+        ("QwenImage21TransformerBlock",),  # its cached steps run on the target alone, the prefix's keys cached before it
+        (
+            Sublayer(
+                "attn", "attn", text=TEXT_BEFORE, attention=True, masks=(("key_valid", (-1,)), ("attention_mask", (-1,))),
+            ),
+            Sublayer("img_mlp", "mlp"),
+        ),
+        rotary="rotary_emb",  # one complex table [tokens, d/2] over the stream
+        timesteps=1.0,
+    ),
+)
+
 _BY_CLASS: Dict[str, BlockFamily] = {name: family for family in BLOCK_FAMILIES for name in family.classes}
 
 
@@ -730,9 +745,6 @@ GRID_LAYOUTS: Tuple[GridLayout, ...] = (
 
 _LAYOUTS: Dict[str, GridLayout] = {name: layout for layout in GRID_LAYOUTS for name in layout.classes}
 
-# Model classes whose blocks' image stream ends with the latent's tokens, after tokens that pass through unmerged:
-# other grids (FramePack's clean and history latents, Helios' history) or the prompt (OmniGen's text, input images
-# and time token, all in one stream).
 # Model classes whose call takes further images' latents as a list argument (each ``(B, C, h, w)``), whose tokens
 # follow the output's in its blocks' image stream: they pass through as a tail (Bria-FIBO 2's images to edit).
 CONTEXT_LATENTS: Dict[str, str] = {"BriaFibo2Transformer2DModel": "context_latents"}
@@ -743,8 +755,12 @@ def context_latents(cls: type) -> Optional[str]:
     return _nearest(CONTEXT_LATENTS, cls)
 
 
+# Model classes whose blocks' image stream ends with the latent's tokens, after tokens that pass through unmerged:
+# other grids (FramePack's clean and history latents, Helios' history) or the prompt (OmniGen's text, input images
+# and time token, all in one stream; Qwen-Image 2.1's text and condition images).
 GRID_LAST: Tuple[str, ...] = (
     "HunyuanVideoFramepackTransformer3DModel", "HeliosTransformer3DModel", "OmniGenTransformer2DModel",
+    "QwenImage21Transformer2DModel",  # text and condition images, then the target (the last of its img_shapes)
 )
 
 

@@ -96,11 +96,6 @@ REFUSED: Dict[str, str] = {
         "stack of earlier hints [k, B, L, C] as their input; patch the ZImageTransformer2DModel, which merges "
         "while the ControlNet runs unmerged"
     ),
-    # not supported yet: what each needs that the driver does not have
-    "QwenImage21Transformer2DModel": (
-        "not supported yet: one stream of text, condition images and the target image last, attention prefilled "
-        "segment by segment with a key cache, and a single complex rotary table"
-    ),
     # image models whose attention is not in transformer blocks
     "UNet2DModel": _OWN_ATTENTION + " (an unconditional UNet's AttnDownBlock2D: one Attention module per ResNet)",
     "Kandinsky3UNet": _OWN_ATTENTION + " (Kandinsky3AttentionBlock)",

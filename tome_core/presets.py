@@ -187,6 +187,14 @@ TRANSFORMERS.update({
             gist_min_text_len=2, gist_max_text_len=8, axes_dims=(4, 6, 6), axes_lens=(16, 16, 16),
         ),
     ),
+    # Qwen-Image 2.1: one stream [text with condition images; target], unpatched latents (patch 1)
+    "tiny-qwen-image-21": (
+        "QwenImage21Transformer2DModel",
+        dict(
+            patch_size=1, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+            context_in_dim=16, mlp_ratio=2, axes_dims_rope=(4, 6, 6),
+        ),
+    ),
     "tiny-qwen-image": (
         "QwenImageTransformer2DModel",
         dict(

@@ -388,6 +388,15 @@ _BRIA_FIBO2_CALL = dict(
 _BRIA_FIBO2_PADDED = dict(encoder_attention_mask=torch.tensor([[True] * 8, [True] * 2 + [False] * 6]))  # 8 and 4 gist tokens
 
 
+# Qwen-Image 2.1: 7 text tokens with a 2x2 condition image in one slot after the third, then the 4x6 target's 24
+# tokens (6 slots of 2x2): a stream of 3 + 4 + 4 + 24 = 35 tokens, the target last; the second prompt padded
+_QWEN_IMAGE_21_CALL = dict(
+    hidden_states=(2, 4 + 24, 4), encoder_hidden_states=(2, 8, 16), timestep=torch.tensor([0.5, 0.5]),
+    img_shapes=[[(1, 2, 2), (1, 4, 6)]] * 2, img_mask=torch.tensor([[False] * 3 + [True] + [False] * 4 + [True] * 6] * 2),
+    encoder_hidden_states_mask=torch.tensor([[True] * 8, [True] * 6 + [False] * 2]),
+)
+
+
 def _lumina_rotary(head_dim: int) -> torch.Tensor:
     """Lumina-Next's rotary table as its pipeline builds it (complex, [rows, cols, head_dim / 2]), 32x32 positions."""
     from diffusers.models.embeddings import get_2d_rotary_pos_embed_lumina
@@ -515,6 +524,9 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
     ),
     "BriaFibo2Transformer2DModel": _built(  # [image; context image; gist]: the batch pads the gist, so it goes last
         "BriaFibo2Transformer2DModel", _BRIA_FIBO2, **_BRIA_FIBO2_CALL, **_BRIA_FIBO2_PADDED,
+    ),
+    "QwenImage21Transformer2DModel": _built(  # [text with a condition image; target], a padded prompt
+        "QwenImage21Transformer2DModel", TRANSFORMERS["tiny-qwen-image-21"][1], **_QWEN_IMAGE_21_CALL,
     ),
     "PRXTransformer2DModel": _built(
         "PRXTransformer2DModel",
@@ -1267,3 +1279,40 @@ def test_bria_fibo2_merges_its_image_between_gist_and_context_tokens_wherever_th
         assert not bool(merged_mask[1].all())  # the second prompt's padded gist stays masked
     else:
         assert mask is None and merged_mask is None
+
+
+def test_qwen_image_21_merges_its_target_after_the_prefix_and_its_key_cache_stays_exact():
+    """Qwen-Image 2.1's stream is [text with a condition image; target] and its attention block-causal: the prefix
+    (11 tokens) never sees the target. Merged, the attention gets the prefix and the target's 24 tokens halved, the
+    prefix's outputs equal the unpatched model's exactly, and its prefix key cache holds what it holds unpatched: the
+    cached steps (the target alone, 12 tokens) give the patched prefill's target rows exactly. With the flex
+    processor (a BlockMask it cannot gather) its attention runs on all tokens, said once, and its MLP still merges."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21FlexAttnProcessor, QwenImage21KVCache
+
+    model, inputs = MERGED["QwenImage21Transformer2DModel"]()
+    plain_cache = QwenImage21KVCache(2)
+    with torch.no_grad():
+        reference = model(**inputs, return_dict=False)[0]
+        model(**inputs, kv_cache=plain_cache, kv_cache_mode="extract")
+    tome.patch(model, ratio=0.5, merge_mlp=True)
+    seen = []
+    model.transformer_blocks[0].attn.register_forward_pre_hook(
+        lambda m, a, k: seen.append(k["hidden_states"].shape[1]), with_kwargs=True
+    )
+    cache = QwenImage21KVCache(2)
+    with torch.no_grad():
+        output = model(**inputs, return_dict=False)[0]
+        extract = model(**inputs, kv_cache=cache, kv_cache_mode="extract", return_dict=False)[0]
+        cached = model(**inputs, kv_cache=cache, kv_cache_mode="cached", return_dict=False)[0]
+    assert seen == [11 + 12, 11 + 12, 12]
+    assert torch.equal(output[:, :11], reference[:, :11]) and _rel(output[:, 11:], reference[:, 11:]) > 1e-6
+    assert torch.equal(extract, output) and torch.equal(cached, output[:, 11:])
+    for plain, merged in zip(plain_cache.layer_caches, cache.layer_caches):
+        assert torch.equal(plain.k, merged.k) and torch.equal(plain.v, merged.v)
+    tome.remove(model)
+    model.set_attn_processor(QwenImage21FlexAttnProcessor())
+    tome.patch(model, ratio=0.5, merge_mlp=True)
+    seen.clear()
+    model.transformer_blocks[0].img_mlp.register_forward_pre_hook(lambda m, a: seen.append(("mlp", a[0].shape[1])))
+    (tokens, output), _ = _warned_once(lambda: _seen(model, inputs), "attn is given an attention_mask over its tokens")
+    assert set(tokens) == {35} and seen[:2] == [35, ("mlp", 23)] and torch.isfinite(output).all()
