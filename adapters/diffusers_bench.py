@@ -30,6 +30,7 @@ from tome_core.adapters.diffusers_models import build_transformer, build_unet
 from tome_core import bench_train
 from tome_core.bench import serve_peak_request
 from tome_core.bench_runner import DDIM_CONFIG, MID_TIMESTEP, BenchRunner, OraclePlan, Undo, install_transformer_oracle, median_ms, remover
+from tome_core.families import child_at
 from tome_core.presets import TRANSFORMERS, transformer_config
 from tome_core.trained import model_info, sample_labels, shipped
 
@@ -561,9 +562,10 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
     results = []
     for name, (stream, block, family) in firsts.items():
         block_args, block_kwargs = captured[name]
+        family = driver.family_in_call(family, driver.family_argument_position(family, block), block_args, block_kwargs)
         hidden = image_part(driver.argument(block_args, block_kwargs, "hidden_states", 0), family, grid, tail, grid_last)
         shared = family.rotary is not None or any(s.masks for s in family.sublayers)
-        sublayers = [s for s in family.sublayers if getattr(block, s.child, None) is not None and config.sublayers[s.kind]]
+        sublayers = [s for s in family.sublayers if child_at(block, s.child) is not None and config.sublayers[s.kind]]
 
         @contextlib.contextmanager
         def ours(reused: bool, stream=stream, hidden=hidden, shared=shared, **extra):

@@ -42,11 +42,12 @@ def _image(randn: Randn, height: int, width: int) -> Any:
 # more channels at its input.
 
 
-def _flux2_vae(config: Dict[str, Any]) -> torch.nn.Module:
-    """AutoencoderKLFlux2, 2x downsampling; latents packed 2x2 into the transformer's channels."""
+def _flux2_vae(config: Dict[str, Any], packing: int = 4) -> torch.nn.Module:
+    """AutoencoderKLFlux2, 2x downsampling; latents packed 2x2 into the transformer's channels (``packing`` 4; 1:
+    its latent channels are the transformer's, Bria-FIBO 2's)."""
     return diffusers.AutoencoderKLFlux2(
         in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(4, 4), layers_per_block=1, latent_channels=config["in_channels"] // 4, norm_num_groups=1,
+        block_out_channels=(4, 4), layers_per_block=1, latent_channels=config["in_channels"] // packing, norm_num_groups=1,
         use_quant_conv=False, use_post_quant_conv=False, sample_size=32,
     )
 
@@ -148,8 +149,23 @@ def _magvit_vae(config: Dict[str, Any]) -> torch.nn.Module:
 
 
 def _kandinsky5_vae(config: Dict[str, Any]) -> torch.nn.Module:
-    """AutoencoderKLHunyuanVideo as Kandinsky 5 holds it (:func:`_hunyuan_video_vae`, 8x in space, 4x in time)."""
+    """AutoencoderKLHunyuanVideo as Kandinsky 5 and 6 hold it (:func:`_hunyuan_video_vae`, 8x in space, 4x in time)."""
     return _hunyuan_video_vae({"out_channels": config["out_visual_dim"]})
+
+
+def _kandinsky6_audio(config: Dict[str, Any], seed: int) -> Dict[str, Any]:
+    """Kandinsky 6's MMAudio VAE and vocoder, tiny; at a 1600 Hz sample rate five frames get 11 audio tokens."""
+    torch.manual_seed(seed)
+    return dict(
+        audio_vae=diffusers.MMAudioVAE(
+            mel_bins=8, latent_channels=config["in_audio_dim"], hidden_channels=8, channel_multipliers=(1,),
+            layers_per_block=1, sample_rate=1600, n_fft=64, hop_length=16,
+        ).eval(),
+        vocoder=diffusers.MMAudioVocoder(
+            num_mels=8, upsample_initial_channel=8, upsample_rates=(32,), upsample_kernel_sizes=(64,),
+            resblock_kernel_sizes=(3,), resblock_dilation_sizes=((1,),),
+        ).eval(),
+    )
 
 
 def _hunyuan_image_vae(config: Dict[str, Any]) -> torch.nn.Module:
@@ -185,6 +201,16 @@ def _flux2_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
 def _flux2_edit_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
     # the reference image's tokens follow the output's (Flux.2 checks images are at least 64 px a side)
     return dict(_flux2_call(config, randn), image=_image(randn, 64, 64))
+
+
+def _bria_fibo2_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    """Text encoder features (the Perceiver's bundle and the injection blocks') of two prompts, of 8 and 2 tokens
+    (padded: their gist counts differ, so the gist goes after the image), and of a negative prompt."""
+    bundles, width = 1 + len(config["injection_layer_ids"]), config["cap_feat_dim"]
+    return dict(
+        prompt_embeds=randn(2, bundles, 8, width), prompt_embeds_mask=torch.tensor([[True] * 8, [True] * 2 + [False] * 6]),
+        negative_prompt_embeds=randn(2, bundles, 5, width), height=32, width=48,
+    )
 
 
 def _ernie_image_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
@@ -376,6 +402,17 @@ def _kandinsky5_call(config: Dict[str, Any], randn: Randn, frames: int = 5) -> D
     return call
 
 
+def _kandinsky6_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
+    # Qwen2.5-VL hidden states and CLIP's pooled embedding of a prompt and a shorter negative one
+    call: Dict[str, Any] = dict(height=64, width=96, num_frames=5, guidance_scale=5.0)
+    for prefix, tokens in (("", 7), ("negative_", 5)):
+        call.update({
+            f"{prefix}prompt_embeds": randn(1, tokens, config["in_text_dim"]),
+            f"{prefix}pooled_prompt_embeds": randn(1, config["in_text_dim2"]),
+        })
+    return call
+
+
 def _latte_call(config: Dict[str, Any], randn: Randn) -> Dict[str, Any]:
     text = config["caption_channels"]
     return dict(
@@ -537,6 +574,13 @@ ZOO_PIPELINES: Dict[str, ZooPipeline] = {
         lambda config, randn: dict(_inpaint(_flux_call)(config, randn), _auto_resize=False, max_area=32 * 32),
     ),
     "flux2": ZooPipeline("Flux2Pipeline", "tiny-flux2", _flux2_vae, _flux2_call),
+    "bria-fibo2": ZooPipeline(
+        "BriaFibo2Pipeline", "tiny-bria-fibo2", lambda config: _flux2_vae(config, packing=1), _bria_fibo2_call
+    ),
+    "bria-fibo2-edit": ZooPipeline(  # the image to edit: its tokens after the output's (Bria-FIBO 2's context latents)
+        "BriaFibo2Pipeline", "tiny-bria-fibo2", lambda config: _flux2_vae(config, packing=1),
+        lambda config, randn: dict(_bria_fibo2_call(config, randn), image=[_image(randn, 32, 32)]),
+    ),
     "ernie-image": ZooPipeline("ErnieImagePipeline", "tiny-ernie-image", _flux2_vae, _ernie_image_call),
     "flux2-edit": ZooPipeline("Flux2Pipeline", "tiny-flux2", _flux2_vae, _flux2_edit_call),
     "flux2-klein": ZooPipeline("Flux2KleinPipeline", "tiny-flux2-klein", _flux2_vae, _flux2_klein_call),
@@ -606,6 +650,13 @@ ZOO_PIPELINES: Dict[str, ZooPipeline] = {
     "kandinsky5": ZooPipeline(
         "Kandinsky5T2VPipeline", "tiny-kandinsky5", _kandinsky5_vae, _kandinsky5_call,
         scheduler=lambda: diffusers.FlowMatchEulerDiscreteScheduler(shift=7.0),
+    ),
+    "kandinsky6": ZooPipeline(  # video and audio
+        "Kandinsky6TI2VAPipeline", "tiny-kandinsky6", _kandinsky5_vae, _kandinsky6_call, extra=_kandinsky6_audio,
+    ),
+    "kandinsky6-image2video": ZooPipeline(  # its reference frame appended after the noisy ones
+        "Kandinsky6TI2VAPipeline", "tiny-kandinsky6", _kandinsky5_vae, _with_image(_kandinsky6_call, pil=True),
+        extra=_kandinsky6_audio,
     ),
     "latte": ZooPipeline("LattePipeline", "tiny-latte", _kl_vae(), _latte_call, scheduler=diffusers.DDIMScheduler),
     "hunyuandit": ZooPipeline(
@@ -693,6 +744,9 @@ NOT_BUILT: Dict[str, str] = {
     "argument)",
     "JoyImageEditPlusPipeline": "cannot run on embeddings: it formats one chat prompt per item of prompt even when "
     "prompt_embeds are given (prompt None is not iterable), and a prompt given with prompt_embeds is refused",
+    "QwenImage21Pipeline": "its constructor tokenizes its system prompt with its Qwen3-VL processor "
+    "(processor.apply_chat_template): it needs the processor's tokenizer files even when prompt_embeds are given; its "
+    "model's prefill and key-cached steps are checked in test_zoo",
     "ChromaInpaintPipeline": "fails unpatched: it reads transformer.config.guidance_embeds, which Chroma's "
     "transformer has not",
     "ZImageControlNetPipeline": "ZImageControlNetModel is refused by tome_core.model_zoo (its control blocks take a "

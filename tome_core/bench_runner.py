@@ -25,7 +25,7 @@ from tome_core import driver, selection
 from tome_core.backend import get_ops
 from tome_core.bench import image_like_latents, noised, peak_memory_in_fresh_process
 from tome_core.config import ToMeConfig
-from tome_core.families import TEXT_NONE, TEXT_PREFIX, BlockFamily, Sublayer, text_follows
+from tome_core.families import TEXT_NONE, TEXT_PREFIX, BlockFamily, Sublayer, child_at, text_follows
 from tome_core.levels import block_grid, downsample_factor, level_grid
 from tome_core.state import ToMeState
 
@@ -397,7 +397,8 @@ class _OracleBlock:
 
     def __init__(self, plan: OraclePlan, family: BlockFamily, call: _OracleCall, block: Any):
         self.plan = plan
-        self.family = family
+        self.base = self.family = family  # family: as this call runs it (driver.family_in_call)
+        self.text_after_at = driver.family_argument_position(family, block)
         self.call = call
         self.image: Optional[Tuple[int, int, int]] = None  # (grid tokens, head, tail) of this run of the block
         self.done: set = set()  # sub-layers cut in this run of the block (Sublayer.once)
@@ -406,6 +407,7 @@ class _OracleBlock:
 
     def begin(self, module, args, kwargs):
         self.done = set()
+        self.family = driver.family_in_call(self.base, self.text_after_at, args, kwargs)
         self.image = self.call.image(driver.argument(args, kwargs, "hidden_states", 0), self.family)
         if self.image is not None and self.family.unmerged_with is not None:
             if driver.argument(args, kwargs, self.family.unmerged_with[0], self.unmerged_at) is not None:
@@ -425,11 +427,13 @@ class _OracleBlock:
             *sublayer.log_bases,
         )
         placed_mask = any(name == "attention_mask" for name, _ in sublayer.masks)
-        after = text_follows(sublayer.text)
+        index = self.base.sublayers.index(sublayer)
 
         def drop(module, args, kwargs):
             if self.image is None:
                 return None
+            text = self.family.sublayers[index].text  # where this call puts the text
+            after = text_follows(text)
             tokens, head, tail = self.image
             kept = self.plan.kept(sublayer.kind, tokens)
             if kept is None or kept == tokens:
@@ -437,9 +441,10 @@ class _OracleBlock:
             if sublayer.once and sublayer.child in self.done:
                 return None
             self.done.add(sublayer.child)
-            if sublayer.kind == "attn" and not placed_mask and driver.argument(args, kwargs, "attention_mask", at["attention_mask"]) is not None:
-                return None  # 'ours' runs such an attention on all its tokens
             x = driver.argument(args, kwargs, "hidden_states", 0)
+            mask = driver.argument(args, kwargs, "attention_mask", at["attention_mask"])
+            if sublayer.kind == "attn" and mask is not None and not (placed_mask and driver.gatherable(mask, x)):
+                return None  # 'ours' runs such an attention on all its tokens
             if arrangement != "tokens" and sublayer.kv_input is not None:
                 # BasicTransformerBlock's attn1 (PixArt, DiT): no text in its stream, keys/values by keyword
                 if arrangement == "kv":
@@ -448,7 +453,7 @@ class _OracleBlock:
                 module.__dict__["_tome_oracle"] = (tokens, kept, 0)
                 return args, {**kwargs, sublayer.kv_input: x}
             length = get_ops(x).shape(x)[1]
-            first = (length - head - tokens - tail if sublayer.text == TEXT_PREFIX else 0) + head
+            first = (length - head - tokens - tail if text == TEXT_PREFIX else 0) + head
             short = _keep_rows(x, 1, first, tokens, kept)
             args, kwargs = driver.replace_argument(args, kwargs, "hidden_states", 0, short)
             for name in sublayer.aligned:
@@ -522,7 +527,7 @@ def install_transformer_oracle(
         oracle = _OracleBlock(plan, family, seen, block)
         handles.append(fw.add_pre_hook(block, oracle.begin))
         for sublayer in family.sublayers:
-            target = getattr(block, sublayer.child, None)
+            target = child_at(block, sublayer.child)
             if target is None or not fw.is_module(target) or not config.sublayers[sublayer.kind]:
                 continue
             handles.append(fw.add_pre_hook(target, oracle.pre_hook(sublayer, target)))

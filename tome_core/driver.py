@@ -35,8 +35,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Se
 from .backend import get_ops
 from .config import ToMeConfig
 from .families import (
-    BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer, GridLayout, block_family, grid_layout,
-    grid_last, temporal, text_follows, text_only,
+    BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer, GridLayout, block_family, child_at,
+    context_latents, grid_layout, grid_last, temporal, text_follows, text_only, with_text_after,
 )
 from .levels import finest_attention_level, leading_raster, trailing_frames, trailing_raster
 from .match import Match
@@ -125,8 +125,8 @@ class SizeBias:
         ops = get_ops(like)
         match = self.match
         sizes = size_bias(match, like)
-        if self.head and keys == self.head:  # an attention over the head's tokens alone (Flux.2 Klein KV's extract
-            return ops.zeros((match.batch, 1, keys), like)  # step): unmerged tokens, each of size 1
+        if self.head and keys <= self.head:  # an attention over (leading) head tokens alone (Flux.2 Klein KV's extract
+            return ops.zeros((match.batch, 1, keys), like)  # step, Qwen-Image 2.1's prefix segments): each of size 1
         text = keys - self.head - match.kept - self.tail
         if text < 0 or (text and self.text == TEXT_NONE):
             raise RuntimeError(
@@ -297,11 +297,14 @@ class _CallStart:
         self.ids_grid: Tuple[Any, Optional[Tuple[int, int, int]]] = (None, None)  # (ids, leading_raster of them)
         self.size_aware = size_aware_somewhere(fw, model, state.config)
         self.layout = grid_layout(type(model)) if self.transformer else None
+        self.context = context_latents(type(model)) if self.transformer else None  # images' latents after the grid
+        if self.context is not None:
+            self.where.update(argument_positions(forward, self.context))
         self.grid_last = grid_last(type(model))  # the latent's tokens end each block's image stream
         if self.layout is not None:
             self.temporal_patch = (self.layout.temporal_patch and _config_value(model, self.layout.temporal_patch)) or 1
-            coords = (self.layout.coords,) if self.layout.coords else ()
-            self.where.update(argument_positions(forward, *self.layout.sizes, *self.layout.patch_arguments, *coords))
+            named = tuple(name for name in (self.layout.coords, self.layout.frame_types) if name)
+            self.where.update(argument_positions(forward, *self.layout.sizes, *self.layout.patch_arguments, *named))
 
     def __call__(self, module, args, kwargs):
         where = self.where
@@ -342,7 +345,7 @@ class _CallStart:
             (value for value in (argument(args, kwargs, name, where[name]) for name in SHAPE_LISTS) if value is not None), None
         )
         if shapes is not None and layout is None:
-            grid = shapes_grid(shapes, shape[1])
+            grid = shapes_grid(shapes, shape[1], last=grid_last)
             if grid is None:
                 why = (
                     "the items of its batch give their output images different sizes in its shape list, so no one token "
@@ -358,12 +361,24 @@ class _CallStart:
                 return self._unplaced(step, why)
             frames, height, width, from_coords = sizes
             grid, tail = (frames * height, width), (shape[1] - frames * height * width if layout.frames_axis is None else 0)
+            conditions = self._condition_frames(layout, args, kwargs)
+            if conditions is None:
+                why = (
+                    f"its {layout.frame_types} do not give noisy frames (type 0) first and conditions after them, the "
+                    "same in every item, so no token grid is known; such calls run unmerged"
+                )
+                return self._unplaced(step, why)
+            if conditions:  # appended condition frames: a tail after the grid
+                grid, tail = ((frames - conditions) * height, width), tail + conditions * height * width
             if from_coords:  # conditioning tokens before the grid: the blocks' head
                 grid_last, tail = True, 0
         elif len(shape) == 4:
             height, width = _spatial(sample, self.data_format)
             patch = self.patch_size if isinstance(self.patch_size, int) else self.patch_size[-1]  # (1, 1): HunyuanImage
             grid = (height // patch, width // patch)
+            for latent in (argument(args, kwargs, self.context, where[self.context]) or ()) if self.context else ():
+                rows, cols = _spatial(latent, self.data_format)  # CONTEXT_LATENTS: a tail after the grid
+                tail += (rows // patch) * (cols // patch)
         elif len(shape) == 5 and isinstance(self.patch_size, int):
             # (batch, C, frames, H, W) with a 2-D patch (Latte): each frame is an item of the spatial blocks' batch,
             # merged on its own grid, as in video UNets
@@ -421,6 +436,22 @@ class _CallStart:
         else:
             sizes = [shape[layout.frames_axis], *(shape[2:4] if layout.channels_last else shape[-2:])]
         return sizes[0] // temporal, sizes[1] // spatial, sizes[2] // spatial, False
+
+    def _condition_frames(self, layout: GridLayout, args, kwargs) -> Optional[int]:
+        """How many frames at the end of the call's video are conditions (:attr:`GridLayout.frame_types`): 0
+        where it gives no types; None where its types are not noisy frames (0) then conditions in every item."""
+        types = argument(args, kwargs, layout.frame_types, self.where[layout.frame_types]) if layout.frame_types else None
+        if types is None:
+            return 0
+
+        def read(values: List[float], shape: Tuple[int, ...]) -> Optional[int]:
+            rows = [values[i : i + shape[-1]] for i in range(0, len(values), shape[-1])]
+            noisy = sum(1 for value in rows[0] if value == 0)
+            if not noisy or any(row != rows[0] for row in rows) or any(value != 0 for value in rows[0][:noisy]):
+                return None
+            return len(rows[0]) - noisy
+
+        return self._read_once(types, read)
 
     def _coords_grid(self, coords: Any) -> Optional[Tuple[int, int, int, int]]:
         """``(frames, rows, cols, head)`` of tokens from their coordinates ``[B, 3, N]`` (batch item 0)
@@ -480,18 +511,20 @@ def size_aware_somewhere(fw: Framework, model: Any, config: ToMeConfig) -> bool:
     )
 
 
-def shapes_grid(img_shapes: Sequence[Any], tokens: int) -> Optional[Tuple[int, int, int]]:
+def shapes_grid(img_shapes: Sequence[Any], tokens: int, last: bool = False) -> Optional[Tuple[int, int, int]]:
     """``(h, w, tail)`` of ``tokens`` tokens from a shape list (:data:`SHAPE_LISTS`: Qwen-Image's ``img_shapes``,
     JoyImage-Edit-Plus's ``shape_list``): per batch item, the ``(frames, h, w)`` of each image in the sequence (or
     one such tuple), the output's first; the images after it (Edit's references, Layered's further layers and
-    condition) and any padding are the tail. None where the items' outputs differ in size."""
-    outputs = [tuple(item[0] if isinstance(item[0], (tuple, list)) else item) for item in img_shapes]
+    condition) and any padding are the tail. With ``last`` the output's is each item's last (Qwen-Image 2.1's,
+    after its condition images: the blocks' head, :data:`~tome_core.families.GRID_LAST`), and the tail is 0. None
+    where the items' outputs differ in size."""
+    outputs = [tuple(item[-1 if last else 0] if isinstance(item[0], (tuple, list)) else item) for item in img_shapes]
     if any(output != outputs[0] for output in outputs):
         return None
     frames, height, width = outputs[0]
     if frames * height * width > tokens:
         raise ValueError(f"shapes {outputs[0]} give more than the {tokens} tokens of hidden_states")
-    return frames * height, width, tokens - frames * height * width
+    return frames * height, width, 0 if last else tokens - frames * height * width
 
 
 class _GridHook:
@@ -527,7 +560,7 @@ class _BlockRun:
     ):
         self.fw = fw
         self.state = state
-        self.family = family
+        self.base = self.family = family  # family: the base, or its variant in this call (family_in_call)
         self.stream = stream
         self.block = block
         self.ratio = ratio  # its block_ratios entry
@@ -539,6 +572,7 @@ class _BlockRun:
         self.masks = any(sublayer.masks for sublayer in family.sublayers)
         name = family.unmerged_with[0] if family.unmerged_with else None
         self.unmerged_at = argument_positions(type(block).forward, name)[name] if name else None
+        self.text_after_at = family_argument_position(family, block)
         self.matches: Dict[str, Match] = {}
         self.config = state.active
         self.tail = 0  # this run's tokens after the grid's (ToMeState.tail)
@@ -548,6 +582,7 @@ class _BlockRun:
 
     def begin(self, module, args, kwargs):
         block_problem(self.block, self.state.config)
+        self.family = family_in_call(self.base, self.text_after_at, args, kwargs)
         metric = argument(args, kwargs, "hidden_states", 0)
         earlier = self._ran_on(metric)
         if earlier is not None:
@@ -658,6 +693,35 @@ class _BlockRun:
         return None
 
 
+def family_argument_position(family: BlockFamily, block: Any) -> Optional[int]:
+    """Where ``block``'s forward takes its family's ``text_after_with`` argument by position (None: by keyword
+    only, or the family has none)."""
+    name = family.text_after_with
+    return argument_positions(type(block).forward, name)[name] if name else None
+
+
+def family_in_call(family: BlockFamily, at: Optional[int], args, kwargs) -> BlockFamily:
+    """``family`` as a block call with these arguments runs it: with its text after the image where the call gives
+    its ``text_after_with`` argument (at position ``at``, :func:`~tome_core.families.with_text_after`)."""
+    if family.text_after_with is None or argument(args, kwargs, family.text_after_with, at) is None:
+        return family
+    return with_text_after(family)
+
+
+class _SublayerHook:
+    """A hook on one sub-layer of a block run: its :class:`Sublayer` is the family's entry as the block's call
+    now runs it (:func:`family_in_call`)."""
+
+    def __init__(self, fw: Framework, run: "_BlockRun", sublayer: Sublayer):
+        self.fw = fw
+        self.run = run
+        self.index = run.base.sublayers.index(sublayer)
+
+    @property
+    def sublayer(self) -> Sublayer:
+        return self.run.family.sublayers[self.index]
+
+
 def _batch_first(x: Any) -> Any:
     """``[S, B, C]`` as ``[B, S, C]``, with the ops protocol's transpose of the last two axes."""
     ops = get_ops(x)
@@ -675,7 +739,7 @@ def block_problem(block: Any, config: ToMeConfig) -> None:
         )
 
 
-class _MergeInput:
+class _MergeInput(_SublayerHook):
     """Pre-hook on a sub-layer: merge the image tokens of its first input (text tokens stay), give merged
     tokens their destination's rotary position, and arm size-aware attention.
 
@@ -684,9 +748,7 @@ class _MergeInput:
     queries and hands it every token as keys and values."""
 
     def __init__(self, fw: Framework, run: _BlockRun, sublayer: Sublayer, module: Any):
-        self.fw = fw
-        self.run = run
-        self.sublayer = sublayer
+        super().__init__(fw, run, sublayer)
         # where ``module``'s forward takes the rotary arguments and masks by position (None: by keyword only)
         self.rotary_at = argument_positions(type(module).forward, *rotary_arguments(run.family))
         self.masks_at = argument_positions(type(module).forward, "attention_mask", *(name for name, _ in sublayer.masks))
@@ -746,8 +808,9 @@ class _MergeInput:
             run.passing.add(child)
             return True
         run.merged.add(child)
-        masked = argument(args, kwargs, "attention_mask", self.masks_at["attention_mask"]) is not None
-        if not masked or self.sublayer.kind != "attn" or any(name == "attention_mask" for name, _ in self.sublayer.masks):
+        mask = argument(args, kwargs, "attention_mask", self.masks_at["attention_mask"])
+        placed = any(name == "attention_mask" for name, _ in self.sublayer.masks)
+        if mask is None or self.sublayer.kind != "attn" or (placed and gatherable(mask, argument(args, kwargs, "hidden_states", 0))):
             return False
         run.state.say_once(
             f"ToMe on {run.where}: {type(run.block).__name__}.{child} is given an attention_mask over its tokens, which "
@@ -805,6 +868,12 @@ class _MergeInput:
         return self.fw.size_aware(
             module, args, kwargs, SizeBias(match, self.sublayer.text, merged, self.run.tail, self.head)
         )
+
+
+def gatherable(mask: Any, x: Any) -> bool:
+    """Whether a token mask can be gathered as a sub-layer's input ``x`` merges: an array of ``x``'s type (not,
+    e.g., a flex-attention ``BlockMask``, which Qwen-Image 2.1's flex processor gets)."""
+    return mask is None or isinstance(mask, type(x)) or isinstance(x, type(mask))
 
 
 def rotary_arguments(family: BlockFamily) -> Tuple[str, ...]:
@@ -876,7 +945,7 @@ def _merge_positions(
     return tuple(moved)
 
 
-class _UnmergeOutput:
+class _UnmergeOutput(_SublayerHook):
     """Post-hook on a sub-layer: unmerge the image stream of its output (the text part stays).
 
     Where an output cache (e.g. diffusers' Pyramid Attention Broadcast) hands back an output it stored in an
@@ -884,9 +953,7 @@ class _UnmergeOutput:
     instead, which is what the cache gives an unpatched model."""
 
     def __init__(self, fw: Framework, run: _BlockRun, sublayer: Sublayer):
-        self.fw = fw
-        self.run = run
-        self.sublayer = sublayer
+        super().__init__(fw, run, sublayer)
         self.stored: Tuple[Any, Any] = (None, None)  # (raw output, its unmerged form), only under a cache
 
     def __call__(self, module, args, kwargs, output):
@@ -997,20 +1064,11 @@ def temporal_modules(fw: Framework, model: Any, table: Callable[[type], Any] = t
         entry = table(type(module))
         if entry is None:
             continue
-        roots = [_child(module, child) for child in entry.children] if entry.children else [module]
+        roots = [child_at(module, child) for child in entry.children] if entry.children else [module]
         for root in roots:
             if root is not None and fw.is_module(root):
                 inside.update(id(sub) for sub in fw.submodules(root))
     return inside
-
-
-def _child(module: Any, path: str) -> Any:
-    """The submodule at a dotted attribute ``path`` of ``module`` (``"mode_blocks.image_cond"``), or None."""
-    for name in path.split("."):
-        module = getattr(module, name, None)
-        if module is None:
-            return None
-    return module
 
 
 def blocks_of(fw: Framework, model: Any) -> List[Tuple[Any, BlockFamily]]:
@@ -1037,7 +1095,7 @@ def finest_level(fw: Framework, model: Any) -> int:
 def _self_attends(fw: Framework, module: Any) -> bool:
     """Whether a block of ``module`` has a self-attention (DreamLite's blocks at its finest levels have none)."""
     return any(
-        fw.is_module(getattr(block, sublayer.child, None))
+        fw.is_module(child_at(block, sublayer.child))
         for block, family in blocks_of(fw, module) for sublayer in family.sublayers if sublayer.kind == "attn"
     )
 
@@ -1101,7 +1159,7 @@ def _sublayers(fw: Framework, model: Any, config: ToMeConfig):
         if stream not in chosen:
             continue
         for sublayer in family.sublayers:
-            target = getattr(block, sublayer.child, None)
+            target = child_at(block, sublayer.child)
             if target is not None and fw.is_module(target) and config.sublayers[sublayer.kind]:
                 yield stream, block, family, ratios.get(stream), sublayer, target
 

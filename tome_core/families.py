@@ -10,6 +10,7 @@ keeps diffusers' class names.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any, Dict, Optional, Tuple
 
 # Where a sub-layer's attention finds text tokens beside the (merged) image tokens.
@@ -30,7 +31,8 @@ def text_follows(text: str) -> bool:
 class Sublayer:
     """One sub-layer of a block that runs on merged image tokens.
 
-    child: the block's attribute holding the sub-layer module.
+    child: the block's attribute holding the sub-layer module; a dotted path where the block holds it in a nested
+        block whose own ``forward`` it never calls (Kandinsky 6's ``video_dec_block.self_attention``).
     kind: which option selects it and which ratio it uses: "attn", "crossattn" or "mlp".
     text: where text tokens sit in its input or attention (``TEXT_*``).
     output: index of the image stream when the sub-layer returns a tuple (joint attention), else None.
@@ -96,6 +98,9 @@ class BlockFamily:
         and most flow-matching models; 1 where the pipeline passes sigmas, as Flux's do): ``timestep_range``
         outside ``[0, timesteps]`` is refused.
     sequence_first: the block's own input is ``[S, B, C]`` (ERNIE-Image's); its sub-layers get theirs batch-first.
+    text_after_with: a block argument whose presence (not None) puts the text after the image in that call
+        (:func:`with_text_after`): Bria-FIBO 2 moves its gist tokens behind the image, under a key mask, when the
+        batch pads them.
     """
 
     name: str
@@ -110,6 +115,19 @@ class BlockFamily:
     timesteps_rise: bool = False
     unmerged_with: Optional[Tuple[str, str]] = None
     sequence_first: bool = False
+    text_after_with: Optional[str] = None
+
+
+@lru_cache(maxsize=None)
+def with_text_after(family: BlockFamily) -> BlockFamily:
+    """``family`` in a call whose text follows the image (:attr:`BlockFamily.text_after_with`): text before the
+    image, in the block's stream and in its sub-layers, reads as after it (``[text; image; tail]`` as ``[image;
+    tail; text]``)."""
+    after = {TEXT_PREFIX: TEXT_SUFFIX, TEXT_BEFORE: TEXT_AFTER}
+    return replace(
+        family, stream=after.get(family.stream, family.stream), text_after_with=None,
+        sublayers=tuple(replace(s, text=after.get(s.text, s.text)) for s in family.sublayers),
+    )
 
 
 # FLUX.1's double-stream block: joint attention over [text; image] (image output first), an image MLP.
@@ -459,6 +477,16 @@ BLOCK_FAMILIES += (
         rotary_axis=1,
         unmerged_with=("sparse_params", "NABLA sparse attention reorders the tokens into 8x8-token tiles"),
     ),
+    BlockFamily(  # Kandinsky 6: a fused video-audio block that calls its video sub-layers inside a nested block
+        "kandinsky6",  # (never its forward); its audio path and the cross-modal attentions run on all tokens
+        ("Kandinsky6FusedTransformerDecoderBlock",),
+        (
+            Sublayer("video_dec_block.self_attention", "attn", attention=True),
+            Sublayer("video_dec_block.cross_attention", "crossattn"),
+            Sublayer("video_dec_block.feed_forward", "mlp"),
+        ),
+        rotary="rotary_emb",  # [tokens, 1, d/2, 2, 2] rotation matrices
+    ),
 )
 
 BLOCK_FAMILIES += (
@@ -609,6 +637,38 @@ BLOCK_FAMILIES += (
     ),
 )
 
+BLOCK_FAMILIES += (
+    BlockFamily(  # Bria-FIBO 2: Z-Image's block on one stream [gist; image; context images], the gist a Perceiver's
+        "bria-fibo2",  # summary of the text; [image; context; gist] under a key mask when the batch pads the gist
+        ("BriaFibo2TransformerBlock",),
+        (
+            Sublayer("attention", "attn", text=TEXT_PREFIX, attention=True, masks=(("attention_mask", (-1,)),)),
+            Sublayer("cross_attention", "crossattn", text=TEXT_PREFIX),  # its injection blocks' (to the text)
+            Sublayer("feed_forward", "mlp", text=TEXT_PREFIX),
+        ),
+        rotary="freqs_cis",  # one complex table [1, tokens, d/2] over the stream
+        rotary_axis=1,
+        stream=TEXT_PREFIX,
+        timesteps=1.0,
+        text_after_with="attn_mask",
+    ),
+)
+
+BLOCK_FAMILIES += (
+    BlockFamily(  # Qwen-Image 2.1: one stream [text with condition images; target image] (the target last: GRID_LAST),
+        "qwen-image-21",  # its attention block-causal (the prefix never sees the target), prefilled segment by segment;
+        ("QwenImage21TransformerBlock",),  # its cached steps run on the target alone, the prefix's keys cached before it
+        (
+            Sublayer(
+                "attn", "attn", text=TEXT_BEFORE, attention=True, masks=(("key_valid", (-1,)), ("attention_mask", (-1,))),
+            ),
+            Sublayer("img_mlp", "mlp"),
+        ),
+        rotary="rotary_emb",  # one complex table [tokens, d/2] over the stream
+        timesteps=1.0,
+    ),
+)
+
 _BY_CLASS: Dict[str, BlockFamily] = {name: family for family in BLOCK_FAMILIES for name in family.classes}
 
 
@@ -650,9 +710,12 @@ class GridLayout:
     sizes: the call's arguments that give ``(frames, height, width)`` of packed tokens (latent units).
     patch_arguments: the call's arguments that give ``(temporal, spatial)`` patch sizes (Z-Image), their
         defaults those of the model's ``forward``; else the config's (a 3-D ``patch_size`` gives both).
-    channels_last: its latent is ``(B, F, H, W, C)`` (Kandinsky 5), frames on ``frames_axis`` 1.
+    channels_last: its latent is ``(B, F, H, W, C)`` (Kandinsky 5 and 6), frames on ``frames_axis`` 1.
     coords: the call's argument of per-token ``(t, h, w)`` coordinates ``[B, 3, N]``, read where ``sizes`` are not
         given: the video's frames last, after conditioning tokens (LTX-Video's condition pipeline).
+    frame_types: the call's argument of per-frame token types ``[B, F]``: the frames after the last one of type 0
+        are conditions that pass through as a tail (Kandinsky 6's image to video appends its clean reference frame,
+        of type 1, to the noisy ones).
     """
 
     classes: Tuple[str, ...]
@@ -662,6 +725,7 @@ class GridLayout:
     patch_arguments: Tuple[str, ...] = ()
     channels_last: bool = False
     coords: Optional[str] = None
+    frame_types: Optional[str] = None
 
 
 GRID_LAYOUTS: Tuple[GridLayout, ...] = (
@@ -674,17 +738,29 @@ GRID_LAYOUTS: Tuple[GridLayout, ...] = (
     ),
     GridLayout(("ZImageTransformer2DModel",), patch_arguments=("f_patch_size", "patch_size")),
     GridLayout(("Kandinsky5Transformer3DModel",), frames_axis=1, channels_last=True),
+    GridLayout(("Kandinsky6Transformer3DModel",), frames_axis=1, channels_last=True, frame_types="visual_token_type_ids"),
     # a 2-D patch per frame, the frames' tokens in one sequence
     GridLayout(("MochiTransformer3DModel", "AllegroTransformer3DModel", "EasyAnimateTransformer3DModel"), temporal_patch=None),
 )
 
 _LAYOUTS: Dict[str, GridLayout] = {name: layout for layout in GRID_LAYOUTS for name in layout.classes}
 
+# Model classes whose call takes further images' latents as a list argument (each ``(B, C, h, w)``), whose tokens
+# follow the output's in its blocks' image stream: they pass through as a tail (Bria-FIBO 2's images to edit).
+CONTEXT_LATENTS: Dict[str, str] = {"BriaFibo2Transformer2DModel": "context_latents"}
+
+
+def context_latents(cls: type) -> Optional[str]:
+    """The :data:`CONTEXT_LATENTS` argument of a model class (or of its nearest base class named there), or None."""
+    return _nearest(CONTEXT_LATENTS, cls)
+
+
 # Model classes whose blocks' image stream ends with the latent's tokens, after tokens that pass through unmerged:
 # other grids (FramePack's clean and history latents, Helios' history) or the prompt (OmniGen's text, input images
-# and time token, all in one stream).
+# and time token, all in one stream; Qwen-Image 2.1's text and condition images).
 GRID_LAST: Tuple[str, ...] = (
     "HunyuanVideoFramepackTransformer3DModel", "HeliosTransformer3DModel", "OmniGenTransformer2DModel",
+    "QwenImage21Transformer2DModel",  # text and condition images, then the target (the last of its img_shapes)
 )
 
 
@@ -729,6 +805,16 @@ def text_only(cls: type) -> Optional[TextOnly]:
 GRID_CONTAINERS: Tuple[str, ...] = ("Transformer2DModel", "TransformerSpatioTemporalModel", "DreamLiteTransformer2DModel")
 
 _TEMPORAL: Dict[str, Temporal] = {entry.name: entry for entry in TEMPORAL}
+
+
+def child_at(module: Any, path: str) -> Any:
+    """The submodule at a dotted attribute ``path`` of ``module`` (``"video_dec_block.self_attention"``: a
+    sub-layer of a block nested in the block, Kandinsky 6's), or None."""
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module
 
 
 def _nearest(table: Dict[str, Any], cls: type) -> Any:

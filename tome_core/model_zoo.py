@@ -96,19 +96,6 @@ REFUSED: Dict[str, str] = {
         "stack of earlier hints [k, B, L, C] as their input; patch the ZImageTransformer2DModel, which merges "
         "while the ControlNet runs unmerged"
     ),
-    # not supported yet: what each needs that the driver does not have
-    "Kandinsky6Transformer3DModel": (
-        "not supported yet: Kandinsky 5's channels-last latent in fused video-audio blocks that call their video "
-        "sub-layers through a nested block"
-    ),
-    "QwenImage21Transformer2DModel": (
-        "not supported yet: one stream of text, condition images and the target image last, attention prefilled "
-        "segment by segment with a key cache, and a single complex rotary table"
-    ),
-    "BriaFibo2Transformer2DModel": (
-        "not supported yet: one stream whose gist (text) tokens go before the image or after it depending on the "
-        "batch's padding, with context images' tokens after the image"
-    ),
     # image models whose attention is not in transformer blocks
     "UNet2DModel": _OWN_ATTENTION + " (an unconditional UNet's AttnDownBlock2D: one Attention module per ResNet)",
     "Kandinsky3UNet": _OWN_ATTENTION + " (Kandinsky3AttentionBlock)",

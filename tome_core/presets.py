@@ -178,6 +178,23 @@ TRANSFORMERS.update({
             "text_encoder_dim": 32, "pooled_projection_dim": None, "axes_dims_rope": (0, 4, 4),
         },
     ),
+    # Bria-FIBO 2: 4 to 8 gist tokens from 2 to 8 text tokens (a batch of both pads the gist), one injection block
+    "tiny-bria-fibo2": (
+        "BriaFibo2Transformer2DModel",
+        dict(
+            in_channels=8, patch_size=2, dim=32, n_layers=2, n_refiner_layers=1, n_heads=2, cap_feat_dim=16,
+            injection_layer_ids=(1,), perceiver_num_layers=1, min_num_gist_tokens=4, max_num_gist_tokens=8, gist_step=4,
+            gist_min_text_len=2, gist_max_text_len=8, axes_dims=(4, 6, 6), axes_lens=(16, 16, 16),
+        ),
+    ),
+    # Qwen-Image 2.1: one stream [text with condition images; target], unpatched latents (patch 1)
+    "tiny-qwen-image-21": (
+        "QwenImage21Transformer2DModel",
+        dict(
+            patch_size=1, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+            context_in_dim=16, mlp_ratio=2, axes_dims_rope=(4, 6, 6),
+        ),
+    ),
     "tiny-qwen-image": (
         "QwenImageTransformer2DModel",
         dict(
@@ -548,6 +565,16 @@ VIDEO_TRANSFORMERS.update({
         dict(
             in_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=16, out_visual_dim=4, patch_size=(1, 2, 2),
             model_dim=16, ff_dim=32, num_text_blocks=1, num_visual_blocks=2, axes_dims=(4, 6, 6),
+        ),
+    ),
+    # Kandinsky 6 as released (cross-modal rotary and gates, a reference frame's token type), video with audio
+    "tiny-kandinsky6": (
+        "Kandinsky6Transformer3DModel",
+        dict(
+            in_visual_dim=4, out_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=16, patch_size=(1, 2, 2),
+            model_dim=16, ff_dim=32, num_text_blocks=1, num_visual_blocks=2, axes_dims=(4, 6, 6), in_audio_dim=4,
+            out_audio_dim=4, text_token_padding=True, ca_rope=True, cross_gates=True, fix_modulation=True,
+            visual_token_type_num_embeddings=2,
         ),
     ),    # Wan VACE: control blocks on [inactive; reactive] latents and an 8x8-packed mask (2 * 4 + 64 channels)
     "tiny-wan-vace": (

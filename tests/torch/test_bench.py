@@ -14,6 +14,7 @@ import torch
 
 from tome_core import bench, bench_video
 from tome_core.config import ToMeConfig
+from tome_core.families import child_at
 from tome_core.adapters.diffusers_bench import Runner, count_ops, micro
 
 MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "models")
@@ -157,10 +158,10 @@ def _attention_modules(runner):
     from tome_core.adapters.diffusers import FRAMEWORK
 
     return [
-        (sublayer.child, getattr(block, sublayer.child))
+        (sublayer.child, child_at(block, sublayer.child))
         for block, family in driver.blocks_of(FRAMEWORK, runner.unet)
         for sublayer in family.sublayers
-        if sublayer.kind == "attn" and getattr(block, sublayer.child, None) is not None
+        if sublayer.kind == "attn" and child_at(block, sublayer.child) is not None
     ]
 
 
@@ -277,10 +278,10 @@ def _merged_sublayers(runner, options):
 
     config = ToMeConfig.from_options({"ratio": 0.5, **options})
     return [
-        (f"{index}/{sublayer.child}", getattr(block, sublayer.child))
+        (f"{index}/{sublayer.child}", child_at(block, sublayer.child))
         for index, (block, family) in enumerate(driver.blocks_of(FRAMEWORK, runner.unet))
         for sublayer in family.sublayers
-        if config.sublayers[sublayer.kind] and getattr(block, sublayer.child, None) is not None
+        if config.sublayers[sublayer.kind] and child_at(block, sublayer.child) is not None
     ]
 
 
@@ -344,7 +345,9 @@ def test_new_families_run_whole_calls_and_the_micro_path(tmp_path, capsys):
 # by name (AnyFlow), head tokens before the grid (FramePack), tokens past the grid (FLUX.3), a mask it cannot
 # place (SkyReels-V2), rotation matrices and an MoE feed-forward viewing its input (HiDream), queries' and keys'
 # rotary tables apart and attention outputs [B, N, heads, d] (Lumina-Next), a grid from a shape list over 6-D
-# patches with references and padding after it (JoyImage-Edit-Plus).
+# patches with references and padding after it (JoyImage-Edit-Plus), sub-layers of a nested block beside an audio
+# path (Kandinsky 6), a stream whose text goes before or after the image by the call (Bria-FIBO 2), the grid last in
+# one stream after text and condition images, attention prefilled segment by segment (Qwen-Image 2.1).
 ZOO_ORACLE_CLASSES = (
     "Flux2Transformer2DModel", "AuraFlowTransformer2DModel", "QwenImageTransformer2DModel", "ZImageTransformer2DModel",
     "ChromaTransformer2DModel", "HunyuanVideo15Transformer3DModel", "HunyuanVideoTransformer3DModel",
@@ -352,7 +355,8 @@ ZOO_ORACLE_CLASSES = (
     "NucleusMoEImageTransformer2DModel", "CogView4Transformer2DModel", "AllegroTransformer3DModel",
     "AnyFlowTransformer3DModel", "HunyuanVideoFramepackTransformer3DModel", "Flux3Transformer2DModel",
     "SkyReelsV2Transformer3DModel", "HiDreamImageTransformer2DModel", "LuminaNextDiT2DModel",
-    "JoyImageEditPlusTransformer3DModel",
+    "JoyImageEditPlusTransformer3DModel", "Kandinsky6Transformer3DModel", "BriaFibo2Transformer2DModel",
+    "QwenImage21Transformer2DModel",
 )
 
 
@@ -384,12 +388,12 @@ def test_the_oracle_gives_every_merged_sublayer_of_the_zoo_the_shapes_of_ours(na
     def calls(setup):
         seen, undo = [], setup()
         handles = [
-            getattr(block, sublayer.child).register_forward_pre_hook(
+            child_at(block, sublayer.child).register_forward_pre_hook(
                 lambda m, a, k, where=f"{index}/{sublayer.child}": seen.append(_shapes(where, a, k)), with_kwargs=True
             )
             for index, (block, family) in enumerate(driver.blocks_of(FRAMEWORK, model))
             for sublayer in family.sublayers
-            if isinstance(getattr(block, sublayer.child, None), torch.nn.Module)
+            if isinstance(child_at(block, sublayer.child), torch.nn.Module)
         ]
         try:
             with torch.no_grad(), warnings.catch_warnings():

@@ -31,7 +31,7 @@ from tome_core.match import bipartite_matches
 from tome_core.merge import merge, unmerge
 from tome_core.adapters import diffusers_models as zoo
 from tome_core.model_zoo import NOT_GENERATION, REFUSED, refusal
-from tome_core.presets import TRANSFORMERS
+from tome_core.presets import TRANSFORMERS, VIDEO_TRANSFORMERS
 
 ZOO_PACKAGES = ("transformers", "unets", "controlnets")
 
@@ -371,6 +371,32 @@ def _cosmos_controlnet():
     return build()
 
 
+# Kandinsky 6 as released (ca_rope, cross_gates, fix_modulation), tiny: a 2x4x6 token grid, audio of 5 tokens
+_KANDINSKY6 = VIDEO_TRANSFORMERS["tiny-kandinsky6"][1]
+_KANDINSKY6_CALL = dict(
+    hidden_states=(2, 2, 8, 12, 9), encoder_hidden_states=(2, 7, 16), pooled_projections=(2, 8),
+    timestep=torch.tensor([500.0, 500.0]), audio_hidden_states=(2, 5, 4),
+    encoder_attention_mask=torch.tensor([[True] * 7, [True] * 4 + [False] * 3]),
+)
+
+
+_BRIA_FIBO2 = TRANSFORMERS["tiny-bria-fibo2"][1]  # a 4x6 token grid below
+_BRIA_FIBO2_CALL = dict(
+    hidden_states=(2, 8, 8, 12), timestep=torch.tensor([0.5, 0.5]), encoder_hidden_states=(2, 2, 8, 16),
+    context_latents=[torch.randn(2, 8, 4, 6, generator=torch.Generator().manual_seed(4))],  # a 2x3 image to edit
+)
+_BRIA_FIBO2_PADDED = dict(encoder_attention_mask=torch.tensor([[True] * 8, [True] * 2 + [False] * 6]))  # 8 and 4 gist tokens
+
+
+# Qwen-Image 2.1: 7 text tokens with a 2x2 condition image in one slot after the third, then the 4x6 target's 24
+# tokens (6 slots of 2x2): a stream of 3 + 4 + 4 + 24 = 35 tokens, the target last; the second prompt padded
+_QWEN_IMAGE_21_CALL = dict(
+    hidden_states=(2, 4 + 24, 4), encoder_hidden_states=(2, 8, 16), timestep=torch.tensor([0.5, 0.5]),
+    img_shapes=[[(1, 2, 2), (1, 4, 6)]] * 2, img_mask=torch.tensor([[False] * 3 + [True] + [False] * 4 + [True] * 6] * 2),
+    encoder_hidden_states_mask=torch.tensor([[True] * 8, [True] * 6 + [False] * 2]),
+)
+
+
 def _lumina_rotary(head_dim: int) -> torch.Tensor:
     """Lumina-Next's rotary table as its pipeline builds it (complex, [rows, cols, head_dim / 2]), 32x32 positions."""
     from diffusers.models.embeddings import get_2d_rotary_pos_embed_lumina
@@ -492,6 +518,15 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
         hidden_states=(2, 2, 8, 12, 4), encoder_hidden_states=(2, 7, 16), timestep=torch.tensor([500.0, 500.0]),
         pooled_projections=(2, 8), visual_rope_pos=[torch.arange(2), torch.arange(4), torch.arange(6)],
         text_rope_pos=torch.arange(7),
+    ),
+    "Kandinsky6Transformer3DModel": _built(  # Kandinsky 5's latent; video and audio in fused blocks
+        "Kandinsky6Transformer3DModel", _KANDINSKY6, **_KANDINSKY6_CALL,
+    ),
+    "BriaFibo2Transformer2DModel": _built(  # [image; context image; gist]: the batch pads the gist, so it goes last
+        "BriaFibo2Transformer2DModel", _BRIA_FIBO2, **_BRIA_FIBO2_CALL, **_BRIA_FIBO2_PADDED,
+    ),
+    "QwenImage21Transformer2DModel": _built(  # [text with a condition image; target], a padded prompt
+        "QwenImage21Transformer2DModel", TRANSFORMERS["tiny-qwen-image-21"][1], **_QWEN_IMAGE_21_CALL,
     ),
     "PRXTransformer2DModel": _built(
         "PRXTransformer2DModel",
@@ -1120,3 +1155,164 @@ def test_joyimage_edit_plus_merges_its_target_and_gathers_its_mask_and_rotary_ro
     inputs["shape_list"] = [[(1, 4, 6), (1, 2, 3), (1, 3, 2)], [(1, 3, 6), (1, 3, 6)]]
     (tokens, output), _ = _warned_once(lambda: _seen(model, inputs), "output images different sizes")
     assert tokens == [36, 36] and torch.isfinite(output).all()
+
+
+def test_kandinsky6_merges_its_video_sublayers_and_its_audio_sees_every_video_token():
+    """Kandinsky 6's fused block calls its video sub-layers through a nested block (video_dec_block, whose forward
+    never runs) and the audio's through another of the same class. Merged, the video self-attention gets the
+    2x4x6 = 48 tokens halved with the rows of the unpatched rotary table, the video cross-attention 24 queries and
+    the text as it was, the video feed-forward 24 tokens; the audio's sub-layers get their unpatched shapes, and the cross-modal attentions every
+    video token (as queries with their whole rotary table, and as the audio's keys). Without audio, the video path
+    alone merges alike."""
+    model, inputs = _built("Kandinsky6Transformer3DModel", _KANDINSKY6, **_KANDINSKY6_CALL)()
+
+    def calls(arm):
+        seen = []
+
+        def record(name):
+            def hook(module, args, kwargs):
+                hidden = kwargs.get("hidden_states", args[0] if args else None)
+                context = kwargs.get("encoder_hidden_states")
+                rotary = kwargs.get("rotary_emb", kwargs.get("rope_q"))
+                seen.append((name, hidden.clone(), None if context is None else context.clone(), rotary))
+            return hook
+
+        handles = [
+            module.register_forward_pre_hook(record(name), with_kwargs=True)
+            for name, module in model.named_modules()
+            if name.startswith("visual_transformer_blocks.0.") and name.endswith(("attention", "feed_forward"))
+        ]
+        try:
+            output = _run(model, inputs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return seen, output
+
+    plain, reference = calls("unpatched")
+    tome.patch(model, ratio=0.5, merge_crossattn=True, merge_mlp=True)
+    merged, output = calls("patched")
+    assert torch.isfinite(output).all() and _rel(output, reference) > 1e-6
+    assert [n for n, *_ in merged] == [n for n, *_ in plain] and len(plain) == 8
+    for (name, x, context, rotary), (_, merged_x, merged_context, merged_rotary) in zip(plain, merged):
+        tokens, kept = x.shape[1], merged_x.shape[1]
+        video = name.split(".")[2] == "video_dec_block"
+        assert kept == (tokens // 2 if video else tokens), name
+        if name.endswith("video_dec_block.self_attention"):
+            assert tokens == 48 and merged_rotary.shape[0] == 24
+            assert all(any(torch.equal(row, t) for t in rotary) for row in merged_rotary)
+        elif name.endswith("video_dec_block.cross_attention"):
+            assert torch.equal(context, merged_context)
+        elif name.endswith("va_cross_attention"):
+            assert tokens == 48 and torch.equal(rotary, merged_rotary)
+        elif name.endswith("av_cross_attention"):
+            assert context.shape[1] == merged_context.shape[1] == 48
+    del inputs["audio_hidden_states"]
+    tome.remove(model)
+    plain, reference = calls("unpatched")
+    tome.patch(model, ratio=0.5, merge_crossattn=True, merge_mlp=True)
+    merged, output = calls("patched")
+    assert [(n, x.shape[1] // 2) for n, x, *_ in plain] == [(n, x.shape[1]) for n, x, *_ in merged] and len(merged) == 3
+    assert torch.isfinite(output).all() and _rel(output, reference) > 1e-6
+
+
+def test_kandinsky6_image_to_video_reference_frame_passes_through():
+    """Kandinsky 6's image to video appends the clean reference frame to the 2 noisy ones, of token type 1 and at
+    rotary position 0 (visual_token_type_ids, visual_rope_pos). Merged, the first block's self-attention gets the 48
+    noisy tokens halved, then the reference frame's 24 tokens and their rotary rows exactly as unpatched; types that
+    are not noisy frames then conditions run unmerged, said once."""
+    types = torch.tensor([[0, 0, 1]] * 2)
+    model, inputs = _built(
+        "Kandinsky6Transformer3DModel", _KANDINSKY6, **{**_KANDINSKY6_CALL, "hidden_states": (2, 3, 8, 12, 9)},
+        visual_token_type_ids=types, visual_rope_pos=(torch.tensor([0, 1, 0]), torch.arange(4), torch.arange(6)),
+    )()
+    attention = model.visual_transformer_blocks[0].video_dec_block.self_attention
+    seen = []
+    attention.register_forward_pre_hook(lambda m, a, k: seen.append((a[0].clone(), k["rotary_emb"])), with_kwargs=True)
+    reference = _run(model, inputs)
+    tome.patch(model, ratio=0.5)
+    attention.register_forward_pre_hook(lambda m, a, k: seen.append((a[0].clone(), k["rotary_emb"])), with_kwargs=True)
+    output = _run(model, inputs)
+    assert torch.isfinite(output).all() and _rel(output, reference) > 1e-6
+    (x, rotary), _, (merged_x, merged_rotary) = seen[0], seen[1], seen[2]  # each call: the hook before, and after the patch's
+    assert (x.shape[1], merged_x.shape[1]) == (72, 48)
+    assert torch.equal(merged_x[:, 24:], x[:, 48:]) and torch.equal(merged_rotary[24:], rotary[48:])
+    assert all(any(torch.equal(row, t) for t in rotary[:48]) for row in merged_rotary[:24])
+    inputs["visual_token_type_ids"] = torch.tensor([[0, 1, 0]] * 2)
+    (tokens, output), _ = _warned_once(lambda: _seen(model, inputs), "visual_token_type_ids do not give noisy frames")
+    assert 72 in tokens and 48 not in tokens and torch.isfinite(output).all()
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["gist-first", "gist-padded-last"])
+def test_bria_fibo2_merges_its_image_between_gist_and_context_tokens_wherever_the_gist_goes(padded):
+    """Bria-FIBO 2's main blocks get one stream: the gist tokens (the text), the 4x6 image's 24 tokens, then a 2x3
+    context image's 6; when the batch pads the gist (prompts of 8 and 2 text tokens: 8 and 4 gist tokens), the gist
+    goes last, under a key mask. Merged (its first main block alone, whose input is then the unpatched one), the
+    attention gets the image's tokens halved, every gist and context token, mask entry and rotary row exactly as
+    unpatched, and the kept tokens' rotary rows from the image's."""
+    model, inputs = _built("BriaFibo2Transformer2DModel", _BRIA_FIBO2, **_BRIA_FIBO2_CALL, **(_BRIA_FIBO2_PADDED if padded else {}))()
+    attention = model.layers[0].attention
+    seen = []
+
+    def record():
+        return attention.register_forward_pre_hook(
+            lambda m, a, k: seen.append((a[0].clone(), k["attention_mask"], k["freqs_cis"])), with_kwargs=True
+        )
+
+    handle = record()
+    reference = _run(model, inputs)
+    handle.remove()
+    tome.patch(model, ratio=0.5, blocks=[1])  # block 0 is the noise refiner's
+    record()  # after the patch's hooks: what the attention gets
+    output = _run(model, inputs)
+    assert torch.isfinite(output).all() and _rel(output, reference) > 1e-6
+    (x, mask, rotary), (merged_x, merged_mask, merged_rotary) = seen
+    assert (x.shape[1], merged_x.shape[1]) == (38, 26)
+    image, rest = (slice(0, 24), slice(24, None)) if padded else (slice(8, 32), slice(32, None))
+    kept, merged_rest = (slice(0, 12), slice(12, None)) if padded else (slice(8, 20), slice(20, None))
+    assert torch.equal(merged_x[:, merged_rest], x[:, rest]) and torch.equal(merged_rotary[:, merged_rest], rotary[:, rest])
+    assert torch.equal(merged_x[:, :kept.start], x[:, :image.start])  # the gist in front (none when it goes last)
+    assert torch.equal(merged_rotary[:, :kept.start], rotary[:, :image.start])
+    assert all(any(torch.equal(row, r) for r in rotary[0, image]) for row in merged_rotary[0, kept])
+    if padded:
+        assert torch.equal(merged_mask[:, 12:], mask[:, 24:]) and bool(merged_mask[:, :12].all())
+        assert not bool(merged_mask[1].all())  # the second prompt's padded gist stays masked
+    else:
+        assert mask is None and merged_mask is None
+
+
+def test_qwen_image_21_merges_its_target_after_the_prefix_and_its_key_cache_stays_exact():
+    """Qwen-Image 2.1's stream is [text with a condition image; target] and its attention block-causal: the prefix
+    (11 tokens) never sees the target. Merged, the attention gets the prefix and the target's 24 tokens halved, the
+    prefix's outputs equal the unpatched model's exactly, and its prefix key cache holds what it holds unpatched: the
+    cached steps (the target alone, 12 tokens) give the patched prefill's target rows exactly. With the flex
+    processor (a BlockMask it cannot gather) its attention runs on all tokens, said once, and its MLP still merges."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21FlexAttnProcessor, QwenImage21KVCache
+
+    model, inputs = MERGED["QwenImage21Transformer2DModel"]()
+    plain_cache = QwenImage21KVCache(2)
+    with torch.no_grad():
+        reference = model(**inputs, return_dict=False)[0]
+        model(**inputs, kv_cache=plain_cache, kv_cache_mode="extract")
+    tome.patch(model, ratio=0.5, merge_mlp=True)
+    seen = []
+    model.transformer_blocks[0].attn.register_forward_pre_hook(
+        lambda m, a, k: seen.append(k["hidden_states"].shape[1]), with_kwargs=True
+    )
+    cache = QwenImage21KVCache(2)
+    with torch.no_grad():
+        output = model(**inputs, return_dict=False)[0]
+        extract = model(**inputs, kv_cache=cache, kv_cache_mode="extract", return_dict=False)[0]
+        cached = model(**inputs, kv_cache=cache, kv_cache_mode="cached", return_dict=False)[0]
+    assert seen == [11 + 12, 11 + 12, 12]
+    assert torch.equal(output[:, :11], reference[:, :11]) and _rel(output[:, 11:], reference[:, 11:]) > 1e-6
+    assert torch.equal(extract, output) and torch.equal(cached, output[:, 11:])
+    for plain, merged in zip(plain_cache.layer_caches, cache.layer_caches):
+        assert torch.equal(plain.k, merged.k) and torch.equal(plain.v, merged.v)
+    tome.remove(model)
+    model.set_attn_processor(QwenImage21FlexAttnProcessor())
+    tome.patch(model, ratio=0.5, merge_mlp=True)
+    seen.clear()
+    model.transformer_blocks[0].img_mlp.register_forward_pre_hook(lambda m, a: seen.append(("mlp", a[0].shape[1])))
+    (tokens, output), _ = _warned_once(lambda: _seen(model, inputs), "attn is given an attention_mask over its tokens")
+    assert set(tokens) == {35} and seen[:2] == [35, ("mlp", 23)] and torch.isfinite(output).all()
