@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tome_core import get_ops, load_backend
-from tome_core.match import bipartite_matches
+from tome_core.match import bipartite_matches, neighbour_table
 from tome_core.merge import merge, unmerge
-from tome_core.partition import random_offsets
+from tome_core.partition import random_offsets, split
 
 NUMPY, JAX = load_backend("numpy"), load_backend("jax")
 
@@ -44,6 +44,25 @@ def run(ops, case, metric, x, step):
     return offsets, out
 
 
+def clear_of_ties(case, metric, offsets, gap=1e-5):
+    """Whether the match is the same under any float32 rounding: each source's best destination leads its
+    second by more than ``gap`` in cosine similarity, and the sources' best similarities (their merge order) are
+    ``gap`` apart. A near tie is a correct match either way, and jit may round it the other way than numpy."""
+    batch, h, w, channels, sx, sy, counts, use_rand, seed, window = case
+    if (h // sy) * (w // sx) == 0:
+        return True
+    dst, src = split(NUMPY, metric, h, w, sx, sy, None if offsets is None else np.asarray(offsets))
+    unit = metric.astype(np.float64) / np.linalg.norm(metric.astype(np.float64), axis=-1, keepdims=True)
+    scores = unit[:, src] @ unit[:, dst].transpose(0, 2, 1)  # [B, S, D]
+    if window:
+        allowed = np.zeros(scores.shape[1:], bool)
+        np.put_along_axis(allowed, np.asarray(neighbour_table(NUMPY, metric, h, w, sx, sy, window)), True, axis=1)
+        scores = np.where(allowed, scores, -np.inf)
+    top = np.sort(scores, axis=-1)
+    leads = np.where(np.isfinite(top[..., -2]), top[..., -1] - top[..., -2], np.inf)
+    return bool((leads > gap).all() and (np.diff(np.sort(top[..., -1], axis=-1), axis=-1) > gap).all())
+
+
 @functools.lru_cache(maxsize=None)
 def jitted(case):
     return jax.jit(lambda metric, x, step: run(JAX, case, metric, x, step))
@@ -66,6 +85,7 @@ def test_jitted_match_merge_unmerge_equal_numpy(case, data_seed, step):
     metric = rng.standard_normal((batch, h * w, channels)).astype(np.float32)
     x = rng.standard_normal((batch, h * w, 3)).astype(np.float32)
     offsets, expected = run(NUMPY, case, metric, x, step)
+    assume(clear_of_ties(case, metric, offsets))
     got_offsets, got = jitted(case)(jnp.asarray(metric), jnp.asarray(x), jnp.asarray(step, jnp.int32))
     if offsets is not None:
         np.testing.assert_array_equal(np.asarray(got_offsets), offsets)
