@@ -50,6 +50,14 @@ class Sublayer:
         ``encoder_hidden_states``; Nucleus-MoE's router the unmodulated tokens): merged alike.
     counts: arguments that give how many of its input's tokens are the grid's (Helios' ``original_context_length``,
         from which its attention tells the history before them): given the merged count.
+    projections: ``(query, key, value, output)``: the children (dotted paths) of an attention that keeps its own
+        norm and residual inside itself (diffusers' ``Attention`` over a feature map, with a group norm and a
+        residual connection: UNet2DModel's). Its own input and output are left as they are; ToMe merges inside it,
+        at the inputs of its projections, and unmerges the output projection's output, so the norm's statistics
+        and the residual see every token. ``kv`` merges the key and value projections' inputs alone, ``tokens``
+        the query's too. Keys and values count as its own tokens where they are the very tensor its queries get
+        (or, with ``text`` set, its image part); else the call is a cross-attention, merged as ``crossattn``.
+        ``child`` "" names the block itself (such an attention is a block of its own).
     """
 
     child: str
@@ -63,6 +71,7 @@ class Sublayer:
     once: bool = False
     aligned: Tuple[str, ...] = ()
     counts: Tuple[str, ...] = ()
+    projections: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,11 @@ class BlockFamily:
         and most flow-matching models; 1 where the pipeline passes sigmas, as Flux's do): ``timestep_range``
         outside ``[0, timesteps]`` is refused.
     sequence_first: the block's own input is ``[S, B, C]`` (ERNIE-Image's); its sub-layers get theirs batch-first.
+    feature_map: the block's own input is a channels-first feature map ``(B, C, H, W)`` (the ResNet-style blocks of
+        UNet2DModel, Kandinsky 3 and Stable Cascade): it gives the block's grid, and its pixels are the tokens the
+        match is computed from.
+    models: the family's classes are blocks only inside models of these classes (a class it shares with the
+        sub-layers of other families, such as diffusers' ``Attention``); empty: everywhere.
     """
 
     name: str
@@ -103,6 +117,8 @@ class BlockFamily:
     timesteps_rise: bool = False
     unmerged_with: Optional[Tuple[str, str]] = None
     sequence_first: bool = False
+    feature_map: bool = False
+    models: Tuple[str, ...] = ()
 
 
 # FLUX.1's double-stream block: joint attention over [text; image] (image output first), an image MLP.
@@ -572,7 +588,23 @@ BLOCK_FAMILIES += (
     ),
 )
 
-_BY_CLASS: Dict[str, BlockFamily] = {name: family for family in BLOCK_FAMILIES for name in family.classes}
+BLOCK_FAMILIES += (
+    BlockFamily(  # UNet2DModel (DDPM, LDM): each Attention of its ResNet-style blocks, on the 4-D feature map, with
+        "unet2d-attention",  # its group norm and residual inside
+        ("Attention",),
+        (Sublayer("", "attn", attention=True, projections=("to_q", "to_k", "to_v", "to_out.0")),),
+        feature_map=True,
+        models=("UNet2DModel",),
+    ),
+)
+
+_BY_CLASS: Dict[str, BlockFamily] = {
+    name: family for family in BLOCK_FAMILIES if not family.models for name in family.classes
+}
+_SCOPED: Dict[str, Dict[str, BlockFamily]] = {}
+for _family in BLOCK_FAMILIES:
+    for _model in _family.models:
+        _SCOPED.setdefault(_model, {}).update(dict.fromkeys(_family.classes, _family))
 
 
 @dataclass(frozen=True)
@@ -703,9 +735,15 @@ def _nearest(table: Dict[str, Any], cls: type) -> Any:
     return None
 
 
-def block_family(cls: type) -> Optional[BlockFamily]:
-    """The family of a block class (or of the nearest base class named in the table), or None."""
-    return _nearest(_BY_CLASS, cls)
+def block_family(cls: type, model: Optional[type] = None) -> Optional[BlockFamily]:
+    """The family of a block class (or of the nearest base class named in the table), or None; with ``model``,
+    the class of the model it sits in, also the families found only inside such models
+    (:attr:`BlockFamily.models`)."""
+    found = _nearest(_BY_CLASS, cls)
+    if found is None and model is not None:
+        scoped = _nearest(_SCOPED, model)
+        found = _nearest(scoped, cls) if scoped else None
+    return found
 
 
 def temporal(cls: type) -> Optional[Temporal]:

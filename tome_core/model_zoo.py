@@ -117,7 +117,6 @@ REFUSED: Dict[str, str] = {
         "batch's padding, with context images' tokens after the image"
     ),
     # image models whose attention is not in transformer blocks
-    "UNet2DModel": _OWN_ATTENTION + " (an unconditional UNet's AttnDownBlock2D: one Attention module per ResNet)",
     "Kandinsky3UNet": _OWN_ATTENTION + " (Kandinsky3AttentionBlock)",
     "StableCascadeUNet": _OWN_ATTENTION + " (SDCascadeAttnBlock: self-attention over [image; condition] tokens)",
 }

@@ -576,6 +576,13 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
         "WanVACETransformer3DModel", dict(_WAN, num_layers=4, vace_layers=[0, 2], vace_in_channels=8),
         **_WAN_CALL, control_hidden_states=(2, 8, 3, 8, 12),
     ),
+    "UNet2DModel": _built(  # DDPM's UNet: lone attention layers (group norm and residual inside) at its second level
+        "UNet2DModel",
+        dict(sample_size=16, in_channels=3, out_channels=3, block_out_channels=(16, 32), layers_per_block=1,
+             norm_num_groups=8, attention_head_dim=8, down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+             up_block_types=("AttnUpBlock2D", "UpBlock2D")),
+        sample=(2, 3, 16, 16), timestep=torch.tensor([500, 500]),
+    ),
 }
 # Classes that merge and are checked in their own tests (module named).
 MERGED_ELSEWHERE = {
@@ -673,18 +680,24 @@ def _attention_calls(model, inputs):
         text = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
         # not compared: Cosmos' (text, image context) pair; the attention's own input given again (Lumina 2, OmniGen)
         text = text.clone() if isinstance(text, torch.Tensor) and text is not hidden else None
-        seen.append((name, hidden.shape[1] if hidden.dim() == 3 else None, text))
+        seen.append([name, hidden.shape[1] if hidden.dim() == 3 else None, text])
 
+    def keys(module, args):  # an attention on a 4-D feature map (UNet2DModel's): the keys its projection gets
+        if seen and seen[-1][1] is None:
+            seen[-1][1] = args[0].shape[1]
+
+    attentions = [(name, m) for name, m in model.named_modules() if type(m).__name__.endswith("Attention")]
     handles = [
         module.register_forward_pre_hook(lambda m, a, k, n=name: record(m, a, k, n), with_kwargs=True)
-        for name, module in model.named_modules() if type(module).__name__.endswith("Attention")
+        for name, module in attentions
     ]
+    handles += [m.to_k.register_forward_pre_hook(keys) for _, m in attentions if isinstance(getattr(m, "to_k", None), torch.nn.Module)]
     try:
         output = _run(model, inputs)
     finally:
         for handle in handles:
             handle.remove()
-    return seen, output
+    return [tuple(call) for call in seen], output
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -719,13 +732,92 @@ def test_merged_class_against_the_unpatched_model(name):
 
 
 def test_patch_refuses_a_listed_class_with_its_reason():
-    model = diffusers.UNet2DModel(
-        sample_size=8, in_channels=3, out_channels=3, block_out_channels=(32, 32), layers_per_block=1,
-        down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+    model = diffusers.UNet1DModel(
+        sample_size=16, in_channels=2, out_channels=2, block_out_channels=(8, 8, 8), extra_in_channels=16,
+        down_block_types=("DownBlock1DNoSkip", "DownBlock1D", "AttnDownBlock1D"),
+        up_block_types=("AttnUpBlock1D", "UpBlock1D", "UpBlock1DNoSkip"), mid_block_type="UNetMidBlock1D",
     )
-    with pytest.raises(ValueError, match="ToMe cannot patch UNet2DModel: its attention layers sit inside"):
+    with pytest.raises(ValueError, match="ToMe cannot patch UNet1DModel: runs on 1-D signals"):
         tome.patch(model)
-    assert refusal(type(model)) == REFUSED["UNet2DModel"]
+    assert refusal(type(model)) == REFUSED["UNet1DModel"]
+
+
+def _nearest(rows: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
+    """The distance of each row of ``rows`` to its nearest row of ``among`` (exact, unlike cdist's matmul)."""
+    return (rows[:, None] - among[None]).norm(dim=-1).min(dim=1).values
+
+
+def test_unet2d_attention_merges_after_its_norm_and_adds_its_whole_input_back():
+    """UNet2DModel's Attention normalises its 4-D input and adds it back inside itself. In ToMe for SD's
+    arrangement, what its query projection gets must be the means of the *normed* tokens over each merged group,
+    and its output minus its input must be one value per group (the unmerged attention, the residual unmerged)."""
+    model, inputs = MERGED["UNet2DModel"]()
+    attention = next(m for m in model.modules() if isinstance(m, Attention))
+    tome.patch(model, ratio=0.5)
+    seen = {}
+    handles = [
+        attention.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0])),
+        attention.to_q.register_forward_pre_hook(lambda m, a: seen.setdefault("q", a[0])),
+        attention.register_forward_hook(lambda m, a, out: seen.setdefault("y", out)),
+    ]
+    _run(model, inputs)
+    for handle in handles:
+        handle.remove()
+    x, y, q = seen["x"], seen["y"], seen["q"]
+    tokens = lambda t: t.flatten(2).transpose(1, 2)  # noqa: E731
+    normed = tokens(attention.group_norm(x))
+    delta = tokens(y * attention.rescale_output_factor - x)
+    assert q.shape[1] < normed.shape[1]
+    for b in range(x.shape[0]):
+        rows, groups = torch.unique(delta[b].round(decimals=4), dim=0, return_inverse=True)
+        assert rows.shape[0] == q.shape[1]  # one attention output per merged token, the whole input added back
+        means = torch.stack([normed[b][groups == g].mean(0) for g in range(rows.shape[0])])
+        assert _nearest(means, q[b]).max() < 1e-4  # merged after the norm (its statistics over all tokens)
+    tome.remove(model)
+
+
+@pytest.mark.parametrize("pipeline", ["DDPMPipeline", "DDIMPipeline"])
+def test_unconditional_pipelines_merge_end_to_end(pipeline):
+    """DDPM's and DDIM's pipelines (a UNet2DModel and a scheduler) from tiny components: patched (ToMe for SD's
+    arrangement and the default) they run finite and differ from the unpatched pipeline; removed, they match it."""
+    unet = MERGED["UNet2DModel"]()[0]
+    scheduler = getattr(diffusers, pipeline.replace("Pipeline", "Scheduler"))(num_train_timesteps=1000)
+    pipe = getattr(diffusers, pipeline)(unet=unet, scheduler=scheduler)
+    pipe.set_progress_bar_config(disable=True)
+    call = lambda: pipe(batch_size=2, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="np").images  # noqa: E731
+    reference = torch.as_tensor(call())
+    for options in (dict(ratio=0.5), {}):
+        tome.patch(pipe, **options)
+        output = torch.as_tensor(call())
+        assert torch.isfinite(output).all() and float((output - reference).abs().max()) > 1e-6
+        assert tome.patched_models(pipe)[0].state.stats
+    tome.remove(pipe)
+    assert torch.equal(torch.as_tensor(call()), reference)
+
+
+def test_unet2d_kv_arrangement_keeps_every_query_and_pools_normed_keys():
+    """The default (mode="auto") on UNet2DModel: keys and values one per 2x2 cell, drawn from the normed tokens,
+    every query kept; an attention processor that fuses its projections is refused at patch."""
+    model, inputs = MERGED["UNet2DModel"]()
+    attention = next(m for m in model.modules() if isinstance(m, Attention))
+    tome.patch(model)
+    seen = {}
+    handles = [
+        attention.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0])),
+        attention.to_q.register_forward_pre_hook(lambda m, a: seen.setdefault("q", a[0])),
+        attention.to_k.register_forward_pre_hook(lambda m, a: seen.setdefault("k", a[0])),
+    ]
+    _run(model, inputs)
+    for handle in handles:
+        handle.remove()
+    normed = attention.group_norm(seen["x"]).flatten(2).transpose(1, 2)
+    assert torch.equal(seen["q"], normed) and seen["k"].shape[1] * 4 == normed.shape[1]
+    assert all(_nearest(k, n).max() < 1e-5 for k, n in zip(seen["k"], normed))  # each key one of the normed tokens
+    tome.remove(model)
+    attention.fuse_projections()
+    attention.set_processor(diffusers.models.attention_processor.FusedAttnProcessor2_0())
+    with pytest.raises(ValueError, match="does not run its query, key and value projections"):
+        tome.patch(model)
 
 
 # ---------------------------------------------------------------------------------------------------------
