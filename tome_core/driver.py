@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Se
 from .backend import get_ops
 from .config import ToMeConfig
 from .families import (
-    BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer, GridLayout, block_family, grid_layout,
+    BLOCK_FAMILIES, GRID_CONTAINERS, attends_text_only, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer, GridLayout, block_family, grid_layout,
     grid_last, temporal, text_follows, text_only,
 )
 from .levels import finest_attention_level, leading_raster, trailing_frames, trailing_raster
@@ -201,8 +201,8 @@ def arrangement_problem(fw: Framework, block: Any, sublayer: Sublayer, module: A
         if sublayer.text != TEXT_NONE:
             return f"{where()} runs joint attention over text and image tokens"
         return f"{where()} takes no keys and values apart from its queries"
-    if sublayer.text_if is not None and getattr(block, sublayer.text_if, False):
-        return f"{where()} attends to the text ({sublayer.text_if}=True), not to its own tokens"
+    if attends_text_only(block, sublayer):
+        return f"{where()} attends to the text ({sublayer.text_if or sublayer.text_unless}={bool(sublayer.text_if)}), not to its own tokens"
     if not fw.separate_kv(module):
         processor = type(getattr(module, "processor", None)).__name__
         return (
@@ -266,7 +266,8 @@ def is_unet_like(module: Any) -> bool:
     return hasattr(module, "down_blocks") and hasattr(module, "conv_in")
 
 
-TIMESTEPS = ("timestep", "timesteps", "t")  # what models call their timestep argument (HiDream, Z-Image)
+# what models call their timestep argument (HiDream, Z-Image; Stable Cascade's ratio in [0, 1])
+TIMESTEPS = ("timestep", "timesteps", "t", "timestep_ratio")
 # what models call the ids of their packed tokens; Krea 2's cover [text; image], the image's rows last
 TOKEN_IDS = ("img_ids", "position_ids")
 
@@ -701,6 +702,7 @@ class _MergeInput:
         self.counts_at = argument_positions(type(module).forward, *sublayer.counts)
         self.head = 0  # the head in this call's input (sublayer_head)
         self.inside = _Inside(fw, run, sublayer, module) if sublayer.projections else None
+        self.text_only = attends_text_only(run.block, sublayer)  # its block's flag makes it a cross-attention
         self.kv_at = argument_positions(type(module).forward, "encoder_hidden_states")["encoder_hidden_states"]
 
     def __call__(self, module, args, kwargs):
@@ -745,7 +747,7 @@ class _MergeInput:
         them), which merges its queries as ``crossattn``."""
         x = argument(args, kwargs, "hidden_states", 0)
         kv = argument(args, kwargs, "encoder_hidden_states", self.kv_at)
-        cross = self.sublayer.text == TEXT_NONE and kv is not None and kv is not x
+        cross = (self.sublayer.text == TEXT_NONE and kv is not None and kv is not x) or self.text_only
         kind = "crossattn" if cross else self.sublayer.kind
         match = self.run.matches.get(kind)
         if match is None or match.merged == 0 or self._passes(args, kwargs):
@@ -1351,7 +1353,7 @@ def check_sublayers(fw: Framework, model: Any, config: ToMeConfig) -> None:
             raise ValueError(f"ToMe cannot merge block {stream} of {where}: {problem}")
         if problem is not None and config.mode in ("kv", "queries"):
             raise arrangement_error(config.mode, f"block {stream} of {where}", problem)
-        if sublayer.text_if is not None and getattr(block, sublayer.text_if, False):
+        if attends_text_only(block, sublayer):
             continue  # it attends to the text: no merged keys, no sizes
         size_aware = any(choice.arrangement(sublayer.kind, sublayer.attention)[1] for choice in choices)
         bias = fw.bias_problem(target) if size_aware else None

@@ -39,6 +39,9 @@ class Sublayer:
         (diffusers' ``encoder_hidden_states``); the ``kv`` and ``queries`` arrangements need one.
     text_if: a flag of the block that, when true, makes this attention attend to the text instead of its own
         tokens (``BasicTransformerBlock.only_cross_attention``): it has no self-attention keys to arrange.
+    text_unless: a flag of the block that, when false, makes this attention attend to the text alone (Stable
+        Cascade's ``SDCascadeAttnBlock.self_attn``: without it the keys are the condition's tokens only, not
+        [image; condition]): as with ``text_if``, a cross-attention then, merged as ``crossattn``.
     masks: ``(argument, token axes)`` of masks over the sub-layer's ``[text; image; tail]`` tokens (Chroma's
         ``attention_mask`` ``[B, 1, L, L]``: axes -2 and -1): gathered like the rotary positions, each merged token
         taking its destination's entry (image entries are all true, so the gather is exact). No axes: a mask
@@ -67,11 +70,20 @@ class Sublayer:
     attention: bool = False
     kv_input: Optional[str] = None
     text_if: Optional[str] = None
+    text_unless: Optional[str] = None
     masks: Tuple[Tuple[str, Tuple[int, ...]], ...] = ()
     once: bool = False
     aligned: Tuple[str, ...] = ()
     counts: Tuple[str, ...] = ()
     projections: Tuple[str, ...] = ()
+
+
+def attends_text_only(block: Any, sublayer: Sublayer) -> bool:
+    """Whether ``block``'s flags make ``sublayer``'s attention attend to the text instead of its own tokens
+    (:attr:`Sublayer.text_if`, :attr:`Sublayer.text_unless`): it then has no keys of its own tokens to merge."""
+    if sublayer.text_if is not None and getattr(block, sublayer.text_if, False):
+        return True
+    return sublayer.text_unless is not None and not getattr(block, sublayer.text_unless, True)
 
 
 @dataclass(frozen=True)
@@ -595,6 +607,21 @@ BLOCK_FAMILIES += (
         (Sublayer("", "attn", attention=True, projections=("to_q", "to_k", "to_v", "to_out.0")),),
         feature_map=True,
         models=("UNet2DModel",),
+    ),
+)
+
+BLOCK_FAMILIES += (
+    BlockFamily(  # Stable Cascade (Würstchen v3) stages B and C: an attention block on the 4-D feature map, its
+        "cascade-attention",  # norm and residual in the block, the attention's own group norm absent
+        ("SDCascadeAttnBlock",),
+        (
+            Sublayer(
+                "attention", "attn", text=TEXT_AFTER, attention=True, text_unless="self_attn",
+                projections=("to_q", "to_k", "to_v", "to_out.0"),
+            ),
+        ),
+        feature_map=True,
+        timesteps=1.0,  # its timestep_ratio, from 1 to 0 while sampling
     ),
 )
 

@@ -118,7 +118,6 @@ REFUSED: Dict[str, str] = {
     ),
     # image models whose attention is not in transformer blocks
     "Kandinsky3UNet": _OWN_ATTENTION + " (Kandinsky3AttentionBlock)",
-    "StableCascadeUNet": _OWN_ATTENTION + " (SDCascadeAttnBlock: self-attention over [image; condition] tokens)",
 }
 
 

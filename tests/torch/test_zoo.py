@@ -583,6 +583,17 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
              up_block_types=("AttnUpBlock2D", "UpBlock2D")),
         sample=(2, 3, 16, 16), timestep=torch.tensor([500, 500]),
     ),
+    "StableCascadeUNet": _built(  # Stable Cascade's stage B/C UNet: attention blocks on the feature map, one level
+        "StableCascadeUNet",  # with self-attention over [image; condition], one (half the size) attending to the
+        dict(  # condition alone (self_attn=False)
+            in_channels=4, out_channels=4, conditioning_dim=32, block_out_channels=[16, 32], num_attention_heads=[2, 2],
+            down_num_layers_per_block=[1, 1], up_num_layers_per_block=[1, 1], down_blocks_repeat_mappers=[1, 1],
+            up_blocks_repeat_mappers=[1, 1], switch_level=None, clip_text_pooled_in_channels=16, self_attn=[True, False],
+            timestep_ratio_embedding_dim=16, dropout=[0.0, 0.0],
+            block_types_per_layer=[["SDCascadeResBlock", "SDCascadeTimestepBlock", "SDCascadeAttnBlock"]] * 2,
+        ),
+        sample=(2, 4, 16, 16), timestep_ratio=torch.tensor([0.5, 0.5]), clip_text_pooled=(2, 1, 16),
+    ),
 }
 # Classes that merge and are checked in their own tests (module named).
 MERGED_ELSEWHERE = {
@@ -1112,3 +1123,48 @@ def test_a_key_mask_after_the_image_keeps_its_text_part_in_place():
         assert torch.equal(patched[:, 60 - merged :], unpatched[:, 60:])  # padding and caption, in place
         assert bool(patched[:, : 60 - merged].all())  # every kept image token attends
         assert not bool(patched.all())  # the shorter caption's padding stays masked
+
+
+def _cascade_projections(model, inputs, **options):
+    """Per SDCascadeAttnBlock of a patched StableCascadeUNet: (its self_attn flag, the condition's tokens it
+    attends to, what its attention's query projection got, what its key projection got)."""
+    tome.patch(model, **options)
+    seen, handles = [], []
+    for block in (m for m in model.modules() if type(m).__name__ == "SDCascadeAttnBlock"):
+        call = {"self": block.self_attn}
+        seen.append(call)
+        handles += [  # after ToMe's hooks: they see what the projections get
+            block.kv_mapper.register_forward_hook(lambda m, a, out, c=call: c.setdefault("cond", out)),
+            block.attention.to_q.register_forward_pre_hook(lambda m, a, c=call: c.setdefault("q", a[0])),
+            block.attention.to_k.register_forward_pre_hook(lambda m, a, c=call: c.setdefault("k", a[0])),
+        ]
+    _run(model, inputs)
+    for handle in handles:
+        handle.remove()
+    tome.remove(model)
+    return [(c["self"], c["cond"], c["q"], c["k"]) for c in seen]
+
+
+def test_stable_cascade_merges_the_image_keys_before_the_condition_and_its_condition_only_blocks_as_cross():
+    """Stable Cascade's attention block attends to [normed image; condition] (self_attn=True) or to the condition
+    alone (self_attn=False). ToMe for SD's arrangement: the key projection gets the image part merged as the
+    queries are, the condition's tokens after it exactly as they were; a condition-only block merges its queries
+    as a cross-attention does (merge_crossattn) and never its keys. The default (kv in 2x2 cells) keeps every query. Blocks merge at
+    the finest level unless max_downsample reaches the coarser one."""
+    model, inputs = MERGED["StableCascadeUNet"]()
+    fine = inputs["sample"].shape[-2] * inputs["sample"].shape[-1]
+    calls = _cascade_projections(model, inputs, ratio=0.5, max_downsample=2, merge_crossattn=True)
+    assert sorted(s for s, *_ in calls) == [False, False, True, True]
+    for self_attn, cond, q, k in calls:
+        tokens = fine if self_attn else fine // 4  # the condition-only level is the coarser one here
+        assert q.shape[1] == tokens // 2
+        if self_attn:
+            assert k.shape[1] == q.shape[1] + cond.shape[1] and torch.equal(k[:, q.shape[1]:], cond)
+            assert torch.allclose(k[:, : q.shape[1]], q, atol=1e-6, rtol=0)
+        else:
+            assert torch.equal(k, cond)
+    for self_attn, cond, q, k in _cascade_projections(model, inputs, ratio=0.5, merge_crossattn=True):  # the coarser level unmerged
+        assert q.shape[1] == (fine // 2 if self_attn else fine // 4)
+    for self_attn, cond, q, k in _cascade_projections(model, inputs):  # the default
+        assert q.shape[1] == (fine if self_attn else fine // 4)
+        assert torch.equal(k, cond) if not self_attn else k.shape[1] == fine // 4 + cond.shape[1]
