@@ -750,7 +750,8 @@ class _MergeInput:
         cross = (self.sublayer.text == TEXT_NONE and kv is not None and kv is not x) or self.text_only
         kind = "crossattn" if cross else self.sublayer.kind
         match = self.run.matches.get(kind)
-        if match is None or match.merged == 0 or self._passes(args, kwargs):
+        # a cross-attention's attention_mask is over the text's keys (Kandinsky 3's), which merging never touches
+        if match is None or match.merged == 0 or (not cross and self._passes(args, kwargs)):
             return None
         mode, size_aware = self.run.config.arrangement(kind, self.sublayer.attention and not cross)
         self.inside.arm(match, mode, cross, size_aware)

@@ -625,6 +625,15 @@ BLOCK_FAMILIES += (
     ),
 )
 
+BLOCK_FAMILIES += (
+    BlockFamily(  # Kandinsky 3's attention block on the 4-D feature map: conditional group norm, attention (self, or
+        "kandinsky3-attention",  # cross to the text) and residual, then a 1x1-convolution MLP, all in the block
+        ("Kandinsky3AttentionBlock",),
+        (Sublayer("attention", "attn", attention=True, projections=("to_q", "to_k", "to_v", "to_out.0")),),
+        feature_map=True,
+    ),
+)
+
 _BY_CLASS: Dict[str, BlockFamily] = {
     name: family for family in BLOCK_FAMILIES if not family.models for name in family.classes
 }

@@ -13,10 +13,6 @@ from typing import Dict, Optional
 
 _AUDIO = "generates audio, a 1-D sequence of tokens with no image grid to merge on"
 _NOT_A_GRID = "its tokens are not an image's: there is no spatial grid whose neighbours ToMe for SD merges"
-_OWN_ATTENTION = (
-    "its attention layers sit inside its own ResNet-style blocks rather than in transformer blocks with "
-    "separate attention and feed-forward sub-layers; ToMe for SD merges transformer blocks only"
-)
 
 REFUSED: Dict[str, str] = {
     # not image or video generation
@@ -116,8 +112,6 @@ REFUSED: Dict[str, str] = {
         "not supported yet: one stream whose gist (text) tokens go before the image or after it depending on the "
         "batch's padding, with context images' tokens after the image"
     ),
-    # image models whose attention is not in transformer blocks
-    "Kandinsky3UNet": _OWN_ATTENTION + " (Kandinsky3AttentionBlock)",
 }
 
 

@@ -24,7 +24,7 @@ from diffusers.models.attention_processor import Attention
 import tome_core.torch as tome
 from tome_core.adapters.diffusers import FRAMEWORK
 from tome_core.backend import get_ops
-from tome_core.driver import SizeBias
+from tome_core.driver import SizeBias, blocks_of
 from tome_core.families import TEXT_SUFFIX
 from tome_core.match import bipartite_matches
 from tome_core.merge import merge, unmerge
@@ -594,6 +594,13 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
         ),
         sample=(2, 4, 16, 16), timestep_ratio=torch.tensor([0.5, 0.5]), clip_text_pooled=(2, 1, 16),
     ),
+    "Kandinsky3UNet": _built(  # Kandinsky 3: attention blocks (self, and cross to the text) on the feature map from
+        "Kandinsky3UNet",  # its second level (half the latent) down
+        dict(in_channels=4, time_embedding_dim=8, groups=2, attention_head_dim=4, layers_per_block=2,
+             block_out_channels=(16, 32), cross_attention_dim=8, encoder_hid_dim=12),
+        sample=(2, 4, 16, 16), timestep=torch.tensor([500, 500]), encoder_hidden_states=(2, 5, 12),
+        encoder_attention_mask=torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]),
+    ),
 }
 # Classes that merge and are checked in their own tests (module named).
 MERGED_ELSEWHERE = {
@@ -693,16 +700,18 @@ def _attention_calls(model, inputs):
         text = text.clone() if isinstance(text, torch.Tensor) and text is not hidden else None
         seen.append([name, hidden.shape[1] if hidden.dim() == 3 else None, text])
 
-    def keys(module, args):  # an attention on a 4-D feature map (UNet2DModel's): the keys its projection gets
-        if seen and seen[-1][1] is None:
-            seen[-1][1] = args[0].shape[1]
+    def keys(module, args):  # an attention merged at its projections: the tokens its key projection gets
+        seen[-1][1] = args[0].shape[1]
 
     attentions = [(name, m) for name, m in model.named_modules() if type(m).__name__.endswith("Attention")]
     handles = [
         module.register_forward_pre_hook(lambda m, a, k, n=name: record(m, a, k, n), with_kwargs=True)
         for name, module in attentions
     ]
-    handles += [m.to_k.register_forward_pre_hook(keys) for _, m in attentions if isinstance(getattr(m, "to_k", None), torch.nn.Module)]
+    # the attentions of blocks on a feature map (UNet2DModel, Stable Cascade, Kandinsky 3) keep their own input
+    # whole; ToMe merges what their projections get
+    inside = {id(m) for block, family in blocks_of(FRAMEWORK, model) if family.feature_map for m in block.modules()}
+    handles += [m.to_k.register_forward_pre_hook(keys) for _, m in attentions if id(m) in inside]
     try:
         output = _run(model, inputs)
     finally:
@@ -1168,3 +1177,40 @@ def test_stable_cascade_merges_the_image_keys_before_the_condition_and_its_condi
     for self_attn, cond, q, k in _cascade_projections(model, inputs):  # the default
         assert q.shape[1] == (fine if self_attn else fine // 4)
         assert torch.equal(k, cond) if not self_attn else k.shape[1] == fine // 4 + cond.shape[1]
+
+
+def test_kandinsky3_merges_after_its_block_norm_and_its_cross_attention_keeps_the_text_and_its_mask():
+    """Kandinsky 3's attention block norms the feature map (a conditional group norm over every token), attends
+    and adds the result back. ToMe for SD's arrangement: a self-attention's query projection gets the means of the
+    normed tokens over each merged group, its key projection the same merged tokens, and the attention returns
+    one row per group (unmerged before the residual); a cross-attention (merge_crossattn) merges its queries
+    alone: its keys are the text as given, its text mask passes untouched."""
+    model, inputs = MERGED["Kandinsky3UNet"]()
+    tome.patch(model, ratio=0.5, merge_crossattn=True)
+    calls, handles = [], []
+    for block in (m for m in model.modules() if type(m).__name__ == "Kandinsky3AttentionBlock"):
+        attention = block.attention
+        handles += [  # after ToMe's hooks: they see what the projections get
+            block.in_norm.register_forward_hook(lambda m, a, out: calls.append({"normed": out})),
+            attention.register_forward_pre_hook(lambda m, a: calls[-1].update(x=a[0], context=a[1], mask=a[2])),
+            attention.to_q.register_forward_pre_hook(lambda m, a: calls[-1].setdefault("q", a[0])),
+            attention.to_k.register_forward_pre_hook(lambda m, a: calls[-1].setdefault("k", a[0])),
+            attention.register_forward_hook(lambda m, a, out: calls[-1].update(y=out)),
+        ]
+    _run(model, inputs)
+    for handle in handles:
+        handle.remove()
+    tome.remove(model)
+    assert {c["context"] is c["x"] for c in calls} == {True, False}  # self- and cross-attention blocks both ran
+    for call in calls:
+        normed, q, k, y = call["normed"].flatten(2).transpose(1, 2), call["q"], call["k"], call["y"]
+        assert torch.equal(call["x"], normed) and q.shape[1] == normed.shape[1] // 2
+        if call["context"] is call["x"]:
+            assert torch.equal(k, q) and call["mask"] is None
+        else:
+            assert torch.equal(k, call["context"]) and call["mask"] is not None
+        for b in range(y.shape[0]):  # one attention output per merged token, each the attention of a normed mean
+            rows, groups = torch.unique(y[b].round(decimals=5), dim=0, return_inverse=True)
+            assert rows.shape[0] == q.shape[1]
+            means = torch.stack([normed[b][groups == g].mean(0) for g in range(rows.shape[0])])
+            assert _nearest(means, q[b]).max() < 1e-4
