@@ -243,6 +243,15 @@ def _is_shape(value: Any) -> bool:
     return isinstance(value, tuple) and all(isinstance(n, int) for n in value)
 
 
+# Stable Cascade's stage B/C UNet: attention blocks on the feature map, one level with self-attention over [image;
+# condition], one (half the size) attending to the condition alone (self_attn=False)
+_CASCADE = dict(
+    in_channels=4, out_channels=4, conditioning_dim=32, block_out_channels=[16, 32], num_attention_heads=[2, 2],
+    down_num_layers_per_block=[1, 1], up_num_layers_per_block=[1, 1], down_blocks_repeat_mappers=[1, 1],
+    up_blocks_repeat_mappers=[1, 1], switch_level=None, clip_text_pooled_in_channels=16, self_attn=[True, False],
+    timestep_ratio_embedding_dim=16, dropout=[0.0, 0.0],
+    block_types_per_layer=[["SDCascadeResBlock", "SDCascadeTimestepBlock", "SDCascadeAttnBlock"]] * 2,
+)
 _WAN = dict(
     patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4, text_dim=16,
     freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
@@ -583,16 +592,8 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
              up_block_types=("AttnUpBlock2D", "UpBlock2D")),
         sample=(2, 3, 16, 16), timestep=torch.tensor([500, 500]),
     ),
-    "StableCascadeUNet": _built(  # Stable Cascade's stage B/C UNet: attention blocks on the feature map, one level
-        "StableCascadeUNet",  # with self-attention over [image; condition], one (half the size) attending to the
-        dict(  # condition alone (self_attn=False)
-            in_channels=4, out_channels=4, conditioning_dim=32, block_out_channels=[16, 32], num_attention_heads=[2, 2],
-            down_num_layers_per_block=[1, 1], up_num_layers_per_block=[1, 1], down_blocks_repeat_mappers=[1, 1],
-            up_blocks_repeat_mappers=[1, 1], switch_level=None, clip_text_pooled_in_channels=16, self_attn=[True, False],
-            timestep_ratio_embedding_dim=16, dropout=[0.0, 0.0],
-            block_types_per_layer=[["SDCascadeResBlock", "SDCascadeTimestepBlock", "SDCascadeAttnBlock"]] * 2,
-        ),
-        sample=(2, 4, 16, 16), timestep_ratio=torch.tensor([0.5, 0.5]), clip_text_pooled=(2, 1, 16),
+    "StableCascadeUNet": _built(
+        "StableCascadeUNet", _CASCADE, sample=(2, 4, 16, 16), timestep_ratio=torch.tensor([0.5, 0.5]), clip_text_pooled=(2, 1, 16),
     ),
     "Kandinsky3UNet": _built(  # Kandinsky 3: attention blocks (self, and cross to the text) on the feature map from
         "Kandinsky3UNet",  # its second level (half the latent) down
@@ -803,16 +804,9 @@ def test_unconditional_pipelines_merge_end_to_end(pipeline):
     unet = MERGED["UNet2DModel"]()[0]
     scheduler = getattr(diffusers, pipeline.replace("Pipeline", "Scheduler"))(num_train_timesteps=1000)
     pipe = getattr(diffusers, pipeline)(unet=unet, scheduler=scheduler)
-    pipe.set_progress_bar_config(disable=True)
-    call = lambda: pipe(batch_size=2, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="np").images  # noqa: E731
-    reference = torch.as_tensor(call())
-    for options in (dict(ratio=0.5), {}):
-        tome.patch(pipe, **options)
-        output = torch.as_tensor(call())
-        assert torch.isfinite(output).all() and float((output - reference).abs().max()) > 1e-6
-        assert tome.patched_models(pipe)[0].state.stats
-    tome.remove(pipe)
-    assert torch.equal(torch.as_tensor(call()), reference)
+    _pipeline_end_to_end(
+        pipe, lambda: pipe(batch_size=2, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="np").images,
+    )
 
 
 def test_unet2d_kv_arrangement_keeps_every_query_and_pools_normed_keys():
@@ -1132,6 +1126,86 @@ def test_a_key_mask_after_the_image_keeps_its_text_part_in_place():
         assert torch.equal(patched[:, 60 - merged :], unpatched[:, 60:])  # padding and caption, in place
         assert bool(patched[:, : 60 - merged].all())  # every kept image token attends
         assert not bool(patched.all())  # the shorter caption's padding stays masked
+
+
+def _cascade_pipeline(stage: str) -> Tuple[Any, Dict[str, Any]]:
+    """Stable Cascade's prior (stage C: text, pooled text and image conditions, latents from the image size) or
+    decoder (stage B: pooled text, the prior's image embeddings, a tiny Paella VQ-GAN) pipeline from tiny
+    components, and its call's keyword arguments (text embeddings in place of its text encoder's output; a tiny
+    text encoder is there for its dtype, which the pipelines read even when given the embeddings)."""
+    import transformers
+    from diffusers.pipelines.deprecated.wuerstchen.modeling_paella_vq_model import PaellaVQModel
+
+    torch.manual_seed(3)
+    encoder = transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(
+        vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, projection_dim=16,
+    )).eval()
+
+    generator = torch.Generator().manual_seed(2)
+    randn = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
+    text = dict(prompt_embeds=randn(1, 5, 16), prompt_embeds_pooled=randn(1, 1, 16))
+    if stage == "prior":
+        prior = zoo._random_transformer("StableCascadeUNet", dict(_CASCADE, clip_text_in_channels=16, clip_image_in_channels=8), 0)
+        pipe = diffusers.StableCascadePriorPipeline(
+            tokenizer=None, text_encoder=encoder, prior=prior, scheduler=diffusers.DDPMWuerstchenScheduler(), resolution_multiple=8.0,
+        )
+        negative = dict(negative_prompt_embeds=randn(1, 5, 16), negative_prompt_embeds_pooled=randn(1, 1, 16))
+        return pipe, dict(text, **negative, height=128, width=128, guidance_scale=2.0)
+    decoder = zoo._random_transformer("StableCascadeUNet", _CASCADE, 0)
+    torch.manual_seed(1)
+    vqgan = PaellaVQModel(bottleneck_blocks=1, num_vq_embeddings=2, embed_dim=16).eval()
+    pipe = diffusers.StableCascadeDecoderPipeline(
+        decoder=decoder, tokenizer=None, text_encoder=encoder, scheduler=diffusers.DDPMWuerstchenScheduler(), vqgan=vqgan,
+    )
+    return pipe, dict(text, image_embeddings=randn(1, 4, 4, 4), guidance_scale=0.0)
+
+
+def _pipeline_end_to_end(pipe: Any, call: Callable[[], Any]) -> None:
+    """``pipe`` patched (ToMe for SD's arrangement and the default) runs finite, merges and differs from itself
+    unpatched; removed, it matches that again."""
+    pipe.set_progress_bar_config(disable=True)
+    reference = torch.as_tensor(call())
+    for options in (dict(ratio=0.5), {}):
+        tome.patch(pipe, **options)
+        output = torch.as_tensor(call())
+        assert torch.isfinite(output).all() and float((output - reference).abs().max()) > 1e-6
+        assert tome.patched_models(pipe)[0].state.stats
+    tome.remove(pipe)
+    assert torch.equal(torch.as_tensor(call()), reference)
+
+
+@pytest.mark.parametrize("stage", ["prior", "decoder"])
+def test_stable_cascade_pipelines_merge_end_to_end(stage):
+    """StableCascadePriorPipeline (classifier-free guidance, text and image conditions) and
+    StableCascadeDecoderPipeline from tiny components."""
+    pipe, kwargs = _cascade_pipeline(stage)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the pipelines say they are deprecated
+        _pipeline_end_to_end(pipe, lambda: _flat(pipe(
+            **kwargs, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt", return_dict=False,
+        )))
+
+
+def test_kandinsky3_pipeline_merges_end_to_end():
+    """Kandinsky3Pipeline from tiny components (its UNet, a tiny MoVQ), classifier-free guidance with a text mask."""
+    unet = MERGED["Kandinsky3UNet"]()[0]
+    torch.manual_seed(1)
+    movq = diffusers.VQModel(
+        block_out_channels=[32, 32], down_block_types=["DownEncoderBlock2D", "AttnDownEncoderBlock2D"], in_channels=3,
+        latent_channels=4, layers_per_block=1, norm_num_groups=8, norm_type="spatial", num_vq_embeddings=12, out_channels=3,
+        up_block_types=["AttnUpDecoderBlock2D", "UpDecoderBlock2D"], vq_embed_dim=4,
+    ).eval()
+    pipe = diffusers.Kandinsky3Pipeline(
+        tokenizer=None, text_encoder=None, unet=unet, scheduler=diffusers.DDPMScheduler(beta_schedule="squaredcos_cap_v2"),
+        movq=movq,
+    )
+    text = torch.randn(1, 5, 12, generator=torch.Generator().manual_seed(2))
+    mask = torch.tensor([[1, 1, 1, 0, 0]])
+    _pipeline_end_to_end(pipe, lambda: pipe(
+        prompt_embeds=text, negative_prompt_embeds=torch.zeros_like(text), attention_mask=mask,
+        negative_attention_mask=torch.zeros_like(mask), height=128, width=128, num_inference_steps=2,
+        generator=torch.Generator().manual_seed(0), output_type="np",
+    ).images)
 
 
 def _cascade_projections(model, inputs, **options):
