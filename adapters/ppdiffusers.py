@@ -352,12 +352,16 @@ def _refuse_fused_models(obj: Any) -> None:
 
 # Model classes that merge on torch but not yet here, with the reason ``patch`` gives (the shared table of
 # refusals, :data:`tome_core.model_zoo.REFUSED`, holds the classes refused everywhere).
+_INSIDE = (
+    "merge inside the attention, at its query, key and value projections; on torch this is tested against the "
+    "unpatched model, while ppdiffusers' processors would size their attention mask and proportional attention "
+    "from the unmerged input there"
+)
 NOT_ON_PADDLE: Dict[str, str] = {
-    "UNet2DModel": (
-        "not supported on paddle yet: its attention layers (group norm and residual inside each Attention) merge "
-        "inside the attention, at its query, key and value projections; on torch this is tested against the "
-        "unpatched model, while ppdiffusers' processors would size their attention mask and proportional "
-        "attention from the unmerged input there"
+    "UNet2DModel": "not supported on paddle yet: its attention layers (group norm and residual inside each Attention) " + _INSIDE,
+    "Kandinsky3UNet": (
+        "not supported on paddle yet: its attention blocks (Kandinsky3AttentionBlock, on the feature map, with "
+        "ppdiffusers' own Kandi3AttnProcessor) " + _INSIDE
     ),
 }
 

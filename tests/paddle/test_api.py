@@ -289,3 +289,16 @@ def test_unconditional_unet2d_is_refused_on_paddle_with_its_reason():
         assert not tome.patched_models(obj) and hook_count(unet) == 0
     with pytest.raises(ValueError, match=NOT_ON_PADDLE["UNet2DModel"][:40]):
         unet.apply_tome(0.5)
+
+
+def test_kandinsky3_unet_is_refused_on_paddle_with_its_reason():
+    """Kandinsky3UNet merges on torch (inside its attention blocks' attention) but not on paddle yet."""
+    from ppdiffusers import Kandinsky3UNet
+
+    unet = Kandinsky3UNet(
+        in_channels=4, time_embedding_dim=8, groups=2, attention_head_dim=4, layers_per_block=2,
+        block_out_channels=(16, 32), cross_attention_dim=8, encoder_hid_dim=12,
+    )
+    with pytest.raises(ValueError, match="ToMe cannot patch Kandinsky3UNet: not supported on paddle yet"):
+        tome.patch(unet, ratio=0.5)
+    assert hook_count(unet) == 0
