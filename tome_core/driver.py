@@ -1128,23 +1128,47 @@ def blocks_of(fw: Framework, model: Any) -> List[Tuple[Any, BlockFamily]]:
 
 
 def finest_level(fw: Framework, model: Any) -> int:
-    """Downsample factor of a UNet's finest level with attention; 1 for transformers."""
-    if not is_unet_like(model):
-        return 1
-    attending = {
+    """Downsample factor of a UNet's finest level with attention; 1 for transformers. Stable Cascade's UNet (a
+    patchified model whose levels are resampled by its ``down_downscalers``, before each level's blocks) counts
+    the downscalers that halve the grid before its first level with attention: its stage B has none at the two
+    finest levels, its stage C two levels on one grid."""
+    attending = lambda: {  # noqa: E731
         id(block) for block, family in blocks_of(fw, model)
         for sublayer in family.sublayers if sublayer.kind == "attn" and fw.is_module(_child(block, sublayer.child))
     }
-    return finest_attention_level([any(id(m) in attending for m in fw.submodules(down)) for down in model.down_blocks])
+    downscalers = getattr(model, "down_downscalers", None)
+    if not is_unet_like(model) and downscalers is not None and hasattr(model, "down_blocks"):
+        ids, factor = attending(), 1
+        for down, downscaler in zip(model.down_blocks, downscalers):
+            factor *= 2 if _halves(fw, downscaler) else 1
+            if any(id(m) in ids for m in fw.submodules(down)):
+                return factor
+        return factor
+    if not is_unet_like(model):
+        return 1
+    ids = attending()
+    return finest_attention_level([any(id(m) in ids for m in fw.submodules(down)) for down in model.down_blocks])
+
+
+def _halves(fw: Framework, module: Any) -> bool:
+    """Whether a resampling module halves the grid: it holds a stride-2 convolution or a 0.5x interpolation."""
+    return any(
+        getattr(m, "stride", None) in (2, (2, 2)) or getattr(m, "scale_factor", None) in (0.5, (0.5, 0.5))
+        for m in fw.submodules(module)
+    )
 
 
 def block_levels(fw: Framework, model: Any) -> List[Optional[int]]:
     """The level (downsample factor) of each block of :func:`blocks_of`: 1 in a diffusion transformer; in a
     UNet-like model, doubled after each down block that downsamples and halved after each up block that
-    upsamples (the middle block at the deepest level); ``None`` where the model does not tell."""
+    upsamples (the middle block at the deepest level); ``None`` where the model does not tell: blocks on a
+    feature map outside a UNet (Stable Cascade's levels), and UNets whose down blocks resample inside their
+    ResNets rather than in ``downsamplers`` (Kandinsky 3's); their merges then follow each block's grid."""
     blocks = blocks_of(fw, model)
     if not is_unet_like(model):
-        return [1 if is_transformer_model(model) else None for _ in blocks]
+        return [1 if is_transformer_model(model) and not family.feature_map else None for _, family in blocks]
+    if not any(hasattr(down, "downsamplers") for down in model.down_blocks):
+        return [None for _ in blocks]
     level: Dict[int, int] = {}
     factor = 1
     path = [(down, "downsamplers") for down in model.down_blocks]

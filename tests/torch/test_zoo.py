@@ -1288,3 +1288,24 @@ def test_kandinsky3_merges_after_its_block_norm_and_its_cross_attention_keeps_th
             assert rows.shape[0] == q.shape[1]
             means = torch.stack([normed[b][groups == g].mean(0) for g in range(rows.shape[0])])
             assert _nearest(means, q[b]).max() < 1e-4
+
+
+def test_stable_cascade_stage_b_merges_from_its_finest_level_with_attention():
+    """Stage B (the decoder) has no attention at its two finest levels: ToMe's default finest level is the first
+    one with attention (here the second, half the patch grid, after a stride-2 downscaler), so its blocks merge by
+    default, and the coarser level joins with max_downsample. Stage C's two levels share one grid: both merge."""
+    layers = [["SDCascadeResBlock", "SDCascadeTimestepBlock"]] + [_CASCADE["block_types_per_layer"][0]] * 2
+    stage_b = dict(
+        _CASCADE, block_out_channels=[16, 32, 32], num_attention_heads=[0, 2, 2], down_num_layers_per_block=[1] * 3,
+        up_num_layers_per_block=[1] * 3, down_blocks_repeat_mappers=[1] * 3, up_blocks_repeat_mappers=[1] * 3,
+        self_attn=True, dropout=[0.0] * 3, block_types_per_layer=layers, patch_size=2,
+    )
+    inputs = dict(sample=torch.randn(2, 4, 16, 16), timestep_ratio=torch.tensor([0.5, 0.5]), clip_text_pooled=torch.randn(2, 1, 16))
+    for config, options, levels in (
+        (stage_b, {}, {2}), (stage_b, dict(max_downsample=4), {2, 4}), (dict(_CASCADE, switch_level=[False], self_attn=True), {}, {1}),
+    ):
+        model = zoo._random_transformer("StableCascadeUNet", config, 0)
+        tome.patch(model, ratio=0.5, **options)
+        _run(model, inputs)
+        stats = tome.patched_models(model)[0].state.stats
+        assert set(stats) == levels and all(level.blocks == (2 if config is stage_b else 4) for level in stats.values())
