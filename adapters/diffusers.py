@@ -36,8 +36,9 @@ from tome_core.shards import Shards
 from tome_core.state import ToMeState
 
 ACCEPTED = (
-    "a diffusers DiffusionPipeline, a UNet2DConditionModel, a UNet2DModel, a ControlNetModel (or MultiControlNetModel), a video "
-    "UNet (UNetMotionModel, UNetSpatioTemporalConditionModel, UNet3DConditionModel), an "
+    "a diffusers DiffusionPipeline, a UNet2DConditionModel, a UNet2DModel, a Kandinsky3UNet, a StableCascadeUNet, "
+    "a ControlNetModel (or MultiControlNetModel), a video UNet (UNetMotionModel, UNetSpatioTemporalConditionModel, "
+    "UNet3DConditionModel), an "
     "SD3Transformer2DModel, FluxTransformer2DModel, PixArtTransformer2DModel or DiTTransformer2DModel (or their "
     "ControlNets), or a torch.nn.Module containing diffusers transformer blocks"
 )
