@@ -36,8 +36,9 @@ from tome_core.shards import Shards
 from tome_core.state import ToMeState
 
 ACCEPTED = (
-    "a diffusers DiffusionPipeline, a UNet2DConditionModel, a ControlNetModel (or MultiControlNetModel), a video "
-    "UNet (UNetMotionModel, UNetSpatioTemporalConditionModel, UNet3DConditionModel), an "
+    "a diffusers DiffusionPipeline, a UNet2DConditionModel, a UNet2DModel, a Kandinsky3UNet, a StableCascadeUNet, "
+    "a ControlNetModel (or MultiControlNetModel), a video UNet (UNetMotionModel, UNetSpatioTemporalConditionModel, "
+    "UNet3DConditionModel), an "
     "SD3Transformer2DModel, FluxTransformer2DModel, PixArtTransformer2DModel or DiTTransformer2DModel (or their "
     "ControlNets), or a torch.nn.Module containing diffusers transformer blocks"
 )
@@ -184,7 +185,7 @@ class TorchFramework:
 
     def size_aware(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: driver.SizeBias):
         processor = getattr(module, "processor", None)
-        if type(processor).__name__ in MASK_PROCESSORS:
+        if type(processor).__name__ in MASK_PROCESSORS and bias.whole_mask:
             return args, {**kwargs, "attention_mask": bias.for_merged_tokens()}
         mode = _SizeBiasMode(bias, _ulysses_group(processor))
         module.__dict__["_tome_size_bias"] = mode

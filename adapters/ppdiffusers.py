@@ -350,6 +350,31 @@ def _refuse_fused_models(obj: Any) -> None:
                 )
 
 
+# Model classes that merge on torch but not yet here, with the reason ``patch`` gives (the shared table of
+# refusals, :data:`tome_core.model_zoo.REFUSED`, holds the classes refused everywhere).
+_INSIDE = (
+    "merge inside the attention, at its query, key and value projections; on torch this is tested against the "
+    "unpatched model, while ppdiffusers' processors would size their attention mask and proportional attention "
+    "from the unmerged input there"
+)
+NOT_ON_PADDLE: Dict[str, str] = {
+    "UNet2DModel": "not supported on paddle yet: its attention layers (group norm and residual inside each Attention) " + _INSIDE,
+    "Kandinsky3UNet": (
+        "not supported on paddle yet: its attention blocks (Kandinsky3AttentionBlock, on the feature map, with "
+        "ppdiffusers' own Kandi3AttnProcessor) " + _INSIDE
+    ),
+}
+
+
+def _refuse_unsupported_models(obj: Any) -> None:
+    """Refuse a model (or a pipeline holding one) of a class listed in :data:`NOT_ON_PADDLE`, with its reason;
+    by exact class name or that of its nearest listed base class."""
+    for component in driver.components(FRAMEWORK, obj):
+        listed = next((NOT_ON_PADDLE[c.__name__] for c in type(component).__mro__ if c.__name__ in NOT_ON_PADDLE), None)
+        if listed is not None:
+            raise ValueError(f"ToMe cannot patch {type(component).__qualname__}: {listed}")
+
+
 def _static_parameters(program: Any) -> List[Any]:
     """The parameters (and buffers) a ``to_static`` concrete program holds: a list, or with PIR a pair
     ``(tensors, values)``."""
@@ -386,6 +411,7 @@ def patch(obj: Any, **options: Any) -> Any:
     """Apply ToMe to ``obj`` in place and return it; patching again replaces the earlier options (and
     ppdiffusers' own port)."""
     _refuse_fused_models(obj)
+    _refuse_unsupported_models(obj)
     driver.patch(FRAMEWORK, obj, options, undo=_undo)
     _drop_static_programs(obj)
     return obj

@@ -35,8 +35,8 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Se
 from .backend import get_ops
 from .config import ToMeConfig
 from .families import (
-    BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer, GridLayout, block_family, child_at,
-    context_latents, grid_layout, grid_last, temporal, text_follows, text_only, with_text_after,
+    BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer, GridLayout, attends_text_only,
+    block_family, child_at, context_latents, grid_layout, grid_last, temporal, text_follows, text_only, with_text_after,
 )
 from .levels import finest_attention_level, leading_raster, trailing_frames, trailing_raster
 from .match import Match
@@ -109,8 +109,11 @@ class SizeBias:
     attention over ``K`` keys, or raises if ``K`` does not fit.
     """
 
-    def __init__(self, match: Match, text: str, like: Any, tail: int = 0, head: int = 0):
+    def __init__(self, match: Match, text: str, like: Any, tail: int = 0, head: int = 0, whole_mask: bool = True):
         self.match = match
+        # whether an attention_mask over the merged tokens can carry it: not where the attention merges inside
+        # itself (Sublayer.projections), since it sizes its masks from its unmerged input
+        self.whole_mask = whole_mask
         self.text = text
         self.like = like  # the merged tokens: the dtype of the mask
         self.tail = tail  # unmerged tokens of other images right after the merged ones (size 1, bias 0)
@@ -188,12 +191,19 @@ def arrangement_problem(fw: Framework, block: Any, sublayer: Sublayer, module: A
     """Why a self-attention cannot run the ``kv`` or ``queries`` arrangement now (None: it can): they hand it
     keys and values apart from its queries, through its ``kv_input``."""
     where = lambda: f"{type(block).__name__}.{sublayer.child}"  # noqa: E731 (formatted only for a problem)
+    if sublayer.projections:
+        if fw.separate_kv(module):
+            return None
+        return (
+            f"{where()}'s processor {type(getattr(module, 'processor', None)).__name__} does not run its query, key "
+            f"and value projections ({', '.join(sublayer.projections[:3])}) apart, where ToMe merges"
+        )
     if sublayer.kv_input is None:
         if sublayer.text != TEXT_NONE:
             return f"{where()} runs joint attention over text and image tokens"
         return f"{where()} takes no keys and values apart from its queries"
-    if sublayer.text_if is not None and getattr(block, sublayer.text_if, False):
-        return f"{where()} attends to the text ({sublayer.text_if}=True), not to its own tokens"
+    if attends_text_only(block, sublayer):
+        return f"{where()} attends to the text ({sublayer.text_if or sublayer.text_unless}={bool(sublayer.text_if)}), not to its own tokens"
     if not fw.separate_kv(module):
         processor = type(getattr(module, "processor", None)).__name__
         return (
@@ -257,7 +267,8 @@ def is_unet_like(module: Any) -> bool:
     return hasattr(module, "down_blocks") and hasattr(module, "conv_in")
 
 
-TIMESTEPS = ("timestep", "timesteps", "t")  # what models call their timestep argument (HiDream, Z-Image)
+# what models call their timestep argument (HiDream, Z-Image; Stable Cascade's ratio in [0, 1])
+TIMESTEPS = ("timestep", "timesteps", "t", "timestep_ratio")
 # what models call the ids of their packed tokens; Krea 2's cover [text; image], the image's rows last
 TOKEN_IDS = ("img_ids", "position_ids")
 # what models call the per-item (frames, h, w) of the images in their token sequence, the output's first (Qwen-Image's
@@ -590,6 +601,9 @@ class _BlockRun:
             return None
         self.config, fallback = self._arrangement(self.state.active)
         whole = metric
+        if self.family.feature_map:
+            self.state.enter_grid(_spatial(metric, "NCHW"))
+            metric = pixels(metric)
         metric = self._own_piece(_batch_first(metric) if self.family.sequence_first else metric)
         self.head, self.tail = self._around(metric)
         if not self.state.merging or self._unmerged(args, kwargs):  # a call that runs unmerged, said where decided
@@ -722,6 +736,13 @@ class _SublayerHook:
         return self.run.family.sublayers[self.index]
 
 
+def pixels(x: Any) -> Any:
+    """A feature map ``(B, C, H, W)`` as tokens ``[B, H * W, C]``, with the ops protocol's transpose."""
+    ops = get_ops(x)
+    batch, channels, height, width = ops.shape(x)
+    return ops.matrix_transpose(ops.reshape(x, (batch, channels, height * width)))
+
+
 def _batch_first(x: Any) -> Any:
     """``[S, B, C]`` as ``[B, S, C]``, with the ops protocol's transpose of the last two axes."""
     ops = get_ops(x)
@@ -755,8 +776,13 @@ class _MergeInput(_SublayerHook):
         self.aligned_at = argument_positions(type(module).forward, *sublayer.aligned)
         self.counts_at = argument_positions(type(module).forward, *sublayer.counts, *sublayer.log_bases)
         self.head = 0  # the head in this call's input (sublayer_head)
+        self.inside = _Inside(fw, run, sublayer, module) if sublayer.projections else None
+        self.text_only = attends_text_only(run.block, sublayer)  # its block's flag makes it a cross-attention
+        self.kv_at = argument_positions(type(module).forward, "encoder_hidden_states")["encoder_hidden_states"]
 
     def __call__(self, module, args, kwargs):
+        if self.inside is not None:
+            return self._arm_inside(module, args, kwargs)
         match = self.run.matches.get(self.sublayer.kind)
         if match is None or match.merged == 0 or self._passes(args, kwargs):
             return None
@@ -796,6 +822,25 @@ class _MergeInput(_SublayerHook):
         if self.sublayer.text == TEXT_NONE and attends_text:
             return args, kwargs
         return self._size_aware(module, args, kwargs, match, merged)
+
+    def _arm_inside(self, module, args, kwargs):
+        """Arm the hooks inside an attention that merges at its projections (:class:`_Inside`) for this call: a
+        self-attention, or a cross-attention (given keys and values other than its input, with no image among
+        them), which merges its queries as ``crossattn``."""
+        x = argument(args, kwargs, "hidden_states", 0)
+        kv = argument(args, kwargs, "encoder_hidden_states", self.kv_at)
+        cross = (self.sublayer.text == TEXT_NONE and kv is not None and kv is not x) or self.text_only
+        kind = "crossattn" if cross else self.sublayer.kind
+        match = self.run.matches.get(kind)
+        # a cross-attention's attention_mask is over the text's keys (Kandinsky 3's), which merging never touches
+        if match is None or match.merged == 0 or (not cross and self._passes(args, kwargs)):
+            return None
+        mode, size_aware = self.run.config.arrangement(kind, self.sublayer.attention and not cross)
+        self.inside.arm(match, mode, cross, size_aware)
+        if not size_aware:
+            return None
+        bias = SizeBias(match, self.sublayer.text, x, self.run.tail, whole_mask=False)
+        return self.fw.size_aware(module, args, kwargs, bias)
 
     def _passes(self, args, kwargs) -> bool:
         """Whether this call of the sub-layer runs on all its tokens, unmerged: a call after the block's first
@@ -952,11 +997,15 @@ class _UnmergeOutput(_SublayerHook):
     earlier call, that output was merged by that call's match: the unmerged result of that call is returned
     instead, which is what the cache gives an unpatched model."""
 
-    def __init__(self, fw: Framework, run: _BlockRun, sublayer: Sublayer):
+    def __init__(self, fw: Framework, run: _BlockRun, sublayer: Sublayer, inside: Optional["_Inside"] = None):
         super().__init__(fw, run, sublayer)
+        self.inside = inside  # where the sub-layer merges inside itself (Sublayer.projections)
         self.stored: Tuple[Any, Any] = (None, None)  # (raw output, its unmerged form), only under a cache
 
     def __call__(self, module, args, kwargs, output):
+        if self.inside is not None:
+            self.inside.done(module, output)
+            return None
         if self.sublayer.child in self.run.passing:  # this call ran on all its tokens
             self.run.passing.discard(self.sublayer.child)
             return None
@@ -984,6 +1033,92 @@ class _UnmergeOutput(_SublayerHook):
         if index is None:
             return image
         return type(output)(image if i == index else part for i, part in enumerate(output))
+
+
+class _Inside:
+    """ToMe inside an attention that keeps its norm and residual to itself (:attr:`Sublayer.projections`): while a
+    call of it armed by :class:`_MergeInput` runs, pre-hooks on its query, key and value projections merge their
+    inputs (``[B, N, C]`` tokens, after its norm) and a post-hook on its output projection unmerges that one's
+    output (before its residual), as the call's arrangement says."""
+
+    def __init__(self, fw: Framework, run: _BlockRun, sublayer: Sublayer, module: Any):
+        self.fw = fw
+        self.run = run
+        self.sublayer = sublayer
+        self.projections = [child_at(module, path) for path in sublayer.projections]
+        missing = [path for path, found in zip(sublayer.projections, self.projections) if not fw.is_module(found)]
+        if missing:
+            raise ValueError(f"ToMe cannot merge {type(module).__name__}: it has no {', '.join(missing)}")
+        self.armed: Optional[Tuple[Match, str, bool, bool]] = None  # (match, mode, cross, size-aware) of a call
+        self.query: Tuple[Any, Any] = (None, None)  # (what the query projection got, what it got instead)
+        self.keys: Tuple[Any, Any] = (None, None)  # the same for the key and value projections
+        self.acted = False
+
+    def attach(self, add: Callable[[Any], None]) -> None:
+        query, key, value, output = self.projections
+        add(self.fw.add_pre_hook(query, self._query))
+        add(self.fw.add_pre_hook(key, self._key))
+        add(self.fw.add_pre_hook(value, self._key))
+        add(self.fw.add_post_hook(output, self._output))
+
+    def arm(self, match: Match, mode: str, cross: bool, size_aware: bool) -> None:
+        self.armed = (match, mode, cross, size_aware)
+        self.query = self.keys = (None, None)
+        self.acted = False
+
+    def done(self, module: Any, output: Any) -> None:
+        """The armed attention returned (``output`` None: it raised): disarm, and refuse a call whose processor
+        passed by the projections."""
+        armed, acted = self.armed, self.acted
+        self.armed, self.query, self.keys = None, (None, None), (None, None)
+        if armed is None:
+            return
+        if armed[3]:
+            self.fw.size_aware_done(module, computed=output is not None)
+        if output is not None and not acted:
+            raise RuntimeError(
+                f"ToMe: the processor {type(getattr(module, 'processor', None)).__name__} of a merged "
+                f"{type(module).__name__} did not run its projections ({', '.join(self.sublayer.projections)}), where "
+                "ToMe merges; use diffusers' default attention processor there"
+            )
+
+    def _query(self, module, args, kwargs):
+        if self.armed is None:
+            return None
+        match, mode = self.armed[:2]
+        x = args[0]
+        if mode not in ("tokens", "queries"):
+            self.query = (x, x)
+            return None
+        self.acted = True
+        self.query = (x, merge(x, match))
+        return (self.query[1],) + tuple(args[1:]), kwargs
+
+    def _key(self, module, args, kwargs):
+        if self.armed is None:
+            return None
+        match, mode, cross = self.armed[:3]
+        x = args[0]
+        if cross or mode == "queries":
+            return None
+        if x is not self.keys[0]:
+            if x is self.query[0] and self.query[1] is not x:
+                merged = self.query[1]
+            elif x is self.query[0]:
+                merged = merge(x, match)
+            elif self.sublayer.text != TEXT_NONE:  # [image; text] (or [text; image]) keys: the image part
+                text = TEXT_SUFFIX if text_follows(self.sublayer.text) else TEXT_PREFIX
+                merged = around_image(x, match.tokens, self.run.tail, text, lambda image: merge(image, match))
+            else:
+                return None
+            self.keys = (x, merged)
+        self.acted = True
+        return (self.keys[1],) + tuple(args[1:]), kwargs
+
+    def _output(self, module, args, kwargs, output):
+        if self.armed is None or output is None or self.armed[1] not in ("tokens", "queries"):
+            return None
+        return unmerge(output, self.armed[0])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1079,34 +1214,54 @@ def blocks_of(fw: Framework, model: Any) -> List[Tuple[Any, BlockFamily]]:
     found = []
     skip = temporal_modules(fw, model) | temporal_modules(fw, model, text_only)
     for module in fw.submodules(model):
-        family = block_family(type(module))
+        family = block_family(type(module), type(model))
         if family is not None and id(module) not in skip:
             found.append((module, family))
     return found
 
 
 def finest_level(fw: Framework, model: Any) -> int:
-    """Downsample factor of a UNet's finest level with attention; 1 for transformers."""
+    """Downsample factor of a UNet's finest level with attention; 1 for transformers. Stable Cascade's UNet (a
+    patchified model whose levels are resampled by its ``down_downscalers``, before each level's blocks) counts
+    the downscalers that halve the grid before its first level with attention: its stage B has none at the two
+    finest levels, its stage C two levels on one grid."""
+    attending = lambda: {  # noqa: E731
+        id(block) for block, family in blocks_of(fw, model)
+        for sublayer in family.sublayers if sublayer.kind == "attn" and fw.is_module(child_at(block, sublayer.child))
+    }
+    downscalers = getattr(model, "down_downscalers", None)
+    if not is_unet_like(model) and downscalers is not None and hasattr(model, "down_blocks"):
+        ids, factor = attending(), 1
+        for down, downscaler in zip(model.down_blocks, downscalers):
+            factor *= 2 if _halves(fw, downscaler) else 1
+            if any(id(m) in ids for m in fw.submodules(down)):
+                return factor
+        return factor
     if not is_unet_like(model):
         return 1
-    return finest_attention_level([_self_attends(fw, block) for block in model.down_blocks])
+    ids = attending()
+    return finest_attention_level([any(id(m) in ids for m in fw.submodules(down)) for down in model.down_blocks])
 
 
-def _self_attends(fw: Framework, module: Any) -> bool:
-    """Whether a block of ``module`` has a self-attention (DreamLite's blocks at its finest levels have none)."""
+def _halves(fw: Framework, module: Any) -> bool:
+    """Whether a resampling module halves the grid: it holds a stride-2 convolution or a 0.5x interpolation."""
     return any(
-        fw.is_module(child_at(block, sublayer.child))
-        for block, family in blocks_of(fw, module) for sublayer in family.sublayers if sublayer.kind == "attn"
+        getattr(m, "stride", None) in (2, (2, 2)) or getattr(m, "scale_factor", None) in (0.5, (0.5, 0.5))
+        for m in fw.submodules(module)
     )
 
 
 def block_levels(fw: Framework, model: Any) -> List[Optional[int]]:
     """The level (downsample factor) of each block of :func:`blocks_of`: 1 in a diffusion transformer; in a
     UNet-like model, doubled after each down block that downsamples and halved after each up block that
-    upsamples (the middle block at the deepest level); ``None`` where the model does not tell."""
+    upsamples (the middle block at the deepest level); ``None`` where the model does not tell: blocks on a
+    feature map outside a UNet (Stable Cascade's levels), and UNets whose down blocks resample inside their
+    ResNets rather than in ``downsamplers`` (Kandinsky 3's); their merges then follow each block's grid."""
     blocks = blocks_of(fw, model)
     if not is_unet_like(model):
-        return [1 if is_transformer_model(model) else None for _ in blocks]
+        return [1 if is_transformer_model(model) and not family.feature_map else None for _, family in blocks]
+    if not any(hasattr(down, "downsamplers") for down in model.down_blocks):
+        return [None for _ in blocks]
     level: Dict[int, int] = {}
     factor = 1
     path = [(down, "downsamplers") for down in model.down_blocks]
@@ -1167,7 +1322,7 @@ def _sublayers(fw: Framework, model: Any, config: ToMeConfig):
 def auto_choices(fw: Framework, model: Any, config: ToMeConfig) -> Tuple[Tuple[int, ToMeConfig], ...]:
     """:meth:`ToMeConfig.auto_choices` for ``model``: keys and values in cells only where every merged
     self-attention takes them apart from its queries (the family table's ``kv_input``)."""
-    kv_input = all(s.kv_input is not None for *_, s, _ in _sublayers(fw, model, config) if s.kind == "attn")
+    kv_input = all(s.kv_input is not None or s.projections for *_, s, _ in _sublayers(fw, model, config) if s.kind == "attn")
     return config.auto_choices(kv_input, is_unet_like(model))
 
 
@@ -1190,12 +1345,16 @@ def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
         if run is None:
             run = runs[stream] = _BlockRun(fw, state, family, stream, block, ratio, type(model).__qualname__)
             add(fw.add_pre_hook(block, run.begin))
-            add(fw.add_post_hook(block, run.end))
         if sublayer.kind == "attn":
             run.attentions.append((sublayer, target))
-        add(fw.add_pre_hook(target, _MergeInput(fw, run, sublayer, target)))
-        add(fw.add_post_hook(target, _UnmergeOutput(fw, run, sublayer)))
+        merge_input = _MergeInput(fw, run, sublayer, target)
+        add(fw.add_pre_hook(target, merge_input))
+        add(fw.add_post_hook(target, _UnmergeOutput(fw, run, sublayer, merge_input.inside)))
+        if merge_input.inside is not None:
+            merge_input.inside.attach(add)
         patch.retype(target)
+    for run in runs.values():  # after its sub-layers' post-hooks: a block may be its own sub-layer (child "")
+        add(fw.add_post_hook(run.block, run.end))
     model.__dict__["_tome_patch"] = patch
 
 
@@ -1308,9 +1467,11 @@ def check_sublayers(fw: Framework, model: Any, config: ToMeConfig) -> None:
         if sublayer.kind != "attn":
             continue
         problem = arrangement_problem(fw, block, sublayer, target)
+        if problem is not None and sublayer.projections:
+            raise ValueError(f"ToMe cannot merge block {stream} of {where}: {problem}")
         if problem is not None and config.mode in ("kv", "queries"):
             raise arrangement_error(config.mode, f"block {stream} of {where}", problem)
-        if sublayer.text_if is not None and getattr(block, sublayer.text_if, False):
+        if attends_text_only(block, sublayer):
             continue  # it attends to the text: no merged keys, no sizes
         size_aware = any(choice.arrangement(sublayer.kind, sublayer.attention)[1] for choice in choices)
         bias = fw.bias_problem(target) if size_aware else None

@@ -41,6 +41,9 @@ class Sublayer:
         (diffusers' ``encoder_hidden_states``); the ``kv`` and ``queries`` arrangements need one.
     text_if: a flag of the block that, when true, makes this attention attend to the text instead of its own
         tokens (``BasicTransformerBlock.only_cross_attention``): it has no self-attention keys to arrange.
+    text_unless: a flag of the block that, when false, makes this attention attend to the text alone (Stable
+        Cascade's ``SDCascadeAttnBlock.self_attn``: without it the keys are the condition's tokens only, not
+        [image; condition]): as with ``text_if``, a cross-attention then, merged as ``crossattn``.
     masks: ``(argument, token axes)`` of masks over the sub-layer's ``[text; image; tail]`` tokens (Chroma's
         ``attention_mask`` ``[B, 1, L, L]``: axes -2 and -1): gathered like the rotary positions, each merged token
         taking its destination's entry (image entries are all true, so the gather is exact). No axes: a mask
@@ -55,6 +58,14 @@ class Sublayer:
     log_bases: arguments that give the base ``b`` of a logarithm of its query count by which its attention scales
         the softmax (Lumina-Next's ``base_sequence_length``: ``sqrt(log_b(queries))``): given the base under which
         the merged count's logarithm is the whole count's, so that the scale stays the unmerged model's.
+    projections: ``(query, key, value, output)``: the children (dotted paths) of an attention that keeps its own
+        norm and residual inside itself (diffusers' ``Attention`` over a feature map, with a group norm and a
+        residual connection: UNet2DModel's). Its own input and output are left as they are; ToMe merges inside it,
+        at the inputs of its projections, and unmerges the output projection's output, so the norm's statistics
+        and the residual see every token. ``kv`` merges the key and value projections' inputs alone, ``tokens``
+        the query's too. Keys and values count as its own tokens where they are the very tensor its queries get
+        (or, with ``text`` set, its image part); else the call is a cross-attention, merged as ``crossattn``.
+        ``child`` "" names the block itself (such an attention is a block of its own).
     """
 
     child: str
@@ -64,11 +75,21 @@ class Sublayer:
     attention: bool = False
     kv_input: Optional[str] = None
     text_if: Optional[str] = None
+    text_unless: Optional[str] = None
     masks: Tuple[Tuple[str, Tuple[int, ...]], ...] = ()
     once: bool = False
     aligned: Tuple[str, ...] = ()
     counts: Tuple[str, ...] = ()
     log_bases: Tuple[str, ...] = ()
+    projections: Tuple[str, ...] = ()
+
+
+def attends_text_only(block: Any, sublayer: Sublayer) -> bool:
+    """Whether ``block``'s flags make ``sublayer``'s attention attend to the text instead of its own tokens
+    (:attr:`Sublayer.text_if`, :attr:`Sublayer.text_unless`): it then has no keys of its own tokens to merge."""
+    if sublayer.text_if is not None and getattr(block, sublayer.text_if, False):
+        return True
+    return sublayer.text_unless is not None and not getattr(block, sublayer.text_unless, True)
 
 
 @dataclass(frozen=True)
@@ -101,6 +122,11 @@ class BlockFamily:
     text_after_with: a block argument whose presence (not None) puts the text after the image in that call
         (:func:`with_text_after`): Bria-FIBO 2 moves its gist tokens behind the image, under a key mask, when the
         batch pads them.
+    feature_map: the block's own input is a channels-first feature map ``(B, C, H, W)`` (the ResNet-style blocks of
+        UNet2DModel, Kandinsky 3 and Stable Cascade): it gives the block's grid, and its pixels are the tokens the
+        match is computed from.
+    models: the family's classes are blocks only inside models of these classes (a class it shares with the
+        sub-layers of other families, such as diffusers' ``Attention``); empty: everywhere.
     """
 
     name: str
@@ -116,6 +142,8 @@ class BlockFamily:
     unmerged_with: Optional[Tuple[str, str]] = None
     sequence_first: bool = False
     text_after_with: Optional[str] = None
+    feature_map: bool = False
+    models: Tuple[str, ...] = ()
 
 
 @lru_cache(maxsize=None)
@@ -669,7 +697,47 @@ BLOCK_FAMILIES += (
     ),
 )
 
-_BY_CLASS: Dict[str, BlockFamily] = {name: family for family in BLOCK_FAMILIES for name in family.classes}
+BLOCK_FAMILIES += (
+    BlockFamily(  # UNet2DModel (DDPM, LDM): each Attention of its ResNet-style blocks, on the 4-D feature map, with
+        "unet2d-attention",  # its group norm and residual inside
+        ("Attention",),
+        (Sublayer("", "attn", attention=True, projections=("to_q", "to_k", "to_v", "to_out.0")),),
+        feature_map=True,
+        models=("UNet2DModel",),
+    ),
+)
+
+BLOCK_FAMILIES += (
+    BlockFamily(  # Stable Cascade (Würstchen v3) stages B and C: an attention block on the 4-D feature map, its
+        "cascade-attention",  # norm and residual in the block, the attention's own group norm absent
+        ("SDCascadeAttnBlock",),
+        (
+            Sublayer(
+                "attention", "attn", text=TEXT_AFTER, attention=True, text_unless="self_attn",
+                projections=("to_q", "to_k", "to_v", "to_out.0"),
+            ),
+        ),
+        feature_map=True,
+        timesteps=1.0,  # its timestep_ratio, from 1 to 0 while sampling
+    ),
+)
+
+BLOCK_FAMILIES += (
+    BlockFamily(  # Kandinsky 3's attention block on the 4-D feature map: conditional group norm, attention (self, or
+        "kandinsky3-attention",  # cross to the text) and residual, then a 1x1-convolution MLP, all in the block
+        ("Kandinsky3AttentionBlock",),
+        (Sublayer("attention", "attn", attention=True, projections=("to_q", "to_k", "to_v", "to_out.0")),),
+        feature_map=True,
+    ),
+)
+
+_BY_CLASS: Dict[str, BlockFamily] = {
+    name: family for family in BLOCK_FAMILIES if not family.models for name in family.classes
+}
+_SCOPED: Dict[str, Dict[str, BlockFamily]] = {}
+for _family in BLOCK_FAMILIES:
+    for _model in _family.models:
+        _SCOPED.setdefault(_model, {}).update(dict.fromkeys(_family.classes, _family))
 
 
 @dataclass(frozen=True)
@@ -809,8 +877,9 @@ _TEMPORAL: Dict[str, Temporal] = {entry.name: entry for entry in TEMPORAL}
 
 def child_at(module: Any, path: str) -> Any:
     """The submodule at a dotted attribute ``path`` of ``module`` (``"video_dec_block.self_attention"``: a
-    sub-layer of a block nested in the block, Kandinsky 6's), or None."""
-    for name in path.split("."):
+    sub-layer of a block nested in the block, Kandinsky 6's; ``""``: ``module`` itself, a block that is its own
+    sub-layer), or None."""
+    for name in path.split(".") if path else ():
         module = getattr(module, name, None)
         if module is None:
             return None
@@ -826,9 +895,15 @@ def _nearest(table: Dict[str, Any], cls: type) -> Any:
     return None
 
 
-def block_family(cls: type) -> Optional[BlockFamily]:
-    """The family of a block class (or of the nearest base class named in the table), or None."""
-    return _nearest(_BY_CLASS, cls)
+def block_family(cls: type, model: Optional[type] = None) -> Optional[BlockFamily]:
+    """The family of a block class (or of the nearest base class named in the table), or None; with ``model``,
+    the class of the model it sits in, also the families found only inside such models
+    (:attr:`BlockFamily.models`)."""
+    found = _nearest(_BY_CLASS, cls)
+    if found is None and model is not None:
+        scoped = _nearest(_SCOPED, model)
+        found = _nearest(scoped, cls) if scoped else None
+    return found
 
 
 def temporal(cls: type) -> Optional[Temporal]:

@@ -13,10 +13,6 @@ from typing import Dict, Optional
 
 _AUDIO = "generates audio, a 1-D sequence of tokens with no image grid to merge on"
 _NOT_A_GRID = "its tokens are not an image's: there is no spatial grid whose neighbours ToMe for SD merges"
-_OWN_ATTENTION = (
-    "its attention layers sit inside its own ResNet-style blocks rather than in transformer blocks with "
-    "separate attention and feed-forward sub-layers; ToMe for SD merges transformer blocks only"
-)
 
 REFUSED: Dict[str, str] = {
     # not image or video generation
@@ -96,10 +92,6 @@ REFUSED: Dict[str, str] = {
         "stack of earlier hints [k, B, L, C] as their input; patch the ZImageTransformer2DModel, which merges "
         "while the ControlNet runs unmerged"
     ),
-    # image models whose attention is not in transformer blocks
-    "UNet2DModel": _OWN_ATTENTION + " (an unconditional UNet's AttnDownBlock2D: one Attention module per ResNet)",
-    "Kandinsky3UNet": _OWN_ATTENTION + " (Kandinsky3AttentionBlock)",
-    "StableCascadeUNet": _OWN_ATTENTION + " (SDCascadeAttnBlock: self-attention over [image; condition] tokens)",
 }
 
 

@@ -267,3 +267,38 @@ def test_apply_tome_takes_the_ratio_positionally_and_names_itself_when_misused(u
     with pytest.raises(TypeError, match=r"apply_tome takes the ratio as its only positional argument, got 2"):
         unet.apply_tome(0.5, 2)
     tome.remove(unet)
+
+
+def test_unconditional_unet2d_is_refused_on_paddle_with_its_reason():
+    """UNet2DModel merges on torch (inside each Attention, at its projections) but not on paddle yet: ``patch``
+    refuses it, and a pipeline holding it, by name and before any hook is attached, rather than merging it
+    untested or failing inside it."""
+    from ppdiffusers import DDPMPipeline, DDPMScheduler, UNet2DModel
+
+    from tome_core.adapters.ppdiffusers import NOT_ON_PADDLE
+
+    unet = UNet2DModel(
+        sample_size=8, in_channels=3, out_channels=3, block_out_channels=(16, 32), layers_per_block=1,
+        norm_num_groups=8, attention_head_dim=8, down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+    )
+    pipe = DDPMPipeline(unet=unet, scheduler=DDPMScheduler(num_train_timesteps=10))
+    for obj in (unet, pipe):
+        with pytest.raises(ValueError, match="ToMe cannot patch UNet2DModel: not supported on paddle yet"):
+            tome.patch(obj, ratio=0.5)
+        assert not tome.patched_models(obj) and hook_count(unet) == 0
+    with pytest.raises(ValueError, match=NOT_ON_PADDLE["UNet2DModel"][:40]):
+        unet.apply_tome(0.5)
+
+
+def test_kandinsky3_unet_is_refused_on_paddle_with_its_reason():
+    """Kandinsky3UNet merges on torch (inside its attention blocks' attention) but not on paddle yet."""
+    from ppdiffusers import Kandinsky3UNet
+
+    unet = Kandinsky3UNet(
+        in_channels=4, time_embedding_dim=8, groups=2, attention_head_dim=4, layers_per_block=2,
+        block_out_channels=(16, 32), cross_attention_dim=8, encoder_hid_dim=12,
+    )
+    with pytest.raises(ValueError, match="ToMe cannot patch Kandinsky3UNet: not supported on paddle yet"):
+        tome.patch(unet, ratio=0.5)
+    assert hook_count(unet) == 0

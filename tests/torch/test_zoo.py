@@ -25,7 +25,7 @@ from diffusers.models.attention_processor import Attention
 import tome_core.torch as tome
 from tome_core.adapters.diffusers import FRAMEWORK
 from tome_core.backend import get_ops
-from tome_core.driver import SizeBias
+from tome_core.driver import SizeBias, blocks_of
 from tome_core.families import TEXT_SUFFIX
 from tome_core.match import bipartite_matches
 from tome_core.merge import merge, unmerge
@@ -261,6 +261,15 @@ def _is_shape(value: Any) -> bool:
     return isinstance(value, tuple) and all(isinstance(n, int) for n in value)
 
 
+# Stable Cascade's stage B/C UNet: attention blocks on the feature map, one level with self-attention over [image;
+# condition], one (half the size) attending to the condition alone (self_attn=False)
+_CASCADE = dict(
+    in_channels=4, out_channels=4, conditioning_dim=32, block_out_channels=[16, 32], num_attention_heads=[2, 2],
+    down_num_layers_per_block=[1, 1], up_num_layers_per_block=[1, 1], down_blocks_repeat_mappers=[1, 1],
+    up_blocks_repeat_mappers=[1, 1], switch_level=None, clip_text_pooled_in_channels=16, self_attn=[True, False],
+    timestep_ratio_embedding_dim=16, dropout=[0.0, 0.0],
+    block_types_per_layer=[["SDCascadeResBlock", "SDCascadeTimestepBlock", "SDCascadeAttnBlock"]] * 2,
+)
 _WAN = dict(
     patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4, text_dim=16,
     freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
@@ -643,6 +652,23 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
         "WanVACETransformer3DModel", dict(_WAN, num_layers=4, vace_layers=[0, 2], vace_in_channels=8),
         **_WAN_CALL, control_hidden_states=(2, 8, 3, 8, 12),
     ),
+    "UNet2DModel": _built(  # DDPM's UNet: lone attention layers (group norm and residual inside) at its second level
+        "UNet2DModel",
+        dict(sample_size=16, in_channels=3, out_channels=3, block_out_channels=(16, 32), layers_per_block=1,
+             norm_num_groups=8, attention_head_dim=8, down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+             up_block_types=("AttnUpBlock2D", "UpBlock2D")),
+        sample=(2, 3, 16, 16), timestep=torch.tensor([500, 500]),
+    ),
+    "StableCascadeUNet": _built(
+        "StableCascadeUNet", _CASCADE, sample=(2, 4, 16, 16), timestep_ratio=torch.tensor([0.5, 0.5]), clip_text_pooled=(2, 1, 16),
+    ),
+    "Kandinsky3UNet": _built(  # Kandinsky 3: attention blocks (self, and cross to the text) on the feature map from
+        "Kandinsky3UNet",  # its second level (half the latent) down
+        dict(in_channels=4, time_embedding_dim=8, groups=2, attention_head_dim=4, layers_per_block=2,
+             block_out_channels=(16, 32), cross_attention_dim=8, encoder_hid_dim=12),
+        sample=(2, 4, 16, 16), timestep=torch.tensor([500, 500]), encoder_hidden_states=(2, 5, 12),
+        encoder_attention_mask=torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]),
+    ),
 }
 # Classes that merge and are checked in their own tests (module named).
 MERGED_ELSEWHERE = {
@@ -685,10 +711,11 @@ def test_the_models_page_says_what_the_registry_says():
     exported = exported_models()
     generation = [name for name in exported if name not in NOT_GENERATION]
     merging = [name for name in generation if name not in REFUSED]
+    not_yet = sum(r.startswith("not supported yet") for r in REFUSED.values())
     counts = (
         f"{len(exported)} classes exported; {len(exported) - len(generation)} do not generate images or video",
         f"of the other {len(generation)}, **{len(merging)} merge** ({100 * len(merging) // len(generation)}%) and "
-        f"{len(generation) - len(merging)} are refused, {sum(r.startswith('not supported yet') for r in REFUSED.values())} of them",
+        f"{len(generation) - len(merging)} are refused" + (f", {not_yet} of them" if not_yet else ", each with its reason"),
     )
     flat = " ".join(page.split())
     for count in counts:
@@ -740,18 +767,26 @@ def _attention_calls(model, inputs):
         text = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
         # not compared: Cosmos' (text, image context) pair; the attention's own input given again (Lumina 2, OmniGen)
         text = text.clone() if isinstance(text, torch.Tensor) and text is not hidden else None
-        seen.append((name, hidden.shape[1] if hidden.dim() == 3 else None, text))
+        seen.append([name, hidden.shape[1] if hidden.dim() == 3 else None, text])
 
+    def keys(module, args):  # an attention merged at its projections: the tokens its key projection gets
+        seen[-1][1] = args[0].shape[1]
+
+    attentions = [(name, m) for name, m in model.named_modules() if type(m).__name__.endswith("Attention")]
     handles = [
         module.register_forward_pre_hook(lambda m, a, k, n=name: record(m, a, k, n), with_kwargs=True)
-        for name, module in model.named_modules() if type(module).__name__.endswith("Attention")
+        for name, module in attentions
     ]
+    # the attentions of blocks on a feature map (UNet2DModel, Stable Cascade, Kandinsky 3) keep their own input
+    # whole; ToMe merges what their projections get
+    inside = {id(m) for block, family in blocks_of(FRAMEWORK, model) if family.feature_map for m in block.modules()}
+    handles += [m.to_k.register_forward_pre_hook(keys) for _, m in attentions if id(m) in inside]
     try:
         output = _run(model, inputs)
     finally:
         for handle in handles:
             handle.remove()
-    return seen, output
+    return [tuple(call) for call in seen], output
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -786,13 +821,85 @@ def test_merged_class_against_the_unpatched_model(name):
 
 
 def test_patch_refuses_a_listed_class_with_its_reason():
-    model = diffusers.UNet2DModel(
-        sample_size=8, in_channels=3, out_channels=3, block_out_channels=(32, 32), layers_per_block=1,
-        down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+    model = diffusers.UNet1DModel(
+        sample_size=16, in_channels=2, out_channels=2, block_out_channels=(8, 8, 8), extra_in_channels=16,
+        down_block_types=("DownBlock1DNoSkip", "DownBlock1D", "AttnDownBlock1D"),
+        up_block_types=("AttnUpBlock1D", "UpBlock1D", "UpBlock1DNoSkip"), mid_block_type="UNetMidBlock1D",
     )
-    with pytest.raises(ValueError, match="ToMe cannot patch UNet2DModel: its attention layers sit inside"):
+    with pytest.raises(ValueError, match="ToMe cannot patch UNet1DModel: runs on 1-D signals"):
         tome.patch(model)
-    assert refusal(type(model)) == REFUSED["UNet2DModel"]
+    assert refusal(type(model)) == REFUSED["UNet1DModel"]
+
+
+def _nearest(rows: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
+    """The distance of each row of ``rows`` to its nearest row of ``among`` (exact, unlike cdist's matmul)."""
+    return (rows[:, None] - among[None]).norm(dim=-1).min(dim=1).values
+
+
+def test_unet2d_attention_merges_after_its_norm_and_adds_its_whole_input_back():
+    """UNet2DModel's Attention normalises its 4-D input and adds it back inside itself. In ToMe for SD's
+    arrangement, what its query projection gets must be the means of the *normed* tokens over each merged group,
+    and its output minus its input must be one value per group (the unmerged attention, the residual unmerged)."""
+    model, inputs = MERGED["UNet2DModel"]()
+    attention = next(m for m in model.modules() if isinstance(m, Attention))
+    tome.patch(model, ratio=0.5)
+    seen = {}
+    handles = [
+        attention.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0])),
+        attention.to_q.register_forward_pre_hook(lambda m, a: seen.setdefault("q", a[0])),
+        attention.register_forward_hook(lambda m, a, out: seen.setdefault("y", out)),
+    ]
+    _run(model, inputs)
+    for handle in handles:
+        handle.remove()
+    x, y, q = seen["x"], seen["y"], seen["q"]
+    tokens = lambda t: t.flatten(2).transpose(1, 2)  # noqa: E731
+    normed = tokens(attention.group_norm(x))
+    delta = tokens(y * attention.rescale_output_factor - x)
+    assert q.shape[1] < normed.shape[1]
+    for b in range(x.shape[0]):
+        rows, groups = torch.unique(delta[b].round(decimals=4), dim=0, return_inverse=True)
+        assert rows.shape[0] == q.shape[1]  # one attention output per merged token, the whole input added back
+        means = torch.stack([normed[b][groups == g].mean(0) for g in range(rows.shape[0])])
+        assert _nearest(means, q[b]).max() < 1e-4  # merged after the norm (its statistics over all tokens)
+    tome.remove(model)
+
+
+@pytest.mark.parametrize("pipeline", ["DDPMPipeline", "DDIMPipeline"])
+def test_unconditional_pipelines_merge_end_to_end(pipeline):
+    """DDPM's and DDIM's pipelines (a UNet2DModel and a scheduler) from tiny components: patched (ToMe for SD's
+    arrangement and the default) they run finite and differ from the unpatched pipeline; removed, they match it."""
+    unet = MERGED["UNet2DModel"]()[0]
+    scheduler = getattr(diffusers, pipeline.replace("Pipeline", "Scheduler"))(num_train_timesteps=1000)
+    pipe = getattr(diffusers, pipeline)(unet=unet, scheduler=scheduler)
+    _pipeline_end_to_end(
+        pipe, lambda: pipe(batch_size=2, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="np").images,
+    )
+
+
+def test_unet2d_kv_arrangement_keeps_every_query_and_pools_normed_keys():
+    """The default (mode="auto") on UNet2DModel: keys and values one per 2x2 cell, drawn from the normed tokens,
+    every query kept; an attention processor that fuses its projections is refused at patch."""
+    model, inputs = MERGED["UNet2DModel"]()
+    attention = next(m for m in model.modules() if isinstance(m, Attention))
+    tome.patch(model)
+    seen = {}
+    handles = [
+        attention.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0])),
+        attention.to_q.register_forward_pre_hook(lambda m, a: seen.setdefault("q", a[0])),
+        attention.to_k.register_forward_pre_hook(lambda m, a: seen.setdefault("k", a[0])),
+    ]
+    _run(model, inputs)
+    for handle in handles:
+        handle.remove()
+    normed = attention.group_norm(seen["x"]).flatten(2).transpose(1, 2)
+    assert torch.equal(seen["q"], normed) and seen["k"].shape[1] * 4 == normed.shape[1]
+    assert all(_nearest(k, n).max() < 1e-5 for k, n in zip(seen["k"], normed))  # each key one of the normed tokens
+    tome.remove(model)
+    attention.fuse_projections()
+    attention.set_processor(diffusers.models.attention_processor.FusedAttnProcessor2_0())
+    with pytest.raises(ValueError, match="does not run its query, key and value projections"):
+        tome.patch(model)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1316,3 +1423,186 @@ def test_qwen_image_21_merges_its_target_after_the_prefix_and_its_key_cache_stay
     model.transformer_blocks[0].img_mlp.register_forward_pre_hook(lambda m, a: seen.append(("mlp", a[0].shape[1])))
     (tokens, output), _ = _warned_once(lambda: _seen(model, inputs), "attn is given an attention_mask over its tokens")
     assert set(tokens) == {35} and seen[:2] == [35, ("mlp", 23)] and torch.isfinite(output).all()
+
+
+def _cascade_pipeline(stage: str) -> Tuple[Any, Dict[str, Any]]:
+    """Stable Cascade's prior (stage C: text, pooled text and image conditions, latents from the image size) or
+    decoder (stage B: pooled text, the prior's image embeddings, a tiny Paella VQ-GAN) pipeline from tiny
+    components, and its call's keyword arguments (text embeddings in place of its text encoder's output; a tiny
+    text encoder is there for its dtype, which the pipelines read even when given the embeddings)."""
+    import transformers
+    from diffusers.pipelines.deprecated.wuerstchen.modeling_paella_vq_model import PaellaVQModel
+
+    torch.manual_seed(3)
+    encoder = transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(
+        vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, projection_dim=16,
+    )).eval()
+
+    generator = torch.Generator().manual_seed(2)
+    randn = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
+    text = dict(prompt_embeds=randn(1, 5, 16), prompt_embeds_pooled=randn(1, 1, 16))
+    if stage == "prior":
+        prior = zoo._random_transformer("StableCascadeUNet", dict(_CASCADE, clip_text_in_channels=16, clip_image_in_channels=8), 0)
+        pipe = diffusers.StableCascadePriorPipeline(
+            tokenizer=None, text_encoder=encoder, prior=prior, scheduler=diffusers.DDPMWuerstchenScheduler(), resolution_multiple=8.0,
+        )
+        negative = dict(negative_prompt_embeds=randn(1, 5, 16), negative_prompt_embeds_pooled=randn(1, 1, 16))
+        return pipe, dict(text, **negative, height=128, width=128, guidance_scale=2.0)
+    decoder = zoo._random_transformer("StableCascadeUNet", _CASCADE, 0)
+    torch.manual_seed(1)
+    vqgan = PaellaVQModel(bottleneck_blocks=1, num_vq_embeddings=2, embed_dim=16).eval()
+    pipe = diffusers.StableCascadeDecoderPipeline(
+        decoder=decoder, tokenizer=None, text_encoder=encoder, scheduler=diffusers.DDPMWuerstchenScheduler(), vqgan=vqgan,
+    )
+    return pipe, dict(text, image_embeddings=randn(1, 4, 4, 4), guidance_scale=0.0)
+
+
+def _pipeline_end_to_end(pipe: Any, call: Callable[[], Any]) -> None:
+    """``pipe`` patched (ToMe for SD's arrangement and the default) runs finite, merges and differs from itself
+    unpatched; removed, it matches that again."""
+    pipe.set_progress_bar_config(disable=True)
+    reference = torch.as_tensor(call())
+    for options in (dict(ratio=0.5), {}):
+        tome.patch(pipe, **options)
+        output = torch.as_tensor(call())
+        assert torch.isfinite(output).all() and float((output - reference).abs().max()) > 1e-6
+        assert tome.patched_models(pipe)[0].state.stats
+    tome.remove(pipe)
+    assert torch.equal(torch.as_tensor(call()), reference)
+
+
+@pytest.mark.parametrize("stage", ["prior", "decoder"])
+def test_stable_cascade_pipelines_merge_end_to_end(stage):
+    """StableCascadePriorPipeline (classifier-free guidance, text and image conditions) and
+    StableCascadeDecoderPipeline from tiny components."""
+    pipe, kwargs = _cascade_pipeline(stage)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the pipelines say they are deprecated
+        _pipeline_end_to_end(pipe, lambda: _flat(pipe(
+            **kwargs, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="pt", return_dict=False,
+        )))
+
+
+def test_kandinsky3_pipeline_merges_end_to_end():
+    """Kandinsky3Pipeline from tiny components (its UNet, a tiny MoVQ), classifier-free guidance with a text mask."""
+    unet = MERGED["Kandinsky3UNet"]()[0]
+    torch.manual_seed(1)
+    movq = diffusers.VQModel(
+        block_out_channels=[32, 32], down_block_types=["DownEncoderBlock2D", "AttnDownEncoderBlock2D"], in_channels=3,
+        latent_channels=4, layers_per_block=1, norm_num_groups=8, norm_type="spatial", num_vq_embeddings=12, out_channels=3,
+        up_block_types=["AttnUpDecoderBlock2D", "UpDecoderBlock2D"], vq_embed_dim=4,
+    ).eval()
+    pipe = diffusers.Kandinsky3Pipeline(
+        tokenizer=None, text_encoder=None, unet=unet, scheduler=diffusers.DDPMScheduler(beta_schedule="squaredcos_cap_v2"),
+        movq=movq,
+    )
+    text = torch.randn(1, 5, 12, generator=torch.Generator().manual_seed(2))
+    mask = torch.tensor([[1, 1, 1, 0, 0]])
+    _pipeline_end_to_end(pipe, lambda: pipe(
+        prompt_embeds=text, negative_prompt_embeds=torch.zeros_like(text), attention_mask=mask,
+        negative_attention_mask=torch.zeros_like(mask), height=128, width=128, num_inference_steps=2,
+        generator=torch.Generator().manual_seed(0), output_type="np",
+    ).images)
+
+
+def _cascade_projections(model, inputs, **options):
+    """Per SDCascadeAttnBlock of a patched StableCascadeUNet: (its self_attn flag, the condition's tokens it
+    attends to, what its attention's query projection got, what its key projection got)."""
+    tome.patch(model, **options)
+    seen, handles = [], []
+    for block in (m for m in model.modules() if type(m).__name__ == "SDCascadeAttnBlock"):
+        call = {"self": block.self_attn}
+        seen.append(call)
+        handles += [  # after ToMe's hooks: they see what the projections get
+            block.kv_mapper.register_forward_hook(lambda m, a, out, c=call: c.setdefault("cond", out)),
+            block.attention.to_q.register_forward_pre_hook(lambda m, a, c=call: c.setdefault("q", a[0])),
+            block.attention.to_k.register_forward_pre_hook(lambda m, a, c=call: c.setdefault("k", a[0])),
+        ]
+    _run(model, inputs)
+    for handle in handles:
+        handle.remove()
+    tome.remove(model)
+    return [(c["self"], c["cond"], c["q"], c["k"]) for c in seen]
+
+
+def test_stable_cascade_merges_the_image_keys_before_the_condition_and_its_condition_only_blocks_as_cross():
+    """Stable Cascade's attention block attends to [normed image; condition] (self_attn=True) or to the condition
+    alone (self_attn=False). ToMe for SD's arrangement: the key projection gets the image part merged as the
+    queries are, the condition's tokens after it exactly as they were; a condition-only block merges its queries
+    as a cross-attention does (merge_crossattn) and never its keys. The default (kv in 2x2 cells) keeps every query. Blocks merge at
+    the finest level unless max_downsample reaches the coarser one."""
+    model, inputs = MERGED["StableCascadeUNet"]()
+    fine = inputs["sample"].shape[-2] * inputs["sample"].shape[-1]
+    calls = _cascade_projections(model, inputs, ratio=0.5, max_downsample=2, merge_crossattn=True)
+    assert sorted(s for s, *_ in calls) == [False, False, True, True]
+    for self_attn, cond, q, k in calls:
+        tokens = fine if self_attn else fine // 4  # the condition-only level is the coarser one here
+        assert q.shape[1] == tokens // 2
+        if self_attn:
+            assert k.shape[1] == q.shape[1] + cond.shape[1] and torch.equal(k[:, q.shape[1]:], cond)
+            assert torch.allclose(k[:, : q.shape[1]], q, atol=1e-6, rtol=0)
+        else:
+            assert torch.equal(k, cond)
+    for self_attn, cond, q, k in _cascade_projections(model, inputs, ratio=0.5, merge_crossattn=True):  # the coarser level unmerged
+        assert q.shape[1] == (fine // 2 if self_attn else fine // 4)
+    for self_attn, cond, q, k in _cascade_projections(model, inputs):  # the default
+        assert q.shape[1] == (fine if self_attn else fine // 4)
+        assert torch.equal(k, cond) if not self_attn else k.shape[1] == fine // 4 + cond.shape[1]
+
+
+def test_kandinsky3_merges_after_its_block_norm_and_its_cross_attention_keeps_the_text_and_its_mask():
+    """Kandinsky 3's attention block norms the feature map (a conditional group norm over every token), attends
+    and adds the result back. ToMe for SD's arrangement: a self-attention's query projection gets the means of the
+    normed tokens over each merged group, its key projection the same merged tokens, and the attention returns
+    one row per group (unmerged before the residual); a cross-attention (merge_crossattn) merges its queries
+    alone: its keys are the text as given, its text mask passes untouched."""
+    model, inputs = MERGED["Kandinsky3UNet"]()
+    tome.patch(model, ratio=0.5, merge_crossattn=True)
+    calls, handles = [], []
+    for block in (m for m in model.modules() if type(m).__name__ == "Kandinsky3AttentionBlock"):
+        attention = block.attention
+        handles += [  # after ToMe's hooks: they see what the projections get
+            block.in_norm.register_forward_hook(lambda m, a, out: calls.append({"normed": out})),
+            attention.register_forward_pre_hook(lambda m, a: calls[-1].update(x=a[0], context=a[1], mask=a[2])),
+            attention.to_q.register_forward_pre_hook(lambda m, a: calls[-1].setdefault("q", a[0])),
+            attention.to_k.register_forward_pre_hook(lambda m, a: calls[-1].setdefault("k", a[0])),
+            attention.register_forward_hook(lambda m, a, out: calls[-1].update(y=out)),
+        ]
+    _run(model, inputs)
+    for handle in handles:
+        handle.remove()
+    tome.remove(model)
+    assert {c["context"] is c["x"] for c in calls} == {True, False}  # self- and cross-attention blocks both ran
+    for call in calls:
+        normed, q, k, y = call["normed"].flatten(2).transpose(1, 2), call["q"], call["k"], call["y"]
+        assert torch.equal(call["x"], normed) and q.shape[1] == normed.shape[1] // 2
+        if call["context"] is call["x"]:
+            assert torch.equal(k, q) and call["mask"] is None
+        else:
+            assert torch.equal(k, call["context"]) and call["mask"] is not None
+        for b in range(y.shape[0]):  # one attention output per merged token, each the attention of a normed mean
+            rows, groups = torch.unique(y[b].round(decimals=5), dim=0, return_inverse=True)
+            assert rows.shape[0] == q.shape[1]
+            means = torch.stack([normed[b][groups == g].mean(0) for g in range(rows.shape[0])])
+            assert _nearest(means, q[b]).max() < 1e-4
+
+
+def test_stable_cascade_stage_b_merges_from_its_finest_level_with_attention():
+    """Stage B (the decoder) has no attention at its two finest levels: ToMe's default finest level is the first
+    one with attention (here the second, half the patch grid, after a stride-2 downscaler), so its blocks merge by
+    default, and the coarser level joins with max_downsample. Stage C's two levels share one grid: both merge."""
+    layers = [["SDCascadeResBlock", "SDCascadeTimestepBlock"]] + [_CASCADE["block_types_per_layer"][0]] * 2
+    stage_b = dict(
+        _CASCADE, block_out_channels=[16, 32, 32], num_attention_heads=[0, 2, 2], down_num_layers_per_block=[1] * 3,
+        up_num_layers_per_block=[1] * 3, down_blocks_repeat_mappers=[1] * 3, up_blocks_repeat_mappers=[1] * 3,
+        self_attn=True, dropout=[0.0] * 3, block_types_per_layer=layers, patch_size=2,
+    )
+    inputs = dict(sample=torch.randn(2, 4, 16, 16), timestep_ratio=torch.tensor([0.5, 0.5]), clip_text_pooled=torch.randn(2, 1, 16))
+    for config, options, levels in (
+        (stage_b, {}, {2}), (stage_b, dict(max_downsample=4), {2, 4}), (dict(_CASCADE, switch_level=[False], self_attn=True), {}, {1}),
+    ):
+        model = zoo._random_transformer("StableCascadeUNet", config, 0)
+        tome.patch(model, ratio=0.5, **options)
+        _run(model, inputs)
+        stats = tome.patched_models(model)[0].state.stats
+        assert set(stats) == levels and all(level.blocks == (2 if config is stage_b else 4) for level in stats.values())
