@@ -731,6 +731,22 @@ BLOCK_FAMILIES += (
     ),
 )
 
+BLOCK_FAMILIES += (
+    BlockFamily(  # Ideogram 4: one packed stream [left padding; text; image] per row (TOKEN_ROLES place the image),
+        "ideogram4",  # a segment mask over it on both axes and an MRoPE table (cos, sin) [B, tokens, d] per token
+        ("Ideogram4TransformerBlock",),
+        (
+            Sublayer("attention", "attn", text=TEXT_PREFIX, attention=True, masks=(("attention_mask", (-2, -1)),)),
+            Sublayer("feed_forward", "mlp", text=TEXT_PREFIX),
+        ),
+        rotary="image_rotary_emb",
+        rotary_axis=1,
+        stream=TEXT_PREFIX,
+        timesteps=1.0,
+        timesteps_rise=True,  # its time runs from 0 (noise) to 1 (clean)
+    ),
+)
+
 _BY_CLASS: Dict[str, BlockFamily] = {
     name: family for family in BLOCK_FAMILIES if not family.models for name in family.classes
 }
@@ -821,6 +837,42 @@ CONTEXT_LATENTS: Dict[str, str] = {"BriaFibo2Transformer2DModel": "context_laten
 def context_latents(cls: type) -> Optional[str]:
     """The :data:`CONTEXT_LATENTS` argument of a model class (or of its nearest base class named there), or None."""
     return _nearest(CONTEXT_LATENTS, cls)
+
+
+@dataclass(frozen=True)
+class TokenRoles:
+    """How the call of a model on packed sequences tells which of its tokens are the image's: a per-token role
+    indicator ``[B, L]`` rather than the tokens' order (Ideogram 4 packs ``[left padding; text; image]`` per row,
+    the padding's length the prompt's). Where every row holds the image's tokens as one run at the same place, in
+    one segment, with the same ids, the run is the grid (its rows and columns read from ``ids``) and the tokens
+    before and after it pass through unmerged; other packings (several samples per row, runs at other places per
+    row) run unmerged, said once.
+
+    indicator: the call's argument of per-token roles ``[B, L]``.
+    image: the role value of the image's tokens.
+    ids: the call's argument of per-token ids ``[B, L, k]`` (``(t, row, col)``), which place the run on its grid.
+    segments: the call's argument of per-token sample ids ``[B, L]`` under a block-diagonal mask (None: none).
+    """
+
+    indicator: str
+    image: int
+    ids: str
+    segments: Optional[str] = None
+
+    @property
+    def arguments(self) -> Tuple[str, ...]:
+        """The call's arguments read: the indicator, the ids, and the segments where given."""
+        return (self.indicator, self.ids) + ((self.segments,) if self.segments else ())
+
+
+TOKEN_ROLES: Dict[str, TokenRoles] = {
+    "Ideogram4Transformer2DModel": TokenRoles("indicator", 2, "position_ids", "segment_ids"),
+}
+
+
+def token_roles(cls: type) -> Optional[TokenRoles]:
+    """The :data:`TOKEN_ROLES` entry of a model class (or of its nearest base class named there), or None."""
+    return _nearest(TOKEN_ROLES, cls)
 
 
 # Model classes whose blocks' image stream ends with the latent's tokens, after tokens that pass through unmerged:

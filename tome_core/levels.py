@@ -120,6 +120,34 @@ def trailing_frames(coords: Sequence[Sequence[float]]) -> Optional[Tuple[int, in
     return frames, frame[0], frame[1], start
 
 
+def indicated_run(
+    roles: Sequence[Sequence[float]], image: float, ids: Sequence[Sequence[Sequence[float]]],
+    segments: Optional[Sequence[Sequence[float]]] = None,
+) -> Optional[Tuple[int, int, int, int]]:
+    """``(h, w, head, tail)`` when every row of per-token ``roles`` ``[B][L]`` holds the tokens of role ``image``
+    as one run at the same place (``head`` tokens before it, ``tail`` after), each row's run in one segment of
+    ``segments`` and under the same ids ``[B][L][k]``, which hold one image's ``h x w`` tokens in raster order
+    (:func:`leading_raster`); None otherwise (several samples packed in a row, runs at other places per row)."""
+    if not roles or not roles[0]:
+        return None
+    first = [i for i, role in enumerate(roles[0]) if role == image]
+    if not first or first[-1] - first[0] + 1 != len(first):
+        return None
+    start, end = first[0], first[-1] + 1
+    run = [list(row) for row in ids[0][start:end]]
+    for b, row in enumerate(roles):
+        if [i for i, role in enumerate(row) if role == image] != first:
+            return None
+        if segments is not None and len(set(segments[b][start:end])) != 1:
+            return None
+        if [list(token) for token in ids[b][start:end]] != run:
+            return None
+    grid = leading_raster(run)
+    if grid is None or grid[2]:
+        return None
+    return grid[0], grid[1], start, len(roles[0]) - end
+
+
 def _near(value: float, expected: float) -> bool:
     """Equal up to float32 rounding of position ids."""
     return abs(value - expected) <= 1e-5 * max(1.0, abs(expected))

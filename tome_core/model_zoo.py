@@ -83,10 +83,6 @@ REFUSED: Dict[str, str] = {
         "a mixture-of-transformers decoder on batchless packed sequences whose vision, sound and action tokens are "
         "scattered by index tables: there is no image token run to merge in place (not supported)"
     ),
-    "Ideogram4Transformer2DModel": (
-        "its packed sequences mix text and image tokens placed by an indicator and pack several samples per row "
-        "under a block-diagonal mask: the image tokens are not one run to merge in place (not supported)"
-    ),
     "ZImageControlNetModel": (
         "its noise and caption refiners are the Z-Image transformer's own modules, and its control blocks take a "
         "stack of earlier hints [k, B, L, C] as their input; patch the ZImageTransformer2DModel, which merges "

@@ -193,6 +193,31 @@ def _krea2():
     )()
 
 
+def _ideogram4(text_lengths: Tuple[int, ...] = (5, 3), rows: int = 6, cols: int = 8, pack: bool = False):
+    """Ideogram 4 on its pipeline's packed rows [left padding; text; image] (its own _prepare_ids), 5 text places
+    (the second prompt's 3 tokens after 2 of padding), a 6x8 image. ``pack``: the second row instead packs two
+    samples, [text; image] twice (a 2x4 image each), under the block-diagonal mask (they run unmerged)."""
+    config = dict(
+        in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=4, intermediate_size=32, adaln_dim=16,
+        llm_features_dim=24, rope_theta=10_000, mrope_section=(2, 1, 1),
+    )
+    ids, segments, indicator = diffusers.Ideogram4Pipeline._prepare_ids(
+        list(text_lengths), rows, cols, max(text_lengths), torch.device("cpu")
+    )
+    if pack:  # row 1: [text (2); image (2x4); text (2); image (2x4)] for two samples, each its own segment
+        half = ids.shape[1] // 2
+        sample, _, roles = diffusers.Ideogram4Pipeline._prepare_ids([2], 2, 4, 2, torch.device("cpu"))
+        assert 2 * sample.shape[1] <= ids.shape[1]
+        for k in range(2):
+            at = slice(k * half, k * half + sample.shape[1])
+            ids[1, at], segments[1, at], indicator[1, at] = sample[0], k + 1, roles[0]
+    length = ids.shape[1]
+    return _built(
+        "Ideogram4Transformer2DModel", config, hidden_states=(2, length, 16), encoder_hidden_states=(2, length, 24),
+        timestep=torch.tensor([0.5, 0.5]), position_ids=ids, segment_ids=segments, indicator=indicator,
+    )()
+
+
 def _joyimage_edit_plus():
     """JoyImage-Edit-Plus: patches [B, N, C, 1, 2, 2], the 4x6 target's first, then each item's references (two for
     the first, one for the second, padded to its length); a key mask over [patches; text], the second text padded."""
@@ -559,6 +584,7 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
     ),
     "JoyImageEditPlusTransformer3DModel": _joyimage_edit_plus,
     "Krea2Transformer2DModel": _krea2,
+    "Ideogram4Transformer2DModel": _ideogram4,
     "AnyFlowTransformer3DModel": _built(  # frames-first latent (B, F, C, H, W), a timestep per frame
         "AnyFlowTransformer3DModel",
         dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
@@ -1606,3 +1632,61 @@ def test_stable_cascade_stage_b_merges_from_its_finest_level_with_attention():
         _run(model, inputs)
         stats = tome.patched_models(model)[0].state.stats
         assert set(stats) == levels and all(level.blocks == (2 if config is stage_b else 4) for level in stats.values())
+
+
+def _first_attention(model, inputs) -> Dict[str, torch.Tensor]:
+    """What the first block's attention of an Ideogram 4 model gets: its tokens, mask and rotary (cos, sin)."""
+    seen: Dict[str, torch.Tensor] = {}
+
+    def record(module, args, kwargs):
+        if not seen:
+            cos, sin = kwargs["image_rotary_emb"]
+            seen.update(x=args[0].clone(), mask=kwargs["attention_mask"].clone(), cos=cos.clone(), sin=sin.clone())
+
+    handle = model.layers[0].attention.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        output = _run(model, inputs)
+    finally:
+        handle.remove()
+    return {**seen, "output": output}
+
+
+def test_ideogram4_image_run_told_by_its_indicator_merges_and_every_other_row_reaches_attention_as_unpatched():
+    """Ideogram 4's pipeline packs [left padding; text; image] per row, the padding as long as the prompt is short:
+    the indicator, not the order, tells the image's tokens. Its first attention must get every padding and text
+    row (tokens, both axes of the segment mask, rotary rows) exactly as unpatched, and half the image's 48 tokens,
+    each with an unpatched image token's rotary row and mask entries."""
+    model, inputs = MERGED["Ideogram4Transformer2DModel"]()
+    head, image = 5, 48
+    plain = _first_attention(model, inputs)
+    assert plain["x"].shape[1] == head + image
+    tome.patch(model, ratio=0.5)
+    merged = _first_attention(model, inputs)
+    tome.remove(model)
+    kept = head + image // 2
+    assert merged["x"].shape[1] == kept and merged["mask"].shape[-2:] == (kept, kept)
+    assert torch.equal(merged["x"][:, :head], plain["x"][:, :head])
+    assert torch.equal(merged["mask"][..., :head, :head], plain["mask"][..., :head, :head])
+    # image entries of the mask: each row's text entries, and within the image, as any unpatched image token's
+    assert torch.equal(merged["mask"][..., head:, :head], plain["mask"][..., head : head + 1, :head].expand(-1, -1, image // 2, -1))
+    assert torch.equal(merged["mask"][..., :head, head:], plain["mask"][..., :head, head : head + 1].expand(-1, -1, -1, image // 2))
+    assert merged["mask"][..., head:, head:].all() and plain["mask"][..., head:, head:].all()
+    for table in ("cos", "sin"):
+        assert torch.equal(merged[table][:, :head], plain[table][:, :head])
+        for b in range(2):
+            assert (_nearest(merged[table][b, head:], plain[table][b, head:]) == 0).all()
+    assert _rel(merged["output"], plain["output"]) > 1e-6
+
+
+def test_ideogram4_rows_packing_several_samples_run_unmerged_and_say_why():
+    """A row packing two samples ([text; image] twice, each its own segment) has no one image run: the call runs
+    unmerged, equal to the unpatched model, and says why once."""
+    model, inputs = _ideogram4(pack=True)
+    reference = _run(model, inputs)
+    tome.patch(model, ratio=0.5)
+    with pytest.warns(UserWarning, match="several samples packed in a row"):
+        assert torch.equal(_run(model, inputs), reference)
+    _, rows = _ideogram4()  # the pipeline's rows, in the same patched model, merge
+    merged = _run(model, rows)
+    tome.remove(model)
+    assert not torch.equal(merged, _run(model, rows))
