@@ -365,9 +365,9 @@ class _CallStart:
             if run is None:
                 roles = self.roles
                 why = (
-                    f"its {roles.indicator} does not give the image's tokens as one run at the same place in every row, "
-                    f"in one segment and under the same {roles.ids} of one grid (several samples packed in a row), so no "
-                    "token grid is known; such calls run unmerged"
+                    f"its {roles.indicator} does not end the image's tokens with one run at the same place in every row, "
+                    f"in one segment and under the same {roles.ids} of one grid (rows packing other samples elsewhere), "
+                    "so no token grid is known; such calls run unmerged"
                 )
                 return self._unplaced(step, why)
             grid, tail = run[:2], run[3]  # the tokens before the run: the blocks' text in front (TEXT_PREFIX)
@@ -443,7 +443,7 @@ class _CallStart:
         self.state.begin_call(None, step, merging=False, why=why)
 
     def _indicated(self, args, kwargs) -> Optional[Tuple[int, int, int, int]]:
-        """``(h, w, head, tail)`` of the image's run in the call's packed rows, told by its token roles
+        """``(rows, cols, head, tail)`` of the image's last run in the call's packed rows, told by its token roles
         (:class:`~tome_core.families.TokenRoles`, :func:`~tome_core.levels.indicated_run`), or None. Read on the host
         once per set of arrays (pipelines build them once per generation)."""
         roles = self.roles
@@ -452,11 +452,13 @@ class _CallStart:
             return None
         if len(arrays) != len(self.roles_read[0]) or any(a is not b for a, b in zip(arrays, self.roles_read[0])):
             rows = []
-            for array in arrays:
+            for name, array in zip(roles.arguments, arrays):
                 values, shape = self.fw.host_values(array), get_ops(array).shape(array)
-                width = shape[-1] if len(shape) == 3 else 1  # ids [B, L, k]; roles and segments [B, L]
-                tokens = [values[i : i + width] if width > 1 else values[i] for i in range(0, len(values), width)]
-                rows.append([tokens[i : i + shape[1]] for i in range(0, len(tokens), shape[1])])
+                # ids [B, L, k], roles and segments [B, L]; without the batch axis, one layout the batch shares
+                width = shape[-1] if name == roles.ids else 1
+                length = shape[-2] if name == roles.ids else shape[-1]
+                tokens = [values[i : i + width] if name == roles.ids else values[i] for i in range(0, len(values), width)]
+                rows.append([tokens[i : i + length] for i in range(0, len(tokens), length)])
             indicator, ids = rows[0], rows[1]
             self.roles_read = (arrays, indicated_run(indicator, roles.image, ids, rows[2] if len(rows) > 2 else None))
         return self.roles_read[1]

@@ -747,6 +747,18 @@ BLOCK_FAMILIES += (
     ),
 )
 
+BLOCK_FAMILIES += (
+    BlockFamily(  # MiniMax-H3: one packed stream [text; condition frames; audio; video] (TOKEN_ROLES place the video),
+        "minimax-h3",  # modulated per row outside its sub-layers; one rotary table (cos, sin) [tokens, d] for the batch
+        ("MiniMaxH3TransformerBlock",),
+        (Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True), Sublayer("ff", "mlp", text=TEXT_PREFIX)),
+        rotary="rotary_emb",
+        stream=TEXT_PREFIX,
+        timesteps=1.0,
+        timesteps_rise=True,  # its t = 1 - sigma: 1 is clean
+    ),
+)
+
 _BY_CLASS: Dict[str, BlockFamily] = {
     name: family for family in BLOCK_FAMILIES if not family.models for name in family.classes
 }
@@ -842,15 +854,17 @@ def context_latents(cls: type) -> Optional[str]:
 @dataclass(frozen=True)
 class TokenRoles:
     """How the call of a model on packed sequences tells which of its tokens are the image's: a per-token role
-    indicator ``[B, L]`` rather than the tokens' order (Ideogram 4 packs ``[left padding; text; image]`` per row,
-    the padding's length the prompt's). Where every row holds the image's tokens as one run at the same place, in
-    one segment, with the same ids, the run is the grid (its rows and columns read from ``ids``) and the tokens
-    before and after it pass through unmerged; other packings (several samples per row, runs at other places per
-    row) run unmerged, said once.
+    indicator rather than the tokens' order (Ideogram 4 packs ``[left padding; text; image]`` per row, the
+    padding's length the prompt's; MiniMax-H3 one layout ``[text; condition frames; audio; video]`` that its batch
+    shares, placed by index tables). Where every row ends its tokens of the image's role with one run at the same
+    place, in one segment, under the same ids, that run is the grid (a video's frames, read from ``ids``); every
+    token before and after it (text, audio, other samples, earlier runs of that role such as condition frames)
+    passes through unmerged. Other packings (the runs at other places per row) run unmerged, said once.
 
-    indicator: the call's argument of per-token roles ``[B, L]``.
+    indicator: the call's argument of per-token roles ``[B, L]`` (or ``[L]``, one layout for the batch).
     image: the role value of the image's tokens.
-    ids: the call's argument of per-token ids ``[B, L, k]`` (``(t, row, col)``), which place the run on its grid.
+    ids: the call's argument of per-token ids ``[B, L, 3]`` (or ``[L, 3]``): ``(t, row, col)``, which place the run
+        on its grid.
     segments: the call's argument of per-token sample ids ``[B, L]`` under a block-diagonal mask (None: none).
     """
 
@@ -867,6 +881,7 @@ class TokenRoles:
 
 TOKEN_ROLES: Dict[str, TokenRoles] = {
     "Ideogram4Transformer2DModel": TokenRoles("indicator", 2, "position_ids", "segment_ids"),
+    "MiniMaxH3Transformer3DModel": TokenRoles("token_tags", 0, "position_ids"),
 }
 
 

@@ -124,28 +124,33 @@ def indicated_run(
     roles: Sequence[Sequence[float]], image: float, ids: Sequence[Sequence[Sequence[float]]],
     segments: Optional[Sequence[Sequence[float]]] = None,
 ) -> Optional[Tuple[int, int, int, int]]:
-    """``(h, w, head, tail)`` when every row of per-token ``roles`` ``[B][L]`` holds the tokens of role ``image``
-    as one run at the same place (``head`` tokens before it, ``tail`` after), each row's run in one segment of
-    ``segments`` and under the same ids ``[B][L][k]``, which hold one image's ``h x w`` tokens in raster order
-    (:func:`leading_raster`); None otherwise (several samples packed in a row, runs at other places per row)."""
+    """``(rows, cols, head, tail)`` of the image's last run in packed rows: per-token ``roles`` ``[B][L]`` whose
+    last run of tokens of role ``image`` sits at the same place in every row (``head`` tokens before it, earlier
+    runs of that role among them, and ``tail`` after), in one segment of ``segments`` and under the same ids
+    ``[B][L][k]`` ``(t, row, col)``: a video's frames, each in raster order at a later time than the one before
+    (:func:`trailing_frames`; one frame: an image), read as ``frames * h`` rows of ``w`` columns. None otherwise
+    (the rows' runs at other places, a run over two segments, ids of no grid)."""
     if not roles or not roles[0]:
         return None
     first = [i for i, role in enumerate(roles[0]) if role == image]
-    if not first or first[-1] - first[0] + 1 != len(first):
+    if not first:
         return None
-    start, end = first[0], first[-1] + 1
-    run = [list(row) for row in ids[0][start:end]]
+    start, end = first[-1], first[-1] + 1
+    while start and roles[0][start - 1] == image:
+        start -= 1
+    run = [list(token) for token in ids[0][start:end]]
+    placed = [role == image for role in roles[0][max(start - 1, 0) :]]  # the token before the run, the run, after it
     for b, row in enumerate(roles):
-        if [i for i, role in enumerate(row) if role == image] != first:
+        if [role == image for role in row[max(start - 1, 0) :]] != placed:
             return None
         if segments is not None and len(set(segments[b][start:end])) != 1:
             return None
         if [list(token) for token in ids[b][start:end]] != run:
             return None
-    grid = leading_raster(run)
-    if grid is None or grid[2]:
+    grid = trailing_frames(run) if len(run[0]) == 3 else None
+    if grid is None or grid[3]:
         return None
-    return grid[0], grid[1], start, len(roles[0]) - end
+    return grid[0] * grid[1], grid[2], start, len(roles[0]) - end
 
 
 def _near(value: float, expected: float) -> bool:

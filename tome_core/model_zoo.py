@@ -75,10 +75,6 @@ REFUSED: Dict[str, str] = {
         "caches the reference frames' keys and recomputes rotary positions from the grid inside the processor: "
         "merged tokens fit none of these"
     ),
-    "MiniMaxH3Transformer3DModel": (
-        "one batchless packed sequence whose text, video and audio rows are placed by index tables, each row with "
-        "its own modulation: there is no image token run to merge in place (not supported)"
-    ),
     "Cosmos3OmniTransformer": (
         "a mixture-of-transformers decoder on batchless packed sequences whose vision, sound and action tokens are "
         "scattered by index tables: there is no image token run to merge in place (not supported)"

@@ -598,7 +598,10 @@ def test_indicated_run_reads_the_image_run_from_token_roles_and_refuses_other_pa
     assert indicated_run([row + [3] for row in roles], 2, [row + text(1) for row in ids]) == (3, 4, 3, 1)  # a tail
     assert indicated_run([roles[0], [3, 3] + [2] * 12 + [3]], 2, [ids[0], text(2) + image + text(1)]) is None  # moved
     assert indicated_run(roles, 2, ids, [[1] * 9 + [2] * 6, [1] * 15]) is None  # two samples' images back to back
-    assert indicated_run([[3, 2, 2, 3, 2, 2]], 2, [text(1) + image[:2] + text(1) + image[2:4]]) is None  # two runs
+    # the last run is the grid; an earlier run of the role passes through (another sample, condition frames)
+    assert indicated_run([[3, 2, 2, 3] + [2] * 12], 2, [text(1) + image[:2] + text(1) + image]) == (3, 4, 4, 0)
+    video = [[t * 5, row, col] for t in range(3) for row in range(2) for col in range(3)]  # 3 frames of 2x3, one layout
+    assert indicated_run([[1, 1] + [0] * 18], 0, [text(2) + video]) == (6, 3, 2, 0)
     assert indicated_run(roles, 2, [ids[0], text(3) + image[::-1]]) is None  # the rows' grids differ
     assert indicated_run([[3, 3, 3]], 2, [text(3)]) is None  # no image
 
