@@ -130,22 +130,20 @@ def indicated_run(
     ``[B][L][k]`` ``(t, row, col)``: a video's frames, each in raster order at a later time than the one before
     (:func:`trailing_frames`; one frame: an image), read as ``frames * h`` rows of ``w`` columns. None otherwise
     (the rows' runs at other places, a run over two segments, ids of no grid)."""
-    if not roles or not roles[0]:
+    if not roles or not roles[0] or image not in roles[0]:
         return None
-    first = [i for i, role in enumerate(roles[0]) if role == image]
-    if not first:
-        return None
-    start, end = first[-1], first[-1] + 1
+    end = max(i for i, role in enumerate(roles[0]) if role == image) + 1
+    start = end - 1
     while start and roles[0][start - 1] == image:
         start -= 1
     run = [list(token) for token in ids[0][start:end]]
     placed = [role == image for role in roles[0][max(start - 1, 0) :]]  # the token before the run, the run, after it
-    for b, row in enumerate(roles):
+    for b, row in enumerate(roles):  # a single row of ids or segments: one layout for every row
         if [role == image for role in row[max(start - 1, 0) :]] != placed:
             return None
-        if segments is not None and len(set(segments[b][start:end])) != 1:
+        if segments is not None and len(set(segments[min(b, len(segments) - 1)][start:end])) != 1:
             return None
-        if [list(token) for token in ids[b][start:end]] != run:
+        if [list(token) for token in ids[min(b, len(ids) - 1)][start:end]] != run:
             return None
     grid = trailing_frames(run) if len(run[0]) == 3 else None
     if grid is None or grid[3]:
