@@ -747,6 +747,10 @@ NOT_BUILT: Dict[str, str] = {
     "QwenImage21Pipeline": "its constructor tokenizes its system prompt with its Qwen3-VL processor "
     "(processor.apply_chat_template): it needs the processor's tokenizer files even when prompt_embeds are given; its "
     "model's prefill and key-cached steps are checked in test_zoo",
+    "Ideogram4Pipeline": "cannot run on embeddings: it takes no prompt_embeds and formats each prompt with its "
+    "tokenizer's chat template, then reads its Qwen3-VL-style text encoder's inner layers (tokenizer files and that "
+    "encoder are needed); its two transformers' calls (the conditional one on its packed rows [left padding; text; "
+    "image], the unconditional one on the image alone) are checked in test_zoo",
     "ChromaInpaintPipeline": "fails unpatched: it reads transformer.config.guidance_embeds, which Chroma's "
     "transformer has not",
     "ZImageControlNetPipeline": "ZImageControlNetModel is refused by tome_core.model_zoo (its control blocks take a "

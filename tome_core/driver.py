@@ -36,9 +36,10 @@ from .backend import get_ops
 from .config import ToMeConfig
 from .families import (
     BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer, GridLayout, attends_text_only,
-    block_family, child_at, context_latents, grid_layout, grid_last, temporal, text_follows, text_only, with_text_after,
+    block_family, child_at, context_latents, grid_layout, grid_last, temporal, text_follows, text_only, token_roles,
+    with_text_after,
 )
-from .levels import finest_attention_level, leading_raster, trailing_frames, trailing_raster
+from .levels import finest_attention_level, indicated_run, leading_raster, trailing_frames, trailing_raster
 from .match import Match
 from .merge import merge, size_bias, unmerge
 from .model_zoo import AUXILIARY, refusal
@@ -312,6 +313,10 @@ class _CallStart:
         if self.context is not None:
             self.where.update(argument_positions(forward, self.context))
         self.grid_last = grid_last(type(model))  # the latent's tokens end each block's image stream
+        self.roles = token_roles(type(model)) if self.transformer else None  # the image's tokens by their role
+        self.roles_read: Tuple[Tuple[Any, ...], Any] = ((), None)  # (the arrays read, indicated_run of them)
+        if self.roles is not None:
+            self.where.update(argument_positions(forward, *self.roles.arguments))
         if self.layout is not None:
             self.temporal_patch = (self.layout.temporal_patch and _config_value(model, self.layout.temporal_patch)) or 1
             named = tuple(name for name in (self.layout.coords, self.layout.frame_types) if name)
@@ -355,7 +360,18 @@ class _CallStart:
         shapes = next(
             (value for value in (argument(args, kwargs, name, where[name]) for name in SHAPE_LISTS) if value is not None), None
         )
-        if shapes is not None and layout is None:
+        if self.roles is not None:
+            run = self._indicated(args, kwargs)
+            if run is None:
+                roles = self.roles
+                why = (
+                    f"its {roles.indicator} does not end the image's tokens with one run at the same place in every row, "
+                    f"in one segment and under the same {roles.ids} of one grid (rows packing other samples elsewhere), "
+                    "so no token grid is known; such calls run unmerged"
+                )
+                return self._unplaced(step, why)
+            grid, tail = run[:2], run[3]  # the tokens before the run: the blocks' text in front (TEXT_PREFIX)
+        elif shapes is not None and layout is None:
             grid = shapes_grid(shapes, shape[1], last=grid_last)
             if grid is None:
                 why = (
@@ -425,6 +441,27 @@ class _CallStart:
         """Begin a call whose tokens no grid places: it runs unmerged, and ``why`` is said once."""
         self.state.say_once(f"ToMe on {self.model}: {why}")
         self.state.begin_call(None, step, merging=False, why=why)
+
+    def _indicated(self, args, kwargs) -> Optional[Tuple[int, int, int, int]]:
+        """``(rows, cols, head, tail)`` of the image's last run in the call's packed rows, told by its token roles
+        (:class:`~tome_core.families.TokenRoles`, :func:`~tome_core.levels.indicated_run`), or None. Read on the host
+        once per set of arrays (pipelines build them once per generation)."""
+        roles = self.roles
+        arrays = tuple(argument(args, kwargs, name, self.where[name]) for name in roles.arguments)
+        if any(array is None for array in arrays):
+            return None
+        if len(arrays) != len(self.roles_read[0]) or any(a is not b for a, b in zip(arrays, self.roles_read[0])):
+            rows = []
+            for name, array in zip(roles.arguments, arrays):
+                values, shape = self.fw.host_values(array), get_ops(array).shape(array)
+                # ids [B, L, k], roles and segments [B, L]; without the batch axis, one layout the batch shares
+                width = shape[-1] if name == roles.ids else 1
+                length = shape[-2] if name == roles.ids else shape[-1]
+                tokens = [values[i : i + width] if name == roles.ids else values[i] for i in range(0, len(values), width)]
+                rows.append([tokens[i : i + length] for i in range(0, len(tokens), length)])
+            indicator, ids = rows[0], rows[1]
+            self.roles_read = (arrays, indicated_run(indicator, roles.image, ids, rows[2] if len(rows) > 2 else None))
+        return self.roles_read[1]
 
     def _video_grid(self, layout: GridLayout, shape: Sequence[int], args, kwargs) -> Optional[Tuple[int, int, int, bool]]:
         """``(frames, rows, cols, from_coords)`` of a video transformer's tokens

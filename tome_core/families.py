@@ -731,6 +731,34 @@ BLOCK_FAMILIES += (
     ),
 )
 
+BLOCK_FAMILIES += (
+    BlockFamily(  # Ideogram 4: one packed stream [left padding; text; image] per row (TOKEN_ROLES place the image),
+        "ideogram4",  # a segment mask over it on both axes and an MRoPE table (cos, sin) [B, tokens, d] per token
+        ("Ideogram4TransformerBlock",),
+        (
+            Sublayer("attention", "attn", text=TEXT_PREFIX, attention=True, masks=(("attention_mask", (-2, -1)),)),
+            Sublayer("feed_forward", "mlp", text=TEXT_PREFIX),
+        ),
+        rotary="image_rotary_emb",
+        rotary_axis=1,
+        stream=TEXT_PREFIX,
+        timesteps=1.0,
+        timesteps_rise=True,  # its time runs from 0 (noise) to 1 (clean)
+    ),
+)
+
+BLOCK_FAMILIES += (
+    BlockFamily(  # MiniMax-H3: one packed stream [text; condition frames; audio; video] (TOKEN_ROLES place the video),
+        "minimax-h3",  # modulated per row outside its sub-layers; one rotary table (cos, sin) [tokens, d] for the batch
+        ("MiniMaxH3TransformerBlock",),
+        (Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True), Sublayer("ff", "mlp", text=TEXT_PREFIX)),
+        rotary="rotary_emb",
+        stream=TEXT_PREFIX,
+        timesteps=1.0,
+        timesteps_rise=True,  # its t = 1 - sigma: 1 is clean
+    ),
+)
+
 _BY_CLASS: Dict[str, BlockFamily] = {
     name: family for family in BLOCK_FAMILIES if not family.models for name in family.classes
 }
@@ -821,6 +849,45 @@ CONTEXT_LATENTS: Dict[str, str] = {"BriaFibo2Transformer2DModel": "context_laten
 def context_latents(cls: type) -> Optional[str]:
     """The :data:`CONTEXT_LATENTS` argument of a model class (or of its nearest base class named there), or None."""
     return _nearest(CONTEXT_LATENTS, cls)
+
+
+@dataclass(frozen=True)
+class TokenRoles:
+    """How the call of a model on packed sequences tells which of its tokens are the image's: a per-token role
+    indicator rather than the tokens' order (Ideogram 4 packs ``[left padding; text; image]`` per row, the
+    padding's length the prompt's; MiniMax-H3 one layout ``[text; condition frames; audio; video]`` that its batch
+    shares, placed by index tables). Where every row ends its tokens of the image's role with one run at the same
+    place, in one segment, under the same ids, that run is the grid (a video's frames, read from ``ids``); every
+    token before and after it (text, audio, other samples, earlier runs of that role such as condition frames)
+    passes through unmerged. Other packings (the runs at other places per row) run unmerged, said once.
+
+    indicator: the call's argument of per-token roles ``[B, L]`` (or ``[L]``, one layout for the batch).
+    image: the role value of the image's tokens.
+    ids: the call's argument of per-token ids ``[B, L, 3]`` (or ``[L, 3]``): ``(t, row, col)``, which place the run
+        on its grid.
+    segments: the call's argument of per-token sample ids ``[B, L]`` under a block-diagonal mask (None: none).
+    """
+
+    indicator: str
+    image: int
+    ids: str
+    segments: Optional[str] = None
+
+    @property
+    def arguments(self) -> Tuple[str, ...]:
+        """The call's arguments read: the indicator, the ids, and the segments where given."""
+        return (self.indicator, self.ids) + ((self.segments,) if self.segments else ())
+
+
+TOKEN_ROLES: Dict[str, TokenRoles] = {
+    "Ideogram4Transformer2DModel": TokenRoles("indicator", 2, "position_ids", "segment_ids"),
+    "MiniMaxH3Transformer3DModel": TokenRoles("token_tags", 0, "position_ids"),
+}
+
+
+def token_roles(cls: type) -> Optional[TokenRoles]:
+    """The :data:`TOKEN_ROLES` entry of a model class (or of its nearest base class named there), or None."""
+    return _nearest(TOKEN_ROLES, cls)
 
 
 # Model classes whose blocks' image stream ends with the latent's tokens, after tokens that pass through unmerged:

@@ -120,6 +120,37 @@ def trailing_frames(coords: Sequence[Sequence[float]]) -> Optional[Tuple[int, in
     return frames, frame[0], frame[1], start
 
 
+def indicated_run(
+    roles: Sequence[Sequence[float]], image: float, ids: Sequence[Sequence[Sequence[float]]],
+    segments: Optional[Sequence[Sequence[float]]] = None,
+) -> Optional[Tuple[int, int, int, int]]:
+    """``(rows, cols, head, tail)`` of the image's last run in packed rows: per-token ``roles`` ``[B][L]`` whose
+    last run of tokens of role ``image`` sits at the same place in every row (``head`` tokens before it, earlier
+    runs of that role among them, and ``tail`` after), in one segment of ``segments`` and under the same ids
+    ``[B][L][k]`` ``(t, row, col)``: a video's frames, each in raster order at a later time than the one before
+    (:func:`trailing_frames`; one frame: an image), read as ``frames * h`` rows of ``w`` columns. None otherwise
+    (the rows' runs at other places, a run over two segments, ids of no grid)."""
+    if not roles or not roles[0] or image not in roles[0]:
+        return None
+    end = max(i for i, role in enumerate(roles[0]) if role == image) + 1
+    start = end - 1
+    while start and roles[0][start - 1] == image:
+        start -= 1
+    run = [list(token) for token in ids[0][start:end]]
+    placed = [role == image for role in roles[0][max(start - 1, 0) :]]  # the token before the run, the run, after it
+    for b, row in enumerate(roles):  # a single row of ids or segments: one layout for every row
+        if [role == image for role in row[max(start - 1, 0) :]] != placed:
+            return None
+        if segments is not None and len(set(segments[min(b, len(segments) - 1)][start:end])) != 1:
+            return None
+        if [list(token) for token in ids[min(b, len(ids) - 1)][start:end]] != run:
+            return None
+    grid = trailing_frames(run) if len(run[0]) == 3 else None
+    if grid is None or grid[3]:
+        return None
+    return grid[0] * grid[1], grid[2], start, len(roles[0]) - end
+
+
 def _near(value: float, expected: float) -> bool:
     """Equal up to float32 rounding of position ids."""
     return abs(value - expected) <= 1e-5 * max(1.0, abs(expected))

@@ -75,17 +75,12 @@ REFUSED: Dict[str, str] = {
         "caches the reference frames' keys and recomputes rotary positions from the grid inside the processor: "
         "merged tokens fit none of these"
     ),
-    "MiniMaxH3Transformer3DModel": (
-        "one batchless packed sequence whose text, video and audio rows are placed by index tables, each row with "
-        "its own modulation: there is no image token run to merge in place (not supported)"
-    ),
     "Cosmos3OmniTransformer": (
-        "a mixture-of-transformers decoder on batchless packed sequences whose vision, sound and action tokens are "
-        "scattered by index tables: there is no image token run to merge in place (not supported)"
-    ),
-    "Ideogram4Transformer2DModel": (
-        "its packed sequences mix text and image tokens placed by an indicator and pack several samples per row "
-        "under a block-diagonal mask: the image tokens are not one run to merge in place (not supported)"
+        "a mixture-of-transformers decoder whose layers take two batchless streams [tokens, C], the understanding "
+        "(text) one first and the generation one [vision; sound; action] second, each with its own attention "
+        "projections and MLP, the vision's queries over both streams' keys: ToMe's blocks take their image stream as "
+        "their first, batched input, and the role indicator that places Ideogram 4's and MiniMax-H3's image run does "
+        "not reach a second stream (not supported)"
     ),
     "ZImageControlNetModel": (
         "its noise and caption refiners are the Z-Image transformer's own modules, and its control blocks take a "

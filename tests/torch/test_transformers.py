@@ -586,6 +586,26 @@ def test_leading_raster_reads_grids_and_refuses_the_rest():
     assert leading_raster(half) == (3, 4, 0)  # FLUX.3: ids scaled by its image_rope_scale
 
 
+def test_indicated_run_reads_the_image_run_from_token_roles_and_refuses_other_packings():
+    from tome_core.levels import indicated_run
+
+    image = [[65536, 65536 + i // 4, 65536 + i % 4] for i in range(12)]  # a 3x4 grid, Ideogram 4's offset ids
+    text = lambda n: [[i, i, i] for i in range(n)]  # noqa: E731
+    pad = lambda n: [[0, 0, 0]] * n  # noqa: E731
+    roles = [[-1, 3, 3] + [2] * 12, [3, 3, 3] + [2] * 12]
+    ids = [pad(1) + text(2) + image, text(3) + image]
+    assert indicated_run(roles, 2, ids, [[-1, 1, 1] + [1] * 12, [1] * 15]) == (3, 4, 3, 0)  # left padding, then text
+    assert indicated_run([row + [3] for row in roles], 2, [row + text(1) for row in ids]) == (3, 4, 3, 1)  # a tail
+    assert indicated_run([roles[0], [3, 3] + [2] * 12 + [3]], 2, [ids[0], text(2) + image + text(1)]) is None  # moved
+    assert indicated_run(roles, 2, ids, [[1] * 9 + [2] * 6, [1] * 15]) is None  # two samples' images back to back
+    # the last run is the grid; an earlier run of the role passes through (another sample, condition frames)
+    assert indicated_run([[3, 2, 2, 3] + [2] * 12], 2, [text(1) + image[:2] + text(1) + image]) == (3, 4, 4, 0)
+    video = [[t * 5, row, col] for t in range(3) for row in range(2) for col in range(3)]  # 3 frames of 2x3, one layout
+    assert indicated_run([[1, 1] + [0] * 18], 0, [text(2) + video]) == (6, 3, 2, 0)
+    assert indicated_run(roles, 2, [ids[0], text(3) + image[::-1]]) is None  # the rows' grids differ
+    assert indicated_run([[3, 3, 3]], 2, [text(3)]) is None  # no image
+
+
 def test_trailing_readers_find_the_grid_after_conditioning_tokens():
     from tome_core.levels import trailing_frames, trailing_raster
 

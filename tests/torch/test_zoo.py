@@ -193,6 +193,52 @@ def _krea2():
     )()
 
 
+def _ideogram4(packed: Tuple[int, ...] = ()):
+    """Ideogram 4 on its pipeline's packed rows [left padding; text; image] (its own _prepare_ids), 5 text places
+    (the second prompt's 3 tokens after 2 of padding), a 6x8 image. The rows in ``packed`` instead pack two samples
+    [text (2); image (2x4)], each its own segment, at 0 and 26, padding after each."""
+    config = dict(
+        in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=4, intermediate_size=32, adaln_dim=16,
+        llm_features_dim=24, rope_theta=10_000, mrope_section=(2, 1, 1),
+    )
+    prepare = diffusers.Ideogram4Pipeline._prepare_ids
+    ids, segments, indicator = prepare([5, 3], 6, 8, 5, torch.device("cpu"))
+    sample, _, roles = prepare([2], 2, 4, 2, torch.device("cpu"))
+    for b in packed:
+        ids[b], segments[b], indicator[b] = 0, -1, -1
+        for k in range(2):
+            at = slice(26 * k, 26 * k + sample.shape[1])
+            ids[b, at], segments[b, at], indicator[b, at] = sample[0], k + 1, roles[0]
+    length = ids.shape[1]
+    return _built(
+        "Ideogram4Transformer2DModel", config, hidden_states=(2, length, 16), encoder_hidden_states=(2, length, 24),
+        timestep=torch.tensor([0.5, 0.5]), position_ids=ids, segment_ids=segments, indicator=indicator,
+    )()
+
+
+def _minimax_h3(keyframes: Tuple[str, ...] = ("first",)):
+    """MiniMax-H3 on its pipeline's layout (its own build_packed_sequence), one the batch shares: [text (4); a
+    keyframe's condition frame (4x6); audio (2 channels x 3); video (3 frames of 4x6)], each with its rotary ids;
+    the condition rows at the clean timestep, the rest at the noisy one."""
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
+
+    config = dict(
+        num_attention_heads=2, attention_head_dim=16, hidden_size=24, num_layers=2, num_refiner_layers=1, ffn_dim=32,
+        in_channels=4, audio_in_channels=6, patch_size=(1, 2, 2), text_dim=8, freq_dim=8, time_embed_hidden_dim=24,
+        time_embed_dim=16, rope_freq_dim=2,
+    )
+    ids, tags, video, audio, text, conditions, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+        torch.ones(4, dtype=torch.long), 3, 8, 12, 3, (1, 2, 2), 2, audio_tag=2, video_tag=0, keyframe_anchors=keyframes,
+    )
+    steps = torch.zeros(ids.shape[0], dtype=torch.long)
+    steps[video[:conditions]] = 1
+    return _built(
+        "MiniMaxH3Transformer3DModel", config, hidden_states=(2, video.numel(), 16), audio_hidden_states=(2, 6, 6),
+        encoder_hidden_states=(2, 4, 8), timestep=torch.tensor([0.5, 1.0]), timestep_indices=steps, token_tags=tags,
+        position_ids=ids, video_indices=video, audio_indices=audio, text_indices=text,
+    )()
+
+
 def _joyimage_edit_plus():
     """JoyImage-Edit-Plus: patches [B, N, C, 1, 2, 2], the 4x6 target's first, then each item's references (two for
     the first, one for the second, padded to its length); a key mask over [patches; text], the second text padded."""
@@ -559,6 +605,8 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
     ),
     "JoyImageEditPlusTransformer3DModel": _joyimage_edit_plus,
     "Krea2Transformer2DModel": _krea2,
+    "Ideogram4Transformer2DModel": _ideogram4,
+    "MiniMaxH3Transformer3DModel": _minimax_h3,
     "AnyFlowTransformer3DModel": _built(  # frames-first latent (B, F, C, H, W), a timestep per frame
         "AnyFlowTransformer3DModel",
         dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
@@ -1606,3 +1654,105 @@ def test_stable_cascade_stage_b_merges_from_its_finest_level_with_attention():
         _run(model, inputs)
         stats = tome.patched_models(model)[0].state.stats
         assert set(stats) == levels and all(level.blocks == (2 if config is stage_b else 4) for level in stats.values())
+
+
+def _first_attention(model, inputs) -> Dict[str, torch.Tensor]:
+    """What the first block's attention of an Ideogram 4 model gets: its tokens, mask and rotary (cos, sin)."""
+    seen: Dict[str, torch.Tensor] = {}
+
+    def record(module, args, kwargs):
+        if not seen:
+            cos, sin = kwargs["image_rotary_emb"]
+            seen.update(x=args[0].clone(), mask=kwargs["attention_mask"].clone(), cos=cos.clone(), sin=sin.clone())
+
+    handle = model.layers[0].attention.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        output = _run(model, inputs)
+    finally:
+        handle.remove()
+    return {**seen, "output": output}
+
+
+def test_ideogram4_image_run_told_by_its_indicator_merges_and_every_other_row_reaches_attention_as_unpatched():
+    """Ideogram 4's pipeline packs [left padding; text; image] per row, the padding as long as the prompt is short:
+    the indicator, not the order, tells the image's tokens. Its first attention must get every padding and text
+    row (tokens, both axes of the segment mask, rotary rows) exactly as unpatched, and half the image's 48 tokens,
+    each with an unpatched image token's rotary row and mask entries."""
+    model, inputs = MERGED["Ideogram4Transformer2DModel"]()
+    head, image = 5, 48
+    plain = _first_attention(model, inputs)
+    assert plain["x"].shape[1] == head + image
+    tome.patch(model, ratio=0.5)
+    merged = _first_attention(model, inputs)
+    tome.remove(model)
+    kept = head + image // 2
+    assert merged["x"].shape[1] == kept and merged["mask"].shape[-2:] == (kept, kept)
+    assert torch.equal(merged["x"][:, :head], plain["x"][:, :head])
+    assert torch.equal(merged["mask"][..., :head, :head], plain["mask"][..., :head, :head])
+    # image entries of the mask: each row's text entries, and within the image, as any unpatched image token's
+    assert torch.equal(merged["mask"][..., head:, :head], plain["mask"][..., head : head + 1, :head].expand(-1, -1, image // 2, -1))
+    assert torch.equal(merged["mask"][..., :head, head:], plain["mask"][..., :head, head : head + 1].expand(-1, -1, -1, image // 2))
+    assert merged["mask"][..., head:, head:].all() and plain["mask"][..., head:, head:].all()
+    for table in ("cos", "sin"):
+        assert torch.equal(merged[table][:, :head], plain[table][:, :head])
+        for b in range(2):
+            assert (_nearest(merged[table][b, head:], plain[table][b, head:]) == 0).all()
+    assert _rel(merged["output"], plain["output"]) > 1e-6
+
+
+def test_ideogram4_rows_packing_samples_merge_the_last_image_where_every_row_has_it_in_place():
+    """Rows that each pack two samples [text; image] at the same places: the last sample's 2x4 image merges, and
+    every token before it (the first sample, whole) and after it (padding) reaches the first attention as unpatched,
+    with its mask entries and rotary rows. A batch whose rows place them differently (the pipeline's row beside a
+    packed one) runs unmerged, equal to the unpatched model, and says why once."""
+    model, inputs = _ideogram4(packed=(0, 1))
+    plain = _first_attention(model, inputs)
+    tome.patch(model, ratio=0.5)
+    merged = _first_attention(model, inputs)
+    head, image, tail = 28, 8, 17
+    length = head + image + tail
+    assert plain["x"].shape[1] == length and merged["x"].shape[1] == length - image // 2
+    kept = list(range(head)) + list(range(length - image // 2 - tail, length - image // 2))
+    same = list(range(head)) + list(range(length - tail, length))
+    for name in ("x", "cos", "sin"):
+        assert torch.equal(merged[name][:, kept], plain[name][:, same])
+    assert torch.equal(merged["mask"][..., kept, :][..., kept], plain["mask"][..., same, :][..., same])
+    _, mixed = _ideogram4(packed=(1,))
+    with pytest.warns(UserWarning, match="rows packing other samples elsewhere"):
+        output = _run(model, mixed)
+    tome.remove(model)
+    assert torch.equal(output, _run(model, mixed))
+
+
+def test_minimax_h3_video_run_told_by_its_tags_merges_and_text_condition_and_audio_rows_pass_as_unpatched():
+    """MiniMax-H3's layout [text (4); condition frame (24, tagged video too); audio (6); video (72)], shared by the
+    batch: the first attention gets every row before the video's last run (text, the condition frame, audio) and
+    its rotary rows exactly as unpatched, and half the video's 3x4x6 tokens, each with an unpatched video token's
+    rotary row; the model's outputs keep their shapes (the video velocity for all 96 video rows)."""
+    model, inputs = MERGED["MiniMaxH3Transformer3DModel"]()
+    seen = []
+
+    def record(module, args):
+        if not seen:
+            seen.append((args[0].clone(), *(table.clone() for table in args[1])))
+
+    def run():  # the hook added last, after the patch's own
+        handle = model.transformer_blocks[0].attn.register_forward_pre_hook(record)
+        with torch.no_grad():
+            output = model(**inputs, return_dict=False)
+        handle.remove()
+        return output
+
+    plain = run()
+    (x, cos, sin), seen[:] = seen[0], []
+    tome.patch(model, ratio=0.5)
+    merged = run()
+    tome.remove(model)
+    mx, mcos, msin = seen[0]
+    head, video = 4 + 24 + 6, 72
+    assert x.shape[1] == head + video and mx.shape[1] == head + video // 2 and mcos.shape[0] == head + video // 2
+    assert torch.equal(mx[:, :head], x[:, :head])
+    for table, whole in ((mcos, cos), (msin, sin)):
+        assert torch.equal(table[:head], whole[:head])
+        assert (_nearest(table[head:], whole[head:]) == 0).all()
+    assert [t.shape for t in merged] == [t.shape for t in plain] and _rel(merged[0], plain[0]) > 1e-6
