@@ -347,7 +347,8 @@ def test_new_families_run_whole_calls_and_the_micro_path(tmp_path, capsys):
 # rotary tables apart and attention outputs [B, N, heads, d] (Lumina-Next), a grid from a shape list over 6-D
 # patches with references and padding after it (JoyImage-Edit-Plus), sub-layers of a nested block beside an audio
 # path (Kandinsky 6), a stream whose text goes before or after the image by the call (Bria-FIBO 2), the grid last in
-# one stream after text and condition images, attention prefilled segment by segment (Qwen-Image 2.1).
+# one stream after text and condition images, attention prefilled segment by segment (Qwen-Image 2.1), blocks
+# matched on their second input (Z-Image's ControlNet), a grid from a module's output (aMUSEd's UVit).
 ZOO_ORACLE_CLASSES = (
     "Flux2Transformer2DModel", "AuraFlowTransformer2DModel", "QwenImageTransformer2DModel", "ZImageTransformer2DModel",
     "ChromaTransformer2DModel", "HunyuanVideo15Transformer3DModel", "HunyuanVideoTransformer3DModel",
@@ -356,7 +357,7 @@ ZOO_ORACLE_CLASSES = (
     "AnyFlowTransformer3DModel", "HunyuanVideoFramepackTransformer3DModel", "Flux3Transformer2DModel",
     "SkyReelsV2Transformer3DModel", "HiDreamImageTransformer2DModel", "LuminaNextDiT2DModel",
     "JoyImageEditPlusTransformer3DModel", "Kandinsky6Transformer3DModel", "BriaFibo2Transformer2DModel",
-    "QwenImage21Transformer2DModel",
+    "QwenImage21Transformer2DModel", "ZImageControlNetModel", "UVit2DModel",
 )
 
 
