@@ -330,11 +330,12 @@ def _z_image_controlnet(mode: Any = None, transformer: Any = None):
 
 
 def _uvit():
-    """aMUSEd's UVit: VQ codes (B, 16, 12), downsampled by its down block to the 8x6 grid of its transformer layers."""
+    """aMUSEd's UVit: VQ codes (B, 16, 12), downsampled by its down block to the 8x6 grid of its transformer layers;
+    its vocabulary holds the 32 codes and the mask token (32)."""
     torch.manual_seed(0)
     model = diffusers.UVit2DModel(
         hidden_size=32, cond_embed_dim=16, micro_cond_encode_dim=2, micro_cond_embed_dim=10, encoder_hidden_size=16,
-        vocab_size=32, codebook_size=32, in_channels=16, block_out_channels=16, num_res_blocks=1, downsample=True,
+        vocab_size=40, codebook_size=32, in_channels=16, block_out_channels=16, num_res_blocks=1, downsample=True,
         upsample=True, block_num_heads=1, num_hidden_layers=2, num_attention_heads=1, intermediate_size=32,
     ).eval()
     generator = torch.Generator().manual_seed(1)
@@ -1541,6 +1542,53 @@ def test_kandinsky3_pipeline_merges_end_to_end():
         negative_attention_mask=torch.zeros_like(mask), height=128, width=128, num_inference_steps=2,
         generator=torch.Generator().manual_seed(0), output_type="np",
     ).images)
+
+
+def test_amused_pipeline_merges_end_to_end():
+    """AmusedPipeline from tiny components (its UVit, a tiny VQ model whose 32 codes it predicts; text embeddings in
+    place of its CLIP text encoder), classifier-free guidance, 32x24 pixels: 16x12 codes, an 8x6 grid in its layers.
+    Its output is discrete (codes sampled from the logits), so the logits its UVit gives are what must differ; its
+    first step sees only mask tokens, all alike, which merge exactly."""
+    transformer = _uvit()[0]
+    torch.manual_seed(1)
+    vqvae = diffusers.VQModel(
+        block_out_channels=[8, 8], down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+        in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1, norm_num_groups=4, num_vq_embeddings=32,
+        vq_embed_dim=4, lookup_from_codebook=True, force_upcast=False,  # it decodes the codes (aMUSEd's VQ-GAN)
+    ).eval()
+    pipe = diffusers.AmusedPipeline(
+        vqvae=vqvae, tokenizer=None, text_encoder=None, transformer=transformer,
+        scheduler=diffusers.AmusedScheduler(mask_token_id=32),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(2)
+    text = dict(
+        prompt_embeds=torch.randn(1, 16, generator=generator), encoder_hidden_states=torch.randn(1, 5, 16, generator=generator),
+        negative_prompt_embeds=torch.randn(1, 16, generator=generator),
+        negative_encoder_hidden_states=torch.randn(1, 5, 16, generator=generator),
+    )
+    logits: List[torch.Tensor] = []
+    hook = transformer.register_forward_hook(lambda module, args, output: logits.append(output))
+
+    def call() -> Tuple[torch.Tensor, torch.Tensor]:
+        logits.clear()
+        image = pipe(**text, height=32, width=24, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="np")
+        return torch.as_tensor(image.images), torch.cat(logits)
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # the pipeline says it is deprecated
+            reference, plain = call()
+            for options in (dict(ratio=0.5), {}):
+                tome.patch(pipe, **options)
+                image, merged = call()
+                assert image.shape == reference.shape and torch.isfinite(image).all() and torch.isfinite(merged).all()
+                assert _rel(merged, plain) > 1e-6 and tome.patched_models(pipe)[0].state.stats
+            tome.remove(pipe)
+            image, unpatched = call()
+    finally:
+        hook.remove()
+    assert torch.equal(image, reference) and torch.equal(unpatched, plain)
 
 
 def _cascade_projections(model, inputs, **options):
