@@ -1312,7 +1312,8 @@ def _grid_modules(fw: Framework, model: Any) -> List[Any]:
 
 def check_grids(fw: Framework, model: Any) -> None:
     """Refuse a model whose blocks cannot know their grid: neither a UNet, a ControlNet or a diffusion
-    transformer, nor inside a 2-D container (``Transformer2DModel``, ``TransformerSpatioTemporalModel``)."""
+    transformer, nor inside a 2-D container (``Transformer2DModel``, ``TransformerSpatioTemporalModel``), nor after
+    a child whose output gives it (:data:`~tome_core.families.GRID_SOURCES`)."""
     if is_unet_like(model) or is_transformer_model(model) or grid_source(type(model)) is not None:
         return
     inside = {id(sub) for grid in _grid_modules(fw, model) for sub in fw.submodules(grid)}
