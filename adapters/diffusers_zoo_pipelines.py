@@ -530,6 +530,15 @@ def _qwen_controlnet(config: Dict[str, Any], seed: int) -> Dict[str, Any]:
     return {"controlnet": _random_transformer("QwenImageControlNetModel", {**config, "num_layers": 1}, seed)}
 
 
+def _z_image_controlnet(config: Dict[str, Any], seed: int) -> Dict[str, Any]:
+    """ZImageControlNetModel shaped like the transformer, a control block at its layer 0 taking the VAE's latents,
+    zero-initialised outputs given values; the pipeline gives it the transformer's embedders and refiners
+    (``from_transformer``)."""
+    shared = ("all_patch_size", "all_f_patch_size", "dim", "n_refiner_layers", "n_heads", "n_kv_heads", "qk_norm")
+    own = dict(control_layers_places=[0], control_in_dim=config["in_channels"])
+    return {"controlnet": _random_transformer("ZImageControlNetModel", {**{k: config[k] for k in shared}, **own}, seed)}
+
+
 def _hunyuandit_controlnet(config: Dict[str, Any], seed: int) -> Dict[str, Any]:
     """HunyuanDiT2DControlNetModel shaped like the transformer, zero-initialised outputs given values."""
     config = {k: v for k, v in config.items() if k != "num_layers"}
@@ -592,6 +601,9 @@ ZOO_PIPELINES: Dict[str, ZooPipeline] = {
         "QwenImageControlNetPipeline", "tiny-qwen-image", _qwen_vae(2), _qwen_controlnet_call, _qwen_controlnet
     ),
     "z-image": ZooPipeline("ZImagePipeline", "tiny-z-image", _kl_vae(), _z_image_call),
+    "z-image-controlnet": ZooPipeline(
+        "ZImageControlNetPipeline", "tiny-z-image", _kl_vae(), _with_image(_z_image_call, "control_image"), _z_image_controlnet
+    ),
     "z-image-img2img": ZooPipeline("ZImageImg2ImgPipeline", "tiny-z-image", _kl_vae(), _img2img(_z_image_call)),
     "chroma": ZooPipeline("ChromaPipeline", "tiny-chroma", _kl_vae(4), _chroma_call),
     "chroma-img2img": ZooPipeline("ChromaImg2ImgPipeline", "tiny-chroma", _kl_vae(4), _img2img(_chroma_call)),
@@ -753,8 +765,6 @@ NOT_BUILT: Dict[str, str] = {
     "image], the unconditional one on the image alone) are checked in test_zoo",
     "ChromaInpaintPipeline": "fails unpatched: it reads transformer.config.guidance_embeds, which Chroma's "
     "transformer has not",
-    "ZImageControlNetPipeline": "ZImageControlNetModel is refused by tome_core.model_zoo (its control blocks take a "
-    "stack of earlier hints), so patch refuses the pipeline",
     "Cosmos2TextToImagePipeline / CosmosTextToWorldPipeline": "they need the cosmos_guardrail package (not installed "
     "here: its safety checker is built in the constructor)",
 }

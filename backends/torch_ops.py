@@ -67,10 +67,11 @@ class TorchOps:
         return torch.sort(x, dim=-1, descending=True, stable=True).indices
 
     def take(self, x, indices, axis):
-        return x.index_select(axis, indices)
+        # a model may keep a table on another device than its tokens (CogView4's rotary table on the CPU)
+        return x.index_select(axis, indices.to(x.device))
 
     def take_along_axis(self, x, indices, axis):
-        return torch.gather(x, axis, indices)
+        return torch.gather(x, axis, indices.to(x.device))
 
     def scatter(self, target, indices, values, axis):
         return target.scatter(axis, indices, values)

@@ -399,6 +399,7 @@ class _OracleBlock:
         self.plan = plan
         self.base = self.family = family  # family: as this call runs it (driver.family_in_call)
         self.text_after_at = driver.family_argument_position(family, block)
+        self.metric, self.metric_at = driver.block_metric(family, block)  # the stream of the grid (the match's)
         self.call = call
         self.image: Optional[Tuple[int, int, int]] = None  # (grid tokens, head, tail) of this run of the block
         self.done: set = set()  # sub-layers cut in this run of the block (Sublayer.once)
@@ -408,7 +409,7 @@ class _OracleBlock:
     def begin(self, module, args, kwargs):
         self.done = set()
         self.family = driver.family_in_call(self.base, self.text_after_at, args, kwargs)
-        self.image = self.call.image(driver.argument(args, kwargs, "hidden_states", 0), self.family)
+        self.image = self.call.image(driver.argument(args, kwargs, self.metric, self.metric_at), self.family)
         if self.image is not None and self.family.unmerged_with is not None:
             if driver.argument(args, kwargs, self.family.unmerged_with[0], self.unmerged_at) is not None:
                 self.image = None
@@ -519,6 +520,7 @@ def install_transformer_oracle(
     handles = []
     if call is None:
         handles.append(fw.add_pre_hook(model, seen.hook))
+        handles += driver.grid_hooks(fw, model, seen.state)
     else:
         seen.set(*call)
     for index, (block, family) in enumerate(blocks):

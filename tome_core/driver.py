@@ -30,14 +30,15 @@ import itertools
 import math
 import numbers
 import weakref
+from functools import partial
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 from .backend import get_ops
 from .config import ToMeConfig
 from .families import (
     BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer, GridLayout, attends_text_only,
-    block_family, child_at, context_latents, grid_layout, grid_last, temporal, text_follows, text_only, token_roles,
-    with_text_after,
+    block_family, child_at, context_latents, grid_layout, grid_source, grid_last, temporal, text_follows, text_only,
+    token_roles, with_text_after,
 )
 from .levels import finest_attention_level, indicated_run, leading_raster, trailing_frames, trailing_raster
 from .match import Match
@@ -575,6 +576,19 @@ def shapes_grid(img_shapes: Sequence[Any], tokens: int, last: bool = False) -> O
     return frames * height, width, 0 if last else tokens - frames * height * width
 
 
+def _call_ends(state: ToMeState, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+    """Post-hook on a patched model: its call has returned, so a block of it that runs now is run by another
+    model that borrowed it (:attr:`ToMeState.in_call`)."""
+    state.in_call = False
+
+
+def _grid_output(state: ToMeState, data_format: str, module: Any, args: Any, kwargs: Any, output: Any) -> None:
+    """Post-hook on a model's :data:`~tome_core.families.GRID_SOURCES` child: its 4-D output is the grid of the
+    blocks the model runs after it on that map's flattened pixels."""
+    if len(get_ops(output).shape(output)) == 4:
+        state.enter_grid(_spatial(output, data_format))
+
+
 class _GridHook:
     """Pre-hook on a UNet's ``Transformer2DModel`` (or another 2-D container): its 4-D input is the grid of the
     blocks inside."""
@@ -621,6 +635,7 @@ class _BlockRun:
         name = family.unmerged_with[0] if family.unmerged_with else None
         self.unmerged_at = argument_positions(type(block).forward, name)[name] if name else None
         self.text_after_at = family_argument_position(family, block)
+        self.metric, self.metric_at = block_metric(family, block)  # what the match is computed from
         self.matches: Dict[str, Match] = {}
         self.config = state.active
         self.tail = 0  # this run's tokens after the grid's (ToMeState.tail)
@@ -631,10 +646,13 @@ class _BlockRun:
     def begin(self, module, args, kwargs):
         block_problem(self.block, self.state.config)
         self.family = family_in_call(self.base, self.text_after_at, args, kwargs)
-        metric = argument(args, kwargs, "hidden_states", 0)
+        metric = argument(args, kwargs, self.metric, self.metric_at)
         earlier = self._ran_on(metric)
         if earlier is not None:
             _, self.matches, self.config, (self.head, self.tail) = earlier
+            return None
+        if not self.state.in_call:  # another model runs this block (it borrowed it): unmerged, as that model's
+            self.matches = {}
             return None
         self.config, fallback = self._arrangement(self.state.active)
         whole = metric
@@ -1289,14 +1307,16 @@ def _halves(fw: Framework, module: Any) -> bool:
 
 
 def block_levels(fw: Framework, model: Any) -> List[Optional[int]]:
-    """The level (downsample factor) of each block of :func:`blocks_of`: 1 in a diffusion transformer; in a
+    """The level (downsample factor) of each block of :func:`blocks_of`: 1 in a diffusion transformer (and after a
+    model's :data:`~tome_core.families.GRID_SOURCES` child, whose grid its blocks' tokens are); in a
     UNet-like model, doubled after each down block that downsamples and halved after each up block that
     upsamples (the middle block at the deepest level); ``None`` where the model does not tell: blocks on a
     feature map outside a UNet (Stable Cascade's levels), and UNets whose down blocks resample inside their
     ResNets rather than in ``downsamplers`` (Kandinsky 3's); their merges then follow each block's grid."""
     blocks = blocks_of(fw, model)
     if not is_unet_like(model):
-        return [1 if is_transformer_model(model) and not family.feature_map else None for _, family in blocks]
+        one = is_transformer_model(model) or grid_source(type(model)) is not None  # one grid: the model's tokens
+        return [1 if one and not family.feature_map else None for _, family in blocks]
     if not any(hasattr(down, "downsamplers") for down in model.down_blocks):
         return [None for _ in blocks]
     level: Dict[int, int] = {}
@@ -1329,8 +1349,9 @@ def _grid_modules(fw: Framework, model: Any) -> List[Any]:
 
 def check_grids(fw: Framework, model: Any) -> None:
     """Refuse a model whose blocks cannot know their grid: neither a UNet, a ControlNet or a diffusion
-    transformer, nor inside a 2-D container (``Transformer2DModel``, ``TransformerSpatioTemporalModel``)."""
-    if is_unet_like(model) or is_transformer_model(model):
+    transformer, nor inside a 2-D container (``Transformer2DModel``, ``TransformerSpatioTemporalModel``), nor after
+    a child whose output gives it (:data:`~tome_core.families.GRID_SOURCES`)."""
+    if is_unet_like(model) or is_transformer_model(model) or grid_source(type(model)) is not None:
         return
     inside = {id(sub) for grid in _grid_modules(fw, model) for sub in fw.submodules(grid)}
     lost = [type(block).__name__ for block, _ in blocks_of(fw, model) if id(block) not in inside]
@@ -1363,6 +1384,29 @@ def auto_choices(fw: Framework, model: Any, config: ToMeConfig) -> Tuple[Tuple[i
     return config.auto_choices(kv_input, is_unet_like(model))
 
 
+def grid_hooks(fw: Framework, model: Any, state: ToMeState) -> List[Any]:
+    """Hook the modules of ``model`` that tell ``state`` its blocks' grid where its call's input does not: the 2-D
+    containers of a UNet-style model (their 4-D input) and its :data:`~tome_core.families.GRID_SOURCES` child (its
+    4-D output); returns the handles."""
+    data_format = getattr(model, "data_format", "NCHW")
+    handles = []
+    if not is_transformer_model(model):
+        for module in _grid_modules(fw, model):
+            handles.append(fw.add_pre_hook(module, _GridHook(state, getattr(module, "data_format", data_format))))
+    source = grid_source(type(model))
+    if source is not None and fw.is_module(child_at(model, source)):
+        handles.append(fw.add_post_hook(child_at(model, source), partial(_grid_output, state, data_format)))
+    return handles
+
+
+def block_metric(family: BlockFamily, block: Any) -> Tuple[str, Optional[int]]:
+    """The argument of ``block``'s call whose tokens the match is computed from (:attr:`BlockFamily.metric`;
+    ``hidden_states``, its first input, by default) and its position in the block's ``forward``."""
+    if family.metric is None:
+        return "hidden_states", 0
+    return family.metric, argument_positions(type(block).forward, family.metric)[family.metric]
+
+
 def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
     """Hook ``model`` (one found by :func:`find_models`) with ``config``."""
     state = ToMeState(
@@ -1371,11 +1415,9 @@ def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
     )
     patch = Patch(state)
     add = patch.handles.append
-    data_format = getattr(model, "data_format", "NCHW")
     add(fw.add_pre_hook(model, _CallStart(fw, model, state)))
-    if not is_transformer_model(model):
-        for module in _grid_modules(fw, model):
-            add(fw.add_pre_hook(module, _GridHook(state, getattr(module, "data_format", data_format))))
+    add(fw.add_post_hook(model, partial(_call_ends, state)))
+    patch.handles += grid_hooks(fw, model, state)
     runs: Dict[int, _BlockRun] = {}
     for stream, block, family, ratio, sublayer, target in _sublayers(fw, model, config):
         run = runs.get(stream)

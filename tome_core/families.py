@@ -127,6 +127,9 @@ class BlockFamily:
         match is computed from.
     models: the family's classes are blocks only inside models of these classes (a class it shares with the
         sub-layers of other families, such as diffusers' ``Attention``); empty: everywhere.
+    metric: the block argument whose tokens the match is computed from, where its first input is not the stream
+        of the grid (Z-Image's ControlNet blocks get a stack of the earlier hints first and the main stream ``x``
+        second: they merge their control tokens on the main stream's match); None: the first input.
     """
 
     name: str
@@ -144,6 +147,7 @@ class BlockFamily:
     text_after_with: Optional[str] = None
     feature_map: bool = False
     models: Tuple[str, ...] = ()
+    metric: Optional[str] = None
 
 
 @lru_cache(maxsize=None)
@@ -390,20 +394,24 @@ BLOCK_FAMILIES += (
     ),
 )
 
-BLOCK_FAMILIES += (
-    BlockFamily(  # Z-Image: one stream [image; padding; caption; padding], complex rotary per token [B, L, d/2]
-        "z-image",
-        ("ZImageTransformerBlock",),
-        (
-            Sublayer("attention", "attn", text=TEXT_SUFFIX, attention=True, masks=(("attention_mask", (-1,)),)),
-            Sublayer("feed_forward", "mlp", text=TEXT_SUFFIX),
-        ),
-        rotary="freqs_cis",
-        rotary_axis=1,
-        stream=TEXT_SUFFIX,
-        timesteps=1.0,
-        timesteps_rise=True,
+_Z_IMAGE = BlockFamily(  # Z-Image: one stream [image; padding; caption; padding], complex rotary per token [B, L, d/2]
+    "z-image",
+    ("ZImageTransformerBlock",),
+    (
+        Sublayer("attention", "attn", text=TEXT_SUFFIX, attention=True, masks=(("attention_mask", (-1,)),)),
+        Sublayer("feed_forward", "mlp", text=TEXT_SUFFIX),
     ),
+    rotary="freqs_cis",
+    rotary_axis=1,
+    stream=TEXT_SUFFIX,
+    timesteps=1.0,
+    timesteps_rise=True,
+)
+BLOCK_FAMILIES += (
+    _Z_IMAGE,
+    # Z-Image's ControlNet: its block's sub-layers run on the last of a stack of control streams [k, B, L, C], laid
+    # out as the main stream x (its second input), on whose grid and match they merge; its hints stay whole
+    replace(_Z_IMAGE, name="z-image-control", classes=("ZImageControlTransformerBlock",), metric="x"),
 )
 
 BLOCK_FAMILIES += (
@@ -832,7 +840,7 @@ GRID_LAYOUTS: Tuple[GridLayout, ...] = (
         ("LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel"), frames_axis=None, sizes=("num_frames", "height", "width"),
         coords="video_coords",
     ),
-    GridLayout(("ZImageTransformer2DModel",), patch_arguments=("f_patch_size", "patch_size")),
+    GridLayout(("ZImageTransformer2DModel", "ZImageControlNetModel"), patch_arguments=("f_patch_size", "patch_size")),
     GridLayout(("Kandinsky5Transformer3DModel",), frames_axis=1, channels_last=True),
     GridLayout(("Kandinsky6Transformer3DModel",), frames_axis=1, channels_last=True, frame_types="visual_token_type_ids"),
     # a 2-D patch per frame, the frames' tokens in one sequence
@@ -915,8 +923,10 @@ def grid_layout(cls: type) -> Optional[GridLayout]:
 @dataclass(frozen=True)
 class TextOnly:
     """A model class whose listed children (dotted paths) hold blocks of a known family that run on the text
-    alone (Z-Image's and Lumina 2's caption refiners), or on other tokens than the output image's (FLUX.3's
-    reference-image blocks): ToMe never hooks them."""
+    alone (Z-Image's and Lumina 2's caption refiners), on other tokens than the output image's (FLUX.3's
+    reference-image blocks), or that are another model's own modules (the Z-Image ControlNet's refiners are its
+    transformer's, given by ``from_transformer``; that model's patch hooks them, and they run unmerged outside its
+    calls): ToMe never hooks them through this model."""
 
     name: str
     children: Tuple[str, ...]
@@ -924,6 +934,7 @@ class TextOnly:
 
 TEXT_ONLY: Tuple[TextOnly, ...] = (
     TextOnly("ZImageTransformer2DModel", ("context_refiner", "siglip_refiner")),
+    TextOnly("ZImageControlNetModel", ("noise_refiner", "context_refiner")),  # its transformer's, borrowed
     TextOnly("Lumina2Transformer2DModel", ("context_refiner",)),
     TextOnly("Flux3Transformer2DModel", ("txt_mode_blocks", "mode_blocks.image_cond")),  # (and the reference images)
 )
@@ -940,6 +951,16 @@ def text_only(cls: type) -> Optional[TextOnly]:
 GRID_CONTAINERS: Tuple[str, ...] = ("Transformer2DModel", "TransformerSpatioTemporalModel", "DreamLiteTransformer2DModel")
 
 _TEMPORAL: Dict[str, Temporal] = {entry.name: entry for entry in TEMPORAL}
+
+# Models that flatten a feature map into their blocks' tokens themselves, after one of their modules: that child's
+# 4-D output ``(B, C, h, w)`` is the grid of the blocks after it (aMUSEd's UVit runs its transformer layers on its
+# down block's output, its VQ codes' grid downsampled).
+GRID_SOURCES: Dict[str, str] = {"UVit2DModel": "down_block"}
+
+
+def grid_source(cls: type) -> Optional[str]:
+    """The :data:`GRID_SOURCES` child of a model class (or of its nearest base class named there), or None."""
+    return _nearest(GRID_SOURCES, cls)
 
 
 def child_at(module: Any, path: str) -> Any:

@@ -38,10 +38,6 @@ REFUSED: Dict[str, str] = {
         "cannot run by itself (diffusers runs it only inside a UNetControlNetXSModel); patch the "
         "UNetControlNetXSModel built from it (UNetControlNetXSModel.from_unet(unet, adapter)), whose blocks merge"
     ),
-    "UVit2DModel": (
-        "aMUSEd's UVit runs its transformer layers on tokens it flattens itself after a downsampling block, and "
-        "predicts masked VQ codes rather than a denoised latent; no grid reaches its blocks"
-    ),
     # merging cannot pay, or cannot be right
     "SanaTransformer2DModel": (
         "its self-attention is linear attention (its cost grows linearly with the tokens and it has no attention "
@@ -81,11 +77,6 @@ REFUSED: Dict[str, str] = {
         "projections and MLP, the vision's queries over both streams' keys: ToMe's blocks take their image stream as "
         "their first, batched input, and the role indicator that places Ideogram 4's and MiniMax-H3's image run does "
         "not reach a second stream (not supported)"
-    ),
-    "ZImageControlNetModel": (
-        "its noise and caption refiners are the Z-Image transformer's own modules, and its control blocks take a "
-        "stack of earlier hints [k, B, L, C] as their input; patch the ZImageTransformer2DModel, which merges "
-        "while the ControlNet runs unmerged"
     ),
 }
 

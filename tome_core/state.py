@@ -55,6 +55,9 @@ class ToMeState:
     shards: Optional[Shards] = None  # how context parallelism splits this call's tokens (None: it does not)
     where: str = "the model"  # the patched model's class, for warnings
     said: set = field(default_factory=set)  # warnings given (each once per patch)
+    # a call of the model is in flight (from begin_call to the model's return): its blocks run unmerged outside one,
+    # when another model that borrowed them runs them (the Z-Image ControlNet runs its transformer's noise refiner)
+    in_call: bool = False
 
     def __repr__(self) -> str:
         return f"ToMeState(config={self.config!r}, finest_level={self.finest_level}, calls={self.calls})"
@@ -119,6 +122,7 @@ class ToMeState:
             if self.calls % self.config.reuse_steps == 0:
                 self.cache = {}
             self.calls += 1
+        self.in_call = True
         self.latent_hw = latent_hw
         self.videos = videos
         self.merging = merging

@@ -24,8 +24,9 @@ dev, dtype = "cuda", torch.bfloat16
 
 
 def on_device(value):
+    """Inputs as a pipeline gives them: float32 arrays in the model's dtype, float64 ones (position ids) kept."""
     if isinstance(value, torch.Tensor):
-        return value.to(dev, dtype) if value.is_floating_point() else value.to(dev)
+        return value.to(dev, dtype) if value.dtype == torch.float32 else value.to(dev)
     if isinstance(value, (list, tuple)):
         return type(value)(on_device(v) for v in value)
     if isinstance(value, dict):
@@ -33,19 +34,31 @@ def on_device(value):
     return value
 
 
+def in_dtype(model):
+    """``model`` in ``dtype`` on the GPU, the modules its class keeps in float32 kept so, as ``from_pretrained(...,
+    torch_dtype=...)`` loads it."""
+    model = model.to(dev, dtype)
+    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    for path, module in model.named_modules():
+        if any(name in path.split(".") for name in keep):
+            module.float()
+    return model
+
+
 def check(name):
     model, inputs = test_zoo.MERGED[name]()
-    model, inputs = model.to(dev, dtype), on_device(inputs)
+    model, inputs = in_dtype(model), on_device(inputs)
     plain = test_zoo._run(model, inputs).float()
-    row = {"class": name, "finite": bool(torch.isfinite(plain).all())}
+    noise = test_zoo._rel(test_zoo._run(model, inputs).float(), plain)  # run-to-run (atomics in GPU kernels)
+    row = {"class": name, "finite": bool(torch.isfinite(plain).all()), "noise": noise}
     for label, options in (("default", {}), ("ratio 0.5", {"ratio": 0.5})):
         tome.patch(model, **options)
         out = test_zoo._run(model, inputs).float()
         row[label] = test_zoo._rel(out, plain)
         row["finite"] &= bool(torch.isfinite(out).all())
     tome.remove(model)
-    row["removed exact"] = bool(torch.equal(test_zoo._run(model, inputs).float(), plain))
-    row["ok"] = row["finite"] and row["removed exact"] and row["ratio 0.5"] > 0
+    row["removed exact"] = test_zoo._rel(test_zoo._run(model, inputs).float(), plain) <= noise
+    row["ok"] = row["finite"] and row["removed exact"] and row["ratio 0.5"] > noise
     return row
 
 

@@ -349,7 +349,8 @@ def test_new_families_run_whole_calls_and_the_micro_path(tmp_path, capsys):
 # path (Kandinsky 6), a stream whose text goes before or after the image by the call (Bria-FIBO 2), the grid last in
 # one stream after text and condition images, attention prefilled segment by segment (Qwen-Image 2.1), the image's
 # run in packed rows told by a per-token role indicator, a segment mask on both axes (Ideogram 4), one batchless
-# layout and rotary table for the batch, the video's run after text, condition frames and audio (MiniMax-H3).
+# layout and rotary table for the batch, the video's run after text, condition frames and audio (MiniMax-H3),
+# blocks matched on their second input (Z-Image's ControlNet), a grid from a module's output (aMUSEd's UVit).
 ZOO_ORACLE_CLASSES = (
     "Flux2Transformer2DModel", "AuraFlowTransformer2DModel", "QwenImageTransformer2DModel", "ZImageTransformer2DModel",
     "ChromaTransformer2DModel", "HunyuanVideo15Transformer3DModel", "HunyuanVideoTransformer3DModel",
@@ -359,7 +360,7 @@ ZOO_ORACLE_CLASSES = (
     "SkyReelsV2Transformer3DModel", "HiDreamImageTransformer2DModel", "LuminaNextDiT2DModel",
     "JoyImageEditPlusTransformer3DModel", "Kandinsky6Transformer3DModel", "BriaFibo2Transformer2DModel",
     "QwenImage21Transformer2DModel", "Ideogram4Transformer2DModel",
-    "MiniMaxH3Transformer3DModel",
+    "MiniMaxH3Transformer3DModel", "ZImageControlNetModel", "UVit2DModel",
 )
 
 

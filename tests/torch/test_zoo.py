@@ -357,6 +357,40 @@ def _z_image():
     return model, dict(x=x, t=torch.tensor([0.3, 0.3]), cap_feats=captions)
 
 
+def _z_image_controlnet(mode: Any = None, transformer: Any = None):
+    """Z-Image's ControlNet with the tiny Z-Image transformer's embedders and refiners (``from_transformer``: of
+    ``transformer``, or a new one), two control blocks (the second takes the stack of the first's hint and stream);
+    ``mode``: its ``add_control_noise_refiner``."""
+    built, inputs = _z_image()
+    transformer = transformer or built
+    shared = {k: transformer.config[k] for k in ("all_patch_size", "all_f_patch_size", "dim", "n_refiner_layers", "n_heads", "n_kv_heads", "qk_norm")}
+    torch.manual_seed(0)
+    model = diffusers.ZImageControlNetModel(
+        control_layers_places=[0, 1], control_refiner_layers_places=[0] if mode else None, control_in_dim=16,
+        add_control_noise_refiner=mode, **shared,
+    ).eval()
+    zoo._randomize_zeros(model, 2)
+    model = diffusers.ZImageControlNetModel.from_transformer(model, transformer)
+    generator = torch.Generator().manual_seed(2)
+    return model, dict(inputs, control_context=[torch.randn(16, 1, 12, 20, generator=generator) for _ in range(2)])
+
+
+def _uvit():
+    """aMUSEd's UVit: VQ codes (B, 16, 12), downsampled by its down block to the 8x6 grid of its transformer layers;
+    its vocabulary holds the 32 codes and the mask token (32)."""
+    torch.manual_seed(0)
+    model = diffusers.UVit2DModel(
+        hidden_size=32, cond_embed_dim=16, micro_cond_encode_dim=2, micro_cond_embed_dim=10, encoder_hidden_size=16,
+        vocab_size=40, codebook_size=32, in_channels=16, block_out_channels=16, num_res_blocks=1, downsample=True,
+        upsample=True, block_num_heads=1, num_hidden_layers=2, num_attention_heads=1, intermediate_size=32,
+    ).eval()
+    generator = torch.Generator().manual_seed(1)
+    return model, dict(
+        input_ids=torch.randint(0, 32, (2, 16, 12), generator=generator), encoder_hidden_states=torch.randn(2, 5, 16, generator=generator),
+        pooled_text_emb=torch.randn(2, 16, generator=generator), micro_conds=torch.randn(2, 5, generator=generator),
+    )
+
+
 def _allegro():
     from diffusers import AllegroPipeline
 
@@ -526,6 +560,8 @@ MERGED: Dict[str, Callable[[], Tuple[torch.nn.Module, Dict[str, Any]]]] = {
         hidden_states=(2, 4, 3, 8, 12), timestep=torch.tensor([0.5, 0.5]), encoder_hidden_states=(2, 12, 16), fps=30,
     ),
     "ZImageTransformer2DModel": _z_image,
+    "ZImageControlNetModel": _z_image_controlnet,
+    "UVit2DModel": _uvit,
     "CosmosControlNetModel": _cosmos_controlnet,
     "ConsisIDTransformer3DModel": _consisid,
     "QwenImageControlNetModel": _qwen_controlnet,
@@ -798,12 +834,15 @@ def _flat(output: Any) -> torch.Tensor:
         return output.reshape(-1)
     if isinstance(output, (tuple, list)):
         return torch.cat([_flat(item) for item in output if item is not None])
+    if isinstance(output, dict) and not hasattr(output, "to_tuple"):  # Z-Image ControlNet's hints by layer
+        return torch.cat([_flat(output[key]) for key in sorted(output)])
     return _flat(output.to_tuple())
 
 
 def _run(model, inputs) -> torch.Tensor:
+    tuples = {"return_dict": False} if "return_dict" in inspect.signature(model.forward).parameters else {}
     with torch.no_grad():
-        return _flat(model(**inputs, return_dict=False))
+        return _flat(model(**inputs, **tuples))
 
 
 def _attention_calls(model, inputs):
@@ -1553,6 +1592,53 @@ def test_kandinsky3_pipeline_merges_end_to_end():
     ).images)
 
 
+def test_amused_pipeline_merges_end_to_end():
+    """AmusedPipeline from tiny components (its UVit, a tiny VQ model whose 32 codes it predicts; text embeddings in
+    place of its CLIP text encoder), classifier-free guidance, 32x24 pixels: 16x12 codes, an 8x6 grid in its layers.
+    Its output is discrete (codes sampled from the logits), so the logits its UVit gives are what must differ; its
+    first step sees only mask tokens, all alike, which merge exactly."""
+    transformer = _uvit()[0]
+    torch.manual_seed(1)
+    vqvae = diffusers.VQModel(
+        block_out_channels=[8, 8], down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+        in_channels=3, out_channels=3, latent_channels=4, layers_per_block=1, norm_num_groups=4, num_vq_embeddings=32,
+        vq_embed_dim=4, lookup_from_codebook=True, force_upcast=False,  # it decodes the codes (aMUSEd's VQ-GAN)
+    ).eval()
+    pipe = diffusers.AmusedPipeline(
+        vqvae=vqvae, tokenizer=None, text_encoder=None, transformer=transformer,
+        scheduler=diffusers.AmusedScheduler(mask_token_id=32),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(2)
+    text = dict(
+        prompt_embeds=torch.randn(1, 16, generator=generator), encoder_hidden_states=torch.randn(1, 5, 16, generator=generator),
+        negative_prompt_embeds=torch.randn(1, 16, generator=generator),
+        negative_encoder_hidden_states=torch.randn(1, 5, 16, generator=generator),
+    )
+    logits: List[torch.Tensor] = []
+    hook = transformer.register_forward_hook(lambda module, args, output: logits.append(output))
+
+    def call() -> Tuple[torch.Tensor, torch.Tensor]:
+        logits.clear()
+        image = pipe(**text, height=32, width=24, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="np")
+        return torch.as_tensor(image.images), torch.cat(logits)
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # the pipeline says it is deprecated
+            reference, plain = call()
+            for options in (dict(ratio=0.5), {}):
+                tome.patch(pipe, **options)
+                image, merged = call()
+                assert image.shape == reference.shape and torch.isfinite(image).all() and torch.isfinite(merged).all()
+                assert _rel(merged, plain) > 1e-6 and tome.patched_models(pipe)[0].state.stats
+            tome.remove(pipe)
+            image, unpatched = call()
+    finally:
+        hook.remove()
+    assert torch.equal(image, reference) and torch.equal(unpatched, plain)
+
+
 def _cascade_projections(model, inputs, **options):
     """Per SDCascadeAttnBlock of a patched StableCascadeUNet: (its self_attn flag, the condition's tokens it
     attends to, what its attention's query projection got, what its key projection got)."""
@@ -1756,3 +1842,101 @@ def test_minimax_h3_video_run_told_by_its_tags_merges_and_text_condition_and_aud
         assert torch.equal(table[:head], whole[:head])
         assert (_nearest(table[head:], whole[head:]) == 0).all()
     assert [t.shape for t in merged] == [t.shape for t in plain] and _rel(merged[0], plain[0]) > 1e-6
+
+
+def _calls(module: torch.nn.Module, record: Callable[..., Any], **options: Any) -> Tuple[List[Any], Any]:
+    """The list that gets what ``record(args, kwargs)`` gives at each call of ``module`` (``prepend=True``: before
+    ToMe's hooks, on the unmerged input), and the hook's handle."""
+    seen: List[Any] = []
+    handle = module.register_forward_pre_hook(lambda m, a, k: seen.append(record(a, k)), with_kwargs=True, **options)
+    return seen, handle
+
+
+def _hidden(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """A call's ``hidden_states`` (its first input)."""
+    return kwargs.get("hidden_states", args[0] if args else None)
+
+
+def _merged_on(metric: torch.Tensor, grid: Tuple[int, int], shared: bool) -> Any:
+    """ToMe for SD's match at ratio 0.5 (fixed partition, 2x2 cells) of the ``grid`` tokens first in ``metric``."""
+    tokens = grid[0] * grid[1]
+    return bipartite_matches(get_ops(metric), metric[:, :tokens], *grid, 2, 2, [tokens // 2], None, 0, shared)[0]
+
+
+@pytest.mark.parametrize("mode", [None, "control_layers"])
+def test_z_image_control_blocks_merge_their_control_tokens_on_the_main_streams_match(mode):
+    """A control block gets [hints; control stream] first and the main stream x [image; caption] second: its
+    sub-layers run on the control stream, merged with the match of x's 6x10 image tokens (as VACE's for Wan),
+    caption and padding in place. With add_control_noise_refiner="control_layers" the blocks run first on the
+    image tokens alone, then on [image; caption]."""
+    model, inputs = _z_image_controlnet(mode)
+    tome.patch(model, ratio=0.5, use_rand=False)
+    block = model.control_layers[1]  # the one given the stack [hint; stream] of the first
+    main, first = _calls(block, lambda a, k: k.get("x", a[1] if len(a) > 1 else None))
+    whole, hook = _calls(block.attention, _hidden, prepend=True)
+    merged, last = _calls(block.attention, _hidden)
+    try:
+        _run(model, inputs)
+    finally:
+        for handle in (first, hook, last):
+            handle.remove()
+    assert len(main) == len(whole) == len(merged) == (2 if mode else 1)
+    for x, unmerged, got in zip(main, whole, merged):
+        match = _merged_on(x, (6, 10), shared=True)  # rotary rows: one match for the batch
+        assert got.shape[1] == unmerged.shape[1] - 30
+        assert torch.equal(got[:, : match.kept], merge(unmerged[:, :60], match))
+        assert torch.equal(got[:, match.kept :], unmerged[:, 60:])  # padding and caption in place
+        own = _merged_on(unmerged, (6, 10), shared=True)  # matched on the control tokens: another merge
+        assert not torch.equal(got[:, : own.kept], merge(unmerged[:, :60], own))
+
+
+def test_z_image_controlnet_runs_its_transformers_refiner_unmerged_and_its_hints_drive_the_patched_transformer():
+    """The ControlNet runs the Z-Image transformer's own noise refiner (from_transformer): the transformer's patch
+    hooks it, and outside the transformer's call it runs on every token, so patching the transformer leaves the
+    ControlNet's hints exact; the patched ControlNet's hints keep every token and drive the patched transformer."""
+    transformer, inputs = _z_image()
+    controlnet, control = _z_image_controlnet(transformer=transformer)
+    with torch.no_grad():
+        hints = controlnet(**control)
+        plain = _flat(transformer(**inputs, controlnet_block_samples=hints, return_dict=False))
+    tome.patch(transformer, ratio=0.5)
+    refined, handle = _calls(transformer.noise_refiner[0].attention, lambda a, k: _hidden(a, k).shape[1])
+    try:
+        with torch.no_grad():
+            again = controlnet(**control)
+            assert refined == [64]  # the ControlNet's call: 6x10 image tokens and 4 of padding, unmerged
+            assert all(torch.equal(again[key], hints[key]) for key in hints)
+            tome.patch(controlnet, ratio=0.5)
+            merged = controlnet(**control)
+            output = _flat(transformer(**inputs, controlnet_block_samples=merged, return_dict=False))
+    finally:
+        handle.remove()
+    assert refined == [64, 64, 34]  # the transformer's own call merges it: 30 of the 60 image tokens
+    assert {key: value.shape for key, value in merged.items()} == {key: value.shape for key, value in hints.items()}
+    assert all(_rel(merged[key], hints[key]) > 1e-6 for key in hints)
+    assert torch.isfinite(output).all() and _rel(output, plain) > 1e-6
+
+
+def test_uvit_merges_its_transformer_layers_on_the_grid_its_down_block_gives():
+    """aMUSEd's UVit flattens its down block's (B, C, 8, 6) output (VQ codes 16x12, downsampled) into the tokens
+    of its transformer layers: the down block's output gives their grid (families.GRID_SOURCES), so a layer's
+    self-attention gets the tokens merged on that 8x6 grid (a 6x8 grid merges others); the cross-attention-only
+    blocks inside the down and up blocks (SkipFFTransformerBlock) see every token."""
+    model, inputs = _uvit()
+    tome.patch(model, ratio=0.5, use_rand=False)
+    layer = model.transformer_layers[0]
+    metric, first = _calls(layer, _hidden)
+    whole, hook = _calls(layer.attn1, _hidden, prepend=True)
+    merged, last = _calls(layer.attn1, _hidden)
+    skip, skipped = _calls(model.up_block.attention_blocks[0].attn1, lambda a, k: _hidden(a, k).shape[1])
+    try:
+        _run(model, inputs)
+    finally:
+        for handle in (first, hook, last, skipped):
+            handle.remove()
+    match = _merged_on(metric[0], (8, 6), shared=False)
+    assert torch.equal(merged[0], merge(whole[0], match)) and merged[0].shape[1] == 24
+    wrong = _merged_on(metric[0], (6, 8), shared=False)
+    assert not torch.equal(merged[0], merge(whole[0], wrong))
+    assert skip == [48]
+    assert "2 blocks, 48 -> 24 tokens" in tome.patched_models(model)[0].state.summary()
