@@ -16,6 +16,8 @@ Three parts, each row written as soon as it is measured:
 3. ``flux``, ``pixart``, ``wan``: one call of each at its released width with fewer blocks, CUDA graph, at the
    reductions the knob's settings run (ToMe for SD at 0.25 / 0.5 / 0.75 where keys cannot be taken apart; cells
    of 2x1 / 2x2 / 4x4 where they can), with and without size-aware attention.
+4. ``newer`` (named only): Flux.2, Qwen-Image, HunyuanVideo and LTX-Video at their released widths with 1-2
+   blocks of each kind (the bench's presets), ``ratio=0.5`` against unpatched.
 """
 import json
 import os
@@ -272,13 +274,36 @@ def wan_part():
     transformer_part("Wan 1.3B width, 480x832, 9 frames, batch 2", model, inputs, RATIOS)
 
 
+def newer_part():
+    """The newer families at their released widths with 1-2 blocks of each kind (the bench's presets), bfloat16,
+    batch 1: Flux.2 dev and Qwen-Image at 1024 px, HunyuanVideo at 544x960 x 5 frames, LTX-Video at 512x704 x 161."""
+    from tome_core.adapters.diffusers_models import video_transformer_inputs
+
+    methods = {"unpatched": None, "ratio 0.5": {"ratio": 0.5}}
+    for preset, label, video in [
+        ("flux2-small", "Flux.2 dev width, 1024 px", None), ("qwen-image-small", "Qwen-Image width, 1024 px", None),
+        ("hunyuan-video-small", "HunyuanVideo width, 544x960, 5 frames", (2, 68, 120)),
+        ("ltx-small", "LTX-Video width, 512x704, 161 frames", (21, 16, 22)),
+    ]:
+        model = build_transformer(preset).to(dev, torch.bfloat16).eval()
+        made = video_transformer_inputs(model, *video, text=256) if video else transformer_inputs(model, 128, 128, text=512)
+        try:
+            transformer_part(label, model, on_device(made, torch.bfloat16), methods)
+        except Exception as e:  # one model failing keeps the others' rows
+            print(f"{label} failed: {type(e).__name__}: {e}"[:300], flush=True)
+            record(part="transformer", model=label, error=f"{type(e).__name__}: {e}"[:300])
+        del model
+        torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     parts = sys.argv[1:] or ["sdpa", "unet", "flux", "pixart", "wan"]
     for part in parts:
         torch.cuda.empty_cache()
         try:
-            {"sdpa": sdpa_part, "unet": unet_part, "flux": flux_part, "pixart": pixart_part, "wan": wan_part}[part]()
+            {"sdpa": sdpa_part, "unet": unet_part, "flux": flux_part, "pixart": pixart_part, "wan": wan_part,
+             "newer": newer_part}[part]()
         except Exception as e:  # one part failing keeps the others' rows
             print(f"part {part} failed: {type(e).__name__}: {e}", flush=True)
             record(part=part, error=f"{type(e).__name__}: {e}"[:300])
