@@ -28,7 +28,7 @@ from tome_core.adapters.diffusers import FRAMEWORK, finest_level
 from tome_core.adapters import diffusers_trained as trained_models
 from tome_core.adapters.diffusers_models import build_transformer, build_unet
 from tome_core import bench_train
-from tome_core.bench import serve_peak_request
+from tome_core.bench_core import serve_peak_request
 from tome_core.bench_runner import DDIM_CONFIG, MID_TIMESTEP, BenchRunner, OraclePlan, Undo, install_transformer_oracle, median_ms, remover
 from tome_core.families import child_at
 from tome_core.presets import TRANSFORMERS, transformer_config

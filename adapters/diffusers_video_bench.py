@@ -17,7 +17,7 @@ from tome_core import driver
 from tome_core.adapters.diffusers import FRAMEWORK
 from tome_core.adapters.diffusers_bench import Runner as ImageRunner
 from tome_core.adapters.diffusers_models import build_video_preset, build_video_transformer
-from tome_core.bench import serve_peak_request
+from tome_core.bench_core import serve_peak_request
 from tome_core.bench_video import VideoBench
 from tome_core.presets import VIDEO_PRESETS
 

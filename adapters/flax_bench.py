@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import os
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 import diffusers
 import flax.linen as nn
@@ -26,7 +26,7 @@ from diffusers.models.attention_flax import FlaxBasicTransformerBlock
 import tome_core.jax as tome
 from tome_core.adapters.flax import _finest_level, module_fields
 from tome_core.adapters.flax_models import build_unet
-from tome_core.bench import serve_peak_request
+from tome_core.bench_core import serve_peak_request
 from tome_core.bench_runner import BenchRunner, OraclePlan, OracleCut, Undo, median_ms
 
 diffusers.utils.logging.set_verbosity_error()  # diffusers 0.39 warns from every Flax module setup

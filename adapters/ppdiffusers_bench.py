@@ -6,7 +6,7 @@ ppdiffusers' built-in ToMe (its port of tomesd, kept reachable as :data:`tome_co
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import numpy as np
 import paddle
@@ -17,7 +17,7 @@ from ppdiffusers.patches import tomesd_patch_utils
 import tome_core.paddle as tome
 from tome_core.adapters.ppdiffusers import finest_level
 from tome_core.adapters.ppdiffusers_models import build_unet
-from tome_core.bench import serve_peak_request
+from tome_core.bench_core import serve_peak_request
 from tome_core.bench_runner import BenchRunner, OraclePlan, Undo, median_ms, remover
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from tome_core import driver, selection
 from tome_core.backend import get_ops
-from tome_core.bench import image_like_latents, noised, peak_memory_in_fresh_process
+from tome_core.bench_core import image_like_latents, noised, peak_memory_in_fresh_process, video_latents
 from tome_core.config import ToMeConfig
 from tome_core.families import TEXT_NONE, TEXT_PREFIX, BlockFamily, Sublayer, child_at, text_follows
 from tome_core.levels import block_grid, downsample_factor, level_grid
@@ -624,8 +624,6 @@ class BenchRunner:
         args = self.args
         video = self.video_latent_size()
         if video is not None:
-            from tome_core.bench_video import video_latents
-
             frames, height, width = video
             self.latent_hw = (frames * height, width)
             clean, noise = draw_latents(args, (args.batch, frames, channels, height, width), video_latents)

@@ -10,7 +10,7 @@ inference bench (SDXL's added conditions too), and the loss ``mse(model output, 
 activations' gradients; it skips the weights' gradients). Nothing is updated: every step starts from the same
 weights, and the gradients are dropped after it (as ``zero_grad(set_to_none=True)`` does).
 
-The methods are the inference bench's (:func:`tome_core.bench.bench_methods`): ``unpatched``, ``ours`` (and
+The methods are the inference bench's (:func:`tome_core.bench_core.bench_methods`): ``unpatched``, ``ours`` (and
 each ``--variant``), the peer when installed, and ``oracle``, the same token counts removed by free slicing
 (differentiable like any indexing: its backward scatters the gradients back). They alternate (A B C A B C ...)
 after ``--warmup`` rounds on one model, patched and removed in turn (two SD 1.5 copies in training do not fit in
@@ -27,7 +27,7 @@ keeping its activations, the memory a trainer trades for time to fit SDXL at 102
 deterministic function of the block's input, so the recomputed forward merges the same tokens.
 
 ``--memory``: the extra peak memory of one step, per method. On a CPU: the extra peak resident memory of a fresh
-process that builds the model, patches it and runs one step (:func:`tome_core.bench.peak_memory_in_fresh_process`;
+process that builds the model, patches it and runs one step (:func:`tome_core.bench_core.peak_memory_in_fresh_process`;
 the high-water mark restarts once the method is in place, so it counts the gradients and the activations kept for
 backward, not the model). On a GPU (a model on CUDA): ``torch.cuda.max_memory_allocated`` over the step.
 
@@ -74,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def refuse(args: argparse.Namespace) -> None:
     """Fail before anything is built when ``--train`` meets what a training step cannot honour (or
     ``--gradient-checkpointing`` comes without ``--train``), naming the argument, its value and what is allowed."""
-    from tome_core import bench, bench_video
+    from tome_core import bench_core, bench_video
 
     if not args.train:
         if args.gradient_checkpointing:
@@ -107,14 +107,14 @@ def refuse(args: argparse.Namespace) -> None:
             "sd15-small, sd21, sdxl, tiny, tiny-xl, trained-unet, or --model with a UNet"
         )
     trained_transformer = args.preset in ("trained-dit", "trained-mmdit")
-    kind = "trained-dit" if trained_transformer and not args.model else bench.model_kind(args)
+    kind = "trained-dit" if trained_transformer and not args.model else bench_core.model_kind(args)
     if kind in ("transformer", "trained-dit"):
         what = f"--model {args.model}" if args.model and not trained_transformer else f"--preset {args.preset}"
         raise SystemExit(
             f"{train} with {what}: a diffusion transformer; training steps run on UNets only; allowed: --preset "
             "sd15, sd15-small, sd21, sdxl, tiny, tiny-xl, trained-unet, or --model with a UNet"
         )
-    if args.train == "lora" and not bench._importable("peft"):
+    if args.train == "lora" and not bench_core._importable("peft"):
         raise SystemExit(f"{train} needs peft, not installed: pip install peft")
 
 
@@ -137,7 +137,7 @@ def train_batch(runner: Any) -> TrainBatch:
     """The runner's training inputs: its clean latents (the inference bench's, ``--latents``) noised with its
     noise at each sample's timestep, ``x_t = sqrt(a_t) x_0 + sqrt(1 - a_t) noise`` with the runner scheduler's
     cumulative alphas (SD's schedule, or a trained model's own)."""
-    from tome_core.bench import image_like_latents
+    from tome_core.bench_core import image_like_latents
     from tome_core.bench_runner import draw_latents
 
     args = runner.args
@@ -149,22 +149,21 @@ def train_batch(runner: Any) -> TrainBatch:
     return TrainBatch(sample=sample, target=noise, timesteps=timesteps)
 
 
-def run_train(args: argparse.Namespace) -> List[Any]:
+def run_train(args: argparse.Namespace, runner: Any) -> List[Any]:
     """One ``--train`` run at one resolution: each method's training step timed in alternating rounds, its
     median, speedup, oracle share, ``grad L2`` and (``--memory``) peak memory."""
     from tqdm import tqdm
 
-    from tome_core import bench
+    from tome_core import bench_core
 
-    runner = bench.runner_module(args).Runner(args)
-    methods = bench.bench_methods(args, runner.has_peer)
+    methods = bench_core.bench_methods(args, runner.has_peer)
     rows: List[Any] = []
     total = len(args.ratio) * len(methods) * (args.warmup + args.repeats) if args.repeats else 0
     with tqdm(total=total, desc=f"{args.backend} {runner.description} training steps ({args.train})", unit="step") as progress:
         for ratio in args.ratio:
             grads: Dict[str, Any] = {}
             times = (
-                bench.measure(runner, ratio, methods, args.repeats, args.warmup, progress, grads, call=runner.train_step)
+                bench_core.measure(runner, ratio, methods, args.repeats, args.warmup, progress, grads, call=runner.train_step)
                 if args.repeats else {}
             )
             for method in methods:
@@ -175,10 +174,10 @@ def run_train(args: argparse.Namespace) -> List[Any]:
             for method in methods:
                 shown_ratio, note = runner.effective(method, ratio)
                 rows.append(
-                    bench.Row(
+                    bench_core.Row(
                         ratio=shown_ratio,
                         method=method,
-                        **bench.timing_columns(medians, method),
+                        **bench_core.timing_columns(medians, method),
                         fidelity_step=float("nan"),
                         fidelity_sampled=float("nan"),
                         peak_mb=runner.peak_memory_mb(method, ratio) if args.memory else None,
@@ -186,7 +185,7 @@ def run_train(args: argparse.Namespace) -> List[Any]:
                         times_s=times.get(method, []),
                         resolution=args.resolution,
                         train=args.train,
-                        grad_l2=bench.relative_l2(grads[method], grads["unpatched"]) if "unpatched" in grads else float("nan"),
+                        grad_l2=bench_core.relative_l2(grads[method], grads["unpatched"]) if "unpatched" in grads else float("nan"),
                     )
                 )
     if "peer" in args.methods and not runner.has_peer:
@@ -197,7 +196,7 @@ def run_train(args: argparse.Namespace) -> List[Any]:
 def format_table(rows: Sequence[Any]) -> str:
     """A ``--train`` run's table, one per resolution: each method's median step, spread, speedup over the
     unpatched step, oracle share, ``grad L2`` and peak memory."""
-    from tome_core.bench import spread
+    from tome_core.bench_core import spread
 
     blocks = []
     for resolution in dict.fromkeys(r.resolution for r in rows):

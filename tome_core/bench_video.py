@@ -54,7 +54,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from tome_core.backend import get_ops
-from tome_core.bench import image_like_latents, noised, relative_l2
+from tome_core.bench_core import noised, relative_l2, video_latents
 from tome_core.bench_runner import DDIM_CONFIG, MID_TIMESTEP, NO_TRANSFORMER_PEER, draw_latents
 from tome_core.presets import VIDEO_PRESETS, VIDEO_TRANSFORMERS, VIDEO_UNETS
 
@@ -222,15 +222,6 @@ def resolve(args: argparse.Namespace, explicit_methods: bool) -> None:
             f"the oracle slices per frame and cannot follow cross-frame merging (frames_per_chunk > 1) of "
             f"{', '.join(crossing)}: leave it out of --variant-oracles, or run --methods unpatched ours"
         )
-
-
-def video_latents(batch: int, frames: int, channels: int, height: int, width: int, seed: int = 0, pan: int = 1) -> np.ndarray:
-    """Image-like latents (:func:`tome_core.bench.image_like_latents`) of a camera panning ``pan`` latent
-    pixels per frame: frame ``f`` is columns ``f * pan ... f * pan + width`` of one wider image. numpy,
-    ``[batch, frames, channels, height, width]``, unit variance."""
-    wide = image_like_latents(batch, channels, height, width + pan * (frames - 1), seed=seed)
-    video = np.stack([wide[..., f * pan : f * pan + width] for f in range(frames)], axis=1)
-    return ((video - video.mean()) / video.std()).astype("float32")
 
 
 def frame_difference(video: Any) -> float:

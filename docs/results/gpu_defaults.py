@@ -33,7 +33,7 @@ from triton.testing import do_bench
 import tomesd
 import tome_core.torch as tome
 from tome_core.adapters.diffusers_models import build_transformer, build_unet, transformer_inputs
-from tome_core.bench import image_like_latents
+from tome_core.bench_core import image_like_latents
 
 warnings.simplefilter("ignore")
 dev, dtype = "cuda", torch.float16

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tome_core import bench, bench_video
+from tome_core import bench_core
 from tome_core.config import ToMeConfig
 from tome_core.families import child_at
 from tome_core.adapters.diffusers_bench import Runner, count_ops, micro
@@ -28,19 +29,19 @@ def checkout_models(monkeypatch):
 
 def test_relative_l2_and_oracle_share_formulas():
     a, b = np.array([3.0, 4.0]), np.array([0.0, 8.0])
-    assert bench.relative_l2(a, b) == pytest.approx(5.0 / 8.0)
-    assert bench.oracle_share(10.0, 7.0, 4.0) == pytest.approx(0.5)  # saved 3 of the oracle's 6
-    assert np.isnan(bench.oracle_share(10.0, 7.0, 11.0))  # the oracle saved nothing: no share to speak of
+    assert bench_core.relative_l2(a, b) == pytest.approx(5.0 / 8.0)
+    assert bench_core.oracle_share(10.0, 7.0, 4.0) == pytest.approx(0.5)  # saved 3 of the oracle's 6
+    assert np.isnan(bench_core.oracle_share(10.0, 7.0, 11.0))  # the oracle saved nothing: no share to speak of
 
 
 def test_image_like_latents_are_normalised_and_spatially_smooth():
-    x = bench.image_like_latents(2, 4, 32, 48, seed=0)
+    x = bench_core.image_like_latents(2, 4, 32, 48, seed=0)
     assert x.shape == (2, 4, 32, 48) and x.dtype == np.float32
     assert abs(x.mean()) < 1e-5 and abs(x.std() - 1) < 1e-4
     neighbour = np.corrcoef(x[..., :, 1:].ravel(), x[..., :, :-1].ravel())[0, 1]
     white = np.random.default_rng(0).standard_normal(x.shape)
     assert neighbour > 0.7 > abs(np.corrcoef(white[..., 1:].ravel(), white[..., :-1].ravel())[0, 1])
-    np.testing.assert_array_equal(x, bench.image_like_latents(2, 4, 32, 48, seed=0))
+    np.testing.assert_array_equal(x, bench_core.image_like_latents(2, 4, 32, 48, seed=0))
 
 
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux's resettable high-water mark")
@@ -49,25 +50,25 @@ def test_peak_memory_restarts_at_the_current_size_and_sees_what_the_call_adds():
     call's peak under it), a new allocation counts."""
     earlier = np.ones(160 * 2**20 // 8)  # 160 MB, written (resident), then returned to the system
     del earlier
-    before = bench._restart_peak_kb()
+    before = bench_core._restart_peak_kb()
     call = np.ones(40 * 2**20 // 8)  # 40 MB
-    added_mb = (bench._peak_kb() - before) / 1024
+    added_mb = (bench_core._peak_kb() - before) / 1024
     del call
     assert 35 < added_mb < 150
 
 
 def test_variant_options_parse_into_named_option_sets():
-    assert bench.variant_options(["prop:proportional_attn=True,ratio=0.3"]) == {
+    assert bench_core.variant_options(["prop:proportional_attn=True,ratio=0.3"]) == {
         "prop": {"proportional_attn": True, "ratio": 0.3}
     }
     with pytest.raises(ValueError, match="NAME:OPT=VAL"):
-        bench.variant_options(["proportional_attn=True"])
+        bench_core.variant_options(["proportional_attn=True"])
 
 
 def test_parse_options_reads_python_literals():
-    assert bench.parse_options(["use_rand=False", "sx=3", "ratio=0.25"]) == {"use_rand": False, "sx": 3, "ratio": 0.25}
+    assert bench_core.parse_options(["use_rand=False", "sx=3", "ratio=0.25"]) == {"use_rand": False, "sx": 3, "ratio": 0.25}
     with pytest.raises(ValueError, match="NAME=VALUE"):
-        bench.parse_options(["use_rand"])
+        bench_core.parse_options(["use_rand"])
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +100,10 @@ def test_methods_leave_the_model_unpatched_and_fidelity_matches_recomputation(ru
     ours = runner.output("ours", 0.5)
     np.testing.assert_array_equal(runner.output("unpatched", 0.0), plain)
     np.testing.assert_array_equal(runner.call().numpy(), plain)  # nothing left attached
-    assert bench.relative_l2(ours, plain) == pytest.approx(
+    assert bench_core.relative_l2(ours, plain) == pytest.approx(
         float(np.linalg.norm(ours.astype(np.float64) - plain) / np.linalg.norm(plain.astype(np.float64)))
     )
-    assert bench.relative_l2(ours, plain) > 0
+    assert bench_core.relative_l2(ours, plain) > 0
 
 
 def test_micro_counts_ops_and_reports_identical_outputs():
@@ -210,7 +211,7 @@ def test_transformer_methods_leave_the_model_unpatched(transformer_runner):
         out = runner.output(name, 0.5)
         assert np.isfinite(out).all() and out.shape == plain.shape
         np.testing.assert_array_equal(runner.call().numpy(), plain)  # nothing left attached
-    assert bench.relative_l2(runner.output("ours", 0.5), plain) > 0
+    assert bench_core.relative_l2(runner.output("ours", 0.5), plain) > 0
     np.testing.assert_array_equal(runner.output("oracle", 0.0), plain)  # dropping no tokens changes nothing
 
 
@@ -423,7 +424,7 @@ def test_the_oracle_gives_every_merged_sublayer_of_the_zoo_the_shapes_of_ours(na
 
 # -- arrangements (mode), cell matching, several resolutions, missing dependencies -------------------------
 def test_variants_split_on_commas_outside_brackets_and_read_bare_strings():
-    parsed = bench.variant_options(
+    parsed = bench_core.variant_options(
         ["todo:mode='kv',matching=cell,level_cells={1:4,2:2},max_downsample=2", "q:mode=queries", 'c:level_cells={1: (4, 2)}']
     )
     assert parsed == {
@@ -431,9 +432,9 @@ def test_variants_split_on_commas_outside_brackets_and_read_bare_strings():
         "q": {"mode": "queries"},
         "c": {"level_cells": {1: (4, 2)}},
     }
-    assert bench.parse_options(["mode=kv", "level_cells={1:4,2:2}"]) == {"mode": "kv", "level_cells": {1: 4, 2: 2}}
+    assert bench_core.parse_options(["mode=kv", "level_cells={1:4,2:2}"]) == {"mode": "kv", "level_cells": {1: 4, 2: 2}}
     with pytest.raises(ValueError, match="unbalanced"):
-        bench.variant_options(["x:level_cells={1:4"])
+        bench_core.variant_options(["x:level_cells={1:4"])
 
 
 def _query_kv(module_name, x, kwargs):
@@ -607,8 +608,8 @@ def test_stack_with_ours_differs_from_each_alone_and_each_method_is_taken_off(st
     for stack in ("deepcache", "tgate"):
         alone, ours, both = (runner.loop_output(m, 0.5) for m in (stack, "ours", f"{stack}+ours"))
         assert np.isfinite(both).all() and both.shape == plain.shape
-        assert bench.relative_l2(both, alone) > 1e-4 and bench.relative_l2(both, ours) > 1e-4
-        assert bench.relative_l2(alone, plain) > 1e-4  # the speed-up really ran
+        assert bench_core.relative_l2(both, alone) > 1e-4 and bench_core.relative_l2(both, ours) > 1e-4
+        assert bench_core.relative_l2(alone, plain) > 1e-4  # the speed-up really ran
         np.testing.assert_array_equal(runner.loop_output("unpatched", 0.5), plain)  # nothing left attached
     assert runner.split_stack("tgate+ours:reuse+prop") == ("tgate", "ours:reuse+prop")
     assert runner.split_stack("ours:reuse+prop") == (None, "ours:reuse+prop")
@@ -712,7 +713,7 @@ def test_flux_pab_alone_matches_enable_cache_set_up_directly():
         direct = pipe(**call)[0]
     pipe.transformer.disable_cache()
     np.testing.assert_array_equal(ours, direct.numpy())
-    assert bench.relative_l2(ours, runner.loop_output("unpatched", 0.5)) > 0
+    assert bench_core.relative_l2(ours, runner.loop_output("unpatched", 0.5)) > 0
 
 
 @pytest.mark.parametrize(
@@ -800,7 +801,7 @@ def test_video_metrics_match_a_brute_force_computation(frame_axis):
 
 
 def test_video_latents_pan_one_latent_pixel_per_frame():
-    video = bench_video.video_latents(2, 5, 4, 8, 12, seed=0)
+    video = bench_core.video_latents(2, 5, 4, 8, 12, seed=0)
     assert video.shape == (2, 5, 4, 8, 12) and video.dtype == np.float32
     assert abs(video.mean()) < 1e-5 and abs(video.std() - 1) < 1e-4
     np.testing.assert_allclose(video[:, 1:, ..., :-1], video[:, :-1, ..., 1:], rtol=1e-6, atol=1e-6)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from diffusers import DDIMScheduler
 
 from tome_core import bench, bench_train
+from tome_core import bench_core
 from tome_core.adapters import diffusers_bench
 from tome_core.adapters.diffusers_bench import Runner
 from tome_core.adapters.diffusers_models import build_unet
@@ -25,8 +26,8 @@ TINY = ["--preset", "tiny", "--resolution", "128", "--batch", "2"]
 
 def train_runner(*argv: str) -> Runner:
     args = bench.parser().parse_args([*TINY, *argv])
-    args.options = bench.parse_options(args.option)
-    args.variants = bench.variant_options(args.variant)
+    args.options = bench_core.parse_options(args.option)
+    args.variants = bench_core.variant_options(args.variant)
     return Runner(args)
 
 
@@ -112,7 +113,7 @@ def test_unpatched_step_equals_a_hand_written_forward_and_backward(runner):
     runner.unet.zero_grad(set_to_none=True)
 
     unet = build_unet("tiny")
-    clean = torch.from_numpy(bench.image_like_latents(2, 4, 16, 16, seed=0))
+    clean = torch.from_numpy(bench_core.image_like_latents(2, 4, 16, 16, seed=0))
     noise = torch.from_numpy(np.random.default_rng(1).standard_normal((2, 4, 16, 16)).astype("float32"))
     t = torch.from_numpy(np.random.default_rng(3).integers(0, 1000, size=2))
     scheduler = DDIMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
@@ -196,7 +197,7 @@ def test_the_fresh_process_runs_a_training_step_for_memory(runner, monkeypatch, 
     steps = []
     original = Runner.train_step
     monkeypatch.setattr(Runner, "train_step", lambda self, **k: steps.append(1) or original(self, **k))
-    bench.serve_peak_request(Runner)
+    bench_core.serve_peak_request(Runner)
     assert steps == [1] and float(capsys.readouterr().out.strip()) >= 0
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tome_core import bench, bench_video
+from tome_core import bench_core
 
 # tiny-wan's default: 9 frames -> 3 latent frames of 8x12 latents -> 3 grids of 4x6 tokens
 LATENT_FRAMES, TOKENS = 3, 3 * 4 * 6
@@ -40,7 +41,7 @@ def test_frames_and_sizes_follow_wans_vae():
 def test_inputs_are_panning_video_latents_noised_by_flow_matching(runner):
     """``[B, C, F, H, W]`` at sigma 0.5: ``0.5 clean + 0.5 noise`` per latent frame, the text of umT5's 512 tokens,
     timestep 500 per batch entry; the grid ToMe sees is the frames' latents stacked in rows."""
-    clean = np.moveaxis(bench_video.video_latents(2, LATENT_FRAMES, 4, 8, 12, seed=0), 1, 2)
+    clean = np.moveaxis(bench_core.video_latents(2, LATENT_FRAMES, 4, 8, 12, seed=0), 1, 2)
     noise = np.moveaxis(np.random.default_rng(1).standard_normal((2, LATENT_FRAMES, 4, 8, 12)).astype("float32"), 1, 2)
     np.testing.assert_allclose(runner.sample_in.numpy(), 0.5 * clean + 0.5 * noise, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(runner.noise.numpy(), noise)
