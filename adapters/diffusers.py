@@ -333,7 +333,3 @@ def remove(obj: Any) -> Any:
 def patched_models(obj: Any) -> List[Tuple[torch.nn.Module, ToMeState]]:
     """The patched models inside ``obj`` with their run state (its ``stats`` describe the last call)."""
     return driver.patched_models(FRAMEWORK, obj)
-
-
-def finest_level(model: torch.nn.Module) -> int:
-    return driver.finest_level(FRAMEWORK, model)

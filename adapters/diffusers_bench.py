@@ -24,10 +24,10 @@ from diffusers import DDIMScheduler, UNet2DConditionModel
 from diffusers.models.attention import BasicTransformerBlock
 
 import tome_core.torch as tome
-from tome_core.adapters.diffusers import FRAMEWORK, finest_level
+from tome_core.adapters.diffusers import FRAMEWORK
 from tome_core.adapters import diffusers_trained as trained_models
 from tome_core.adapters.diffusers_models import build_transformer, build_unet
-from tome_core import bench_train
+from tome_core import bench_train, driver
 from tome_core.bench_core import serve_peak_request
 from tome_core.bench_runner import DDIM_CONFIG, MID_TIMESTEP, BenchRunner, OraclePlan, Undo, install_transformer_oracle, median_ms, remover
 from tome_core.families import child_at
@@ -186,7 +186,7 @@ class Runner(BenchRunner):
             return UNet2DConditionModel.from_pretrained(model, local_files_only=True).eval()
 
     def finest_level(self) -> int:
-        return finest_level(self.unet)
+        return driver.finest_level(FRAMEWORK, self.unet)
 
     def to_tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array)
@@ -519,7 +519,7 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
     """
     import contextlib
 
-    from tome_core import driver, merge, unmerge
+    from tome_core import merge, unmerge
     from tome_core.bench_runner import image_part, overhead_shares
     from tome_core.config import ToMeConfig
     from tome_core.state import ToMeState

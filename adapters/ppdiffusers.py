@@ -437,7 +437,3 @@ def patched_models(obj: Any) -> List[Tuple[Layer, ToMeState]]:
     return driver.patched_models(FRAMEWORK, obj)
 
 
-def finest_level(model: Layer) -> int:
-    return driver.finest_level(FRAMEWORK, model)
-
-

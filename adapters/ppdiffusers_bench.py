@@ -15,7 +15,8 @@ from ppdiffusers.models.attention import BasicTransformerBlock
 from ppdiffusers.patches import tomesd_patch_utils
 
 import tome_core.paddle as tome
-from tome_core.adapters.ppdiffusers import finest_level
+from tome_core import driver
+from tome_core.adapters.ppdiffusers import FRAMEWORK
 from tome_core.adapters.ppdiffusers_models import build_unet
 from tome_core.bench_core import serve_peak_request
 from tome_core.bench_runner import BenchRunner, OraclePlan, Undo, median_ms, remover
@@ -50,7 +51,7 @@ class Runner(BenchRunner):
         return unet
 
     def finest_level(self) -> int:
-        return finest_level(self.unet)
+        return driver.finest_level(FRAMEWORK, self.unet)
 
     def to_tensor(self, array: np.ndarray) -> paddle.Tensor:
         return paddle.to_tensor(array)
