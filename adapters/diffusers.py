@@ -180,8 +180,9 @@ class TorchFramework:
         return x.reshape(-1).tolist()
 
     def may_run_again(self, x: torch.Tensor) -> bool:
-        # compiled code traces a checkpointed block once; the hooks do not run again in its backward
-        return x.requires_grad and not torch.compiler.is_compiling()
+        # any eager call: a LoRA's frozen block input needs no gradient, and reentrant checkpointing runs its
+        # forward without gradients; compiled code traces a checkpointed block once (no hooks in its backward)
+        return not torch.compiler.is_compiling()
 
     def size_aware(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: driver.SizeBias):
         processor = getattr(module, "processor", None)

@@ -260,7 +260,7 @@ class PaddleFramework:
         return x.numpy().reshape(-1).tolist()
 
     def may_run_again(self, x: paddle.Tensor) -> bool:
-        return not x.stop_gradient and paddle.in_dynamic_mode()
+        return paddle.in_dynamic_mode()  # as on torch: a frozen input or a forward without gradients recomputes too
 
     def size_aware(self, module: Layer, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: driver.SizeBias):
         processor = getattr(module, "processor", None)

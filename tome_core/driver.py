@@ -37,8 +37,8 @@ from .backend import get_ops
 from .config import ToMeConfig
 from .families import (
     BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer, GridLayout, attends_text_only,
-    block_family, child_at, context_latents, grid_layout, grid_source, grid_last, temporal, text_follows, text_only,
-    token_roles, with_text_after,
+    block_family, child_at, context_latents, grid_layout, grid_source, grid_last, lent_children, temporal, text_follows,
+    text_only, token_roles, with_text_after,
 )
 from .levels import finest_attention_level, indicated_run, leading_raster, trailing_frames, trailing_raster
 from .match import Match
@@ -89,8 +89,10 @@ class Framework(Protocol):
         argument when one is given (the ``kv`` and ``queries`` arrangements need it)."""
 
     def may_run_again(self, x: Any) -> bool:
-        """Whether a block called on ``x`` may be run again on the very same ``x`` in the backward pass
-        (gradient checkpointing recomputes it then): true in an eager forward that records gradients."""
+        """Whether a block called on ``x`` may be run again on the very same ``x`` (or on a copy of its data) in the
+        backward pass, after its model's call returned (gradient checkpointing recomputes it then): true in eager
+        code, whether or not ``x`` or the forward records gradients (a LoRA's frozen input; reentrant checkpointing
+        runs its forward without them)."""
 
     def shards(self, model: Any) -> Optional[Shards]:
         """How context parallelism splits ``model``'s tokens now (None: it does not)."""
@@ -636,6 +638,7 @@ class _BlockRun:
         self.unmerged_at = argument_positions(type(block).forward, name)[name] if name else None
         self.text_after_at = family_argument_position(family, block)
         self.metric, self.metric_at = block_metric(family, block)  # what the match is computed from
+        self.lent = False  # another model may run this block in its own call (families.LENT)
         self.matches: Dict[str, Match] = {}
         self.config = state.active
         self.tail = 0  # this run's tokens after the grid's (ToMeState.tail)
@@ -651,7 +654,7 @@ class _BlockRun:
         if earlier is not None:
             _, self.matches, self.config, (self.head, self.tail) = earlier
             return None
-        if not self.state.in_call:  # another model runs this block (it borrowed it): unmerged, as that model's
+        if self.lent and not self.state.in_call:  # another model runs this block (it borrowed it): unmerged
             self.matches = {}
             return None
         self.config, fallback = self._arrangement(self.state.active)
@@ -1419,10 +1422,15 @@ def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
     add(fw.add_post_hook(model, partial(_call_ends, state)))
     patch.handles += grid_hooks(fw, model, state)
     runs: Dict[int, _BlockRun] = {}
+    lent = {
+        id(m) for path in lent_children(type(model)) if fw.is_module(child_at(model, path))
+        for m in fw.submodules(child_at(model, path))
+    }
     for stream, block, family, ratio, sublayer, target in _sublayers(fw, model, config):
         run = runs.get(stream)
         if run is None:
             run = runs[stream] = _BlockRun(fw, state, family, stream, block, ratio, type(model).__qualname__)
+            run.lent = id(block) in lent
             add(fw.add_pre_hook(block, run.begin))
         if sublayer.kind == "attn":
             run.attentions.append((sublayer, target))

@@ -941,6 +941,15 @@ TEXT_ONLY: Tuple[TextOnly, ...] = (
 
 _TEXT_ONLY: Dict[str, TextOnly] = {entry.name: entry for entry in TEXT_ONLY}
 
+# Children of a model that another model runs inside its own call (it borrowed them: a ZImageControlNetModel built
+# from_transformer runs the transformer's noise refiner): their blocks merge only inside their own model's call.
+LENT: Dict[str, Tuple[str, ...]] = {"ZImageTransformer2DModel": ("noise_refiner",)}
+
+
+def lent_children(cls: type) -> Tuple[str, ...]:
+    """The :data:`LENT` children of a model class (or of its nearest base class named there)."""
+    return _nearest(LENT, cls) or ()
+
 
 def text_only(cls: type) -> Optional[TextOnly]:
     """The :data:`TEXT_ONLY` entry of a model class (or of its nearest base class named there), or None."""
