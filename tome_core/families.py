@@ -184,6 +184,15 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
         ),
     ),
     BlockFamily(
+        "flax-basic",  # diffusers' Flax SD UNets and ControlNets: FlaxAttention takes its keys and values from context
+        ("FlaxBasicTransformerBlock",),
+        (
+            Sublayer("attn1", "attn", attention=True, kv_input="context", text_if="only_cross_attention"),
+            Sublayer("attn2", "crossattn"),
+            Sublayer("ff", "mlp"),
+        ),
+    ),
+    BlockFamily(
         "mmdit",  # SD3 / SD3.5 (attn2: SD3.5's second, image-only self-attention)
         ("JointTransformerBlock",),
         (
@@ -949,6 +958,8 @@ def text_only(cls: type) -> Optional[TextOnly]:
 
 # Containers whose 4-D input ``(batch [* frames], C, H, W)`` is the token grid of the (spatial) blocks inside.
 GRID_CONTAINERS: Tuple[str, ...] = ("Transformer2DModel", "TransformerSpatioTemporalModel", "DreamLiteTransformer2DModel")
+# 2-D containers whose 4-D input is channels-last ``(batch, H, W, C)``: diffusers' Flax Transformer2DModel.
+CHANNELS_LAST_GRID_CONTAINERS: Tuple[str, ...] = ("FlaxTransformer2DModel",)
 
 _TEMPORAL: Dict[str, Temporal] = {entry.name: entry for entry in TEMPORAL}
 
