@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import inspect
 import threading
+from types import SimpleNamespace
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import flax.linen as nn
@@ -57,7 +58,7 @@ _TORCH_PART_ORDER = {"down_blocks": 0, "up_blocks": 1, "mid_block": 2}
 
 
 # --------------------------------------------------------------------------------------------------------
-# The run of one patched model call (lives only while jax traces it)
+# The driver's hooks in one patched model call (they live only while jax traces it)
 
 
 def _part_key(path: Tuple[str, ...]) -> Tuple[Any, ...]:
@@ -139,17 +140,6 @@ def _biased_call(attention: FlaxAttention, args: Tuple[Any, ...], kwargs: Dict[s
     )
 
 
-class _Handle:
-    """A hook's handle: ``remove()`` drops it."""
-
-    def __init__(self, hooks: List[Any], hook: Any):
-        self.hooks = hooks
-        self.hook = hook
-
-    def remove(self) -> None:
-        self.hooks.remove(self.hook)
-
-
 class _CallHooks:
     """Flax for :mod:`tome_core.driver`, for one traced call of a patched model.
 
@@ -177,17 +167,18 @@ class _CallHooks:
             found = self.walked[id(module)] = [module, *(sub for child in _children(module) for sub in self.submodules(child))]
         return found
 
-    def add_pre_hook(self, module: nn.Module, hook: driver.PreHook) -> _Handle:
+    def add_pre_hook(self, module: nn.Module, hook: driver.PreHook) -> Any:
         return self._add(self.pre, module, hook)
 
-    def add_post_hook(self, module: nn.Module, hook: driver.PostHook) -> _Handle:
+    def add_post_hook(self, module: nn.Module, hook: driver.PostHook) -> Any:
         return self._add(self.post, module, hook)
 
-    def _add(self, table: Dict[int, List[Any]], module: nn.Module, hook: Any) -> _Handle:
+    def _add(self, table: Dict[int, List[Any]], module: nn.Module, hook: Any) -> Any:
+        """Add ``hook`` to ``module``'s list in ``table``; returns a handle whose ``remove()`` drops it."""
         self.hooked[id(module)] = module
         hooks = table.setdefault(id(module), [])
         hooks.append(hook)
-        return _Handle(hooks, hook)
+        return SimpleNamespace(remove=functools.partial(hooks.remove, hook))
 
     def intercept(self, next_fun, args, kwargs, context):
         """Run a hooked module's ``__call__`` between its pre-hooks and its post-hooks (also when it raises)."""
@@ -351,14 +342,15 @@ def _patched_class(base: type) -> type:
         "__hash__": __hash__,
         "register_to_config": register_to_config,
         "__module__": __name__,
-        "__qualname__": f"ToMe[{base.__qualname__}]",
+        "__qualname__": base.__qualname__,
         "__annotations__": {"tome": Optional[ToMeConfig]},
         "tome": None,
         "_flax_internal_args": [*getattr(base, "_flax_internal_args", ()), "tome"],
         "__call__": _call_of(base),
         "__doc__": f"{base.__name__} with Token Merging (see tome_core.jax).",
     }
-    # Same __name__ as the base: diffusers records class names in configs and model_index.json.
+    # The base's names: diffusers records class names in configs and model_index.json, and the driver's
+    # messages name the model by its class.
     return flax_register_to_config(type(base.__name__, (base,), namespace))
 
 
