@@ -1,8 +1,8 @@
 """The patch driver: find the models in an object, attach ToMe hooks, run them, remove them. Framework-free.
 
-Every adapter (diffusers/torch, ppdiffusers/paddle) gives the driver a :class:`Framework`: how to list a
-module's submodules, register a pre-hook and a post-hook (both with keyword arguments), and deliver an
-attention bias. Everything else happens here, once, read from :mod:`tome_core.families`:
+Every adapter (diffusers/torch, ppdiffusers/paddle, Flax diffusers/jax) gives the driver a :class:`Framework`:
+how to list a module's submodules, register a pre-hook and a post-hook (both with keyword arguments), and
+deliver an attention bias. Everything else happens here, once, read from :mod:`tome_core.families`:
 
 * a pre-hook on each patched model starts a call: its timestep (the partition's ``step``) and, from its
   ``sample``/``hidden_states``, the latent size (UNets) or the token grid (transformers: the latent over the

@@ -4,7 +4,6 @@ repeated once per token it stands for, is the oracle for the adapter's attention
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from diffusers.models.attention_flax import FlaxAttention
