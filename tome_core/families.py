@@ -162,6 +162,12 @@ def with_text_after(family: BlockFamily) -> BlockFamily:
     )
 
 
+# diffusers' BasicTransformerBlock: self-attention (keys and values apart from encoder_hidden_states), cross-attention, MLP.
+_BASIC = (
+    Sublayer("attn1", "attn", attention=True, kv_input="encoder_hidden_states", text_if="only_cross_attention"),
+    Sublayer("attn2", "crossattn"),
+    Sublayer("ff", "mlp"),
+)
 # FLUX.1's double-stream block: joint attention over [text; image] (image output first), an image MLP.
 _FLUX_DOUBLE = (Sublayer("attn", "attn", text=TEXT_BEFORE, output=0, attention=True), Sublayer("ff", "mlp"))
 # FLUX.1's single-stream block: attention and MLP side by side on one normalised [text; image] sequence.
@@ -177,20 +183,12 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
     BlockFamily(
         "basic",  # SD 1.x/2.x/XL UNets, ControlNets, PixArt, DiT; DreamLite's variant (attn1 may be absent)
         ("BasicTransformerBlock", "BasicTransformerBlockDreamLite"),
-        (
-            Sublayer("attn1", "attn", attention=True, kv_input="encoder_hidden_states", text_if="only_cross_attention"),
-            Sublayer("attn2", "crossattn"),
-            Sublayer("ff", "mlp"),
-        ),
+        _BASIC,
     ),
     BlockFamily(
         "flax-basic",  # diffusers' Flax SD UNets and ControlNets: FlaxAttention takes its keys and values from context
         ("FlaxBasicTransformerBlock",),
-        (
-            Sublayer("attn1", "attn", attention=True, kv_input="context", text_if="only_cross_attention"),
-            Sublayer("attn2", "crossattn"),
-            Sublayer("ff", "mlp"),
-        ),
+        (replace(_BASIC[0], kv_input="context"), *_BASIC[1:]),
     ),
     BlockFamily(
         "mmdit",  # SD3 / SD3.5 (attn2: SD3.5's second, image-only self-attention)
