@@ -2,26 +2,18 @@
 
 Flax modules are immutable, so patching a model returns a new module: an instance of a subclass of the
 model's class (same fields, same ``config``, same parameter tree) whose ``__call__`` runs the original one
-inside :func:`flax.linen.intercept_methods`. The interceptor mirrors the torch adapter's hooks:
-
-* the model call gives the latent size (``sample`` is NCHW) and the timestep (the partition's ``step``);
-* each ``FlaxTransformer2DModel`` gives its real 2-D token grid (its input is NHWC);
-* each ``FlaxBasicTransformerBlock`` computes one match from its input;
-* its ``attn1`` / ``attn2`` / ``ff`` (as selected) merge their input and unmerge their output, before the
-  block adds its residual. ``attn1`` follows ``mode``: ``FlaxAttention.__call__(hidden_states, context)``
-  takes its keys and values from ``context``, so ``"kv"`` runs ``attn1(h, context=merge(h))`` (nothing to
-  unmerge) and ``"queries"`` runs ``unmerge(attn1(merge(h), context=h))``; ``attn2`` and ``ff`` always
-  merge as ``"tokens"``.
-* with ``proportional_attn`` and keys merged by similarity (``mode`` ``"tokens"`` or ``"kv"``, ``matching``
-  ``"similarity"``), a merged ``attn1`` runs as size-aware attention instead of its own ``__call__``:
-  ``FlaxAttention`` has no bias argument, so :func:`_size_aware_attention` runs attention over the module's
-  own ``query``/``key``/``value``/``proj_attn`` layers with the merged keys' log sizes added to the logits.
-  Its parameters and outputs are those of the module; only the softmax changes. Cell pooling
-  (``matching="cell"``) and ``"queries"`` (whole keys) pay for no bias.
+under the shared driver (:mod:`tome_core.driver`), as the torch and paddle adapters do. Flax modules take no
+hooks and exist, bound with their submodules, only inside a call: so each patched call attaches the driver's
+hooks to its bound module tree (:class:`_CallHooks`) and runs them from :func:`flax.linen.intercept_methods`.
+The block family table (:mod:`tome_core.families`: ``FlaxBasicTransformerBlock``'s ``attn1`` takes its keys
+and values from ``context``), the arrangements and size-aware attention's bias (:class:`~tome_core.driver.SizeBias`)
+are the driver's; ``FlaxAttention`` takes no bias, so an armed ``attn1`` runs :func:`_size_aware_attention`
+over its own layers instead of its ``__call__``.
 
 Everything happens while jax traces the call: shapes (N, r, grid) are Python ints, the timestep may be a
-tracer, and a fresh :class:`~tome_core.state.ToMeState` is used per call, so nothing traced outlives the
-trace. The patched module works under ``jax.jit``, ``pmap`` and the pipelines' ``jit=True`` path.
+tracer (options that read it on the host are refused), and a fresh :class:`~tome_core.state.ToMeState` is used
+per call, so nothing traced outlives the trace. The patched module works under ``jax.jit``, ``pmap`` and the
+pipelines' ``jit=True`` path.
 
 Pipelines are patched in place (their ``unet`` and ``controlnet`` are swapped for patched modules), and the
 pipeline's hash changes with its ToMe options: the pipelines pass ``self`` to ``jax.pmap`` as a static
@@ -32,29 +24,30 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import threading
+from types import SimpleNamespace
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from diffusers.configuration_utils import flax_register_to_config
-from diffusers.models.attention_flax import FlaxAttention, FlaxBasicTransformerBlock, FlaxTransformer2DModel
+from diffusers.models.attention_flax import FlaxAttention
 from diffusers.models.controlnets.controlnet_flax import FlaxControlNetModel
 from diffusers.models.unets.unet_2d_condition_flax import FlaxUNet2DConditionModel
 from diffusers.pipelines.pipeline_flax_utils import FlaxDiffusionPipeline
 
+from tome_core import driver
 from tome_core.config import ToMeConfig, document
-from tome_core.driver import argument, replace_argument
+from tome_core.driver import SizeBias, argument
 from tome_core.levels import finest_attention_level
-from tome_core.match import Match
-from tome_core.merge import merge, size_bias, unmerge
 from tome_core.selection import ModelFacts, check_model
 from tome_core.state import ToMeState
 
 LATENT_MODELS = (FlaxUNet2DConditionModel, FlaxControlNetModel)
 PIPELINE_MODELS = ("unet", "controlnet")
-SUBLAYERS = {"attn1": "attn", "attn2": "crossattn", "ff": "mlp"}
 ACCEPTED = (
     "a diffusers Flax pipeline with a FlaxUNet2DConditionModel `unet` (e.g. FlaxStableDiffusionPipeline, "
     "FlaxStableDiffusionControlNetPipeline), a FlaxUNet2DConditionModel or a FlaxControlNetModel"
@@ -65,16 +58,7 @@ _TORCH_PART_ORDER = {"down_blocks": 0, "up_blocks": 1, "mid_block": 2}
 
 
 # --------------------------------------------------------------------------------------------------------
-# The run of one patched model call (lives only while jax traces it)
-
-
-def _step(timesteps: Any) -> Any:
-    """The partition's ``step``: the first timestep, a Python int or a (traced) 0-d array, never synced."""
-    if timesteps is None:
-        return 0
-    if isinstance(timesteps, (int, float)):
-        return int(timesteps)
-    return jnp.reshape(jnp.asarray(timesteps), (-1,))[0]
+# The driver's hooks in one patched model call (they live only while jax traces it)
 
 
 def _part_key(path: Tuple[str, ...]) -> Tuple[Any, ...]:
@@ -107,21 +91,31 @@ def block_paths(params: Any) -> List[Tuple[str, ...]]:
     return sorted(found, key=_part_key)
 
 
+def _children(module: nn.Module) -> List[nn.Module]:
+    """The submodules a bound module defines in its ``setup``, in torch's module order (:func:`_part_key`), so
+    that a block's index among the model's blocks (its partition stream) is the torch model's."""
+    module._try_setup()
+    named = [(name, child) for name, child in module._state.children.items() if isinstance(child, nn.Module)]
+    return [child for _, child in sorted(named, key=lambda item: _part_key((item[0],)))]
+
+
 def _size_aware_attention(
     attention: FlaxAttention,
     hidden_states: jax.Array,
-    match: Match,
+    bias: SizeBias,
     deterministic: bool = True,
     keys: Optional[jax.Array] = None,
 ) -> jax.Array:
     """``attention`` with queries from ``hidden_states`` and keys/values from the merged tokens ``keys``
-    (default: ``hidden_states`` themselves, the ``tokens`` arrangement), each key's logit raised by log(its
-    size).
+    (default: ``hidden_states`` themselves, the ``tokens`` arrangement), each key's logit raised by its
+    ``bias`` (log(its size)).
 
     Equals the module's own attention over all tokens with every merged token repeated once per token it
     stands for. In the ``kv`` arrangement the queries are all N tokens and ``keys`` the ``N - r`` merged ones.
-    The full ``[B, heads, queries, N - r]`` logits are formed even when the module was built with
-    ``use_memory_efficient_attention`` (diffusers' chunked kernel takes no bias).
+    ``FlaxAttention`` takes no bias, so this runs over its own ``query``/``key``/``value``/``proj_attn`` layers:
+    its parameters and outputs are the module's, only the softmax changes. The full ``[B, heads, queries,
+    N - r]`` logits are formed even when the module was built with ``use_memory_efficient_attention``
+    (diffusers' chunked kernel takes no bias).
     """
     keys = hidden_states if keys is None else keys
     batch, queries, _ = hidden_states.shape
@@ -131,70 +125,108 @@ def _size_aware_attention(
     # Plain einsums in the module's dtype, as FlaxAttention computes: jax.nn.dot_product_attention asks for
     # float32 accumulation, which XLA's CPU dot does not offer for float16 inputs.
     logits = jnp.einsum("bqhd,bkhd->bhqk", query, key) * attention.scale
-    logits = logits + size_bias(match, logits)[:, None]  # [B, 1, 1, N - r]: every head and query
+    logits = logits + bias.for_keys(kept, logits)[:, None]  # [B, 1, 1, N - r]: every head and query
     out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), value)
     out = attention.proj_attn(jnp.reshape(out, (batch, queries, -1)))
     return attention.dropout_layer(out, deterministic=deterministic)
 
 
-class _Run:
-    """One traced call of a patched model: its state, its block streams and the block being run."""
+def _biased_call(attention: FlaxAttention, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: SizeBias) -> jax.Array:
+    """A call ``attention(hidden_states, context=None, deterministic=True)`` run as size-aware attention."""
+    deterministic = argument(args, kwargs, "deterministic", 2)
+    return _size_aware_attention(
+        attention, argument(args, kwargs, "hidden_states", 0), bias, True if deterministic is None else deterministic,
+        keys=argument(args, kwargs, "context", 1),
+    )
 
-    def __init__(self, state: ToMeState, root: Tuple[str, ...], block_paths: List[Tuple[str, ...]]):
-        self.state = state
-        self.root = root  # the patched model's own path, when it runs inside a larger module
-        self.streams = {path: index for index, path in enumerate(block_paths)}
-        self.block_path: Optional[Tuple[str, ...]] = None
-        self.matches: Dict[str, Match] = {}
 
-    def stream(self, path: Tuple[str, ...]) -> int:
-        # Without parameters (inside ``init``) streams follow the call order; the output is not used there.
-        return self.streams.setdefault(path, len(self.streams))
+class _CallHooks:
+    """Flax for :mod:`tome_core.driver`, for one traced call of a patched model.
+
+    Flax modules take no hooks and exist (bound, with their submodules) only inside a call, so each patched
+    call hooks its own bound module tree afresh, and :meth:`intercept` (under :func:`flax.linen.intercept_methods`)
+    runs the hooks of each module whose ``__call__`` it sees. Nothing outlives the trace: the timestep may be a
+    tracer, and shapes are Python ints. Size-aware attention runs :func:`_size_aware_attention` instead of the
+    armed ``FlaxAttention``'s own call."""
+
+    accepted = ACCEPTED
+
+    def __init__(self) -> None:
+        self.pre: Dict[int, List[driver.PreHook]] = {}
+        self.post: Dict[int, List[driver.PostHook]] = {}
+        self.hooked: Dict[int, nn.Module] = {}  # keeps each hooked module alive, so that its id stays its own
+        self.biases: Dict[int, SizeBias] = {}  # attentions armed by size_aware, for their call now
+        self.walked: Dict[int, List[nn.Module]] = {}
+
+    def is_module(self, obj: Any) -> bool:
+        return isinstance(obj, nn.Module)
+
+    def submodules(self, module: nn.Module) -> List[nn.Module]:
+        found = self.walked.get(id(module))
+        if found is None:
+            found = self.walked[id(module)] = [module, *(sub for child in _children(module) for sub in self.submodules(child))]
+        return found
+
+    def add_pre_hook(self, module: nn.Module, hook: driver.PreHook) -> Any:
+        return self._add(self.pre, module, hook)
+
+    def add_post_hook(self, module: nn.Module, hook: driver.PostHook) -> Any:
+        return self._add(self.post, module, hook)
+
+    def _add(self, table: Dict[int, List[Any]], module: nn.Module, hook: Any) -> Any:
+        """Add ``hook`` to ``module``'s list in ``table``; returns a handle whose ``remove()`` drops it."""
+        self.hooked[id(module)] = module
+        hooks = table.setdefault(id(module), [])
+        hooks.append(hook)
+        return SimpleNamespace(remove=functools.partial(hooks.remove, hook))
 
     def intercept(self, next_fun, args, kwargs, context):
-        if context.method_name != "__call__":
-            return next_fun(*args, **kwargs)
+        """Run a hooked module's ``__call__`` between its pre-hooks and its post-hooks (also when it raises)."""
         module = context.module
-        if isinstance(module, FlaxTransformer2DModel):
-            hidden_states = argument(args, kwargs, "hidden_states", 0)
-            if hidden_states.ndim == 4:
-                self.state.enter_grid(tuple(int(n) for n in hidden_states.shape[1:3]))
+        key = id(module)
+        if context.method_name != "__call__" or self.hooked.get(key) is not module:
             return next_fun(*args, **kwargs)
-        if isinstance(module, FlaxBasicTransformerBlock):
-            path = tuple(module.path)[len(self.root) :]
-            outer = (self.block_path, self.matches)
-            self.block_path = path
-            self.matches = self.state.block_matches(argument(args, kwargs, "hidden_states", 0), self.stream(path))
-            try:
-                return next_fun(*args, **kwargs)
-            finally:
-                self.block_path, self.matches = outer
-        sublayer = SUBLAYERS.get(module.name, "")
-        match = self.matches.get(sublayer)
-        if match is None or match.merged == 0 or tuple(module.path)[len(self.root) : -1] != self.block_path:
-            return next_fun(*args, **kwargs)
-        x = argument(args, kwargs, "hidden_states", 0)
-        merged = merge(x, match)
-        deterministic = argument(args, kwargs, "deterministic", 2)
-        deterministic = True if deterministic is None else deterministic
-        attends_to_itself = sublayer == "attn" and argument(args, kwargs, "context", 1) is None
-        mode, size_aware = self.state.active.arrangement(sublayer, attends_to_itself)
-        if mode in ("kv", "queries") and not attends_to_itself:
-            raise ValueError(
-                f"mode={mode!r}: this {type(module).__name__} attends to its context (only_cross_attention), not to "
-                "its own tokens, so it has no self-attention keys to arrange; use mode='tokens'"
-            )
-        if mode == "kv":  # queries keep every token, keys and values are the merged tokens: nothing to unmerge
-            if size_aware:
-                return _size_aware_attention(module, x, match, deterministic, keys=merged)
-            args, kwargs = replace_argument(args, kwargs, "context", 1, merged)
-            return next_fun(*args, **kwargs)
-        args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
-        if mode == "queries":  # merged queries attend to every token; the output is unmerged
-            args, kwargs = replace_argument(args, kwargs, "context", 1, x)
-        elif size_aware:
-            return unmerge(_size_aware_attention(module, merged, match, deterministic), match)
-        return unmerge(next_fun(*args, **kwargs), match)
+        for hook in self.pre.get(key, ()):
+            changed = hook(module, args, kwargs)
+            if changed is not None:
+                args, kwargs = changed
+        output = None
+        try:
+            bias = self.biases.get(key)
+            output = next_fun(*args, **kwargs) if bias is None else _biased_call(module, args, kwargs, bias)
+        finally:
+            for hook in self.post.get(key, ()):
+                changed = hook(module, args, kwargs, output)
+                output = output if changed is None else changed
+        return output
+
+    def host_values(self, x: Any) -> List[float]:
+        return np.asarray(x).reshape(-1).tolist()  # only for options refused on jax (_check_supported)
+
+    def size_aware(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: SizeBias):
+        self.biases[id(module)] = bias
+        return args, kwargs
+
+    def size_aware_done(self, module: nn.Module, computed: bool) -> None:
+        self.biases.pop(id(module), None)
+
+    def bias_problem(self, module: nn.Module) -> Optional[str]:
+        return None  # _size_aware_attention runs every FlaxAttention with the bias
+
+    def separate_kv(self, module: nn.Module) -> bool:
+        return True  # FlaxAttention computes keys and values from its context argument when given one
+
+    def may_run_again(self, x: Any) -> bool:
+        return False  # jax differentiates the trace; the hooks run once per trace
+
+    def shards(self, model: nn.Module) -> None:
+        return None
+
+    def same_data(self, a: Any, b: Any) -> bool:
+        return False
+
+    def output_cache(self, module: nn.Module) -> None:
+        return None
 
 
 class _Recorder(threading.local):
@@ -266,18 +298,30 @@ def _finest_level(model: nn.Module) -> int:
 
 
 def _patched_call(self, *args, **kwargs):
+    """A patched model's call: the driver's hooks on its bound module tree, run by an interceptor."""
     config: Optional[ToMeConfig] = self.tome
+    call = super(type(self), self).__call__
     if config is None:
-        return super(type(self), self).__call__(*args, **kwargs)
-    sample = argument(args, kwargs, "sample", 0)
-    state = ToMeState(config=config, finest_level=_finest_level(self), choices=config.auto_choices(True))
-    state.begin_call(tuple(int(n) for n in sample.shape[-2:]), _step(argument(args, kwargs, "timesteps", 1)))
-    run = _Run(state, tuple(self.path), block_paths(self.variables.get("params", {})))
-    with nn.intercept_methods(run.intercept):
-        out = super(type(self), self).__call__(*args, **kwargs)
+        return call(*args, **kwargs)
+    hooks = _CallHooks()
+    state = driver.model_state(hooks, self, config)
+    driver.attach_hooks(hooks, self, state)
+    with nn.intercept_methods(hooks.intercept):
+        out = call(*args, **kwargs)  # intercepted too: the model's own hooks start and end the call
     for states in _recorder.stack:
         states.append((type(self).__name__, state))
     return out
+
+
+def _call_of(base: type) -> Any:
+    """:func:`_patched_call` for a subclass of ``base``, with ``base.__call__``'s signature (the driver finds its
+    arguments by name there)."""
+
+    def __call__(self, *args, **kwargs):
+        return _patched_call(self, *args, **kwargs)
+
+    __call__.__signature__ = inspect.signature(base.__call__)
+    return __call__
 
 
 @functools.lru_cache(maxsize=None)
@@ -298,14 +342,15 @@ def _patched_class(base: type) -> type:
         "__hash__": __hash__,
         "register_to_config": register_to_config,
         "__module__": __name__,
-        "__qualname__": f"ToMe[{base.__qualname__}]",
+        "__qualname__": base.__qualname__,
         "__annotations__": {"tome": Optional[ToMeConfig]},
         "tome": None,
         "_flax_internal_args": [*getattr(base, "_flax_internal_args", ()), "tome"],
-        "__call__": _patched_call,
+        "__call__": _call_of(base),
         "__doc__": f"{base.__name__} with Token Merging (see tome_core.jax).",
     }
-    # Same __name__ as the base: diffusers records class names in configs and model_index.json.
+    # The base's names: diffusers records class names in configs and model_index.json, and the driver's
+    # messages name the model by its class.
     return flax_register_to_config(type(base.__name__, (base,), namespace))
 
 

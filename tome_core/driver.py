@@ -1,8 +1,8 @@
 """The patch driver: find the models in an object, attach ToMe hooks, run them, remove them. Framework-free.
 
-Every adapter (diffusers/torch, ppdiffusers/paddle) gives the driver a :class:`Framework`: how to list a
-module's submodules, register a pre-hook and a post-hook (both with keyword arguments), and deliver an
-attention bias. Everything else happens here, once, read from :mod:`tome_core.families`:
+Every adapter (diffusers/torch, ppdiffusers/paddle, Flax diffusers/jax) gives the driver a :class:`Framework`:
+how to list a module's submodules, register a pre-hook and a post-hook (both with keyword arguments), and
+deliver an attention bias. Everything else happens here, once, read from :mod:`tome_core.families`:
 
 * a pre-hook on each patched model starts a call: its timestep (the partition's ``step``) and, from its
   ``sample``/``hidden_states``, the latent size (UNets) or the token grid (transformers: the latent over the
@@ -36,9 +36,9 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Se
 from .backend import get_ops
 from .config import ToMeConfig
 from .families import (
-    BLOCK_FAMILIES, GRID_CONTAINERS, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily, Sublayer, GridLayout, attends_text_only,
-    block_family, child_at, context_latents, grid_layout, grid_source, grid_last, lent_children, temporal, text_follows,
-    text_only, token_roles, with_text_after,
+    BLOCK_FAMILIES, CHANNELS_LAST_GRID_CONTAINERS, GRID_CONTAINERS, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, BlockFamily,
+    Sublayer, GridLayout, attends_text_only, block_family, child_at, context_latents, grid_layout, grid_source,
+    grid_last, lent_children, temporal, text_follows, text_only, token_roles, with_text_after,
 )
 from .levels import finest_attention_level, indicated_run, leading_raster, trailing_frames, trailing_raster
 from .match import Match
@@ -163,6 +163,11 @@ def replace_argument(
     if name in kwargs or len(args) <= position:
         return args, {**kwargs, name: value}
     return args[:position] + (value,) + args[position + 1 :], kwargs
+
+
+def forward_of(cls: type) -> Callable[..., Any]:
+    """What a call of a module of class ``cls`` runs: its ``forward`` (torch, paddle), else its ``__call__`` (Flax)."""
+    return getattr(cls, "forward", None) or cls.__call__
 
 
 def argument_positions(function: Callable[..., Any], *names: str) -> Dict[str, Optional[int]]:
@@ -301,7 +306,7 @@ class _CallStart:
         self.transformer = is_transformer_model(model)
         self.patch_size = _config_value(model, "patch_size") if self.transformer else None
         self.data_format = getattr(model, "data_format", "NCHW")
-        forward = type(model).forward
+        forward = forward_of(type(model))
         self.where = argument_positions(forward, "sample", "hidden_states", *TIMESTEPS, *TOKEN_IDS, *SHAPE_LISTS)
         parameters = list(inspect.signature(forward).parameters.values())[1:]
         self.first = parameters[0].name if parameters else None  # the latent, by keyword where not named as above
@@ -635,7 +640,7 @@ class _BlockRun:
         # token masks are gathered like rotary positions: one match for the whole batch
         self.masks = any(sublayer.masks for sublayer in family.sublayers)
         name = family.unmerged_with[0] if family.unmerged_with else None
-        self.unmerged_at = argument_positions(type(block).forward, name)[name] if name else None
+        self.unmerged_at = argument_positions(forward_of(type(block)), name)[name] if name else None
         self.text_after_at = family_argument_position(family, block)
         self.metric, self.metric_at = block_metric(family, block)  # what the match is computed from
         self.lent = False  # another model may run this block in its own call (families.LENT)
@@ -769,7 +774,7 @@ def family_argument_position(family: BlockFamily, block: Any) -> Optional[int]:
     """Where ``block``'s forward takes its family's ``text_after_with`` argument by position (None: by keyword
     only, or the family has none)."""
     name = family.text_after_with
-    return argument_positions(type(block).forward, name)[name] if name else None
+    return argument_positions(forward_of(type(block)), name)[name] if name else None
 
 
 def family_in_call(family: BlockFamily, at: Optional[int], args, kwargs) -> BlockFamily:
@@ -829,14 +834,16 @@ class _MergeInput(_SublayerHook):
     def __init__(self, fw: Framework, run: _BlockRun, sublayer: Sublayer, module: Any):
         super().__init__(fw, run, sublayer)
         # where ``module``'s forward takes the rotary arguments and masks by position (None: by keyword only)
-        self.rotary_at = argument_positions(type(module).forward, *rotary_arguments(run.family))
-        self.masks_at = argument_positions(type(module).forward, "attention_mask", *(name for name, _ in sublayer.masks))
-        self.aligned_at = argument_positions(type(module).forward, *sublayer.aligned)
-        self.counts_at = argument_positions(type(module).forward, *sublayer.counts, *sublayer.log_bases)
+        self.rotary_at = argument_positions(forward_of(type(module)), *rotary_arguments(run.family))
+        self.masks_at = argument_positions(forward_of(type(module)), "attention_mask", *(name for name, _ in sublayer.masks))
+        self.aligned_at = argument_positions(forward_of(type(module)), *sublayer.aligned)
+        self.counts_at = argument_positions(forward_of(type(module)), *sublayer.counts, *sublayer.log_bases)
         self.head = 0  # the head in this call's input (sublayer_head)
         self.inside = _Inside(fw, run, sublayer, module) if sublayer.projections else None
         self.text_only = attends_text_only(run.block, sublayer)  # its block's flag makes it a cross-attention
-        self.kv_at = argument_positions(type(module).forward, "encoder_hidden_states")["encoder_hidden_states"]
+        # what the attention takes keys and values from (diffusers' encoder_hidden_states, Flax's context)
+        self.kv_name = sublayer.kv_input or "encoder_hidden_states"
+        self.kv_at = argument_positions(forward_of(type(module)), self.kv_name)[self.kv_name]
 
     def __call__(self, module, args, kwargs):
         if self.inside is not None:
@@ -876,7 +883,7 @@ class _MergeInput(_SublayerHook):
             return args, kwargs
         # With only_cross_attention, a BasicTransformerBlock's attn1 attends to text: its keys are not merged. (Its
         # own input given again there, Lumina-Next's and OmniGen's, was merged alike: its keys are.)
-        attends_text = "encoder_hidden_states" not in self.sublayer.aligned and kwargs.get("encoder_hidden_states") is not None
+        attends_text = self.kv_name not in self.sublayer.aligned and argument(args, kwargs, self.kv_name, self.kv_at) is not None
         if self.sublayer.text == TEXT_NONE and attends_text:
             return args, kwargs
         return self._size_aware(module, args, kwargs, match, merged)
@@ -886,7 +893,7 @@ class _MergeInput(_SublayerHook):
         self-attention, or a cross-attention (given keys and values other than its input, with no image among
         them), which merges its queries as ``crossattn``."""
         x = argument(args, kwargs, "hidden_states", 0)
-        kv = argument(args, kwargs, "encoder_hidden_states", self.kv_at)
+        kv = argument(args, kwargs, self.kv_name, self.kv_at)
         cross = (self.sublayer.text == TEXT_NONE and kv is not None and kv is not x) or self.text_only
         kind = "crossattn" if cross else self.sublayer.kind
         match = self.run.matches.get(kind)
@@ -1228,6 +1235,7 @@ class Patch:
         self.handles: List[Any] = []
         self.generation = next(_GENERATIONS)
         self.retyped: List[Tuple[Any, type]] = []  # (module, the class it had)
+        self.targets: List[Any] = []  # the sub-layers that merge
 
     def retype(self, module: Any) -> None:
         """Give ``module`` this patch's class (once)."""
@@ -1345,9 +1353,9 @@ def model_facts(fw: Framework, model: Any) -> ModelFacts:
 
 def _grid_modules(fw: Framework, model: Any) -> List[Any]:
     """The 2-D containers in ``model`` (:data:`~tome_core.families.GRID_CONTAINERS`: UNet-style
-    ``Transformer2DModel``, SVD's ``TransformerSpatioTemporalModel``): their 4-D input ``(batch [* frames], C,
-    H, W)`` is the grid of their spatial blocks."""
-    return [m for m in fw.submodules(model) if type(m).__name__ in GRID_CONTAINERS]
+    ``Transformer2DModel``, SVD's ``TransformerSpatioTemporalModel``; channels-last, Flax's): their 4-D input
+    ``(batch [* frames], C, H, W)`` is the grid of their spatial blocks."""
+    return [m for m in fw.submodules(model) if type(m).__name__ in GRID_CONTAINERS + CHANNELS_LAST_GRID_CONTAINERS]
 
 
 def check_grids(fw: Framework, model: Any) -> None:
@@ -1395,7 +1403,8 @@ def grid_hooks(fw: Framework, model: Any, state: ToMeState) -> List[Any]:
     handles = []
     if not is_transformer_model(model):
         for module in _grid_modules(fw, model):
-            handles.append(fw.add_pre_hook(module, _GridHook(state, getattr(module, "data_format", data_format))))
+            layout = "NHWC" if type(module).__name__ in CHANNELS_LAST_GRID_CONTAINERS else data_format
+            handles.append(fw.add_pre_hook(module, _GridHook(state, getattr(module, "data_format", layout))))
     source = grid_source(type(model))
     if source is not None and fw.is_module(child_at(model, source)):
         handles.append(fw.add_post_hook(child_at(model, source), partial(_grid_output, state, data_format)))
@@ -1407,15 +1416,20 @@ def block_metric(family: BlockFamily, block: Any) -> Tuple[str, Optional[int]]:
     ``hidden_states``, its first input, by default) and its position in the block's ``forward``."""
     if family.metric is None:
         return "hidden_states", 0
-    return family.metric, argument_positions(type(block).forward, family.metric)[family.metric]
+    return family.metric, argument_positions(forward_of(type(block)), family.metric)[family.metric]
 
 
-def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
-    """Hook ``model`` (one found by :func:`find_models`) with ``config``."""
-    state = ToMeState(
+def model_state(fw: Framework, model: Any, config: ToMeConfig) -> ToMeState:
+    """A new run state for ``model`` (one found by :func:`find_models`) under ``config``."""
+    return ToMeState(
         config=config, finest_level=finest_level(fw, model), choices=auto_choices(fw, model, config),
         where=type(model).__qualname__,
     )
+
+
+def attach_hooks(fw: Framework, model: Any, state: ToMeState) -> Patch:
+    """Attach every hook ToMe runs ``model`` with, sharing ``state``; returns the patch holding their handles
+    and the sub-layers that merge (:attr:`Patch.targets`)."""
     patch = Patch(state)
     add = patch.handles.append
     add(fw.add_pre_hook(model, _CallStart(fw, model, state)))
@@ -1426,7 +1440,7 @@ def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
         id(m) for path in lent_children(type(model)) if fw.is_module(child_at(model, path))
         for m in fw.submodules(child_at(model, path))
     }
-    for stream, block, family, ratio, sublayer, target in _sublayers(fw, model, config):
+    for stream, block, family, ratio, sublayer, target in _sublayers(fw, model, state.config):
         run = runs.get(stream)
         if run is None:
             run = runs[stream] = _BlockRun(fw, state, family, stream, block, ratio, type(model).__qualname__)
@@ -1439,9 +1453,17 @@ def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
         add(fw.add_post_hook(target, _UnmergeOutput(fw, run, sublayer, merge_input.inside)))
         if merge_input.inside is not None:
             merge_input.inside.attach(add)
-        patch.retype(target)
+        patch.targets.append(target)
     for run in runs.values():  # after its sub-layers' post-hooks: a block may be its own sub-layer (child "")
         add(fw.add_post_hook(run.block, run.end))
+    return patch
+
+
+def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
+    """Hook ``model`` (one found by :func:`find_models`) with ``config``, for the life of the patch."""
+    patch = attach_hooks(fw, model, model_state(fw, model, config))
+    for target in patch.targets:
+        patch.retype(target)
     model.__dict__["_tome_patch"] = patch
 
 

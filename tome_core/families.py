@@ -162,6 +162,12 @@ def with_text_after(family: BlockFamily) -> BlockFamily:
     )
 
 
+# diffusers' BasicTransformerBlock: self-attention (keys and values apart from encoder_hidden_states), cross-attention, MLP.
+_BASIC = (
+    Sublayer("attn1", "attn", attention=True, kv_input="encoder_hidden_states", text_if="only_cross_attention"),
+    Sublayer("attn2", "crossattn"),
+    Sublayer("ff", "mlp"),
+)
 # FLUX.1's double-stream block: joint attention over [text; image] (image output first), an image MLP.
 _FLUX_DOUBLE = (Sublayer("attn", "attn", text=TEXT_BEFORE, output=0, attention=True), Sublayer("ff", "mlp"))
 # FLUX.1's single-stream block: attention and MLP side by side on one normalised [text; image] sequence.
@@ -177,11 +183,12 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
     BlockFamily(
         "basic",  # SD 1.x/2.x/XL UNets, ControlNets, PixArt, DiT; DreamLite's variant (attn1 may be absent)
         ("BasicTransformerBlock", "BasicTransformerBlockDreamLite"),
-        (
-            Sublayer("attn1", "attn", attention=True, kv_input="encoder_hidden_states", text_if="only_cross_attention"),
-            Sublayer("attn2", "crossattn"),
-            Sublayer("ff", "mlp"),
-        ),
+        _BASIC,
+    ),
+    BlockFamily(
+        "flax-basic",  # diffusers' Flax SD UNets and ControlNets: FlaxAttention takes its keys and values from context
+        ("FlaxBasicTransformerBlock",),
+        (replace(_BASIC[0], kv_input="context"), *_BASIC[1:]),
     ),
     BlockFamily(
         "mmdit",  # SD3 / SD3.5 (attn2: SD3.5's second, image-only self-attention)
@@ -958,6 +965,8 @@ def text_only(cls: type) -> Optional[TextOnly]:
 
 # Containers whose 4-D input ``(batch [* frames], C, H, W)`` is the token grid of the (spatial) blocks inside.
 GRID_CONTAINERS: Tuple[str, ...] = ("Transformer2DModel", "TransformerSpatioTemporalModel", "DreamLiteTransformer2DModel")
+# 2-D containers whose 4-D input is channels-last ``(batch, H, W, C)``: diffusers' Flax Transformer2DModel.
+CHANNELS_LAST_GRID_CONTAINERS: Tuple[str, ...] = ("FlaxTransformer2DModel",)
 
 _TEMPORAL: Dict[str, Temporal] = {entry.name: entry for entry in TEMPORAL}
 

@@ -24,6 +24,8 @@ from diffusers.models.attention_flax import FlaxAttention, FlaxBasicTransformerB
 import tome_core.jax as tome
 from tome_core import bipartite_match, get_ops, merge, unmerge
 from tome_core.adapters.flax import _size_aware_attention, config_key
+from tome_core.driver import SizeBias
+from tome_core.families import TEXT_NONE
 from tome_core.adapters.flax_models import TWO_LEVELS, build_pipeline, build_unet, random_params
 
 LATENT = (16, 16)  # the small UNet: attn1 at 1/1 (down 0, up 1 x2: 256 tokens) and in the middle (1/2: 64)
@@ -262,7 +264,7 @@ def test_size_aware_kv_attention_equals_attention_over_repeated_keys(rel):
     def run(variables, x):
         match = bipartite_match(get_ops(x), x, h, w, 2, 2, int(h * w * 0.6), None)
         merged = merge(x, match)
-        got = attention_module.apply(variables, x, method=lambda m, q: _size_aware_attention(m, q, match, True, keys=merged))
+        got = attention_module.apply(variables, x, method=lambda m, q: _size_aware_attention(m, q, SizeBias(match, TEXT_NONE, merged), True, keys=merged))
         expected = attention_module.apply(variables, x, unmerge(merged, match))  # context: each token's slot value
         plain = attention_module.apply(variables, x, merged)  # no bias: not that oracle
         return got, expected, plain
@@ -331,7 +333,8 @@ def test_bad_arrangement_options_raise_before_anything_is_patched(small, options
 def test_only_cross_attention_refuses_kv_and_queries_with_a_clear_error(inputs, mode):
     unet, params = build_unet("tiny", seed=0, only_cross_attention=True, **TWO_LEVELS)
     patched = tome.patch(unet, mode=mode, matching="cell")
-    with pytest.raises(ValueError, match=f"mode='{mode}': this FlaxAttention attends to its context"):
+    refusal = rf"mode='{mode}' needs self-attention .* FlaxBasicTransformerBlock.attn1 attends to the text \(only_cross_attention=True\)"
+    with pytest.raises(ValueError, match=refusal):
         jax.eval_shape(lambda: patched.apply({"params": params}, *inputs))
     jax.eval_shape(lambda: tome.patch(unet, matching="cell").apply({"params": params}, *inputs))  # tokens: fine
 

@@ -4,7 +4,6 @@ repeated once per token it stands for, is the oracle for the adapter's attention
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from diffusers.models.attention_flax import FlaxAttention
@@ -12,12 +11,14 @@ from diffusers.models.attention_flax import FlaxAttention
 import tome_core.jax as tome
 from tome_core import bipartite_match, get_ops, merge, unmerge
 from tome_core.adapters.flax import _size_aware_attention
+from tome_core.driver import SizeBias
+from tome_core.families import TEXT_NONE
 from tome_core.adapters.flax_models import build_unet
 
 
 def size_aware(attention, params, x, match):
     def run(module, hidden_states):
-        return _size_aware_attention(module, hidden_states, match, deterministic=True)
+        return _size_aware_attention(module, hidden_states, SizeBias(match, TEXT_NONE, hidden_states), deterministic=True)
 
     return attention.apply(params, merge(x, match), method=run)
 
