@@ -1,5 +1,9 @@
 """Test matrix: one virtualenv per backend (their pins cannot share one environment; see README)."""
 
+import functools
+import os
+import shutil
+
 import nox
 
 nox.options.sessions = ["tests-numpy", "tests-torch", "tests-paddle", "tests-paddle-torch", "tests-jax", "docs"]
@@ -34,6 +38,21 @@ PADDLE_NO_DEPS = ["ppdiffusers==0.29.0", "paddlenlp==2.8.1"]
 JAX = ["jax==0.10.2", "jaxlib==0.10.2", "flax==0.12.8", "diffusers==0.39.0", "transformers==4.57.6", "torch==2.13.0"]
 
 
+def drops_its_venv(session_function):
+    """With TOME_DROP_VENVS=1 (CI), a session deletes its virtualenv when it ends, passed or failed: the
+    matrix's environments hold about 1.5 GB each, more than a shared CI disk always has free at once."""
+
+    @functools.wraps(session_function)
+    def run(session):
+        try:
+            session_function(session)
+        finally:
+            if os.environ.get("TOME_DROP_VENVS") == "1":
+                shutil.rmtree(session.virtualenv.location, ignore_errors=True)
+
+    return run
+
+
 def run_tests(session, backends, *folders):
     session.run(
         "pytest", "tests/core", *folders, *session.posargs, env={"TOME_TEST_BACKENDS": backends}
@@ -41,6 +60,7 @@ def run_tests(session, backends, *folders):
 
 
 @nox.session(name="tests-numpy")
+@drops_its_venv
 def tests_numpy(session):
     session.install(*TEST)
     session.install(".")
@@ -48,6 +68,7 @@ def tests_numpy(session):
 
 
 @nox.session(name="tests-torch")
+@drops_its_venv
 def tests_torch(session):
     session.install(*TEST, *TORCH, "tqdm", "matplotlib")
     # Speed-ups that tests/torch/test_compose.py stacks with ToMe; --no-deps: tgate pins DeepCache and pulls
@@ -58,6 +79,7 @@ def tests_torch(session):
 
 
 @nox.session(name="tests-paddle")
+@drops_its_venv
 def tests_paddle(session):
     session.install(*TEST, *PADDLE, "tqdm")
     session.install("--no-deps", *PADDLE_NO_DEPS)
@@ -67,6 +89,7 @@ def tests_paddle(session):
 
 
 @nox.session(name="tests-paddle-torch")
+@drops_its_venv
 def tests_paddle_torch(session):
     """Cross-framework parity: the same UNet and SD3 transformer weights patched on torch and on paddle give the
     same output.
@@ -80,6 +103,7 @@ def tests_paddle_torch(session):
 
 
 @nox.session(name="tests-jax")
+@drops_its_venv
 def tests_jax(session):
     """jax + Flax diffusers (0.39.0, the last with Flax); torch for the torch<->Flax parity test.
 
