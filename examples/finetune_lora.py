@@ -9,13 +9,13 @@ copies train side by side: every step draws one batch and each configuration tak
 (the order alternating from step to step), so the loss curves compare point by point and the step times share
 the machine's ups and downs.
 
-    python examples/finetune_lora.py                                   # the defaults below
-    python examples/finetune_lora.py --steps 30 --samples-per-class 1 --sample-steps 10     # a quick look
-    python examples/finetune_lora.py --methods unpatched tokens-0.5+stop --stop-tome-at 20
+    python -m examples.finetune_lora                                   # the defaults below
+    python -m examples.finetune_lora --steps 30 --samples-per-class 1 --sample-steps 10     # a quick look
+    python -m examples.finetune_lora --methods unpatched tokens-0.5+stop --stop-tome-at 20
 
 Choices (each is an argument):
 
-* Data: the crops the trained models learned from (``tome_core.trained.crops``: random crops of the
+* Data: the crops the trained models learned from (``tome_tools.trained.crops``: random crops of the
   scikit-image photos, 32x32 px), fresh ones (``--data-seed 1``; the shipped model saw seed 0's), of one class,
   ``--subject hubble_deep_field``: the class the shipped UNet gets wrong (its samples have the dots but not
   the black sky, and the classifier recognises none of them), so the fine-tune adapts the model to a subject,
@@ -57,7 +57,7 @@ Choices (each is an argument):
 * Quality, measured on the fine-tuned models WITHOUT token reduction (every patch removed): samples of every
   class (``--samples-per-class 2``, fixed seeds, the full 25-step DDIM loop with guidance,
   ``diffusers_trained.generate``) compared with the unpatched fine-tune's samples by PSNR and SSIM and judged
-  by the shipped classifier (the benchmark's ``tome_core.bench.SampleFidelity``), with the accuracy on the
+  by the shipped classifier (the benchmark's ``tome_tools.bench.SampleFidelity``), with the accuracy on the
   subject's samples alone. Reference rows: the shipped model before fine-tuning, and the unpatched fine-tune
   sampled with ToMe at inference (``ratio=0.5``; the issue's bar: training with reduction should move the
   samples no more than merging at inference does).
@@ -77,7 +77,7 @@ import time
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Tuple
 
-from tome_core.console import quiet_known_notices
+from tome_tools.console import quiet_known_notices
 
 quiet_known_notices()  # before diffusers is imported
 
@@ -87,9 +87,9 @@ from diffusers import DDPMScheduler
 from peft import LoraConfig
 
 import tome_core.torch as tome
-from tome_core import trained
-from tome_core.adapters import diffusers_trained
-from tome_core.bench import SampleFidelity
+from tome_tools import trained
+from tome_tools import diffusers_trained
+from tome_tools.bench import SampleFidelity
 
 OPTIONS: Dict[str, Optional[Dict[str, Any]]] = {
     "unpatched": None,

@@ -4,8 +4,8 @@ Both calls are compiled first; then unpatched (A) and ToMe (B) calls alternate A
 shows every pair, the medians and their ratio. Parameters are filled from ``jax.eval_shape`` shapes, so
 nothing is downloaded and no slow init runs.
 
-    python examples/jax_benchmark.py                                 # sd15-small, 64x64 latents, batch 2
-    python examples/jax_benchmark.py --preset sd15 --repeats 5
+    python -m examples.jax_benchmark                                 # sd15-small, 64x64 latents, batch 2
+    python -m examples.jax_benchmark --preset sd15 --repeats 5
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import tome_core.jax as tome
-from tome_core.adapters.flax_models import build_unet
+from tome_tools.flax_models import build_unet
 
 diffusers.utils.logging.set_verbosity_error()
 

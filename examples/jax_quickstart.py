@@ -5,8 +5,8 @@ Runs anywhere, offline: the UNet has a preset architecture with random weights (
 output is noise but the work is real. Prints the blocks patched, the tokens each level merged, the jitted
 call time (after compilation, alternating runs, medians) and how much the output changed.
 
-    python examples/jax_quickstart.py                                   # tiny UNet, 32x32 latents
-    python examples/jax_quickstart.py --preset sd15-small --size 64     # SD-shaped, 512x512 images
+    python -m examples.jax_quickstart                                   # tiny UNet, 32x32 latents
+    python -m examples.jax_quickstart --preset sd15-small --size 64     # SD-shaped, 512x512 images
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import tome_core.jax as tome
-from tome_core.adapters.flax_models import build_unet
+from tome_tools.flax_models import build_unet
 
 diffusers.utils.logging.set_verbosity_error()  # diffusers 0.39 warns that its Flax classes are deprecated
 
@@ -34,7 +34,7 @@ def timed(fn, *args) -> float:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="tiny", help="UNet architecture (tome_core.presets.UNETS)")
+    parser.add_argument("--preset", default="tiny", help="UNet architecture (tome_tools.presets.UNETS)")
     parser.add_argument("--size", type=int, default=32, help="latent height and width (image size / 8)")
     parser.add_argument("--batch", type=int, default=2, help="batch (2 = one prompt with classifier-free guidance)")
     parser.add_argument("--ratio", type=float, default=0.5)

@@ -3,8 +3,8 @@
 Runs the three variants in rotating order (A B C, B C A, C A B, ...) on the same model and inputs, so drift
 and background load hit all alike, and reports medians and ratios. Random weights, nothing downloaded.
 
-    python examples/paddle_benchmark.py                       # sd15-small, 64x64 latents, batch 2, 3 rounds
-    python examples/paddle_benchmark.py --preset tiny --latent 32 --rounds 5
+    python -m examples.paddle_benchmark                       # sd15-small, 64x64 latents, batch 2, 3 rounds
+    python -m examples.paddle_benchmark --preset tiny --latent 32 --rounds 5
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import numpy as np
 import paddle
 
 import tome_core.paddle as tome
-from tome_core.adapters.ppdiffusers_models import build_unet
-from tome_core.presets import unet_config
+from tome_tools.ppdiffusers_models import build_unet
+from tome_tools.presets import unet_config
 
 
 def main(argv=None) -> dict:

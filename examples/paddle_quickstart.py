@@ -4,8 +4,8 @@ Runs anywhere, offline: the pipeline has the SD 1.5 UNet architecture at half wi
 random weights, a narrow VAE and a tiny text encoder, so the image is noise but the work is real. Point
 ``--model`` at a local ppdiffusers folder to use real weights instead.
 
-    python examples/paddle_quickstart.py               # 512x512, ratio 0.5, 2 steps
-    python examples/paddle_quickstart.py --size 256 --steps 4 --preset tiny
+    python -m examples.paddle_quickstart               # 512x512, ratio 0.5, 2 steps
+    python -m examples.paddle_quickstart --size 256 --steps 4 --preset tiny
 
 After ``import tome_core.paddle``, ``pipe.apply_tome(ratio=0.5)`` / ``pipe.remove_tome()`` run the same code
 as ``tome_core.paddle.patch`` / ``remove`` used here.
@@ -22,7 +22,7 @@ import paddle
 from ppdiffusers.models.attention import BasicTransformerBlock
 
 import tome_core.paddle as tome
-from tome_core.adapters.ppdiffusers_models import build_pipeline
+from tome_tools.ppdiffusers_models import build_pipeline
 
 
 def generate(pipe, args, steps=None) -> np.ndarray:

@@ -4,9 +4,9 @@ Runs anywhere, offline: the pipeline has the SD 1.5 UNet architecture at half wi
 random weights, a narrow VAE and a tiny text encoder, so the image is noise but the work is real. Point
 ``--model`` at a local diffusers folder to use real weights instead.
 
-    python examples/torch_quickstart.py                # 512x512, patch(pipe) (the default), 4 steps
-    python examples/torch_quickstart.py --ratio 0.5    # ToMe for SD's arrangement (tomesd's), at ratio 0.5
-    python examples/torch_quickstart.py --size 256 --steps 2 --preset tiny
+    python -m examples.torch_quickstart                # 512x512, patch(pipe) (the default), 4 steps
+    python -m examples.torch_quickstart --ratio 0.5    # ToMe for SD's arrangement (tomesd's), at ratio 0.5
+    python -m examples.torch_quickstart --size 256 --steps 2 --preset tiny
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import argparse
 import statistics
 import time
 
-from tome_core.console import quiet_known_notices
+from tome_tools.console import quiet_known_notices
 
 quiet_known_notices()  # before diffusers is imported
 
@@ -24,7 +24,7 @@ import torch
 from diffusers.models.attention import BasicTransformerBlock
 
 import tome_core.torch as tome
-from tome_core.adapters.diffusers_models import build_pipeline
+from tome_tools.diffusers_models import build_pipeline
 
 
 def generate(pipe, args, steps=None) -> np.ndarray:

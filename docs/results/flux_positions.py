@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from tome_core.console import quiet_known_notices
+from tome_tools.console import quiet_known_notices
 
 quiet_known_notices()  # before diffusers is imported
 
@@ -23,7 +23,7 @@ import torch
 
 import tome_core.driver as driver
 import tome_core.torch as tome
-from tome_core.adapters.diffusers_models import build_transformer, transformer_inputs
+from tome_tools.diffusers_models import build_transformer, transformer_inputs
 from tome_core.backend import get_ops
 from tome_core.merge import merge
 

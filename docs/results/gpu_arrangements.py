@@ -7,8 +7,8 @@ methods alternating; fidelity (relative L2 at t=500) against unpatched. Needs CU
 import json, os, statistics, warnings
 import torch, tomesd
 import tome_core.torch as tome
-from tome_core.adapters.diffusers_models import build_unet
-from tome_core.bench_core import image_like_latents
+from tome_tools.diffusers_models import build_unet
+from tome_tools.bench_core import image_like_latents
 
 warnings.simplefilter("ignore")
 dev, dtype = "cuda", torch.float16

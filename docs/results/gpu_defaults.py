@@ -32,8 +32,8 @@ from triton.testing import do_bench
 
 import tomesd
 import tome_core.torch as tome
-from tome_core.adapters.diffusers_models import build_transformer, build_unet, transformer_inputs
-from tome_core.bench_core import image_like_latents
+from tome_tools.diffusers_models import build_transformer, build_unet, transformer_inputs
+from tome_tools.bench_core import image_like_latents
 
 warnings.simplefilter("ignore")
 dev, dtype = "cuda", torch.float16
@@ -267,7 +267,7 @@ def pixart_part():
 
 def wan_part():
     """Wan 2.1 1.3B at its released width (2 of its 30 blocks), bfloat16, batch 2, 480x832, 9 frames."""
-    from tome_core.adapters.diffusers_models import build_video_transformer, video_transformer_inputs
+    from tome_tools.diffusers_models import build_video_transformer, video_transformer_inputs
 
     model = build_video_transformer("wan-1.3b", num_layers=2).to(dev, torch.bfloat16).eval()
     inputs = on_device(video_transformer_inputs(model, 3, 60, 104, batch=2, text=512), torch.bfloat16)
@@ -277,7 +277,7 @@ def wan_part():
 def newer_part():
     """The newer families at their released widths with 1-2 blocks of each kind (the bench's presets), bfloat16,
     batch 1: Flux.2 dev and Qwen-Image at 1024 px, HunyuanVideo at 544x960 x 5 frames, LTX-Video at 512x704 x 161."""
-    from tome_core.adapters.diffusers_models import video_transformer_inputs
+    from tome_tools.diffusers_models import video_transformer_inputs
 
     methods = {"unpatched": None, "ratio 0.5": {"ratio": 0.5}}
     for preset, label, video in [

@@ -12,13 +12,13 @@ docs/results/train_cell_gradients.txt comes from."""
 import torch
 from diffusers import DDPMScheduler
 
-from tome_core.console import quiet_known_notices
+from tome_tools.console import quiet_known_notices
 
 quiet_known_notices()
 
 import tome_core.torch as tome
-from tome_core import trained
-from tome_core.adapters import diffusers_trained
+from tome_tools import trained
+from tome_tools import diffusers_trained
 
 torch.set_num_threads(1)
 CELLS = {

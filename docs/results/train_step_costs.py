@@ -15,12 +15,12 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tome_core.console import quiet_known_notices
+from tome_tools.console import quiet_known_notices
 
 quiet_known_notices()
 
 import tome_core.torch as tome
-from tome_core.adapters.diffusers_models import build_unet
+from tome_tools.diffusers_models import build_unet
 
 torch.set_num_threads(1)
 # name: (ToMe options or None, weights frozen)

@@ -90,13 +90,17 @@ def test_block_grid_prefers_the_grid_seen_by_the_transformer():
         block_grid((5, 40), 7, None, 5)
 
 
-def test_installed_names_keep_backends_and_adapters_inside_tome_core(tmp_path):
+def test_installed_names_are_the_library_alone(tmp_path):
+    """Outside a checkout only ``tome_core`` and its subpackages import: no top-level ``backends``/``adapters``
+    and none of the repository's tools."""
     code = (
         "import importlib.util as u;"
-        "print([n for n in ('tome_core', 'tome_core.backends', 'tome_core.adapters', 'backends', 'adapters')"
+        "print([n for n in ('tome_core', 'tome_core.backends', 'tome_core.adapters', 'backends', 'adapters',"
+        " 'tome_tools', 'tome_core.bench', 'tome_core.noxfile', 'tome_core.tests')"
         " if u.find_spec(n) is not None])"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}).stdout
     assert out.strip() == "['tome_core', 'tome_core.backends', 'tome_core.adapters']"
 
 
@@ -121,18 +125,21 @@ def test_timestep_range_merges_a_call_only_when_its_whole_batch_is_inside():
     assert ToMeConfig().merges_at([0]) and ToMeConfig(timestep_range=(3, 3)).merges_at([3.0])
 
 
-def test_the_package_imports_from_the_repository_root():
-    """Standing in a checkout, its own tome_core/ folder comes first on sys.path: the subpackages kept beside it
-    (backends/, adapters/) must still import, and the benchmark must start."""
+def test_the_tools_run_from_the_repository_root_on_the_installed_library():
+    """From a checkout's root the tools (``tome_tools``, beside the library) import and the benchmark starts,
+    while ``tome_core`` is the installed package: the ``src/`` layout keeps the checkout from shadowing it."""
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[2]
-    code = "import tome_core, tome_core.backends.numpy_ops, tome_core.adapters, tome_core.bench; print(tome_core.__file__)"
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = "import tome_core, tome_tools.bench; print(tome_core.__file__)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
-    assert pathlib.Path(done.stdout.strip()).parent == root / "tome_core"  # the checkout's, which shadows an install
-    done = subprocess.run([sys.executable, "-m", "tome_core.bench", "--help"], cwd=root, capture_output=True, text=True)
-    assert done.returncode == 0 and "usage: python -m tome_core.bench" in done.stdout, done.stderr
+    import tome_core
+
+    assert done.stdout.strip() == tome_core.__file__  # the same library the tests run, not a folder of the checkout
+    done = subprocess.run([sys.executable, "-m", "tome_tools.bench", "--help"], cwd=root, capture_output=True, text=True, env=env)
+    assert done.returncode == 0 and "usage: python -m tome_tools.bench" in done.stdout, done.stderr
 
 
 @pytest.mark.parametrize("options", [

@@ -1,5 +1,6 @@
-"""The package's import graph has no cycles (issue #36): read from the source with ``ast``, every import of a
-``tome_core`` module, at the top of a file or inside a function, is an edge."""
+"""The import graph of the library and the tools beside it has no cycles, and the library imports no tool
+(issue #36): read from the source with ``ast``, every import of a ``tome_core`` or ``tome_tools`` module, at
+the top of a file or inside a function, is an edge."""
 
 from __future__ import annotations
 
@@ -8,12 +9,16 @@ import pathlib
 from typing import Dict, List, Set
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-# where each installed package's files sit in the checkout (pyproject's package-dir)
-FOLDERS = {"tome_core": ROOT / "tome_core", "tome_core.adapters": ROOT / "adapters", "tome_core.backends": ROOT / "backends"}
+LIBRARY = ROOT / "src" / "tome_core"
+FOLDERS = {
+    "tome_core": LIBRARY, "tome_core.adapters": LIBRARY / "adapters", "tome_core.backends": LIBRARY / "backends",
+    "tome_tools": ROOT / "tome_tools",
+}
+PACKAGES = ("tome_core", "tome_tools")
 
 
 def import_graph() -> Dict[str, Set[str]]:
-    """``module -> the tome_core modules it imports``."""
+    """``module -> the tome_core and tome_tools modules it imports``."""
     files = {}
     for package, folder in FOLDERS.items():
         for path in folder.glob("*.py"):
@@ -22,10 +27,10 @@ def import_graph() -> Dict[str, Set[str]]:
     for module, path in files.items():
         names: Set[str] = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tome_core"):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PACKAGES):
                 names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
             elif isinstance(node, ast.Import):
-                names |= {alias.name for alias in node.names if alias.name.startswith("tome_core")}
+                names |= {alias.name for alias in node.names if alias.name.startswith(PACKAGES)}
         graph[module] = {name for name in names if name in files and name != module}
     return graph
 
@@ -57,5 +62,16 @@ def test_the_walk_finds_a_cycle():
 
 def test_the_package_imports_no_cycle():
     graph = import_graph()
-    assert {"tome_core.driver", "tome_core.bench", "tome_core.bench_core", "tome_core.adapters.diffusers"} <= set(graph)
+    assert {"tome_core.driver", "tome_tools.bench", "tome_tools.bench_core", "tome_core.adapters.diffusers"} <= set(graph)
     assert cycles(graph) == []
+
+
+def test_the_library_imports_no_tool():
+    graph = import_graph()
+    assert {"tome_tools.bench", "tome_tools.diffusers_models"} <= set(graph)
+    reach = {module: set(targets) for module, targets in graph.items()}
+    for _ in graph:  # transitive closure
+        reach = {module: targets.union(*(reach[t] for t in targets)) for module, targets in reach.items()}
+    assert {module: sorted(t for t in targets if t.startswith("tome_tools"))
+            for module, targets in reach.items()
+            if module.startswith("tome_core") and any(t.startswith("tome_tools") for t in targets)} == {}

@@ -19,7 +19,7 @@ import transformers
 diffusers.utils.logging.set_verbosity_error()
 transformers.utils.logging.set_verbosity_error()
 
-from tome_core.adapters.flax_models import TWO_LEVELS, build_controlnet, build_unet  # noqa: E402
+from tome_tools.flax_models import TWO_LEVELS, build_controlnet, build_unet  # noqa: E402
 
 
 @partial(jax.jit, static_argnums=0)

@@ -26,7 +26,7 @@ from tome_core import bipartite_match, get_ops, merge, unmerge
 from tome_core.adapters.flax import _size_aware_attention, config_key
 from tome_core.driver import SizeBias
 from tome_core.families import TEXT_NONE
-from tome_core.adapters.flax_models import TWO_LEVELS, build_pipeline, build_unet, random_params
+from tome_tools.flax_models import TWO_LEVELS, build_pipeline, build_unet, random_params
 
 LATENT = (16, 16)  # the small UNet: attn1 at 1/1 (down 0, up 1 x2: 256 tokens) and in the middle (1/2: 64)
 HEADS = 8  # the tiny preset's attention_head_dim, which diffusers' Flax UNet uses as the number of heads

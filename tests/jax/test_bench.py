@@ -1,5 +1,5 @@
 """The jax side of the benchmark: its numbers are computed correctly (independent recomputation), compilation
-never lands in a timed call, and ``python -m tome_core.bench --backend jax`` runs on a small preset.
+never lands in a timed call, and ``python -m tome_tools.bench --backend jax`` runs on a small preset.
 
 The framework-free parts (formulas, latents, option parsing) are tested in tests/torch/test_bench.py. The
 bench builds "tiny" cut to two levels here (half the compilation time); every test uses the same resolution
@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tome_core import bench
-from tome_core import bench_core
-from tome_core.adapters import flax_bench
-from tome_core.adapters.flax_models import TWO_LEVELS, build_unet
+from tome_tools import bench
+from tome_tools import bench_core
+from tome_tools import flax_bench
+from tome_tools.flax_models import TWO_LEVELS, build_unet
 
 ARGS = ["--backend", "jax", "--preset", "tiny", "--resolution", "64"]
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax records one per XLA compilation

@@ -18,7 +18,7 @@ from flax.jax_utils import replicate
 from flax.training.common_utils import shard
 
 import tome_core.jax as tome
-from tome_core.adapters.flax_models import TWO_LEVELS, build_pipeline
+from tome_tools.flax_models import TWO_LEVELS, build_pipeline
 
 STEPS = 2
 SIZE = 64  # the Flax ControlNet pipeline wants multiples of 64; both share the VAE and text encoder shapes

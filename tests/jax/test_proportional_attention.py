@@ -13,7 +13,7 @@ from tome_core import bipartite_match, get_ops, merge, unmerge
 from tome_core.adapters.flax import _size_aware_attention
 from tome_core.driver import SizeBias
 from tome_core.families import TEXT_NONE
-from tome_core.adapters.flax_models import build_unet
+from tome_tools.flax_models import build_unet
 
 
 def size_aware(attention, params, x, match):
@@ -64,7 +64,7 @@ def test_size_aware_differs_from_plain_and_is_closer_to_unpatched(apply, rel, sm
 
 def test_size_aware_leaves_text_keys_unsized_under_only_cross_attention(apply, inputs):
     """With only_cross_attention, attn1 attends to the text: its keys are not merged, so size-aware equals plain."""
-    from tome_core.adapters.flax_models import TWO_LEVELS
+    from tome_tools.flax_models import TWO_LEVELS
 
     unet, params = build_unet("tiny", seed=0, only_cross_attention=True, **TWO_LEVELS)
     sample, timesteps, context = inputs

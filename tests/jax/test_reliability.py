@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 
 import tome_core.jax as tome
 from tome_core.adapters import flax as tome_flax
-from tome_core.adapters.flax_models import build_unet, param_shapes
-from tome_core.presets import TINY_VAE
+from tome_tools.flax_models import build_unet, param_shapes
+from tome_tools.presets import TINY_VAE
 
 # The 2-level "small" UNet: 3 blocks at 1/1 (down 0, up 1 x2) and 1 in the middle (1/2); its ControlNet:
 # down 0 (1/1) and the middle (1/2).

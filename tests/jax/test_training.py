@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import tome_core.jax as tome
-from tome_core.adapters.flax_models import build_unet
+from tome_tools.flax_models import build_unet
 
 # "tiny" cut to one level: attention in the down block, the middle and the up block, all at 1/1.
 ONE_LEVEL = dict(

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import tome_core.jax as tome
-from tome_core.adapters.flax_models import build_unet, param_shapes
+from tome_tools.flax_models import build_unet, param_shapes
 
 
 def expected_tokens(latent, levels_blocks, merged_levels, ratio=0.5):

@@ -10,7 +10,7 @@ import paddle
 import pytest
 
 import tome_core.paddle  # noqa: F401  (installs our apply_tome/remove_tome methods, as users do)
-from tome_core.adapters.ppdiffusers_models import build_unet
+from tome_tools.ppdiffusers_models import build_unet
 
 
 @pytest.fixture(scope="session")

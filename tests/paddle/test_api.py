@@ -15,7 +15,7 @@ from ppdiffusers import DiffusionPipeline
 from ppdiffusers.models.attention import BasicTransformerBlock
 
 import tome_core.paddle as tome
-from tome_core.adapters.ppdiffusers_models import build_pipeline
+from tome_tools.ppdiffusers_models import build_pipeline
 
 
 def hook_count(model) -> int:

@@ -21,7 +21,7 @@ from ppdiffusers.models.attention_processor import Attention
 import tome_core.paddle as tome
 from tome_core import bipartite_match, get_ops, merge, unmerge
 from tome_core.adapters import ppdiffusers as adapter
-from tome_core.adapters.ppdiffusers_models import build_transformer, build_unet, transformer_inputs
+from tome_tools.ppdiffusers_models import build_transformer, build_unet, transformer_inputs
 
 LATENT = 16  # the conftest inputs: a 16x16 latent, batch 2; levels 1, 2, 4 have 16x16, 8x8 and 4x4 tokens
 

@@ -1,5 +1,5 @@
 """The paddle side of the benchmark: its numbers are computed correctly (independent recomputation), and
-``python -m tome_core.bench --backend paddle`` runs on a small preset.
+``python -m tome_tools.bench --backend paddle`` runs on a small preset.
 
 The framework-free parts (formulas, latents, option parsing) are tested in tests/torch/test_bench.py.
 No ``--plot`` here: matplotlib is not part of the paddle session.
@@ -12,9 +12,9 @@ import json
 import numpy as np
 import pytest
 
-from tome_core import bench
-from tome_core import bench_core
-from tome_core.adapters.ppdiffusers_bench import Runner, micro
+from tome_tools import bench
+from tome_tools import bench_core
+from tome_tools.ppdiffusers_bench import Runner, micro
 
 
 @pytest.fixture(scope="module")

@@ -151,7 +151,7 @@ def test_extension_options_are_validated(unet, options, error, message):
 
 def test_proportional_attn_leaves_text_keys_unsized_under_only_cross_attention(inputs, call):
     """With only_cross_attention, attn1 attends to the text: its keys are not merged, so size-aware equals plain."""
-    from tome_core.adapters.ppdiffusers_models import build_unet
+    from tome_tools.ppdiffusers_models import build_unet
 
     unet = build_unet("tiny", seed=0, only_cross_attention=True)
     plain = call(unet, inputs)

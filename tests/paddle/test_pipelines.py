@@ -11,7 +11,7 @@ import paddle
 import pytest
 
 import tome_core.paddle as tome
-from tome_core.adapters.ppdiffusers_models import PIPELINES, build_controlnet, build_pipeline
+from tome_tools.ppdiffusers_models import PIPELINES, build_controlnet, build_pipeline
 
 
 def call_kwargs(kind: str) -> dict:

@@ -13,7 +13,7 @@ from ppdiffusers.patches.tomesd_patch_utils import bipartite_soft_matching_rando
 
 import tome_core.paddle as tome
 from tome_core import bipartite_match, get_ops, merge, unmerge
-from tome_core.adapters.ppdiffusers_models import build_pipeline
+from tome_tools.ppdiffusers_models import build_pipeline
 
 
 def by_first_channel(x: np.ndarray) -> np.ndarray:

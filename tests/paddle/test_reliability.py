@@ -25,7 +25,7 @@ from ppdiffusers.models.attention import BasicTransformerBlock
 from ppdiffusers.models.transformer_2d import Transformer2DModel
 
 import tome_core.paddle as tome
-from tome_core.adapters.ppdiffusers_models import build_pipeline
+from tome_tools.ppdiffusers_models import build_pipeline
 
 
 def make_inputs(batch, h, w, seed=0, timestep=500):

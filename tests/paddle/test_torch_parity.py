@@ -16,11 +16,11 @@ import paddle
 import pytest
 
 import tome_core.paddle as tome_paddle
-from tome_core.adapters.ppdiffusers_models import build_transformer as build_paddle_transformer
-from tome_core.adapters.ppdiffusers_models import build_unet as build_paddle_unet
-from tome_core.adapters.ppdiffusers_models import build_video_unet as build_paddle_video_unet
-from tome_core.adapters.ppdiffusers_models import video_unet_inputs
-from tome_core.presets import transformer_config, unet_config, video_unet_config
+from tome_tools.ppdiffusers_models import build_transformer as build_paddle_transformer
+from tome_tools.ppdiffusers_models import build_unet as build_paddle_unet
+from tome_tools.ppdiffusers_models import build_video_unet as build_paddle_video_unet
+from tome_tools.ppdiffusers_models import video_unet_inputs
+from tome_tools.presets import transformer_config, unet_config, video_unet_config
 
 if "torch" not in os.environ.get("TOME_TEST_BACKENDS", "").split(","):
     pytest.skip("torch not in TOME_TEST_BACKENDS (run nox -s tests-paddle-torch)", allow_module_level=True)

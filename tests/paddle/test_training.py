@@ -28,7 +28,7 @@ import pytest
 from ppdiffusers import Transformer2DModel
 
 import tome_core.paddle as tome
-from tome_core.adapters.ppdiffusers_models import build_unet
+from tome_tools.ppdiffusers_models import build_unet
 from tome_core.state import ToMeState
 
 Batch = Tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor, paddle.Tensor]  # latent, timesteps, text, target

@@ -17,7 +17,7 @@ from ppdiffusers.models import attention_processor
 import tome_core.paddle as tome
 from tome_core import driver
 from tome_core.adapters.ppdiffusers import FRAMEWORK
-from tome_core.adapters.ppdiffusers_models import (
+from tome_tools.ppdiffusers_models import (
     TRANSFORMER_PIPELINES,
     build_transformer,
     build_transformer_pipeline,

@@ -19,14 +19,14 @@ import ppdiffusers
 import tome_core.paddle as tome
 from tome_core import families
 from tome_core.adapters.ppdiffusers import FRAMEWORK
-from tome_core.adapters.ppdiffusers_models import (
+from tome_tools.ppdiffusers_models import (
     VIDEO_PIPELINES,
     VIDEO_UNETS,
     build_video_pipeline,
     build_video_unet,
     video_unet_inputs,
 )
-from tome_core.presets import video_unet_config
+from tome_tools.presets import video_unet_config
 
 
 def call(model, frames=4, height=8, width=8, batch=2, seed=1) -> paddle.Tensor:

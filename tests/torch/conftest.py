@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tome_core.adapters.diffusers_models import build_unet
+from tome_tools.diffusers_models import build_unet
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 from diffusers.models.attention import BasicTransformerBlock
 
 import tome_core.torch as tome
-from tome_core.adapters.diffusers_models import build_unet
+from tome_tools.diffusers_models import build_unet
 
 
 @pytest.fixture(scope="module")
@@ -211,10 +211,10 @@ def test_the_cli_leaves_out_transformers_torchvision_notice():
     import subprocess
     import sys
 
-    code = "import tome_core.adapters.diffusers_bench"
+    code = "import tome_tools.diffusers_bench"
     plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     quiet = subprocess.run(
-        [sys.executable, "-c", "from tome_core.console import quiet_known_notices; quiet_known_notices(); " + code],
+        [sys.executable, "-c", "from tome_tools.console import quiet_known_notices; quiet_known_notices(); " + code],
         capture_output=True, text=True,
     )
     assert quiet.returncode == 0 and "requires torchvision" not in quiet.stderr, quiet.stderr

@@ -14,7 +14,7 @@ import torch
 
 import tome_core.torch as tome
 from tome_core import bipartite_match, load_backend, merge, unmerge
-from tome_core.adapters.diffusers_models import build_pipeline, build_transformer, build_unet, transformer_inputs
+from tome_tools.diffusers_models import build_pipeline, build_transformer, build_unet, transformer_inputs
 
 NUMPY = load_backend("numpy")
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from tome_core import bench, bench_video
-from tome_core import bench_core
+from tome_tools import bench, bench_video
+from tome_tools import bench_core
 from tome_core.config import ToMeConfig
 from tome_core.families import child_at
-from tome_core.adapters.diffusers_bench import Runner, count_ops, micro
+from tome_tools.diffusers_bench import Runner, count_ops, micro
 
 MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "models")
 
@@ -216,7 +216,7 @@ def test_transformer_methods_leave_the_model_unpatched(transformer_runner):
 
 
 def test_transformer_inputs_follow_the_pipelines():
-    from tome_core.bench_runner import flux_mu, pack_latents, packed_ids
+    from tome_tools.bench_runner import flux_mu, pack_latents, packed_ids
 
     x = np.arange(2 * 3 * 4 * 6, dtype="float32").reshape(2, 3, 4, 6)
     packed = pack_latents(x)
@@ -325,7 +325,7 @@ def test_new_families_run_whole_calls_and_the_micro_path(tmp_path, capsys):
         assert block["kept"] == 8 and block["image_tokens"][1] == 16
         assert set(block["ratios"]) == set(block["paired_ratios"]) == {"ours/unpatched", "oracle/unpatched", "share_of_oracle_saving"}
         assert [len(times) for times in block["times_ms"].values()] == [1] * 5  # every timed call, per row
-    assert json.loads(out_json.read_text())["command"].startswith("python -m tome_core.bench --micro")
+    assert json.loads(out_json.read_text())["command"].startswith("python -m tome_tools.bench --micro")
     result = bench.main(["--micro", "--preset", "tiny-z-image", "--resolution", "64", "--batch", "1", "--repeats", "1",
                          "--warmup", "0", "--micro-methods", "unpatched", "ours", "oracle"])
     assert [b["kind"] for b in result["blocks"]] == ["z-image (noise_refiner)", "z-image (layers)"]
@@ -383,7 +383,7 @@ def test_the_oracle_gives_every_merged_sublayer_of_the_zoo_the_shapes_of_ours(na
     import tome_core.torch as tome
     from tome_core import driver
     from tome_core.adapters.diffusers import FRAMEWORK
-    from tome_core.bench_runner import install_transformer_oracle, remover
+    from tome_tools.bench_runner import install_transformer_oracle, remover
 
     builders = _zoo_builders()
     if name not in builders:
@@ -665,8 +665,8 @@ def test_stack_alone_matches_deepcache_and_tgate_set_up_directly(stack_runner):
 def test_trained_unet_stack_reports_sample_fidelity_of_the_pipeline_loop(capsys):
     """On the trained UNet the loop is its class sample set; the unpatched pipeline loop is the bench's own
     sampler (``diffusers_trained.generate``), and each row gets PSNR, SSIM and classifier accuracy."""
-    from tome_core.adapters import diffusers_trained
-    from tome_core.trained import sample_labels
+    from tome_tools import diffusers_trained
+    from tome_tools.trained import sample_labels
 
     rows = bench.main(["--preset", "trained-unet", "--steps", "4", "--samples-per-class", "1", "--repeats", "1",
                        "--warmup", "0", "--threads", "1", "--stack", "deepcache"])
@@ -751,7 +751,7 @@ def test_a_missing_stack_package_is_named_with_its_install_command(monkeypatch, 
         bench.main(["--preset", "tiny", "--stack", stack])
 
 
-# -- video presets (tome_core.bench_video) ---------------------------------------------------------------
+# -- video presets (tome_tools.bench_video) ---------------------------------------------------------------
 VIDEO_TINY = ["--resolution", "64", "--repeats", "1", "--warmup", "0", "--threads", "1"]
 
 
@@ -842,7 +842,7 @@ def test_tiny_animatediff_rows_metrics_and_json(tmp_path, capsys):
 
 
 def test_svd_oracle_cuts_the_spatial_tokens_of_ours_per_frame_and_never_the_temporal_ones():
-    from tome_core.adapters.diffusers_video_bench import Runner
+    from tome_tools.diffusers_video_bench import Runner
 
     args = bench.parser().parse_args(["--preset", "tiny-svd", "--resolution", "64", "--batch", "1", "--frames", "3"])
     args.options, args.variants = {}, {}
@@ -886,7 +886,7 @@ def test_a_cross_frame_variant_runs_beside_per_frame_merging(capsys):
     ],
 )
 def test_bad_video_arguments_fail_before_anything_is_built(monkeypatch, argv, message):
-    from tome_core.adapters import diffusers_video_bench
+    from tome_tools import diffusers_video_bench
 
     monkeypatch.setattr(diffusers_video_bench, "build_video_preset", lambda *a: pytest.fail("built a model"))
     with pytest.raises(SystemExit, match=message.replace("(", r"\(")):

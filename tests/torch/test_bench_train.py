@@ -1,4 +1,4 @@
-"""``python -m tome_core.bench --train``: training steps per method on the tiny preset. The rows exist and are
+"""``python -m tome_tools.bench --train``: training steps per method on the tiny preset. The rows exist and are
 finite, 'ours' trains on fewer tokens and backward runs, the unpatched step equals a hand-written forward +
 backward (independent recomputation), the model is left as it was, and what a step cannot honour is refused
 before anything is built."""
@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from diffusers import DDIMScheduler
 
-from tome_core import bench, bench_train
-from tome_core import bench_core
-from tome_core.adapters import diffusers_bench
-from tome_core.adapters.diffusers_bench import Runner
-from tome_core.adapters.diffusers_models import build_unet
+from tome_tools import bench, bench_train
+from tome_tools import bench_core
+from tome_tools import diffusers_bench
+from tome_tools.diffusers_bench import Runner
+from tome_tools.diffusers_models import build_unet
 
 TINY = ["--preset", "tiny", "--resolution", "128", "--batch", "2"]
 

@@ -1,4 +1,4 @@
-"""``python -m tome_core.bench --preset wan|tiny-wan``: Wan's video transformer through the bench's transformer and
+"""``python -m tome_tools.bench --preset wan|tiny-wan``: Wan's video transformer through the bench's transformer and
 video machinery, on the tiny config (seconds).
 
 Oracles: the video latents and flow-matching noising recomputed in numpy, the token counts and rotary tables each
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from tome_core import bench, bench_video
-from tome_core import bench_core
+from tome_tools import bench, bench_video
+from tome_tools import bench_core
 
 # tiny-wan's default: 9 frames -> 3 latent frames of 8x12 latents -> 3 grids of 4x6 tokens
 LATENT_FRAMES, TOKENS = 3, 3 * 4 * 6
@@ -23,7 +23,7 @@ VIDEO_COLUMNS = {"fid@t/frame", "fid@t worst", "tdiff@t", "tdiff@t ratio", "moti
 
 @pytest.fixture(scope="module")
 def runner():
-    from tome_core.adapters.diffusers_video_bench import Runner
+    from tome_tools.diffusers_video_bench import Runner
 
     args = bench.parser().parse_args(["--preset", "tiny-wan", "--batch", "2", "--threads", "1"])
     args.options, args.variants = {}, {}
@@ -116,7 +116,7 @@ def test_main_runs_tiny_wan_with_the_video_columns(capsys):
     ],
 )
 def test_bad_wan_arguments_fail_before_anything_is_built(monkeypatch, argv, message):
-    from tome_core.adapters import diffusers_video_bench
+    from tome_tools import diffusers_video_bench
 
     monkeypatch.setattr(diffusers_video_bench, "build_video_transformer", lambda *a, **k: pytest.fail("built a model"))
     with pytest.raises(SystemExit, match=re.escape(message)):

@@ -20,7 +20,7 @@ import torch
 import torch._dynamo
 
 import tome_core.torch as tome
-from tome_core.adapters.diffusers_models import build_pipeline, build_unet
+from tome_tools.diffusers_models import build_pipeline, build_unet
 
 # One level, three transformer blocks: the smallest UNet whose blocks merge, to keep compile time down.
 ONE_LEVEL = dict(

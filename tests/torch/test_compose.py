@@ -29,7 +29,7 @@ from diffusers.models.attention_processor import (
 import tome_core.torch as tome
 from tome_core import bipartite_match, get_ops, merge, unmerge
 from tome_core.adapters.diffusers import FRAMEWORK, MASK_PROCESSORS
-from tome_core.adapters.diffusers_models import build_pipeline
+from tome_tools.diffusers_models import build_pipeline
 from tome_core.driver import SizeBias
 from tome_core.families import TEXT_NONE
 

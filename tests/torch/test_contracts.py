@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tome_core.torch as tome
-from tome_core.adapters.diffusers_models import build_pipeline, build_transformer, build_unet, build_video_unet
+from tome_tools.diffusers_models import build_pipeline, build_transformer, build_unet, build_video_unet
 
 STEPS = (900, 500, 100)  # one generation: timesteps going down
 
@@ -183,7 +183,7 @@ def test_reuse_steps_gives_the_same_output_in_every_generation(unet, inputs, opt
 
 
 def test_reuse_steps_on_animatediff_gives_the_same_output_in_every_generation():
-    from tome_core.adapters.diffusers_models import video_unet_inputs
+    from tome_tools.diffusers_models import video_unet_inputs
 
     model = tome.patch(build_video_unet("animatediff"), ratio=0.5, reuse_steps=2, use_rand=False)
     inputs = video_unet_inputs(model, 4, 8, 8, batch=2, seed=1)

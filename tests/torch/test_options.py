@@ -10,7 +10,7 @@ import torch
 
 import tome_core.torch as tome
 from tome_core import bipartite_match, get_ops, merge, unmerge
-from tome_core.adapters.diffusers_models import build_unet
+from tome_tools.diffusers_models import build_unet
 from tome_core.merge import size_bias
 
 
@@ -167,7 +167,7 @@ def test_timestep_range_merges_inside_it_and_runs_the_unpatched_model_outside(un
 
 
 def test_timestep_range_merges_the_first_steps_of_a_pipeline():
-    from tome_core.adapters.diffusers_models import build_pipeline
+    from tome_tools.diffusers_models import build_pipeline
 
     pipe = build_pipeline("sd")
     tome.patch(pipe, ratio=0.5, timestep_range=(500, 1000))

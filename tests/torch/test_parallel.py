@@ -30,8 +30,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import tome_core.torch as tome
-from tome_core.adapters.diffusers_parallel_bench import cpu_process_group, free_port
-from tome_core.adapters.diffusers_models import (
+from tome_tools.diffusers_parallel_bench import cpu_process_group, free_port
+from tome_tools.diffusers_models import (
     build_transformer, build_transformer_pipeline, build_video_transformer, build_wan_pipeline, transformer_inputs,
     video_transformer_inputs,
 )

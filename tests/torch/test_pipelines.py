@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tome_core.torch as tome
-from tome_core.adapters.diffusers_models import PIPELINES, build_controlnet, build_pipeline
+from tome_tools.diffusers_models import PIPELINES, build_controlnet, build_pipeline
 
 
 def call_kwargs(kind: str) -> dict:

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import tome_core.torch as tome
-from tome_core.adapters.diffusers_models import build_pipeline, build_unet
+from tome_tools.diffusers_models import build_pipeline, build_unet
 
 TEXT_TOKENS, TEXT_DIM = 7, 32  # the tiny UNet's cross_attention_dim
 

@@ -11,7 +11,7 @@ from tomesd.merge import bipartite_soft_matching_random2d
 
 import tome_core.torch as tome
 from tome_core import bipartite_match, get_ops, merge, unmerge
-from tome_core.adapters.diffusers_models import build_unet
+from tome_tools.diffusers_models import build_unet
 
 
 def by_first_channel(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The small trained models and the benchmark's sample fidelity (tome_core.trained).
+"""The small trained models and the benchmark's sample fidelity (tome_tools.trained).
 
 Oracles: a numpy PSNR and a brute-force SSIM for the metrics; the unpatched model for identical samples;
 labels of real crops for the classifier; a second run of the training script for its reproducibility.
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import tome_core.torch as tome
-from tome_core import bench, trained
-from tome_core.adapters import diffusers_trained
+from tome_tools import bench, trained
+from tome_tools import diffusers_trained
 
 MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "models")
 
@@ -119,7 +119,7 @@ def test_ratio_zero_gives_identical_samples_and_merging_finite_psnr(model):
 
 
 def test_training_script_is_reproducible_and_prints_its_loss_curve(tmp_path, capsys):
-    from tome_core import train
+    from tome_tools import train
 
     args = ["--steps", "2", "--batch", "2", "--per-class", "1", "--threads", "1"]
     for kind in ("unet", "mmdit"):

@@ -11,7 +11,7 @@ import torch
 
 import tome_core.torch as tome
 from tome_core.adapters.diffusers import FRAMEWORK
-from tome_core.adapters.diffusers_models import (
+from tome_tools.diffusers_models import (
     TRANSFORMER_PIPELINES,
     build_transformer,
     build_transformer_pipeline,

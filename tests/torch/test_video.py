@@ -17,8 +17,8 @@ import diffusers
 import tome_core.torch as tome
 from tome_core import families
 from tome_core.adapters.diffusers import FRAMEWORK
-from tome_core.adapters.diffusers_models import VIDEO_PIPELINES, VIDEO_UNETS, build_video_pipeline, build_video_unet, video_unet_inputs
-from tome_core.presets import video_unet_config
+from tome_tools.diffusers_models import VIDEO_PIPELINES, VIDEO_UNETS, build_video_pipeline, build_video_unet, video_unet_inputs
+from tome_tools.presets import video_unet_config
 
 def call(model, frames=4, height=8, width=8, batch=2, seed=1):
     with torch.no_grad():
@@ -218,7 +218,7 @@ def test_cross_frame_errors():
             call(model, frames=6)
     finally:
         tome.remove(model)
-    from tome_core.adapters.diffusers_models import build_unet
+    from tome_tools.diffusers_models import build_unet
 
     with pytest.raises(ValueError, match="frames_per_chunk=2 merges across the frames of a video model"):
         tome.patch(build_unet("tiny"), ratio=0.5, frames_per_chunk=2)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import tome_core.torch as tome
-from tome_core.adapters.diffusers_models import VIDEO_CONTROLNET_PIPELINES, build_video_controlnet, build_video_controlnet_pipeline
+from tome_tools.diffusers_models import VIDEO_CONTROLNET_PIPELINES, build_video_controlnet, build_video_controlnet_pipeline
 
 FRAMES, TOKENS = 4, 64  # 16x16 pixels: an 8x8 latent, 64 tokens per frame at level 1
 CONTROLNETS = {"animatediff-controlnet": "ControlNetModel", "animatediff-sparsectrl": "SparseControlNetModel"}

@@ -17,7 +17,7 @@ import torch
 import tome_core.torch as tome
 from tome_core import bipartite_match, get_ops
 from tome_core.match import batch_as_channels
-from tome_core.adapters.diffusers_models import build_video_transformer, build_wan_pipeline
+from tome_tools.diffusers_models import build_video_transformer, build_wan_pipeline
 
 FRAMES, HEIGHT, WIDTH = 3, 8, 12  # latent: 3 frames of 4x6 tokens after the (1, 2, 2) patch
 TOKENS = FRAMES * (HEIGHT // 2) * (WIDTH // 2)

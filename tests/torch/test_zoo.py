@@ -29,9 +29,9 @@ from tome_core.driver import SizeBias, blocks_of
 from tome_core.families import TEXT_SUFFIX
 from tome_core.match import bipartite_matches
 from tome_core.merge import merge, unmerge
-from tome_core.adapters import diffusers_models as zoo
+from tome_tools import diffusers_models as zoo
 from tome_core.model_zoo import NOT_GENERATION, REFUSED, refusal
-from tome_core.presets import TRANSFORMERS, VIDEO_TRANSFORMERS
+from tome_tools.presets import TRANSFORMERS, VIDEO_TRANSFORMERS
 
 ZOO_PACKAGES = ("transformers", "unets", "controlnets")
 
@@ -809,7 +809,7 @@ def test_the_models_page_says_what_the_registry_says():
 
 
 def test_the_models_page_lists_the_pipelines_checked_and_those_not_built():
-    from tome_core.adapters.diffusers_zoo_pipelines import NOT_BUILT, ZOO_PIPELINES
+    from tome_tools.diffusers_zoo_pipelines import NOT_BUILT, ZOO_PIPELINES
 
     part = MODELS_PAGE.read_text().split("## Pipelines checked end to end", 1)[1].split("\n## ", 1)[0]
     for recipe in ZOO_PIPELINES.values():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tome_core.torch as tome
-from tome_core.adapters.diffusers_zoo_pipelines import ZOO_PIPELINES, build_zoo_pipeline
+from tome_tools.diffusers_zoo_pipelines import ZOO_PIPELINES, build_zoo_pipeline
 
 
 @pytest.fixture(scope="module", autouse=True)

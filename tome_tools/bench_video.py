@@ -1,11 +1,11 @@
-"""Video presets of ``python -m tome_core.bench``: AnimateDiff and Stable Video Diffusion UNets and Wan's video
+"""Video presets of ``python -m tome_tools.bench``: AnimateDiff and Stable Video Diffusion UNets and Wan's video
 transformer, random weights.
 
 ``--preset animatediff`` (SD 1.5's UNet with the MotionAdapter of animatediff-motion-adapter-v1-5-2, 16 frames,
 512x512), ``--preset svd`` (Stable Video Diffusion's UNetSpatioTemporalConditionModel, 14 frames; by default at
-256x448, see :data:`tome_core.presets.VIDEO_PRESETS`), ``--preset wan`` (Wan 2.1 T2V 1.3B's
+256x448, see :data:`tome_tools.presets.VIDEO_PRESETS`), ``--preset wan`` (Wan 2.1 T2V 1.3B's
 WanTransformer3DModel, 17 frames at 480x832) and their test-sized ``tiny-animatediff`` / ``tiny-svd`` /
-``tiny-wan`` run through the bench's own machinery (:func:`tome_core.bench.run_one`: alternating calls, medians,
+``tiny-wan`` run through the bench's own machinery (:func:`tome_tools.bench.run_one`: alternating calls, medians,
 the oracle, ``--variant``): only the inputs, the model call and the metrics below are video's.
 
 * Inputs: one video per batch entry (``--batch 2``: one video with classifier-free guidance), ``--frames``
@@ -18,7 +18,7 @@ the oracle, ``--variant``): only the inputs, the model call and the metrics belo
   arithmetic). ``--resolution`` is the frame height; the width keeps the preset's aspect ratio (multiples of
   64 px; Wan: 16 px).
 * Wan is a diffusion transformer, so everything but the latents is the transformer presets'
-  (:data:`tome_core.bench_runner.TRANSFORMER_SPECS`): flow-matching noising at sigma 0.5 (timestep 500, given
+  (:data:`tome_tools.bench_runner.TRANSFORMER_SPECS`): flow-matching noising at sigma 0.5 (timestep 500, given
   per batch entry as ``WanPipeline`` gives it), seeded text embeddings of umT5's 512 tokens (``--text-tokens``),
   the transformer oracle. ``--frames`` counts video frames, which Wan's VAE compresses 8x in space and 4x in
   time (the first frame alone, then every 4 into one latent frame), so it takes 4k + 1 frames, (frames - 1) / 4
@@ -41,7 +41,7 @@ the oracle, ``--variant``): only the inputs, the model call and the metrics belo
   oracle the bench refuses. On Wan, whose one self-attention already spans the clip, it keeps the first tokens of
   that sequence (as many as 'ours' keeps, rotary positions alike), and ``frames_per_chunk`` is refused.
 
-Framework-free (numpy only); ``tome_core.adapters.diffusers_video_bench`` adds torch.
+Framework-free (numpy only); ``tome_tools.diffusers_video_bench`` adds torch.
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from tome_core.backend import get_ops
-from tome_core.bench_core import noised, relative_l2, video_latents
-from tome_core.bench_runner import DDIM_CONFIG, MID_TIMESTEP, NO_TRANSFORMER_PEER, draw_latents
-from tome_core.presets import VIDEO_PRESETS, VIDEO_TRANSFORMERS, VIDEO_UNETS
+from tome_tools.bench_core import noised, relative_l2, video_latents
+from tome_tools.bench_runner import DDIM_CONFIG, MID_TIMESTEP, NO_TRANSFORMER_PEER, draw_latents
+from tome_tools.presets import VIDEO_PRESETS, VIDEO_TRANSFORMERS, VIDEO_UNETS
 
 VIDEO_RUNNERS = {"torch": "diffusers_video_bench"}
 # Options of cross-frame merging; the oracle follows per-frame merging only.
@@ -264,9 +264,9 @@ def video_metrics(output: Any, reference: Any, frame_axis: int, sampled: Any = N
 class VideoBench:
     """What a framework's bench runner adds for a video model (mix in before it): video latents in the model's
     layout (:meth:`clean_latents`), a video UNet's conditioning, call and DDIM schedule (a video transformer's are
-    the transformer presets', :data:`tome_core.bench_runner.TRANSFORMER_SPECS`), the video metrics of each row
+    the transformer presets', :data:`tome_tools.bench_runner.TRANSFORMER_SPECS`), the video metrics of each row
     and the cross-frame options in its note. The framework side supplies ``to_tensor``, ``normal_draws``,
-    ``scheduler_class`` and the model call (as :class:`tome_core.bench_runner.BenchRunner`'s subclasses do)."""
+    ``scheduler_class`` and the model call (as :class:`tome_tools.bench_runner.BenchRunner`'s subclasses do)."""
 
     has_peer = False
 
@@ -278,7 +278,7 @@ class VideoBench:
     def own_scheduler(self) -> Any:
         """A video UNet's: DDIM with SD's betas and the preset's changes (AnimateDiff's linear schedule, SVD's
         v-prediction). None for a video transformer: it runs its
-        :class:`~tome_core.bench_runner.TransformerSpec`'s."""
+        :class:`~tome_tools.bench_runner.TransformerSpec`'s."""
         if self.spec is not None:
             return None
         return self.scheduler_class(**{**DDIM_CONFIG, **VIDEO_PRESETS[self.args.preset].get("scheduler", {})})

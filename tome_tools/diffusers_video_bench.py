@@ -1,10 +1,10 @@
-"""The torch side of the bench's video presets (:mod:`tome_core.bench_video`): AnimateDiff's UNetMotionModel,
+"""The torch side of the bench's video presets (:mod:`tome_tools.bench_video`): AnimateDiff's UNetMotionModel,
 SVD's UNetSpatioTemporalConditionModel and Wan's WanTransformer3DModel built from
-:data:`tome_core.presets.VIDEO_PRESETS`.
+:data:`tome_tools.presets.VIDEO_PRESETS`.
 
 Everything but building the model and calling a UNet is shared: the video inputs and metrics are
-:class:`tome_core.bench_video.VideoBench`'s, the methods, the oracle, the timing and a transformer's call
-:class:`tome_core.adapters.diffusers_bench.Runner`'s.
+:class:`tome_tools.bench_video.VideoBench`'s, the methods, the oracle, the timing and a transformer's call
+:class:`tome_tools.diffusers_bench.Runner`'s.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import torch
 
 from tome_core import driver
 from tome_core.adapters.diffusers import FRAMEWORK
-from tome_core.adapters.diffusers_bench import Runner as ImageRunner
-from tome_core.adapters.diffusers_models import build_video_preset, build_video_transformer
-from tome_core.bench_core import serve_peak_request
-from tome_core.bench_video import VideoBench
-from tome_core.presets import VIDEO_PRESETS
+from tome_tools.diffusers_bench import Runner as ImageRunner
+from tome_tools.diffusers_models import build_video_preset, build_video_transformer
+from tome_tools.bench_core import serve_peak_request
+from tome_tools.bench_video import VideoBench
+from tome_tools.presets import VIDEO_PRESETS
 
 
 class Runner(VideoBench, ImageRunner):

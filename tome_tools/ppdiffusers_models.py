@@ -1,6 +1,6 @@
-"""Build ppdiffusers (paddle) models and pipelines from :mod:`tome_core.presets` with seeded random weights.
+"""Build ppdiffusers (paddle) models and pipelines from :mod:`tome_tools.presets` with seeded random weights.
 
-The paddle twin of :mod:`tome_core.adapters.diffusers_models`, used by the examples, the benchmark and the
+The paddle twin of :mod:`tome_tools.diffusers_models`, used by the examples, the benchmark and the
 tests; nothing is downloaded. Weights come from paddle's global generator seeded with ``seed`` (building a
 model is the one place that draws from it).
 """
@@ -29,7 +29,7 @@ from ppdiffusers import (
 )
 from ppdiffusers.transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-from tome_core.presets import (
+from tome_tools.presets import (
     SMALL_VAE,
     TINY_CONTROLNET_CONDITIONING,
     TINY_TEXT_ENCODER,
@@ -42,7 +42,7 @@ from tome_core.presets import (
 
 PIPELINES = ("sd", "img2img", "inpaint", "sdxl", "controlnet")
 TRANSFORMER_PIPELINES = ("sd3", "dit")
-# Transformer architectures ppdiffusers 0.29 has: the SD3 presets of tome_core.presets (same argument names;
+# Transformer architectures ppdiffusers 0.29 has: the SD3 presets of tome_tools.presets (same argument names;
 # ppdiffusers has no Flux and its PixArt does not build on paddle 3.3.1), and a test-sized DiT (the patchified
 # Transformer2DModel with class labels and learned sigma).
 PADDLE_TRANSFORMERS: Dict[str, Tuple[str, Dict[str, Any]]] = {
@@ -181,7 +181,7 @@ def _text_parts(seed: int, with_projection: bool = False, width: int = 32) -> Di
 def build_pipeline(kind: str = "sd", seed: int = 0, preset: str = "tiny") -> Any:
     """A pipeline of ``kind`` (one of :data:`PIPELINES`) with random weights.
 
-    ``preset`` names the UNet architecture (:data:`tome_core.presets.UNETS`; SDXL always uses "tiny-xl").
+    ``preset`` names the UNet architecture (:data:`tome_tools.presets.UNETS`; SDXL always uses "tiny-xl").
     The "tiny" preset gets a VAE that downsamples 2x; every other preset a narrow VAE with the real 8x.
     """
     if kind not in PIPELINES:

@@ -1,6 +1,6 @@
 """The framework-free half of a benchmark runner: inputs, method dispatch, sampling loop, oracle arithmetic.
 
-``python -m tome_core.bench`` drives one runner per framework (``tome_core.adapters.<framework>_bench``).
+``python -m tome_tools.bench`` drives one runner per framework (``tome_core.adapters.<framework>_bench``).
 Everything the frameworks share lives here, written once: the UNet inputs (image-like latents noised to the
 mid timestep, seeded text embeddings, SDXL's added conditions), which ToMe options each method uses, the
 level bound the peer and the oracle copy from 'ours', the token counts the oracle keeps, and the DDIM loop.
@@ -23,7 +23,7 @@ import numpy as np
 
 from tome_core import driver, selection
 from tome_core.backend import get_ops
-from tome_core.bench_core import image_like_latents, noised, peak_memory_in_fresh_process, video_latents
+from tome_tools.bench_core import image_like_latents, noised, peak_memory_in_fresh_process, video_latents
 from tome_core.config import ToMeConfig
 from tome_core.families import TEXT_NONE, TEXT_PREFIX, BlockFamily, Sublayer, child_at, text_follows
 from tome_core.levels import block_grid, downsample_factor, level_grid
@@ -217,7 +217,7 @@ TRANSFORMER_SPECS: Dict[str, TransformerSpec] = {
         scheduler_config=dict(beta_schedule="linear", beta_start=0.0001, beta_end=0.02),
         added_cond=True, separate_kv=True,
     ),
-    # Wan 2.1 (a video transformer: :mod:`tome_core.bench_video` feeds it panning videos ``[B, C, F, H, W]``); the
+    # Wan 2.1 (a video transformer: :mod:`tome_tools.bench_video` feeds it panning videos ``[B, C, F, H, W]``); the
     # released 480p pipeline's scheduler, UniPC on flow-matching sigmas shifted by 3 (5 at 720p).
     "WanTransformer3DModel": TransformerSpec(
         flow=True, text_dim="text_dim", text_tokens=512, scheduler="UniPCMultistepScheduler",
@@ -588,7 +588,7 @@ class BenchRunner:
     has_peer = False
     scheduler_class: Any = None  # the framework's DDIM scheduler, built with DDIM_CONFIG
     latent_scale = 8  # pixels per latent position (1 for a pixel-space model)
-    trained: Any = None  # a trained model (tome_core.trained) when ``--model`` is one: sample fidelity applies
+    trained: Any = None  # a trained model (tome_tools.trained) when ``--model`` is one: sample fidelity applies
     active_stack: Optional[str] = None  # the speed-up of the current method (``--stack``), set up by apply_stack
 
     def __init__(self, args: Any):
@@ -618,8 +618,8 @@ class BenchRunner:
         """The clean latents of the timed calls and the noise drawn for them (also the loop's starting noise),
         numpy in the model's layout, seeded: image-like (``--latents image``) or Gaussian latents ``[batch,
         channels, latent, latent]`` at ``--resolution``. Sets ``latent_hw``, the grid ToMe and the oracle see
-        (a video runner gives videos, :class:`tome_core.bench_video.VideoBench`). A video transformer of
-        :data:`~tome_core.presets.TRANSFORMER_VIDEOS` gets panning videos ``[batch, channels, frames, h, w]``
+        (a video runner gives videos, :class:`tome_tools.bench_video.VideoBench`). A video transformer of
+        :data:`~tome_tools.presets.TRANSFORMER_VIDEOS` gets panning videos ``[batch, channels, frames, h, w]``
         (its frames' grids stacked in rows as ``latent_hw``)."""
         args = self.args
         video = self.video_latent_size()
@@ -635,9 +635,9 @@ class BenchRunner:
 
     def video_latent_size(self) -> Optional[Tuple[int, int, int]]:
         """``(frames, height, width)`` of a video transformer preset's latent
-        (:data:`~tome_core.presets.TRANSFORMER_VIDEOS`; ``--resolution`` is its frame height, the width keeps the
+        (:data:`~tome_tools.presets.TRANSFORMER_VIDEOS`; ``--resolution`` is its frame height, the width keeps the
         preset's aspect ratio), else None."""
-        from tome_core.presets import TRANSFORMER_VIDEOS
+        from tome_tools.presets import TRANSFORMER_VIDEOS
 
         entry = None if getattr(self.args, "model", None) else TRANSFORMER_VIDEOS.get(self.args.preset)
         if entry is None:
@@ -848,7 +848,7 @@ class BenchRunner:
         return ""
 
     def apply_stack(self, name: str, settings: Dict[str, Any]) -> Undo:
-        """Set up speed-up ``name`` (``--stack``, :data:`tome_core.bench.STACKS`) with these settings on the loop's
+        """Set up speed-up ``name`` (``--stack``, :data:`tome_tools.bench.STACKS`) with these settings on the loop's
         pipeline; returns what takes it off again."""
         raise NotImplementedError(f"--stack runs on the torch backend only, not {type(self).__module__}")
 

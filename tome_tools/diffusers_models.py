@@ -1,4 +1,4 @@
-"""Build diffusers models and pipelines from :mod:`tome_core.presets` with seeded random weights.
+"""Build diffusers models and pipelines from :mod:`tome_tools.presets` with seeded random weights.
 
 Used by the examples, the benchmark and the tests; nothing is downloaded.
 """
@@ -27,7 +27,7 @@ import diffusers
 
 from tome_core import driver
 from tome_core.adapters.diffusers import FRAMEWORK
-from tome_core.presets import (
+from tome_tools.presets import (
     SMALL_VAE,
     TINY_CONTROLNET_CONDITIONING,
     TINY_TEXT_ENCODER,
@@ -246,7 +246,7 @@ def _text_parts(seed: int, with_projection: bool = False, width: int = 32) -> Di
 def build_pipeline(kind: str = "sd", seed: int = 0, preset: str = "tiny") -> Any:
     """A pipeline of ``kind`` (one of :data:`PIPELINES`) with random weights, on the CPU.
 
-    ``preset`` names the UNet architecture (:data:`tome_core.presets.UNETS`; SDXL always uses "tiny-xl").
+    ``preset`` names the UNet architecture (:data:`tome_tools.presets.UNETS`; SDXL always uses "tiny-xl").
     The "tiny" preset gets a VAE that downsamples 2x; every other preset a narrow VAE with the real 8x.
     """
     if kind not in PIPELINES:
@@ -437,7 +437,7 @@ def build_video_pipeline(kind: str = "animatediff", seed: int = 0) -> Tuple[Any,
 
 
 def build_video_preset(preset: str, seed: int = 0) -> torch.nn.Module:
-    """The video UNet of a benchmark video preset (:data:`tome_core.presets.VIDEO_PRESETS`) with weights drawn
+    """The video UNet of a benchmark video preset (:data:`tome_tools.presets.VIDEO_PRESETS`) with weights drawn
     from ``seed``: a ``UNetMotionModel`` from its UNet2D and MotionAdapter configs (AnimateDiff), or the named
     video UNet (SVD's ``UNetSpatioTemporalConditionModel``)."""
     if preset not in VIDEO_PRESETS:

@@ -1,4 +1,4 @@
-"""Build diffusers' Flax models and pipelines from :mod:`tome_core.presets` with seeded random weights.
+"""Build diffusers' Flax models and pipelines from :mod:`tome_tools.presets` with seeded random weights.
 
 Used by the examples, the benchmark and the tests; nothing is downloaded. ``init_weights`` of even a tiny
 Flax UNet takes 30-50 s, so parameters come from ``jax.eval_shape`` of ``init`` (shapes only, well under a
@@ -27,7 +27,7 @@ from diffusers import (
 from flax.core.frozen_dict import unfreeze
 from transformers import CLIPTextConfig, CLIPTokenizer, FlaxCLIPTextModel
 
-from tome_core.presets import TINY_CONTROLNET_CONDITIONING, TINY_TEXT_ENCODER, TINY_VAE, unet_config, write_clip_tokenizer_files
+from tome_tools.presets import TINY_CONTROLNET_CONDITIONING, TINY_TEXT_ENCODER, TINY_VAE, unet_config, write_clip_tokenizer_files
 
 PIPELINES = ("sd", "controlnet")
 # Overrides making the "tiny" preset a 2-level UNet (attention at 1/1 and in the middle): half the XLA

@@ -1,8 +1,8 @@
 """Tiny pipelines of the diffusers families whose transformers ToMe merges (Flux.2, Qwen-Image, Z-Image, Chroma,
 CogView, Lumina 2, HiDream, HunyuanVideo, LTX, CogVideoX, Wan, Mochi, Kandinsky 5... with their edit, inpainting,
-image-to-video and ControlNet variants), built from the tiny transformer presets of :mod:`tome_core.presets` with
+image-to-video and ControlNet variants), built from the tiny transformer presets of :mod:`tome_tools.presets` with
 seeded random weights and tiny VAEs of each pipeline's own class; nothing is downloaded. (SD, SDXL, SD3, Flux,
-PixArt, AnimateDiff, SVD and Wan's text-to-video have their builders in :mod:`tome_core.adapters.diffusers_models`.)
+PixArt, AnimateDiff, SVD and Wan's text-to-video have their builders in :mod:`tome_tools.diffusers_models`.)
 
 No tokenizer or text encoder can be had offline, so the pipelines hold none: each call passes text embeddings
 (and their masks where the pipeline takes them) instead. A recipe is data: the pipeline class, the transformer
@@ -21,8 +21,8 @@ import torch
 
 import diffusers
 
-from tome_core.adapters.diffusers_models import _random_transformer
-from tome_core.presets import SMALL_VAE, TINY_VAE, TRANSFORMERS, VIDEO_TRANSFORMERS
+from tome_tools.diffusers_models import _random_transformer
+from tome_tools.presets import SMALL_VAE, TINY_VAE, TRANSFORMERS, VIDEO_TRANSFORMERS
 
 Randn = Callable[..., torch.Tensor]
 Call = Callable[[Dict[str, Any], Randn], Dict[str, Any]]  # (transformer config, seeded randn) -> call kwargs
@@ -567,7 +567,7 @@ class ZooPipeline:
 
 
 ZOO_PIPELINES: Dict[str, ZooPipeline] = {
-    # FLUX.1's variants (its text-to-image, Kontext and ControlNet pipelines: tome_core.adapters.diffusers_models)
+    # FLUX.1's variants (its text-to-image, Kontext and ControlNet pipelines: tome_tools.diffusers_models)
     "flux-img2img": ZooPipeline("FluxImg2ImgPipeline", "tiny-flux", _kl_vae(4), _img2img(_flux_call)),
     "flux-inpaint": ZooPipeline("FluxInpaintPipeline", "tiny-flux", _kl_vae(4), _inpaint(_flux_call)),
     "flux-fill": ZooPipeline(  # the masked image's latents and the 2x2-packed mask concatenated to the latents

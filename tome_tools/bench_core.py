@@ -1,6 +1,6 @@
 """What every benchmark run shares, framework-free and below every other bench module (none of which it imports):
 the inputs (image-like latents, noise), the fidelity measures, timing in alternating rounds and its columns,
-peak memory in a fresh process, and the row of a result. ``tome_core.bench`` is the command line on top."""
+peak memory in a fresh process, and the row of a result. ``tome_tools.bench`` is the command line on top."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def model_kind(args: argparse.Namespace) -> str:
     folder (nothing is built). ``sdxl`` UNets (text_time conditions) are ``unet-xl``."""
     import os
 
-    from tome_core.presets import TRANSFORMERS, UNETS
-    from tome_core.trained import model_info
+    from tome_tools.presets import TRANSFORMERS, UNETS
+    from tome_tools.trained import model_info
 
     if args.model:
         info = model_info(args.model)

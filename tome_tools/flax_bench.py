@@ -1,4 +1,4 @@
-"""The jax side of ``python -m tome_core.bench``: a Flax diffusers UNet (diffusers 0.39) and each method's patch.
+"""The jax side of ``python -m tome_tools.bench``: a Flax diffusers UNet (diffusers 0.39) and each method's patch.
 
 Every UNet call is compiled by ``jax.jit`` ahead of time, when a method is entered, so a timed call never
 includes a compilation, whatever ``--warmup`` says; a call is timed until ``block_until_ready``. Flax
@@ -25,9 +25,9 @@ from diffusers.models.attention_flax import FlaxBasicTransformerBlock
 
 import tome_core.jax as tome
 from tome_core.adapters.flax import _finest_level, module_fields
-from tome_core.adapters.flax_models import build_unet
-from tome_core.bench_core import serve_peak_request
-from tome_core.bench_runner import BenchRunner, OraclePlan, OracleCut, Undo, median_ms
+from tome_tools.flax_models import build_unet
+from tome_tools.bench_core import serve_peak_request
+from tome_tools.bench_runner import BenchRunner, OraclePlan, OracleCut, Undo, median_ms
 
 diffusers.utils.logging.set_verbosity_error()  # diffusers 0.39 warns from every Flax module setup
 
@@ -55,7 +55,7 @@ class Oracle:
     """A Flax interceptor making the sub-layers of every transformer block that the plan cuts run on their
     first ``kept`` tokens, the rest restored by index; self-attention in ``kv`` mode gets the first ``kept`` as
     keys/values (its ``context``) and every query, in ``queries`` mode the first ``kept`` as queries and every
-    token as context (:class:`~tome_core.bench_runner.OracleCut`). Frozen (hashable), as a static argument of
+    token as context (:class:`~tome_tools.bench_runner.OracleCut`). Frozen (hashable), as a static argument of
     the jitted call must be: it holds the plan's table of cuts, one per sub-layer and token count."""
 
     cuts: Tuple[OracleCut, ...]

@@ -141,7 +141,7 @@ TRANSFORMERS["tiny-sd35"] = (
     "SD3Transformer2DModel", {**TRANSFORMERS["tiny-sd3"][1], "dual_attention_layers": (0,), "qk_norm": "rms_norm"}
 )
 # The newer image transformers, tiny (diffusers' own model-test sizes): packed tokens, Flux-style ids or
-# Qwen-Image's img_shapes (tome_core.adapters.diffusers_models.transformer_inputs builds their calls).
+# Qwen-Image's img_shapes (tome_tools.diffusers_models.transformer_inputs builds their calls).
 _TINY_FLUX_LIKE = dict(
     patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
     joint_attention_dim=32,
@@ -299,7 +299,7 @@ TRANSFORMERS["tiny-dit"] = (
 
 # Real width, reduced depth (random weights; no download): the released models' block widths, attention heads,
 # text widths and rotary axes (their transformer/config.json, diffusers' defaults) with 1-2 blocks of each kind,
-# for the bench (python -m tome_core.bench --preset NAME [--micro]). Flux.2 dev (48 x 128 = 6144 channels, Mistral
+# for the bench (python -m tome_tools.bench --preset NAME [--micro]). Flux.2 dev (48 x 128 = 6144 channels, Mistral
 # text 15360); Qwen-Image (24 x 128, Qwen2.5-VL text 3584); Z-Image (Turbo: 30 x 128 = 3840, Qwen3 text 2560; one
 # noise and one caption refiner block of the two); HunyuanVideo (24 x 128, LLaVA-Llama text 4096, CLIP pooled
 # 768; one text refiner block of the two); LTX-Video (0.9: 32 x 64 = 2048, T5 text 4096).
@@ -674,7 +674,7 @@ VIDEO_UNETS["svd"] = (
     ),
 )
 
-# The benchmark's video presets (``python -m tome_core.bench --preset NAME``): the model (a UNet2D of UNETS or
+# The benchmark's video presets (``python -m tome_tools.bench --preset NAME``): the model (a UNet2D of UNETS or
 # VIDEO_UNETS plus a MotionAdapter of VIDEO_UNETS, or a VIDEO_UNETS model), the frame count and the default frame
 # size (height, width) in pixels, and the loop's DDIM schedule (the released pipeline's betas).
 # "svd" runs by default at 256x448 (16:9 like its released 576x1024, ``--resolution 576``): on this project's
@@ -695,7 +695,7 @@ VIDEO_PRESETS: Dict[str, Dict[str, Any]] = {
 # in time (the first frame alone, then each 4 into one latent frame: (frames - 1) / 4 + 1 latent frames, so frames
 # are 4k + 1) and 8x in space; frame sides are multiples of 16 px (8x VAE, 2x2 patches). "wan" runs 17 frames (5
 # latent frames) at 480x832, the released 480p size; the release's default is 81 frames (21 latent frames), which
-# --frames 81 gives. Its loop's scheduler is the transformer's (tome_core.bench_runner.TRANSFORMER_SPECS).
+# --frames 81 gives. Its loop's scheduler is the transformer's (tome_tools.bench_runner.TRANSFORMER_SPECS).
 VIDEO_PRESETS["wan"] = dict(transformer="wan-1.3b", frames=17, size=(480, 832), time_compression=4, size_multiple=16)
 VIDEO_PRESETS["tiny-wan"] = dict(transformer="tiny-wan", frames=9, size=(64, 96), time_compression=4, size_multiple=16)
 

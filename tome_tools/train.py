@@ -1,9 +1,9 @@
-"""Train the small models the benchmark's sample fidelity rests on (:mod:`tome_core.trained`), on a CPU.
+"""Train the small models the benchmark's sample fidelity rests on (:mod:`tome_tools.trained`), on a CPU.
 
-    python -m tome_core.train classifier --out models/classifier
-    python -m tome_core.train unet --out models/trained-unet --steps 800
-    python -m tome_core.train dit --out models/trained-dit --steps 1500
-    python -m tome_core.train mmdit --out models/trained-mmdit --steps 1500
+    python -m tome_tools.train classifier --out models/classifier
+    python -m tome_tools.train unet --out models/trained-unet --steps 800
+    python -m tome_tools.train dit --out models/trained-dit --steps 1500
+    python -m tome_tools.train mmdit --out models/trained-mmdit --steps 1500
 
 Seeded and reproducible (same seed, threads and torch build give the same weights); prints the loss curve and
 stores it in the folder's ``model_info.json`` (``classifier.json`` for the classifier). Needs torch, diffusers
@@ -20,7 +20,7 @@ DEFAULT_LR = {"unet": 1e-3, "dit": 6e-4, "mmdit": 6e-4}
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tome_core.train", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tome_tools.train", description=__doc__.split("\n\n")[0])
     p.add_argument("kind", choices=sorted(DEFAULT_STEPS), help="what to train")
     p.add_argument("--out", required=True, help="folder to write the model to")
     p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default: {DEFAULT_STEPS})")
@@ -34,12 +34,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     args = parser().parse_args(argv)
-    from tome_core.console import quiet_known_notices
+    from tome_tools.console import quiet_known_notices
 
     quiet_known_notices()
     import torch
 
-    from tome_core.adapters import diffusers_trained as trained
+    from tome_tools import diffusers_trained as trained
 
     if args.threads:
         torch.set_num_threads(args.threads)

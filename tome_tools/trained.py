@@ -5,10 +5,10 @@ arrangement changes an image. The repository ships three small class-conditional
 trained here on photos that come with scikit-image (a UNet, a PixArt transformer and an SD3-style MM-DiT with
 joint attention, ``models/``), and a small
 classifier trained on real crops of the same photos, which judges generated samples. The training script is
-``python -m tome_core.train``; the benchmark runs them with ``--preset trained-unet`` / ``trained-dit`` and
-then reports PSNR, SSIM and classifier accuracy of the samples (:class:`tome_core.bench.SampleFidelity`).
+``python -m tome_tools.train``; the benchmark runs them with ``--preset trained-unet`` / ``trained-dit`` and
+then reports PSNR, SSIM and classifier accuracy of the samples (:class:`tome_tools.bench.SampleFidelity`).
 
-Framework-free (numpy and scikit-image); the torch side is ``tome_core.adapters.diffusers_trained``.
+Framework-free (numpy and scikit-image); the torch side is ``tome_tools.diffusers_trained``.
 """
 
 from __future__ import annotations

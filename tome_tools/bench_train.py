@@ -1,4 +1,4 @@
-"""``python -m tome_core.bench --train``: how much faster ToMe makes one training step of a UNet.
+"""``python -m tome_tools.bench --train``: how much faster ToMe makes one training step of a UNet.
 
 A training step is one forward and one backward of the UNet, as a diffusers fine-tune runs it: clean latents
 (image-like, or noise with ``--latents noise``; seed 0) noised with fixed noise (seed 1) at a timestep drawn per
@@ -10,7 +10,7 @@ inference bench (SDXL's added conditions too), and the loss ``mse(model output, 
 activations' gradients; it skips the weights' gradients). Nothing is updated: every step starts from the same
 weights, and the gradients are dropped after it (as ``zero_grad(set_to_none=True)`` does).
 
-The methods are the inference bench's (:func:`tome_core.bench_core.bench_methods`): ``unpatched``, ``ours`` (and
+The methods are the inference bench's (:func:`tome_tools.bench_core.bench_methods`): ``unpatched``, ``ours`` (and
 each ``--variant``), the peer when installed, and ``oracle``, the same token counts removed by free slicing
 (differentiable like any indexing: its backward scatters the gradients back). They alternate (A B C A B C ...)
 after ``--warmup`` rounds on one model, patched and removed in turn (two SD 1.5 copies in training do not fit in
@@ -27,14 +27,14 @@ keeping its activations, the memory a trainer trades for time to fit SDXL at 102
 deterministic function of the block's input, so the recomputed forward merges the same tokens.
 
 ``--memory``: the extra peak memory of one step, per method. On a CPU: the extra peak resident memory of a fresh
-process that builds the model, patches it and runs one step (:func:`tome_core.bench_core.peak_memory_in_fresh_process`;
+process that builds the model, patches it and runs one step (:func:`tome_tools.bench_core.peak_memory_in_fresh_process`;
 the high-water mark restarts once the method is in place, so it counts the gradients and the activations kept for
 backward, not the model). On a GPU (a model on CUDA): ``torch.cuda.max_memory_allocated`` over the step.
 
 What ``--train`` refuses, before anything is built: another backend than torch, ``--stack``, ``--micro``, the
 sampling options (``--steps``, ``--samples-per-class``, ``--sample-steps``, ``--sample-methods``: a step samples
 nothing), and models other than UNets (diffusion transformers, video presets). Framework-free (numpy only);
-``tome_core.adapters.diffusers_bench.Runner.train_step`` is the torch step.
+``tome_tools.diffusers_bench.Runner.train_step`` is the torch step.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def refuse(args: argparse.Namespace) -> None:
     """Fail before anything is built when ``--train`` meets what a training step cannot honour (or
     ``--gradient-checkpointing`` comes without ``--train``), naming the argument, its value and what is allowed."""
-    from tome_core import bench_core, bench_video
+    from tome_tools import bench_core, bench_video
 
     if not args.train:
         if args.gradient_checkpointing:
@@ -137,8 +137,8 @@ def train_batch(runner: Any) -> TrainBatch:
     """The runner's training inputs: its clean latents (the inference bench's, ``--latents``) noised with its
     noise at each sample's timestep, ``x_t = sqrt(a_t) x_0 + sqrt(1 - a_t) noise`` with the runner scheduler's
     cumulative alphas (SD's schedule, or a trained model's own)."""
-    from tome_core.bench_core import image_like_latents
-    from tome_core.bench_runner import draw_latents
+    from tome_tools.bench_core import image_like_latents
+    from tome_tools.bench_runner import draw_latents
 
     args = runner.args
     shape = (args.batch, runner.unet.config.in_channels) + tuple(runner.latent_hw)
@@ -154,7 +154,7 @@ def run_train(args: argparse.Namespace, runner: Any) -> List[Any]:
     median, speedup, oracle share, ``grad L2`` and (``--memory``) peak memory."""
     from tqdm import tqdm
 
-    from tome_core import bench_core
+    from tome_tools import bench_core
 
     methods = bench_core.bench_methods(args, runner.has_peer)
     rows: List[Any] = []
@@ -196,7 +196,7 @@ def run_train(args: argparse.Namespace, runner: Any) -> List[Any]:
 def format_table(rows: Sequence[Any]) -> str:
     """A ``--train`` run's table, one per resolution: each method's median step, spread, speedup over the
     unpatched step, oracle share, ``grad L2`` and peak memory."""
-    from tome_core.bench_core import spread
+    from tome_tools.bench_core import spread
 
     blocks = []
     for resolution in dict.fromkeys(r.resolution for r in rows):

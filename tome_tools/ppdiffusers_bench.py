@@ -1,6 +1,6 @@
-"""The paddle side of ``python -m tome_core.bench``: a ppdiffusers UNet and each method's patch.
+"""The paddle side of ``python -m tome_tools.bench``: a ppdiffusers UNet and each method's patch.
 
-Inputs, method dispatch and the sampling loop are :class:`tome_core.bench_runner.BenchRunner`'s; the peer is
+Inputs, method dispatch and the sampling loop are :class:`tome_tools.bench_runner.BenchRunner`'s; the peer is
 ppdiffusers' built-in ToMe (its port of tomesd, kept reachable as :data:`tome_core.paddle.PPDIFFUSERS_APPLY_TOME`).
 """
 
@@ -17,9 +17,9 @@ from ppdiffusers.patches import tomesd_patch_utils
 import tome_core.paddle as tome
 from tome_core import driver
 from tome_core.adapters.ppdiffusers import FRAMEWORK
-from tome_core.adapters.ppdiffusers_models import build_unet
-from tome_core.bench_core import serve_peak_request
-from tome_core.bench_runner import BenchRunner, OraclePlan, Undo, median_ms, remover
+from tome_tools.ppdiffusers_models import build_unet
+from tome_tools.bench_core import serve_peak_request
+from tome_tools.bench_runner import BenchRunner, OraclePlan, Undo, median_ms, remover
 
 
 class Runner(BenchRunner):

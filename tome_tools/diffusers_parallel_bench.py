@@ -1,7 +1,7 @@
 """ToMe under diffusers' context parallelism (Ulysses), measured: one process against several, unpatched
 against patched, on a Flux or Wan transformer at its released width with fewer blocks.
 
-``python -m tome_core.adapters.diffusers_parallel_bench --model flux-small --size 512 --processes 2``
+``python -m tome_tools.diffusers_parallel_bench --model flux-small --size 512 --processes 2``
 
 Every process (the single one, then each of ``--processes`` on gloo) builds the same random-weight model
 and inputs, and alternates unpatched and patched calls for ``--rounds`` rounds (paired, so load drifts hit
@@ -32,7 +32,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import tome_core.torch as tome
-from tome_core.adapters.diffusers_models import (
+from tome_tools.diffusers_models import (
     build_transformer, build_video_transformer, transformer_inputs, video_transformer_inputs,
 )
 

@@ -1,15 +1,15 @@
-"""The torch side of ``python -m tome_core.bench``: a diffusers UNet or diffusion transformer (SD3, Flux,
+"""The torch side of ``python -m tome_tools.bench``: a diffusers UNet or diffusion transformer (SD3, Flux,
 PixArt) and each method's patch.
 
 Inputs, method dispatch, the sampling loop and the transformers' oracle are
-:class:`tome_core.bench_runner.BenchRunner`'s; the peer is tomesd (when installed; UNets only).
+:class:`tome_tools.bench_runner.BenchRunner`'s; the peer is tomesd (when installed; UNets only).
 
-``--stack`` (:data:`tome_core.bench.STACKS`) runs whole loops of a diffusers pipeline built around the bench's
+``--stack`` (:data:`tome_tools.bench.STACKS`) runs whole loops of a diffusers pipeline built around the bench's
 model (:meth:`Runner.stack_pipeline`): a ``StableDiffusionPipeline`` for UNets, a ``FluxPipeline`` for Flux,
 with no text encoder or VAE (the embeddings are passed in, ``output_type="latent"``), and sets up DeepCache,
 T-GATE and diffusers' caching hooks as their own READMEs do (:meth:`Runner.apply_stack`).
 
-``--train`` (:mod:`tome_core.bench_train`) times :meth:`Runner.train_step`, one forward + backward of the UNet.
+``--train`` (:mod:`tome_tools.bench_train`) times :meth:`Runner.train_step`, one forward + backward of the UNet.
 """
 
 from __future__ import annotations
@@ -25,14 +25,15 @@ from diffusers.models.attention import BasicTransformerBlock
 
 import tome_core.torch as tome
 from tome_core.adapters.diffusers import FRAMEWORK
-from tome_core.adapters import diffusers_trained as trained_models
-from tome_core.adapters.diffusers_models import build_transformer, build_unet
-from tome_core import bench_train, driver
-from tome_core.bench_core import serve_peak_request
-from tome_core.bench_runner import DDIM_CONFIG, MID_TIMESTEP, BenchRunner, OraclePlan, Undo, install_transformer_oracle, median_ms, remover
+from tome_tools import diffusers_trained as trained_models
+from tome_tools.diffusers_models import build_transformer, build_unet
+from tome_core import driver
+from tome_tools import bench_train
+from tome_tools.bench_core import serve_peak_request
+from tome_tools.bench_runner import DDIM_CONFIG, MID_TIMESTEP, BenchRunner, OraclePlan, Undo, install_transformer_oracle, median_ms, remover
 from tome_core.families import child_at
-from tome_core.presets import TRANSFORMERS, transformer_config
-from tome_core.trained import model_info, sample_labels, shipped
+from tome_tools.presets import TRANSFORMERS, transformer_config
+from tome_tools.trained import model_info, sample_labels, shipped
 
 try:
     import tomesd
@@ -168,7 +169,7 @@ class Runner(BenchRunner):
 
     def load_unet(self) -> torch.nn.Module:
         """The UNet, or with a transformer preset (or a folder holding ``transformer/``) the transformer; a
-        trained model's folder (``tome_core.trained``) in pixel space, with its classes and scheduler."""
+        trained model's folder (``tome_tools.trained``) in pixel space, with its classes and scheduler."""
         model = self.args.model
         if model and model_info(model) is not None:
             self.trained = trained_models.load(model)
@@ -520,7 +521,7 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
     import contextlib
 
     from tome_core import merge, unmerge
-    from tome_core.bench_runner import image_part, overhead_shares
+    from tome_tools.bench_runner import image_part, overhead_shares
     from tome_core.config import ToMeConfig
     from tome_core.state import ToMeState
 

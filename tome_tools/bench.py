@@ -1,13 +1,13 @@
-"""``python -m tome_core.bench``: how much faster, and how different, ToMe makes a UNet call.
+"""``python -m tome_tools.bench``: how much faster, and how different, ToMe makes a UNet call.
 
 Diffusion transformers too (``--preset sd3|sd3-small|flux-small|pixart|tiny-*``, random weights, torch):
 their inputs follow the released pipelines (flow matching for SD3 and Flux, Flux's packed tokens, the
 prompt lengths), the loop runs the model's own scheduler, and the oracle slices image tokens only.
 Video models too (UNets: ``--preset animatediff|svd|tiny-animatediff|tiny-svd``; Wan's video transformer:
 ``--preset wan|tiny-wan``; ``--frames``, torch): panning videos, fidelity per frame and temporal consistency,
-:mod:`tome_core.bench_video`.
+:mod:`tome_tools.bench_video`.
 Training steps too (``--train [full|lora]``, torch, UNets): forward + backward per method, the gradient's
-distance to the unpatched step's in place of fidelity, :mod:`tome_core.bench_train`.
+distance to the unpatched step's in place of fidelity, :mod:`tome_tools.bench_train`.
 
 For each ratio it times one UNet call per method, alternating the methods (A B C A B C ...) after a warm-up,
 and reports medians:
@@ -18,7 +18,7 @@ and reports medians:
   paddle), when installed;
 * ``oracle``: the same token counts removed and restored with free slicing instead of matching; its time is
   the limit of what token reduction can save, and ``oracle share`` is the part of that saving a method gets.
-  It follows the configuration of 'ours' (``tome_core.bench_runner.OraclePlan``): the counts of each level's
+  It follows the configuration of 'ours' (``tome_tools.bench_runner.OraclePlan``): the counts of each level's
   ratio or cell (``level_cells``), and the arrangement: with ``mode=kv`` self-attention gets every query and
   the first ``kept`` tokens as keys/values, with ``mode=queries`` the first ``kept`` as queries and every token
   as keys/values (output restored by index). ``--variant-oracles NAME`` adds the oracle of a variant.
@@ -30,13 +30,13 @@ Every arrangement is reachable: ``--option mode=kv``, ``--variant "todo:mode=kv,
 
 Fidelity is the relative L2 distance of a method's output to the unpatched output, on image-like latents
 (smooth structure plus noise, fixed seed) at a mid timestep, and after a short sampling loop. On the small
-trained models (``--preset trained-unet|trained-dit|trained-mmdit``, :mod:`tome_core.trained`) it is also measured on
+trained models (``--preset trained-unet|trained-dit|trained-mmdit``, :mod:`tome_tools.trained`) it is also measured on
 samples: every class ``--samples-per-class`` times from fixed seeds through a full ``--sample-steps`` DDIM
 loop with guidance, unpatched and with each method; PSNR and SSIM against the unpatched samples, and the
 accuracy of the shipped classifier (trained on real crops) on each method's samples. Peak memory is
 the extra resident memory of one call, measured in a fresh process per method (``--memory``).
 
-This module is framework-free, and so is :class:`tome_core.bench_runner.BenchRunner`, which holds what every
+This module is framework-free, and so is :class:`tome_tools.bench_runner.BenchRunner`, which holds what every
 framework's runner shares (inputs, methods, sampling loop); ``tome_core.adapters.<framework>_bench`` adds the
 framework.
 """
@@ -53,7 +53,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-from tome_core.bench_core import (
+from tome_tools.bench_core import (
     RUNNERS, METHODS, model_kind, relative_l2, Row, measure, bench_methods, timing_columns, spread, _importable, variant_options, split_top_level, parse_options,
 )
 
@@ -165,7 +165,7 @@ def check_stacks(args: argparse.Namespace, explicit_methods: bool) -> None:
                 "ours, each variant, then per speed-up S: S, S+ours, S+ours:VARIANT); leave out " + flag
             )
     kind = model_kind(args)
-    from tome_core.trained import TRAINED_PRESETS
+    from tome_tools.trained import TRAINED_PRESETS
 
     what = f"--model {args.model}" if args.model and args.preset not in TRAINED_PRESETS else f"--preset {args.preset}"
     for name in args.stacks:
@@ -196,7 +196,7 @@ def check_stacks(args: argparse.Namespace, explicit_methods: bool) -> None:
                 f"({error}), not installed: {stack.install}"
             ) from None
         try:
-            adapter = importlib.import_module(f"tome_core.adapters.{RUNNERS[args.backend]}")
+            adapter = importlib.import_module(f"tome_tools.{RUNNERS[args.backend]}")
         except ImportError:  # check_dependencies names the framework to install
             continue
         refusal = adapter.stack_refusal(args, name)
@@ -216,10 +216,10 @@ def stack_methods(args: argparse.Namespace) -> List[str]:
 
 def runner_module(args: argparse.Namespace) -> Any:
     """The adapter module whose ``Runner`` serves the run (the video presets have their own)."""
-    from tome_core import bench_video
+    from tome_tools import bench_video
 
     table = bench_video.VIDEO_RUNNERS if bench_video.is_video(args) else RUNNERS
-    return importlib.import_module(f"tome_core.adapters.{table[args.backend]}")
+    return importlib.import_module(f"tome_tools.{table[args.backend]}")
 
 
 def run(args: argparse.Namespace) -> List[Row]:
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> List[Row]:
     for resolution in resolutions:
         one = argparse.Namespace(**{**vars(args), "resolution": resolution})
         if getattr(one, "train", None):
-            from tome_core.bench_train import run_train
+            from tome_tools.bench_train import run_train
 
             rows.extend(run_train(one, runner_module(one).Runner(one)))
         else:
@@ -331,13 +331,13 @@ def run_one(args: argparse.Namespace) -> List[Row]:
 
 
 class SampleFidelity:
-    """A trained model's sample-level fidelity (:mod:`tome_core.trained`): every class's samples from fixed
+    """A trained model's sample-level fidelity (:mod:`tome_tools.trained`): every class's samples from fixed
     seeds through the full sampling loop, unpatched once and with each method, compared by PSNR and SSIM,
     and recognised by the shipped classifier trained on real crops."""
 
     def __init__(self, runner: Any, reference: Any = None):
         """``reference``: the unpatched samples when the caller has them (a ``--stack`` loop's), else sampled."""
-        from tome_core.trained import sample_labels
+        from tome_tools.trained import sample_labels
 
         self.runner = runner
         self.labels = sample_labels(runner.args.samples_per_class)
@@ -351,7 +351,7 @@ class SampleFidelity:
         """PSNR, SSIM and classifier accuracy of ``images`` (one sample per label) against the reference."""
         import numpy as np
 
-        from tome_core.trained import accuracy, psnr, ssim
+        from tome_tools.trained import accuracy, psnr, ssim
 
         with np.errstate(divide="ignore"):  # identical samples: PSNR inf
             quality = dict(psnr=psnr(self.reference, images), ssim=ssim(self.reference, images))
@@ -367,7 +367,7 @@ def format_table(rows: Sequence[Row]) -> str:
     if any(r.stacked for r in rows):
         return format_stacked_table(rows, sampled)
     if any(r.train for r in rows):
-        from tome_core import bench_train
+        from tome_tools import bench_train
 
         return bench_train.format_table(rows)
     for resolution in dict.fromkeys(r.resolution for r in rows):
@@ -454,10 +454,10 @@ def plot(rows: Sequence[Row], path: str, title: str) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tome_core.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tome_tools.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=sorted(RUNNERS), default="torch")
     p.add_argument("--preset", default="sd15-small",
-                   help="UNet or diffusion transformer architecture with random weights (tome_core.presets: UNETS, "
+                   help="UNet or diffusion transformer architecture with random weights (tome_tools.presets: UNETS, "
                    "TRANSFORMERS: sd3, sd3-small, flux-small, pixart, flux2-small, qwen-image-small, z-image-small, "
                    "hunyuan-video-small, ltx-small (real widths, 1-2 blocks of each kind; the video ones at "
                    "TRANSFORMER_VIDEOS' frames and size, --resolution their frame height), tiny-*), a video "
@@ -466,7 +466,7 @@ def parser() -> argparse.ArgumentParser:
                    "small trained pixel-space model shipped in the repository's models/ (trained-unet, "
                    "trained-dit, trained-mmdit; torch): then sample fidelity (PSNR, SSIM, classifier accuracy) is reported too")
     p.add_argument("--model", help="local diffusers/ppdiffusers pipeline or UNet folder (from_pretrained), or a "
-                   "trained model's folder (python -m tome_core.train)")
+                   "trained model's folder (python -m tome_tools.train)")
     p.add_argument("--resolution", type=int, nargs="+", default=None,
                    help="image size in pixels (latent = resolution / 8; default 512, a trained model's own size); "
                    "several values run one after another, one table (and one JSON block) each, e.g. "
@@ -531,7 +531,7 @@ def parser() -> argparse.ArgumentParser:
                    "spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(100, 800)) on "
                    "the transformer presets; settings as NAME:OPT=VAL,OPT=VAL (e.g. deepcache:cache_interval=2); "
                    "torch only")
-    from tome_core import bench_train, bench_video
+    from tome_tools import bench_train, bench_video
 
     bench_video.add_arguments(p)
     bench_train.add_arguments(p)
@@ -555,22 +555,22 @@ def check_dependencies(args: argparse.Namespace, explicit_methods: bool) -> None
     needed = ["numpy"] + ([] if args.micro else ["tqdm"]) + (["matplotlib"] if args.plot and not args.micro else [])
     missing = [name for name in needed if not _importable(name)]
     if missing:
-        raise SystemExit(f"python -m tome_core.bench needs {', '.join(missing)}, not installed: {INSTALL_BENCH}")
-    from tome_core.trained import model_info
+        raise SystemExit(f"python -m tome_tools.bench needs {', '.join(missing)}, not installed: {INSTALL_BENCH}")
+    from tome_tools.trained import model_info
 
     if args.model and model_info(args.model) is not None and not _importable("skimage"):
         raise SystemExit(
             "a trained model's sample fidelity needs scikit-image, not installed: pip install \".[trained]\" (from the clone)"
         )
     try:
-        module = importlib.import_module(f"tome_core.adapters.{RUNNERS[args.backend]}")
+        module = importlib.import_module(f"tome_tools.{RUNNERS[args.backend]}")
     except ImportError as error:
         extra = FRAMEWORK_EXTRAS[args.backend]
         raise SystemExit(
             f"--backend {args.backend} needs its framework ({error}): pip install \".[{extra},bench]\" (from the clone)"
         ) from None
     if explicit_methods and "peer" in args.methods and not args.micro:
-        from tome_core.presets import TRANSFORMERS
+        from tome_tools.presets import TRANSFORMERS
 
         if args.preset in TRANSFORMERS and not args.model:
             raise SystemExit("--methods peer: no other ToMe implementation exists for diffusion transformers")
@@ -585,7 +585,7 @@ def check_dependencies(args: argparse.Namespace, explicit_methods: bool) -> None
 def resolve_trained(args: argparse.Namespace) -> None:
     """``--preset trained-unet|trained-dit|trained-mmdit``: the shipped folder as ``--model``; the default resolution (512, or
     a trained model's image size)."""
-    from tome_core import trained
+    from tome_tools import trained
 
     if args.preset in trained.TRAINED_PRESETS and not args.model:
         if args.backend != "torch":
@@ -600,10 +600,10 @@ def resolve_trained(args: argparse.Namespace) -> None:
 
 
 def transformer_size_label(args: argparse.Namespace, resolution: int) -> str:
-    """How a run's title names its size (:func:`tome_core.bench_video.size_label`); a video transformer preset of
-    :data:`~tome_core.presets.TRANSFORMER_VIDEOS`: ``5 frames of 544x960px``."""
-    from tome_core import bench_video
-    from tome_core.presets import TRANSFORMER_VIDEOS
+    """How a run's title names its size (:func:`tome_tools.bench_video.size_label`); a video transformer preset of
+    :data:`~tome_tools.presets.TRANSFORMER_VIDEOS`: ``5 frames of 544x960px``."""
+    from tome_tools import bench_video
+    from tome_tools.presets import TRANSFORMER_VIDEOS
 
     entry = None if args.model else TRANSFORMER_VIDEOS.get(args.preset)
     if entry is None:
@@ -614,7 +614,7 @@ def transformer_size_label(args: argparse.Namespace, resolution: int) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
-    from tome_core.console import quiet_known_notices
+    from tome_tools.console import quiet_known_notices
 
     quiet_known_notices()
     args = parser().parse_args(argv)
@@ -626,7 +626,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
     unknown = [name for name in args.variant_oracles if name not in args.variants]
     if unknown:
         raise SystemExit(f"--variant-oracles {' '.join(unknown)}: no such --variant")
-    from tome_core import bench_train, bench_video
+    from tome_tools import bench_train, bench_video
 
     bench_train.refuse(args)
     bench_video.resolve(args, explicit_methods)
@@ -641,8 +641,8 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
         resolve_stacks(args.stacks, args.steps)
     check_dependencies(args, explicit_methods)
     if args.micro:
-        module = importlib.import_module(f"tome_core.adapters.{RUNNERS[args.backend]}")
-        from tome_core.presets import TRANSFORMERS
+        module = importlib.import_module(f"tome_tools.{RUNNERS[args.backend]}")
+        from tome_tools.presets import TRANSFORMERS
 
         args.resolution = args.resolution[0]
         if args.preset in TRANSFORMERS:
@@ -654,7 +654,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
         print(json.dumps(result, indent=1))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"command": "python -m tome_core.bench " + " ".join(argv if argv is not None else sys.argv[1:]), **result}, f, indent=1)
+                json.dump({"command": "python -m tome_tools.bench " + " ".join(argv if argv is not None else sys.argv[1:]), **result}, f, indent=1)
         return result
     rows = run(args)
     runs = []

@@ -1,4 +1,4 @@
-"""The torch side of the trained models (:mod:`tome_core.trained`): architectures, training, loading, sampling.
+"""The torch side of the trained models (:mod:`tome_tools.trained`): architectures, training, loading, sampling.
 
 A trained model's folder holds what diffusers' ``from_pretrained`` reads (``unet/`` or ``transformer/`` and
 ``scheduler/``, weights stored in float16 to keep the repository small), the learned class conditioning
@@ -21,7 +21,7 @@ from diffusers import DDIMScheduler, DDPMScheduler, PixArtTransformer2DModel, SD
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tome_core.trained import CLASSES, IMAGE_SIZE, crops, model_info
+from tome_tools.trained import CLASSES, IMAGE_SIZE, crops, model_info
 
 CONDITION_TOKENS = 4
 CONDITION_DIM = 64

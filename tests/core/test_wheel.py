@@ -1,0 +1,37 @@
+"""The installed wheel holds only the library (issue #36): built from a copy of the project's build inputs, its
+file list is ``tome_core`` (core, backends, framework integrations) and metadata, nothing of the tools."""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_the_wheel_holds_the_library_alone(tmp_path):
+    pytest.importorskip("setuptools")
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "src", source / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"), str(source)],
+        capture_output=True, text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    (wheel,) = (tmp_path / "dist").glob("tome_core-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    code = sorted(name for name in names if ".dist-info/" not in name)
+    expected = sorted(
+        path.relative_to(ROOT / "src").as_posix() for path in (ROOT / "src" / "tome_core").rglob("*.py")
+    )
+    assert code == expected
+    assert {name.split("/")[0].split("/")[0] for name in code} == {"tome_core"}
+    assert not any(part in name for name in code for part in ("bench", "presets", "train", "_models"))
