@@ -357,13 +357,13 @@ def image_part(x: Any, family: BlockFamily, grid: Tuple[int, int], tail: int = 0
 
 class _OracleCall:
     """What the oracle knows of the model call in flight: its token grid and tail (reference tokens after the
-    grid's, or head tokens before it where its grid comes last), found by the patch's own call hook (:class:`~tome_core.driver._CallStart`: ids, ``img_shapes``,
+    grid's, or head tokens before it where its grid comes last), found by the patch's own call hook (:class:`~tome_core.driver.CallStart`: ids, ``img_shapes``,
     a video's sizes, :class:`~tome_core.families.GridLayout`) on a state of its own, so that the oracle cuts the
     calls and counts 'ours' merges, and none where 'ours' runs unmerged."""
 
     def __init__(self, fw: "driver.Framework", model: Any, config: ToMeConfig):
         self.state = ToMeState(config=config, where=type(model).__qualname__)
-        self.hook = driver._CallStart(fw, model, self.state)
+        self.hook = driver.CallStart(fw, model, self.state)
 
     def set(self, grid: Tuple[int, int], tail: int = 0, grid_last: bool = False) -> None:
         """A call on ``grid`` with ``tail`` tokens after it (or before it: ``grid_last``), for blocks run on their

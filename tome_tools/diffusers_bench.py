@@ -415,7 +415,7 @@ def micro(batch: int = 2, height: int = 64, width: int = 64, channels: int = 320
     ``cell_merge_unmerge`` what ``mode='tokens'`` pays; ``cell_match_build`` is the one-off cost of building the
     match for a new shape; ``cell_vs_tomesd`` are their times over tomesd's match + merge + unmerge."""
     from tome_core import bipartite_match, get_ops, merge, unmerge
-    from tome_core.match import _cell_match, cell_match
+    from tome_core.match import build_cell_match, cell_match
 
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(batch, height * width, channels, generator=generator)
@@ -438,7 +438,7 @@ def micro(batch: int = 2, height: int = 64, width: int = 64, channels: int = 320
         return unmerge(merge(x, match), match)
 
     functions = {"ours": ours, "cell_merge": cell_merge, "cell_merge_unmerge": cell_merge_unmerge,
-                 "cell_match_build": lambda: _cell_match(ops, x, batch, height, width, 2, 2)}
+                 "cell_match_build": lambda: build_cell_match(ops, x, batch, height, width, 2, 2)}
     if tomesd is not None:
         functions["tomesd"] = theirs
     with torch.no_grad():
@@ -538,7 +538,7 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
     firsts = _block_kinds(model, blocks)
     captured: Dict[str, Tuple[tuple, dict]] = {}
     seen = ToMeState(config=config)
-    model_hook = model.register_forward_pre_hook(driver._CallStart(FRAMEWORK, model, seen), with_kwargs=True)
+    model_hook = model.register_forward_pre_hook(driver.CallStart(FRAMEWORK, model, seen), with_kwargs=True)
 
     def capture(name):
         def hook(module, hook_args, hook_kwargs):

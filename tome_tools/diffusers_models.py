@@ -55,10 +55,10 @@ def build_transformer(preset: str = "tiny-sd3", seed: int = 0, **overrides: Any)
 
     Zero-initialised output layers (adaLN-zero modulations, final projections) get small random values, as
     trained weights have, so every block shows in the output."""
-    return _random_transformer(*transformer_config(preset, **overrides), seed)
+    return random_transformer(*transformer_config(preset, **overrides), seed)
 
 
-def _random_transformer(name: str, config: Dict[str, Any], seed: int) -> torch.nn.Module:
+def random_transformer(name: str, config: Dict[str, Any], seed: int) -> torch.nn.Module:
     """diffusers' class ``name`` built from ``config`` with weights drawn from ``seed``, zero-initialised output
     layers given small random values."""
     torch.manual_seed(seed)
@@ -324,7 +324,7 @@ def build_video_transformer(preset: str = "tiny-wan", seed: int = 0, **overrides
     if preset not in VIDEO_TRANSFORMERS:
         raise ValueError(f"preset must be one of {', '.join(VIDEO_TRANSFORMERS)}, got {preset!r}")
     name, config = VIDEO_TRANSFORMERS[preset]
-    return _random_transformer(name, {**config, **overrides}, seed)
+    return random_transformer(name, {**config, **overrides}, seed)
 
 
 def video_transformer_inputs(

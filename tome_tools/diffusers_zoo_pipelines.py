@@ -21,7 +21,7 @@ import torch
 
 import diffusers
 
-from tome_tools.diffusers_models import _random_transformer
+from tome_tools.diffusers_models import random_transformer
 from tome_tools.presets import SMALL_VAE, TINY_VAE, TRANSFORMERS, VIDEO_TRANSFORMERS
 
 Randn = Callable[..., torch.Tensor]
@@ -527,7 +527,7 @@ def _frames(call: Call, name: str) -> Call:
 def _qwen_controlnet(config: Dict[str, Any], seed: int) -> Dict[str, Any]:
     """QwenImageControlNetModel shaped like the transformer (one block), zero-initialised outputs given values."""
     config = {k: v for k, v in config.items() if k != "guidance_embeds"}
-    return {"controlnet": _random_transformer("QwenImageControlNetModel", {**config, "num_layers": 1}, seed)}
+    return {"controlnet": random_transformer("QwenImageControlNetModel", {**config, "num_layers": 1}, seed)}
 
 
 def _z_image_controlnet(config: Dict[str, Any], seed: int) -> Dict[str, Any]:
@@ -536,13 +536,13 @@ def _z_image_controlnet(config: Dict[str, Any], seed: int) -> Dict[str, Any]:
     (``from_transformer``)."""
     shared = ("all_patch_size", "all_f_patch_size", "dim", "n_refiner_layers", "n_heads", "n_kv_heads", "qk_norm")
     own = dict(control_layers_places=[0], control_in_dim=config["in_channels"])
-    return {"controlnet": _random_transformer("ZImageControlNetModel", {**{k: config[k] for k in shared}, **own}, seed)}
+    return {"controlnet": random_transformer("ZImageControlNetModel", {**{k: config[k] for k in shared}, **own}, seed)}
 
 
 def _hunyuandit_controlnet(config: Dict[str, Any], seed: int) -> Dict[str, Any]:
     """HunyuanDiT2DControlNetModel shaped like the transformer, zero-initialised outputs given values."""
     config = {k: v for k, v in config.items() if k != "num_layers"}
-    return {"controlnet": _random_transformer("HunyuanDiT2DControlNetModel", {**config, "transformer_num_layers": 4}, seed)}
+    return {"controlnet": random_transformer("HunyuanDiT2DControlNetModel", {**config, "transformer_num_layers": 4}, seed)}
 
 
 @dataclass(frozen=True)
@@ -779,7 +779,7 @@ def build_zoo_pipeline(kind: str, seed: int = 0) -> Tuple[Any, Dict[str, Any]]:
     recipe = ZOO_PIPELINES[kind]
     name, config = (TRANSFORMERS.get(recipe.transformer) or VIDEO_TRANSFORMERS[recipe.transformer])
     config = {**config, **recipe.overrides}
-    transformer = _random_transformer(name, config, seed)
+    transformer = random_transformer(name, config, seed)
     torch.manual_seed(seed + 1)
     parts: Dict[str, Any] = dict(
         transformer=transformer, vae=recipe.vae(dict(transformer.config)).eval(),

@@ -24,7 +24,7 @@ from diffusers import FlaxDDIMScheduler, FlaxUNet2DConditionModel
 from diffusers.models.attention_flax import FlaxBasicTransformerBlock
 
 import tome_core.jax as tome
-from tome_core.adapters.flax import _finest_level, module_fields
+from tome_core.adapters.flax import finest_level, module_fields
 from tome_tools.flax_models import build_unet
 from tome_tools.bench_core import serve_peak_request
 from tome_tools.bench_runner import BenchRunner, OraclePlan, OracleCut, Undo, median_ms
@@ -128,7 +128,7 @@ class Runner(BenchRunner):
         return hashable(unet)
 
     def finest_level(self) -> int:
-        return _finest_level(self.unet)
+        return finest_level(self.unet)
 
     def to_tensor(self, array: np.ndarray) -> jax.Array:
         return jnp.asarray(array)

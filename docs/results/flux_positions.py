@@ -24,7 +24,6 @@ import torch
 import tome_core.driver as driver
 import tome_core.torch as tome
 from tome_tools.diffusers_models import build_transformer, transformer_inputs
-from tome_core.backend import get_ops
 from tome_core.merge import merge
 
 
@@ -41,7 +40,7 @@ def _truncated(rotary, match):
     return tuple(table[: table.shape[0] - match.merged] for table in rotary)
 
 
-CHOICES = {"destination": driver._merge_positions, "mean": _mean, "truncated": _truncated}
+CHOICES = {"destination": driver.merge_positions, "mean": _mean, "truncated": _truncated}
 
 
 def main() -> None:
@@ -57,19 +56,19 @@ def main() -> None:
         reference = model(**inputs).sample
         print(f"{args.preset} {args.resolution}px: relative L2 to unpatched")
         print("ratio  " + "  ".join(f"{name:>11}" for name in CHOICES))
-        original = driver._merge_positions
+        original = driver.merge_positions
         try:
             for ratio in args.ratio:
                 row = []
                 for choice in CHOICES.values():
-                    driver._merge_positions = choice
+                    driver.merge_positions = choice
                     tome.patch(model, ratio=ratio)
                     out = model(**inputs).sample
                     tome.remove(model)
                     row.append(float((out - reference).norm() / reference.norm()))
                 print(f"{ratio:<5}  " + "  ".join(f"{value:11.4f}" for value in row))
         finally:
-            driver._merge_positions = original
+            driver.merge_positions = original
 
 
 if __name__ == "__main__":

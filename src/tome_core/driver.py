@@ -296,8 +296,11 @@ def is_transformer_model(module: Any) -> bool:
     return forward is not None and any(p in inspect.signature(forward).parameters for p in TOKEN_IDS)
 
 
-class _CallStart:
-    """Pre-hook on a patched model: a new call starts, at its timestep, on its latent or token grid."""
+class CallStart:
+    """Pre-hook on a patched model: a new call starts, at its timestep, on its latent or token grid.
+
+    Also a documented helper for tools that cut tokens as a patch would (the benchmark's oracle): hooked on
+    an unpatched model with a state of its own, it reads each call's grid into that state and merges nothing."""
 
     def __init__(self, fw: Framework, model: Any, state: ToMeState):
         self.fw = fw
@@ -937,7 +940,7 @@ class _MergeInput(_SublayerHook):
             if mask is None:
                 continue
             for axis in axes:  # none: a mask over the text only, which the processor extends over the image
-                mask = _merge_positions((mask,), match, axis, self.run.tail, text_follows(self.sublayer.text), self.head)[0]
+                mask = merge_positions((mask,), match, axis, self.run.tail, text_follows(self.sublayer.text), self.head)[0]
             gathered[name] = mask
         return gathered
 
@@ -959,13 +962,13 @@ class _MergeInput(_SublayerHook):
             return args, kwargs
         family, after = self.run.family, text_follows(self.sublayer.text)
         if isinstance(rotary, dict):  # tables by name (AnyFlow's query and key frequencies)
-            moved = _merge_positions(tuple(rotary.values()), match, family.rotary_axis, self.run.tail, after, self.head)
+            moved = merge_positions(tuple(rotary.values()), match, family.rotary_axis, self.run.tail, after, self.head)
             return replace_argument(args, kwargs, name, at, type(rotary)(zip(rotary, moved)))
         if not isinstance(rotary, (tuple, list)):  # one table (Z-Image's complex frequencies)
-            moved = _merge_positions((rotary,), match, family.rotary_axis, self.run.tail, after, self.head)[0]
+            moved = merge_positions((rotary,), match, family.rotary_axis, self.run.tail, after, self.head)[0]
             return replace_argument(args, kwargs, name, at, moved)
         items = family.rotary_items
-        moved = _merge_positions(
+        moved = merge_positions(
             [table for i, table in enumerate(rotary) if items is None or i in items], match, family.rotary_axis,
             self.run.tail, after, self.head,
         )
@@ -1026,7 +1029,7 @@ def around_image(x: Any, tokens: int, tail: int, text: str, change: Callable[[An
     return ops.concat(parts, axis=1)
 
 
-def _merge_positions(
+def merge_positions(
     rotary: Any, match: Match, axis: int = 0, tail: int = 0, text_after: bool = False, head: int = 0
 ) -> Any:
     """Tables ``(cos, sin)`` (rotary positions, token masks) over ``[text; head; image; tail]`` tokens along
@@ -1038,7 +1041,7 @@ def _merge_positions(
     moved = []
     for table in rotary:
         if isinstance(table, (tuple, list)):  # nested: Allegro's per-token positions (t, h, w)
-            moved.append(type(table)(_merge_positions(table, match, axis, tail, text_after, head)))
+            moved.append(type(table)(merge_positions(table, match, axis, tail, text_after, head)))
             continue
         ops = get_ops(table)
         text = ops.shape(table)[axis] - head - match.tokens - tail
@@ -1432,7 +1435,7 @@ def attach_hooks(fw: Framework, model: Any, state: ToMeState) -> Patch:
     and the sub-layers that merge (:attr:`Patch.targets`)."""
     patch = Patch(state)
     add = patch.handles.append
-    add(fw.add_pre_hook(model, _CallStart(fw, model, state)))
+    add(fw.add_pre_hook(model, CallStart(fw, model, state)))
     add(fw.add_post_hook(model, partial(_call_ends, state)))
     patch.handles += grid_hooks(fw, model, state)
     runs: Dict[int, _BlockRun] = {}

@@ -255,10 +255,11 @@ def cell_match(ops: ArrayOps, like: Array, batch: int, h: int, w: int, sx: int, 
     tokens = h * w
     if (h // sy) * (w // sx) == 0 or sx * sy == 1:
         return identity_match(ops, batch, tokens)
-    return cached(ops, like, ("cell match", batch, h, w, sx, sy), lambda: _cell_match(ops, like, batch, h, w, sx, sy))
+    return cached(ops, like, ("cell match", batch, h, w, sx, sy), lambda: build_cell_match(ops, like, batch, h, w, sx, sy))
 
 
-def _cell_match(ops: ArrayOps, like: Array, batch: int, h: int, w: int, sx: int, sy: int) -> Match:
+def build_cell_match(ops: ArrayOps, like: Array, batch: int, h: int, w: int, sx: int, sy: int) -> Match:
+    """:func:`cell_match` without its cache: the match built anew (the benchmark times this one-off cost)."""
     cells, leftover = cell_table(ops, like, h, w, sx, sy)
     num_cells, per_cell = ops.shape(cells)
     num_left = 0 if leftover is None else ops.shape(leftover)[0]

@@ -75,3 +75,34 @@ def test_the_library_imports_no_tool():
     assert {module: sorted(t for t in targets if t.startswith("tome_tools"))
             for module, targets in reach.items()
             if module.startswith("tome_core") and any(t.startswith("tome_tools") for t in targets)} == {}
+
+
+def private_names_used(folder: pathlib.Path) -> List[str]:
+    """``file: module.name`` for every underscored name of the library that a file imports or reads as a
+    module attribute (``driver._x``), in the Python files under ``folder``."""
+    library = {name for name in import_graph() if name.startswith("tome_core")}
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tome_core"):
+                for alias in node.names:
+                    if alias.name.startswith("_"):
+                        found.append(f"{path.name}: {node.module}.{alias.name}")
+                    if f"{node.module}.{alias.name}" in library:
+                        aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in library:
+                        aliases[alias.asname or alias.name] = alias.name
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                if node.attr.startswith("_") and not node.attr.startswith("__"):
+                    found.append(f"{path.name}: {aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_the_tools_examples_and_studies_use_the_public_api():
+    for folder in ("tome_tools", "examples", "docs"):
+        assert private_names_used(ROOT / folder) == [], folder

@@ -17,7 +17,7 @@ from tome_tools.diffusers_models import (
     build_transformer_pipeline,
     transformer_inputs,
 )
-from tome_core.driver import SizeBias, _merge_positions
+from tome_core.driver import SizeBias, merge_positions
 from tome_core.families import TEXT_AFTER, TEXT_BEFORE, TEXT_NONE, TEXT_PREFIX
 from tome_core.backend import get_ops
 from tome_core.merge import merge, unmerge
@@ -261,7 +261,7 @@ def test_size_aware_attention_equals_attention_over_repeated_tokens(preset, bloc
     if rotary:
         ids = torch.cat([torch.zeros(TEXT, 3), torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(8.0), torch.arange(6.0), indexing="ij"), -1).reshape(-1, 3)])
         positions = model.pos_embed(ids)
-        kwargs["image_rotary_emb"] = _merge_positions(positions, match)
+        kwargs["image_rotary_emb"] = merge_positions(positions, match)
         # Repeated tokens sit at their slot's position (the destination's), as the merged token does.
         slot = match.slot[0]
         plain_kwargs["image_rotary_emb"] = tuple(

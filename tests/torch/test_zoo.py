@@ -296,7 +296,7 @@ def _built(name: str, config: Dict[str, Any], **inputs: Any):
     """A builder of diffusers' class ``name`` from ``config`` (seeded; zero-initialised output layers given
     values) called with ``inputs`` (tensors drawn from a seeded generator where given as shapes)."""
     def build():
-        model = zoo._random_transformer(name, config, 0)
+        model = zoo.random_transformer(name, config, 0)
         generator = torch.Generator().manual_seed(1)
         drawn = {k: torch.randn(*v, generator=generator) if _is_shape(v) else v for k, v in inputs.items()}
         return model, drawn
@@ -394,7 +394,7 @@ def _uvit():
 def _allegro():
     from diffusers import AllegroPipeline
 
-    model = zoo._random_transformer("AllegroTransformer3DModel", dict(
+    model = zoo.random_transformer("AllegroTransformer3DModel", dict(
         num_attention_heads=2, attention_head_dim=24, in_channels=4, out_channels=4, num_layers=1, cross_attention_dim=48,
         sample_width=8, sample_height=8, sample_frames=8, caption_channels=8,
     ), 0)
@@ -431,7 +431,7 @@ def _consisid():
 
 def _qwen_controlnet():
     config = {k: v for k, v in zoo.transformer_config("tiny-qwen-image")[1].items() if k != "guidance_embeds"}
-    model = zoo._random_transformer("QwenImageControlNetModel", config, 0)
+    model = zoo.random_transformer("QwenImageControlNetModel", config, 0)
     inputs = zoo.transformer_inputs(zoo.build_transformer("tiny-qwen-image"), 16, 12, batch=2)
     return model, {**inputs, "controlnet_cond": torch.randn(2, 48, 16, generator=torch.Generator().manual_seed(2))}
 
@@ -1529,13 +1529,13 @@ def _cascade_pipeline(stage: str) -> Tuple[Any, Dict[str, Any]]:
     randn = lambda *shape: torch.randn(*shape, generator=generator)  # noqa: E731
     text = dict(prompt_embeds=randn(1, 5, 16), prompt_embeds_pooled=randn(1, 1, 16))
     if stage == "prior":
-        prior = zoo._random_transformer("StableCascadeUNet", dict(_CASCADE, clip_text_in_channels=16, clip_image_in_channels=8), 0)
+        prior = zoo.random_transformer("StableCascadeUNet", dict(_CASCADE, clip_text_in_channels=16, clip_image_in_channels=8), 0)
         pipe = diffusers.StableCascadePriorPipeline(
             tokenizer=None, text_encoder=encoder, prior=prior, scheduler=diffusers.DDPMWuerstchenScheduler(), resolution_multiple=8.0,
         )
         negative = dict(negative_prompt_embeds=randn(1, 5, 16), negative_prompt_embeds_pooled=randn(1, 1, 16))
         return pipe, dict(text, **negative, height=128, width=128, guidance_scale=2.0)
-    decoder = zoo._random_transformer("StableCascadeUNet", _CASCADE, 0)
+    decoder = zoo.random_transformer("StableCascadeUNet", _CASCADE, 0)
     torch.manual_seed(1)
     vqgan = PaellaVQModel(bottleneck_blocks=1, num_vq_embeddings=2, embed_dim=16).eval()
     pipe = diffusers.StableCascadeDecoderPipeline(
@@ -1735,7 +1735,7 @@ def test_stable_cascade_stage_b_merges_from_its_finest_level_with_attention():
     for config, options, levels in (
         (stage_b, {}, {2}), (stage_b, dict(max_downsample=4), {2, 4}), (dict(_CASCADE, switch_level=[False], self_attn=True), {}, {1}),
     ):
-        model = zoo._random_transformer("StableCascadeUNet", config, 0)
+        model = zoo.random_transformer("StableCascadeUNet", config, 0)
         tome.patch(model, ratio=0.5, **options)
         _run(model, inputs)
         stats = tome.patched_models(model)[0].state.stats

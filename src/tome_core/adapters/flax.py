@@ -293,7 +293,9 @@ def _check_supported(config: ToMeConfig) -> None:
         )
 
 
-def _finest_level(model: nn.Module) -> int:
+def finest_level(model: nn.Module) -> int:
+    """The finest level (0 = full resolution) of an unbound Flax UNet with attention, read from its block types
+    (its modules do not exist before a call); the benchmark reads it too."""
     return finest_attention_level(["CrossAttn" in block_type for block_type in model.down_block_types])
 
 
@@ -390,7 +392,7 @@ def _patch_model(model: nn.Module, config: ToMeConfig) -> nn.Module:
     _check_supported(config)
     model = _original(model)
     # no module tree to read block levels from: the model is known by its finest level with attention
-    check_model(config, ModelFacts(type(model).__name__, _finest_level(model), [None]))
+    check_model(config, ModelFacts(type(model).__name__, finest_level(model), [None]))
     cls = _patched_class(type(model))
     patched = cls(**module_fields(model), tome=config)
     # The same diffusers config (it may hold entries that are not fields, e.g. _diffusers_version).
