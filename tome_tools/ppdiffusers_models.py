@@ -8,6 +8,7 @@ model is the one place that draws from it).
 from __future__ import annotations
 
 import tempfile
+from types import SimpleNamespace
 from typing import Any, Dict, Tuple
 
 import numpy as np
@@ -20,17 +21,13 @@ from ppdiffusers import (
     DiTPipeline,
     FlowMatchEulerDiscreteScheduler,
     StableDiffusion3Pipeline,
-    StableDiffusionControlNetPipeline,
-    StableDiffusionImg2ImgPipeline,
-    StableDiffusionInpaintPipeline,
-    StableDiffusionPipeline,
-    StableDiffusionXLPipeline,
     UNet2DConditionModel,
 )
 from ppdiffusers.transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from tome_tools.presets import (
-    SMALL_VAE,
+    SD_PIPELINES,
+    assemble_sd_pipeline,
     TINY_CONTROLNET_CONDITIONING,
     TINY_TEXT_ENCODER,
     TINY_VAE,
@@ -40,7 +37,7 @@ from tome_tools.presets import (
     write_clip_tokenizer_files,
 )
 
-PIPELINES = ("sd", "img2img", "inpaint", "sdxl", "controlnet")
+PIPELINES = SD_PIPELINES
 TRANSFORMER_PIPELINES = ("sd3", "dit")
 # Transformer architectures ppdiffusers 0.29 has: the SD3 presets of tome_tools.presets (same argument names;
 # ppdiffusers has no Flux and its PixArt does not build on paddle 3.3.1), and a test-sized DiT (the patchified
@@ -184,35 +181,8 @@ def build_pipeline(kind: str = "sd", seed: int = 0, preset: str = "tiny") -> Any
     ``preset`` names the UNet architecture (:data:`tome_tools.presets.UNETS`; SDXL always uses "tiny-xl").
     The "tiny" preset gets a VAE that downsamples 2x; every other preset a narrow VAE with the real 8x.
     """
-    if kind not in PIPELINES:
-        raise ValueError(f"kind must be one of {', '.join(PIPELINES)}, got {kind!r}")
-    paddle.seed(seed)
-    vae = AutoencoderKL(**(TINY_VAE if preset == "tiny" else SMALL_VAE))
-    vae.eval()
-    scheduler = DDIMScheduler(
-        beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False, steps_offset=1
-    )
-    common = dict(vae=vae, scheduler=scheduler)
-    if kind == "sdxl":
-        first, second = _text_parts(seed + 1), _text_parts(seed + 2, with_projection=True)
-        return StableDiffusionXLPipeline(
-            unet=build_unet("tiny-xl", seed),
-            text_encoder=first["text_encoder"],
-            tokenizer=first["tokenizer"],
-            text_encoder_2=second["text_encoder"],
-            tokenizer_2=second["tokenizer"],
-            **common,
-        )
-    text = _text_parts(seed + 1, width=unet_config(preset)["cross_attention_dim"])
-    common.update(text, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    if kind == "inpaint":
-        return StableDiffusionInpaintPipeline(unet=build_unet(preset, seed, in_channels=9), **common)
-    unet = build_unet(preset, seed)
-    if kind == "controlnet":
-        controlnet = build_controlnet(unet, seed + 3, tiny=preset == "tiny")
-        return StableDiffusionControlNetPipeline(unet=unet, controlnet=controlnet, **common)
-    cls = StableDiffusionImg2ImgPipeline if kind == "img2img" else StableDiffusionPipeline
-    return cls(unet=unet, **common)
+    parts = SimpleNamespace(seed=paddle.seed, build_unet=build_unet, build_controlnet=build_controlnet, text_parts=_text_parts)
+    return assemble_sd_pipeline(ppdiffusers, parts, kind, seed, preset)
 
 
 VIDEO_UNETS = ("animatediff", "svd", "text-to-video")

@@ -708,3 +708,40 @@ def unet2d_config(name: str) -> Dict[str, Any]:
     if cls != "UNet2DConditionModel":
         raise ValueError(f"{name!r} is a {cls}, not a UNet2DConditionModel")
     return dict(config)
+
+
+SD_PIPELINES = ("sd", "img2img", "inpaint", "sdxl", "controlnet")
+SD_SCHEDULER = dict(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False, steps_offset=1)
+
+
+def assemble_sd_pipeline(library: Any, parts: Any, kind: str, seed: int, preset: str) -> Any:
+    """A Stable Diffusion pipeline of ``kind`` (one of :data:`SD_PIPELINES`) with random weights: one recipe for
+    diffusers and ppdiffusers, whose classes share their names (``library`` is either module). ``parts`` holds
+    the framework's own builders: ``seed(n)``, ``build_unet(preset, seed, **overrides)``,
+    ``build_controlnet(unet, seed, tiny=...)``, ``text_parts(seed, with_projection=False, width=32)``.
+
+    SDXL always uses the "tiny-xl" UNet; the "tiny" preset gets a VAE that downsamples 2x, every other preset
+    a narrow VAE with the real 8x."""
+    if kind not in SD_PIPELINES:
+        raise ValueError(f"kind must be one of {', '.join(SD_PIPELINES)}, got {kind!r}")
+    parts.seed(seed)
+    vae = library.AutoencoderKL(**(TINY_VAE if preset == "tiny" else SMALL_VAE))
+    vae.eval()
+    common = dict(vae=vae, scheduler=library.DDIMScheduler(**SD_SCHEDULER))
+    if kind == "sdxl":
+        first, second = parts.text_parts(seed + 1), parts.text_parts(seed + 2, with_projection=True)
+        return library.StableDiffusionXLPipeline(
+            unet=parts.build_unet("tiny-xl", seed), text_encoder=first["text_encoder"], tokenizer=first["tokenizer"],
+            text_encoder_2=second["text_encoder"], tokenizer_2=second["tokenizer"], **common,
+        )
+    common.update(parts.text_parts(seed + 1, width=unet_config(preset)["cross_attention_dim"]),
+                  safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    if kind == "inpaint":
+        return library.StableDiffusionInpaintPipeline(unet=parts.build_unet(preset, seed, in_channels=9), **common)
+    unet = parts.build_unet(preset, seed)
+    if kind == "controlnet":
+        controlnet = parts.build_controlnet(unet, seed + 3, tiny=preset == "tiny")
+        return library.StableDiffusionControlNetPipeline(unet=unet, controlnet=controlnet, **common)
+    cls = library.StableDiffusionImg2ImgPipeline if kind == "img2img" else library.StableDiffusionPipeline
+    return cls(unet=unet, **common)
+
