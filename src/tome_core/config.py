@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 MAX_DOWNSAMPLE_CHOICES = (None, 1, 2, 4, 8)
@@ -36,6 +36,23 @@ _ARRANGING = (
 DEFAULT_FRAME_RATIO = 0.9  # with frames_per_chunk > 1
 
 
+# The options' groups, in the order help lists them: (name, title).
+KNOB, WHERE, AMOUNT, ARRANGEMENT, REUSE, VIDEO = "knob", "where", "amount", "arrangement", "reuse", "video"
+OPTION_GROUPS = (
+    (KNOB, "The one knob"),
+    (WHERE, "Where it merges: levels, sub-layers, blocks, timesteps"),
+    (AMOUNT, "How many tokens: ratios overall, per sub-layer, level and block"),
+    (ARRANGEMENT, "How tokens are matched and arranged around attention"),
+    (REUSE, "Reusing matches across blocks and steps (similarity matching)"),
+    (VIDEO, "Video: merging across frames"),
+)
+
+
+def option(default: Any, group: str, help: str) -> Any:
+    """A :class:`ToMeConfig` field with its default, its group (:data:`OPTION_GROUPS`) and its help."""
+    return field(default=default, metadata={"group": group, "help": help})
+
+
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
@@ -50,114 +67,168 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 
 @dataclass(frozen=True)
 class ToMeConfig:
-    """Token Merging options. Defaults follow tomesd, except ``max_downsample=None``.
-
-    ratio: fraction of a merged level's tokens removed, in ``[0, 1 - 1/(sx*sy)]``; ``None`` (default) means
-        0.5 with similarity matching and ``1 - 1/(sx*sy)`` (the cell's) with cell matching.
-    prefer: the one knob of the default (``mode="auto"``): ``"fidelity"``, ``"balance"`` or ``"speed"``, each a
-        point of the measured speed-fidelity front per model kind (docs/fidelity.md, "One knob"): keys and values
-        in 2x1 / 2x2 (4x4 from 128x128 tokens) / 4x4 cells (4x2 in transformers) where self-attention takes
-        them apart from its queries, ToMe for SD at 0.25 / 0.5 / 0.75 where it cannot. ``None`` (default): ``"balance"``. Options
-        that choose the arrangement themselves (``ratio``, ``mode``...) leave it out.
-    max_downsample: merge blocks whose latent downsample factor is at most this (1, 2, 4 or 8);
-        ``None`` (default) means the finest level that has attention (1 on SD 1.x/2.x, 2 on SDXL).
-    sx: cell width in tokens (``None``: 2); each ``sx x sy`` cell of the grid keeps one destination token.
-    sy: cell height in tokens (``None``: 2).
-    use_rand: place each cell's destination at a pseudo-random position (else the cell's first).
-    merge_attn: merge around self-attention (the arrangement: ``mode``).
-    merge_crossattn: merge around cross-attention (its queries; the text keys are never merged).
-    merge_mlp: merge around the feed-forward.
-    seed: seeds the destination placement; with the timestep it fully determines the partition.
-
-    Beyond tomesd (all but ``proportional_attn`` off by default; with it off too, and ``use_rand=False``,
-    results equal tomesd's, the reference configuration):
-    attn_ratio: a ratio for self-attention only (``None``: the level's ratio).
-    crossattn_ratio: a ratio for cross-attention only (``None``: the level's ratio).
-    mlp_ratio: a ratio for the feed-forward only (``None``: the level's ratio).
-    level_ratios: ``{downsample factor: ratio}`` replacing ``ratio`` at those levels (a sub-layer ratio wins).
-    reuse_level: compute one match per level per model call (from the level's first block) instead of one
-        per block.
-    reuse_steps: keep matches for this many consecutive model calls (denoising steps); 1 = recompute
-        every call. A call whose timestep is above the previous call's starts a new generation, which starts
-        afresh (the timestep is read on the host once per call).
-    local_window: compare each source only with destinations within this many cells (Chebyshev distance);
-        0 compares with all destinations, as tomesd does.
-    proportional_attn: size-aware self-attention: each merged key's attention logit gets ``log(size)``, as if
-        every token it stands for were still there. On by default: it is 2-3x closer to the unpatched model at
-        every ratio for ~5% of the call time (docs/size-aware.md); ``False`` is tomesd's arithmetic.
-    mode: the arrangement around self-attention (docs/high-resolution.md). ``None`` (default): ``"auto"``
-        unless an option above or ``matching``, ``level_cells``, a sub-layer, level or block ratio is given,
-        else ``"tokens"``. ``"auto"`` chooses by the latent size from measured speed and fidelity: where
-        self-attention takes separate keys (UNets, PixArt, DiT), ``"kv"`` with 2x2 cells, each cell one of its
-        tokens drawn per call and block (``cell_pool="sample"``), 4x4 where the finest merged level has >=
-        128x128 tokens (ToMe for SD's
-        ``"tokens"`` at 0.5 where kv cannot serve: joint-attention transformers, or cross-attention or MLP
-        merged too, or a similarity-only option set). ``"tokens"`` merges its input
-        and unmerges its output (ToMe for SD); ``"kv"`` reduces only its keys and values (queries keep every
-        token, nothing to unmerge; ToDo); ``"queries"`` merges only its queries (keys and values keep every
-        token, output unmerged; ComfyUI's arrangement). Cross-attention and MLP always merge as ``"tokens"``.
-    matching: how tokens are grouped: ``"similarity"`` (bipartite soft matching) or ``"cell"`` (every token
-        joins its own sx*sy cell: average pooling, no similarity computed; the reduction is fixed by the cell,
-        so ``ratio`` may be left out).
-    cell_pool: with ``matching="cell"``, what stands for a cell's tokens: ``"mean"`` (average pooling; the
-        default with an explicit ``matching="cell"``) or ``"sample"``: one of its tokens, drawn per call and
-        block from ``seed`` and the timestep as ``use_rand`` places destinations (the cell's first token with
-        ``use_rand=False``: strided downsampling). A mean is the same bias in every step; samples average out
-        over steps, so sampling loops and fine-tunes stay close to the unpatched model (docs/fidelity.md).
-        ``None`` under ``mode="auto"``: ``"sample"``; ``cell_pool="mean"`` there keeps
-        the earlier default's mean.
-    level_cells: ``{downsample factor: n or (sx, sy)}``: the cell at those levels instead of ``sx``, ``sy``
-        (with ``matching="cell"``, e.g. ``{1: 4, 2: 2}`` pools 4x4 at the finest level and 2x2 at the next).
-    blocks: indices of the transformer blocks that merge, counted in the model's module order (negative
-        from the end, as in Python); ``None`` merges every block the level selection allows.
-    reuse_blocks: one match serves this many consecutive blocks (computed in the first); 1 = a match per
-        block.
-    block_ratios: ``{block index: ratio}`` replacing ``ratio`` (and level ratios) in those blocks (indices as in
-        ``blocks``); a sub-layer ratio still wins.
-    frames_per_chunk: video models: merge across this many consecutive frames (VidToMe's arrangement,
-        docs/video.md): the spatial self-attention of each chunk of frames runs once, over the merged tokens of all
-        its frames. ``None`` or 1 (default): each frame merges on its own. Must divide the frame count of every
-        call; needs ``mode="tokens"`` with similarity matching and ``merge_crossattn=False``.
-    frame_ratio: with ``frames_per_chunk > 1``, the share of the other frames' tokens merged into their most
-        similar token of the chunk's reference frame (the rest stay), in ``[0, 1]``; the reference frame
-        merges by ``ratio`` as a single frame does. ``None``: 0.9.
-    timestep_range: ``(low, high)``: merge only in model calls whose timesteps all lie in ``[low, high]``, in
-        the units the model receives (0-1000 for diffusers UNets, SD3 and PixArt; 0-1 for Flux); other calls run
-        the unpatched model. High timesteps are high noise, where merging costs least fidelity: e.g.
-        ``(500, 1000)`` merges in the first half of sampling, or in the noisier half of training steps. A call
-        whose batch has timesteps on both sides of a bound runs unmerged (the token count is one for the whole
-        batch). Reading the timesteps costs one host sync per call when they are a device array. ``None``
-        (default): every call merges. Not on jax, where the timestep is traced.
+    """Token Merging options, validated on construction (bad values raise naming the option, the value and
+    what is allowed). Each field carries its own help and group (:data:`OPTION_GROUPS`): ``help()`` of every
+    entry point's ``patch`` lists them, from :func:`options_help`. Defaults follow tomesd, except
+    ``max_downsample=None``, ``proportional_attn=True`` and the arrangement ``mode="auto"`` chooses. With
+    ``use_rand=False, proportional_attn=False`` and the options beyond tomesd at their defaults, results equal
+    tomesd's (the reference configuration).
     """
 
-    ratio: Optional[float] = None
-    max_downsample: Optional[int] = None
-    sx: Optional[int] = None
-    sy: Optional[int] = None
-    use_rand: bool = True
-    merge_attn: bool = True
-    merge_crossattn: bool = False
-    merge_mlp: bool = False
-    seed: int = 0
-    attn_ratio: Optional[float] = None
-    crossattn_ratio: Optional[float] = None
-    mlp_ratio: Optional[float] = None
-    level_ratios: Optional[Mapping[int, float]] = None
-    reuse_level: bool = False
-    reuse_steps: int = 1
-    local_window: int = 0
-    proportional_attn: bool = True
-    blocks: Optional[Tuple[int, ...]] = None
-    reuse_blocks: int = 1
-    block_ratios: Optional[Mapping[int, float]] = None
-    mode: Optional[str] = None
-    matching: Optional[str] = None
-    level_cells: Optional[Mapping[int, Any]] = None
-    cell_pool: Optional[str] = None
-    frames_per_chunk: Optional[int] = None
-    frame_ratio: Optional[float] = None
-    timestep_range: Optional[Tuple[float, float]] = None
-    prefer: Optional[str] = None
+    ratio: Optional[float] = option(
+        None, AMOUNT,
+        "fraction of a merged level's tokens removed, in ``[0, 1 - 1/(sx*sy)]``; ``None`` (default) means 0.5 "
+        "with similarity matching and ``1 - 1/(sx*sy)`` (the cell's) with cell matching.",
+    )
+    max_downsample: Optional[int] = option(
+        None, WHERE,
+        "merge blocks whose latent downsample factor is at most this (1, 2, 4 or 8); ``None`` (default) means the "
+        "finest level that has attention (1 on SD 1.x/2.x, 2 on SDXL).",
+    )
+    sx: Optional[int] = option(
+        None, ARRANGEMENT,
+        "cell width in tokens (``None``: 2); each ``sx x sy`` cell of the grid keeps one destination token.",
+    )
+    sy: Optional[int] = option(
+        None, ARRANGEMENT,
+        "cell height in tokens (``None``: 2).",
+    )
+    use_rand: bool = option(
+        True, ARRANGEMENT,
+        "place each cell's destination at a pseudo-random position (else the cell's first).",
+    )
+    merge_attn: bool = option(
+        True, WHERE,
+        "merge around self-attention (the arrangement: ``mode``).",
+    )
+    merge_crossattn: bool = option(
+        False, WHERE,
+        "merge around cross-attention (its queries; the text keys are never merged).",
+    )
+    merge_mlp: bool = option(
+        False, WHERE,
+        "merge around the feed-forward.",
+    )
+    seed: int = option(
+        0, ARRANGEMENT,
+        "seeds the destination placement; with the timestep it fully determines the partition.",
+    )
+    attn_ratio: Optional[float] = option(
+        None, AMOUNT,
+        "a ratio for self-attention only (``None``: the level's ratio).",
+    )
+    crossattn_ratio: Optional[float] = option(
+        None, AMOUNT,
+        "a ratio for cross-attention only (``None``: the level's ratio).",
+    )
+    mlp_ratio: Optional[float] = option(
+        None, AMOUNT,
+        "a ratio for the feed-forward only (``None``: the level's ratio).",
+    )
+    level_ratios: Optional[Mapping[int, float]] = option(
+        None, AMOUNT,
+        "``{downsample factor: ratio}`` replacing ``ratio`` at those levels (a sub-layer ratio wins).",
+    )
+    reuse_level: bool = option(
+        False, REUSE,
+        "compute one match per level per model call (from the level's first block) instead of one per block.",
+    )
+    reuse_steps: int = option(
+        1, REUSE,
+        "keep matches for this many consecutive model calls (denoising steps); 1 = recompute every call. A call "
+        "whose timestep is above the previous call's starts a new generation, which starts afresh (the timestep "
+        "is read on the host once per call).",
+    )
+    local_window: int = option(
+        0, ARRANGEMENT,
+        "compare each source only with destinations within this many cells (Chebyshev distance); 0 compares with "
+        "all destinations, as tomesd does.",
+    )
+    proportional_attn: bool = option(
+        True, ARRANGEMENT,
+        "size-aware self-attention: each merged key's attention logit gets ``log(size)``, as if every token it "
+        "stands for were still there. On by default: it is 2-3x closer to the unpatched model at every ratio for "
+        "~5% of the call time (docs/size-aware.md); ``False`` is tomesd's arithmetic.",
+    )
+    blocks: Optional[Tuple[int, ...]] = option(
+        None, WHERE,
+        "indices of the transformer blocks that merge, counted in the model's module order (negative from the "
+        "end, as in Python); ``None`` merges every block the level selection allows.",
+    )
+    reuse_blocks: int = option(
+        1, REUSE,
+        "one match serves this many consecutive blocks (computed in the first); 1 = a match per block.",
+    )
+    block_ratios: Optional[Mapping[int, float]] = option(
+        None, AMOUNT,
+        "``{block index: ratio}`` replacing ``ratio`` (and level ratios) in those blocks (indices as in "
+        "``blocks``); a sub-layer ratio still wins.",
+    )
+    mode: Optional[str] = option(
+        None, ARRANGEMENT,
+        "the arrangement around self-attention (docs/high-resolution.md). ``None`` (default): ``\"auto\"`` unless "
+        "an option above or ``matching``, ``level_cells``, a sub-layer, level or block ratio is given, else "
+        "``\"tokens\"``. ``\"auto\"`` chooses by the latent size from measured speed and fidelity: where "
+        "self-attention takes separate keys (UNets, PixArt, DiT), ``\"kv\"`` with 2x2 cells, each cell one of its "
+        "tokens drawn per call and block (``cell_pool=\"sample\"``), 4x4 where the finest merged level has >= "
+        "128x128 tokens (ToMe for SD's ``\"tokens\"`` at 0.5 where kv cannot serve: joint-attention transformers, "
+        "or cross-attention or MLP merged too, or a similarity-only option set). ``\"tokens\"`` merges its input "
+        "and unmerges its output (ToMe for SD); ``\"kv\"`` reduces only its keys and values (queries keep every "
+        "token, nothing to unmerge; ToDo); ``\"queries\"`` merges only its queries (keys and values keep every "
+        "token, output unmerged; ComfyUI's arrangement). Cross-attention and MLP always merge as ``\"tokens\"``.",
+    )
+    matching: Optional[str] = option(
+        None, ARRANGEMENT,
+        "how tokens are grouped: ``\"similarity\"`` (bipartite soft matching) or ``\"cell\"`` (every token joins "
+        "its own sx*sy cell: average pooling, no similarity computed; the reduction is fixed by the cell, so "
+        "``ratio`` may be left out).",
+    )
+    level_cells: Optional[Mapping[int, Any]] = option(
+        None, ARRANGEMENT,
+        "``{downsample factor: n or (sx, sy)}``: the cell at those levels instead of ``sx``, ``sy`` (with "
+        "``matching=\"cell\"``, e.g. ``{1: 4, 2: 2}`` pools 4x4 at the finest level and 2x2 at the next).",
+    )
+    cell_pool: Optional[str] = option(
+        None, ARRANGEMENT,
+        "with ``matching=\"cell\"``, what stands for a cell's tokens: ``\"mean\"`` (average pooling; the default "
+        "with an explicit ``matching=\"cell\"``) or ``\"sample\"``: one of its tokens, drawn per call and block "
+        "from ``seed`` and the timestep as ``use_rand`` places destinations (the cell's first token with "
+        "``use_rand=False``: strided downsampling). A mean is the same bias in every step; samples average out "
+        "over steps, so sampling loops and fine-tunes stay close to the unpatched model (docs/fidelity.md). "
+        "``None`` under ``mode=\"auto\"``: ``\"sample\"``; ``cell_pool=\"mean\"`` there keeps the earlier "
+        "default's mean.",
+    )
+    frames_per_chunk: Optional[int] = option(
+        None, VIDEO,
+        "video models: merge across this many consecutive frames (VidToMe's arrangement, docs/video.md): the "
+        "spatial self-attention of each chunk of frames runs once, over the merged tokens of all its frames. "
+        "``None`` or 1 (default): each frame merges on its own. Must divide the frame count of every call; needs "
+        "``mode=\"tokens\"`` with similarity matching and ``merge_crossattn=False``.",
+    )
+    frame_ratio: Optional[float] = option(
+        None, VIDEO,
+        "with ``frames_per_chunk > 1``, the share of the other frames' tokens merged into their most similar "
+        "token of the chunk's reference frame (the rest stay), in ``[0, 1]``; the reference frame merges by "
+        "``ratio`` as a single frame does. ``None``: 0.9.",
+    )
+    timestep_range: Optional[Tuple[float, float]] = option(
+        None, WHERE,
+        "``(low, high)``: merge only in model calls whose timesteps all lie in ``[low, high]``, in the units the "
+        "model receives (0-1000 for diffusers UNets, SD3 and PixArt; 0-1 for Flux); other calls run the unpatched "
+        "model. High timesteps are high noise, where merging costs least fidelity: e.g. ``(500, 1000)`` merges in "
+        "the first half of sampling, or in the noisier half of training steps. A call whose batch has timesteps "
+        "on both sides of a bound runs unmerged (the token count is one for the whole batch). Reading the "
+        "timesteps costs one host sync per call when they are a device array. ``None`` (default): every call "
+        "merges. Not on jax, where the timestep is traced.",
+    )
+    prefer: Optional[str] = option(
+        None, KNOB,
+        "the one knob of the default (``mode=\"auto\"``): ``\"fidelity\"``, ``\"balance\"`` or ``\"speed\"``, "
+        "each a point of the measured speed-fidelity front per model kind (docs/fidelity.md, \"One knob\"): keys "
+        "and values in 2x1 / 2x2 (4x4 from 128x128 tokens) / 4x4 cells (4x2 in transformers) where self-attention "
+        "takes them apart from its queries, ToMe for SD at 0.25 / 0.5 / 0.75 where it cannot. ``None`` (default): "
+        "``\"balance\"``. Options that choose the arrangement themselves (``ratio``, ``mode``...) leave it out.",
+    )
 
     def __repr__(self) -> str:
         """The options that differ from the defaults (``ToMeConfig()``), as the call that makes them (a cell's
@@ -172,11 +243,20 @@ class ToMeConfig:
         return f"ToMeConfig({', '.join(changed)})"
 
     def __post_init__(self) -> None:
+        """Validate group by group (:data:`OPTION_GROUPS`), normalising numbers (numpy scalars become Python's)."""
         self._resolve_mode()
         for name in ("sx", "sy", "seed", "reuse_steps", "local_window", "reuse_blocks"):
             value = getattr(self, name)
             if isinstance(value, numbers.Integral) and not isinstance(value, bool):
                 object.__setattr__(self, name, int(value))
+        self._check_where()
+        self._check_reuse()
+        self._check_arrangement()
+        self._check_frames()
+        self._check_timestep_range()
+        self._check_amount()
+
+    def _check_where(self) -> None:
         if self.blocks is not None:
             if isinstance(self.blocks, (str, bytes)) or not hasattr(self.blocks, "__iter__"):
                 raise TypeError(f"blocks must be a list of block indices (ints) or None, got {self.blocks!r}")
@@ -185,19 +265,17 @@ class ToMeConfig:
                 if isinstance(index, bool) or not isinstance(index, numbers.Integral):
                     raise TypeError(f"blocks must hold block indices (ints), got {index!r} in {self.blocks!r}")
             object.__setattr__(self, "blocks", tuple(int(i) for i in blocks))
-        _check_int("reuse_blocks", self.reuse_blocks, 1)
-        _check_int("sx", self.sx, 1)
-        _check_int("sy", self.sy, 1)
-        for flag in ("use_rand", "merge_attn", "merge_crossattn", "merge_mlp", "reuse_level", "proportional_attn"):
+        for flag in ("merge_attn", "merge_crossattn", "merge_mlp"):
             _check_bool(flag, getattr(self, flag))
-        _check_int("seed", self.seed, 0)
-        _check_int("reuse_steps", self.reuse_steps, 1)
-        _check_int("local_window", self.local_window, 0)
         if self.max_downsample not in MAX_DOWNSAMPLE_CHOICES or isinstance(self.max_downsample, bool):
             raise ValueError(f"max_downsample must be one of None, 1, 2, 4, 8, got {self.max_downsample!r}")
-        self._check_arrangement()
-        self._check_frames()
-        self._check_timestep_range()
+
+    def _check_reuse(self) -> None:
+        _check_bool("reuse_level", self.reuse_level)
+        _check_int("reuse_steps", self.reuse_steps, 1)
+        _check_int("reuse_blocks", self.reuse_blocks, 1)
+
+    def _check_amount(self) -> None:
         if self.ratio is None:
             object.__setattr__(self, "ratio", self.max_ratio if self.matching == "cell" else DEFAULT_RATIO)
         else:
@@ -288,6 +366,12 @@ class ToMeConfig:
         return replace(self, mode="tokens", cell_pool=None, prefer=None, **changes)
 
     def _check_arrangement(self) -> None:
+        _check_int("sx", self.sx, 1)
+        _check_int("sy", self.sy, 1)
+        _check_bool("use_rand", self.use_rand)
+        _check_bool("proportional_attn", self.proportional_attn)
+        _check_int("seed", self.seed, 0)
+        _check_int("local_window", self.local_window, 0)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {self.mode!r}")
         if self.matching not in MATCHINGS:
@@ -493,32 +577,19 @@ class ToMeConfig:
 
 
 def option_meanings() -> Dict[str, str]:
-    """Each option's meaning, as :class:`ToMeConfig`'s docstring gives it (an entry naming several options,
-    ``a, b: ...``, gives each the same text)."""
-    meanings: Dict[str, str] = {}
-    names: Tuple[str, ...] = ()
-    for line in (ToMeConfig.__doc__ or "").splitlines():
-        head, colon, text = line.strip().partition(": ")
-        entry = line.startswith("    ") and not line.startswith("     ") and colon
-        if entry and all(name.strip() in {f.name for f in fields(ToMeConfig)} for name in head.split(",")):
-            names = tuple(name.strip() for name in head.split(","))
-            for name in names:
-                meanings[name] = text.strip()
-        elif names and line.startswith("        "):
-            for name in names:
-                meanings[name] += " " + line.strip()
-        else:
-            names = ()
-    return meanings
+    """Each option's help, as its field gives it."""
+    return {f.name: f.metadata["help"] for f in fields(ToMeConfig)}
 
 
 def options_help() -> str:
-    """Every option with its default and meaning, one paragraph each, from :class:`ToMeConfig` (the one place
-    the options are defined): what each entry point's ``help()`` lists."""
-    meanings = option_meanings()
+    """Every option with its default and help, group by group (:data:`OPTION_GROUPS`), from the fields of
+    :class:`ToMeConfig` (the one place the options are defined): what each entry point's ``help()`` lists."""
     lines = ["Options (keywords; tome_core.ToMeConfig validates them, and bad values raise naming them):"]
-    for f in fields(ToMeConfig):
-        lines.append(f"    {f.name}={f.default!r}: {meanings.get(f.name, '')}".rstrip())
+    for group, title in OPTION_GROUPS:
+        lines.append(f"  {title}:")
+        for f in fields(ToMeConfig):
+            if f.metadata["group"] == group:
+                lines.append(f"    {f.name}={f.default!r}: {f.metadata['help']}")
     return "\n".join(lines)
 
 

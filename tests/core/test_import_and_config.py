@@ -188,3 +188,21 @@ def test_help_of_each_entry_point_lists_every_option_and_dir_the_public_names(fr
         assert f"{f.name}={f.default!r}: " in text and meanings[f.name][:40] in text.replace("\n", " "), f.name
     assert "obj: a " in text  # what it accepts
     assert dir(entry_point) == sorted(entry_point.__all__)
+
+
+def test_every_option_has_its_group_and_help_and_help_lists_them_by_group():
+    """Options are defined once, as fields with their own help (not parsed from a docstring)."""
+    from dataclasses import fields
+
+    from tome_core.config import OPTION_GROUPS, options_help
+
+    groups = [group for group, _ in OPTION_GROUPS]
+    for f in fields(ToMeConfig):
+        assert f.metadata["group"] in groups and len(f.metadata["help"]) > 20, f.name
+    text = options_help()
+    titles = [text.index(f"  {title}:\n") for _, title in OPTION_GROUPS]
+    assert titles == sorted(titles)
+    for f in fields(ToMeConfig):  # each option under its own group's title
+        at = text.index(f"    {f.name}={f.default!r}: ")
+        group = groups.index(f.metadata["group"])
+        assert titles[group] < at and (group + 1 == len(titles) or at < titles[group + 1]), f.name
