@@ -30,6 +30,7 @@ import itertools
 import math
 import numbers
 import weakref
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
@@ -618,6 +619,23 @@ class _GridHook:
 # Blocks and sub-layers
 
 
+@dataclass(frozen=True)
+class BlockPlan:
+    """What one block does at one call, decided once as the block starts (:meth:`_BlockRun.begin`, the one
+    place that decides it) and read by its sub-layers' hooks: the options it runs with (``mode="auto"``
+    resolved for this call, or the fallback where its attention cannot take keys apart), its matches per
+    sub-layer kind (none: the block runs unmerged), and the tokens before (``head``) and after (``tail``) the
+    grid's in its image stream."""
+
+    config: ToMeConfig
+    matches: Dict[str, Match] = field(default_factory=dict)
+    head: int = 0
+    tail: int = 0
+
+    def unmerged(self) -> "BlockPlan":
+        return BlockPlan(self.config, {}, self.head, self.tail)
+
+
 class _BlockRun:
     """The matches of one transformer block while it runs, shared by the hooks of its sub-layers.
 
@@ -647,44 +665,41 @@ class _BlockRun:
         self.text_after_at = family_argument_position(family, block)
         self.metric, self.metric_at = block_metric(family, block)  # what the match is computed from
         self.lent = False  # another model may run this block in its own call (families.LENT)
-        self.matches: Dict[str, Match] = {}
-        self.config = state.active
-        self.tail = 0  # this run's tokens after the grid's (ToMeState.tail)
-        self.head = 0  # and before them, in a stream whose grid comes last (GRID_LAST)
-        # id(input): (weakref, matches, options, (head, tail))
-        self.ran: Dict[int, Tuple[Any, Dict[str, Match], ToMeConfig, int]] = {}
+        self.plan = BlockPlan(state.active)
+        self.ran: Dict[int, Tuple[Any, BlockPlan]] = {}  # id(input): (weakref to it, the plan it ran with)
 
     def begin(self, module, args, kwargs):
+        """Decide this block's :class:`BlockPlan` for the call now starting."""
         block_problem(self.block, self.state.config)
         self.family = family_in_call(self.base, self.text_after_at, args, kwargs)
         metric = argument(args, kwargs, self.metric, self.metric_at)
         earlier = self._ran_on(metric)
-        if earlier is not None:
-            _, self.matches, self.config, (self.head, self.tail) = earlier
+        if earlier is not None:  # a recomputation (checkpointing): as it ran then
+            self.plan = earlier[1]
             return None
         if self.lent and not self.state.in_call:  # another model runs this block (it borrowed it): unmerged
-            self.matches = {}
+            self.plan = self.plan.unmerged()
             return None
-        self.config, fallback = self._arrangement(self.state.active)
+        config, fallback = self._arrangement(self.state.active)
         whole = metric
         if self.family.feature_map:
             self.state.enter_grid(_spatial(metric, "NCHW"))
             metric = pixels(metric)
         metric = self._own_piece(_batch_first(metric) if self.family.sequence_first else metric)
-        self.head, self.tail = self._around(metric)
+        head, tail = self._around(metric)
+        self.plan = BlockPlan(config, {}, head, tail)
         if not self.state.merging or self._unmerged(args, kwargs):  # a call that runs unmerged, said where decided
-            self.matches = {}
             return None
-        image = self._image(metric)
-        self.matches = self.state.block_matches(
-            image, self.stream, self.family.rotary is not None or self.masks, self.ratio, self.config, fallback
+        matches = self.state.block_matches(
+            self._image(metric), self.stream, self.family.rotary is not None or self.masks, self.ratio, config, fallback
         )
+        self.plan = BlockPlan(config, matches, head, tail)
         if self.fw.may_run_again(whole):
             self.ran = {key: entry for key, entry in self.ran.items() if entry[0]() is not None}
-            self.ran[id(whole)] = (weakref.ref(whole), self.matches, self.config, (self.head, self.tail))
+            self.ran[id(whole)] = (weakref.ref(whole), self.plan)
         return None
 
-    def _ran_on(self, x: Any) -> Optional[Tuple[Any, Dict[str, Match], ToMeConfig, Tuple[int, int]]]:
+    def _ran_on(self, x: Any) -> Optional[Tuple[Any, BlockPlan]]:
         """What an earlier run of this block on ``x`` used, if this is a recomputation of it: on ``x`` itself
         (non-reentrant checkpointing), or on a tensor whose data ``x`` shares (reentrant checkpointing
         recomputes from a detached copy); the earlier input is alive, so its memory holds no other tensor."""
@@ -739,17 +754,17 @@ class _BlockRun:
         """The image tokens of the block's input: without the tail, and without the text in front where the
         block's input is ``[text; image; tail]`` (their count: the call's grid)."""
         stream = self.family.stream
-        if stream == TEXT_NONE and not self.tail and not self.head:
+        if stream == TEXT_NONE and not self.plan.tail and not self.plan.head:
             return x
         length = get_ops(x).shape(x)[1]
         if stream == TEXT_NONE:
-            return x[:, self.head : length - self.tail]
+            return x[:, self.plan.head : length - self.plan.tail]
         grid = self.state.grid_hw
         if grid is None:
             raise ValueError(f"ToMe on {self.where}: a {type(self.block).__name__} got no token grid from its model's call")
         if stream == TEXT_SUFFIX:
             return x[:, : grid[0] * grid[1]]
-        return x[:, length - self.tail - grid[0] * grid[1] : length - self.tail]
+        return x[:, length - self.plan.tail - grid[0] * grid[1] : length - self.plan.tail]
 
     def _arrangement(self, config: ToMeConfig) -> Tuple[ToMeConfig, Optional[str]]:
         """The options this block runs with now, and why they are a fallback (None: they are not):
@@ -768,7 +783,7 @@ class _BlockRun:
         return config, None
 
     def end(self, module, args, kwargs, output):
-        self.matches = {}
+        self.plan = self.plan.unmerged()
         self.merged.clear()
         return None
 
@@ -851,14 +866,14 @@ class _MergeInput(_SublayerHook):
     def __call__(self, module, args, kwargs):
         if self.inside is not None:
             return self._arm_inside(module, args, kwargs)
-        match = self.run.matches.get(self.sublayer.kind)
+        match = self.run.plan.matches.get(self.sublayer.kind)
         if match is None or match.merged == 0 or self._passes(args, kwargs):
             return None
-        mode, size_aware = self.run.config.arrangement(self.sublayer.kind, self.sublayer.attention)
+        mode, size_aware = self.run.plan.config.arrangement(self.sublayer.kind, self.sublayer.attention)
         self.fw.output_cache(module)  # a cache set after patch is checked here
         x = argument(args, kwargs, "hidden_states", 0)
         self.head = sublayer_head(self.run, self.sublayer, get_ops(x).shape(x)[1], match.tokens)
-        merged = around_image(x, match.tokens, self.run.tail, self.sublayer.text, lambda image: merge(image, match), self.head)
+        merged = around_image(x, match.tokens, self.run.plan.tail, self.sublayer.text, lambda image: merge(image, match), self.head)
         if mode != "tokens":
             return self._arrange(module, args, kwargs, x, merged, match, mode, size_aware)
         args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
@@ -866,7 +881,7 @@ class _MergeInput(_SublayerHook):
             other = argument(args, kwargs, name, self.aligned_at[name])
             if other is not None:
                 alike = merged if other is x else around_image(
-                    other, match.tokens, self.run.tail, self.sublayer.text, lambda image: merge(image, match), self.head
+                    other, match.tokens, self.run.plan.tail, self.sublayer.text, lambda image: merge(image, match), self.head
                 )
                 args, kwargs = replace_argument(args, kwargs, name, self.aligned_at[name], alike)
         for name, at in self.rotary_at.items():
@@ -899,15 +914,15 @@ class _MergeInput(_SublayerHook):
         kv = argument(args, kwargs, self.kv_name, self.kv_at)
         cross = (self.sublayer.text == TEXT_NONE and kv is not None and kv is not x) or self.text_only
         kind = "crossattn" if cross else self.sublayer.kind
-        match = self.run.matches.get(kind)
+        match = self.run.plan.matches.get(kind)
         # a cross-attention's attention_mask is over the text's keys (Kandinsky 3's), which merging never touches
         if match is None or match.merged == 0 or (not cross and self._passes(args, kwargs)):
             return None
-        mode, size_aware = self.run.config.arrangement(kind, self.sublayer.attention and not cross)
+        mode, size_aware = self.run.plan.config.arrangement(kind, self.sublayer.attention and not cross)
         self.inside.arm(match, mode, cross, size_aware)
         if not size_aware:
             return None
-        bias = SizeBias(match, self.sublayer.text, x, self.run.tail, whole_mask=False)
+        bias = SizeBias(match, self.sublayer.text, x, self.run.plan.tail, whole_mask=False)
         return self.fw.size_aware(module, args, kwargs, bias)
 
     def _passes(self, args, kwargs) -> bool:
@@ -940,7 +955,7 @@ class _MergeInput(_SublayerHook):
             if mask is None:
                 continue
             for axis in axes:  # none: a mask over the text only, which the processor extends over the image
-                mask = merge_positions((mask,), match, axis, self.run.tail, text_follows(self.sublayer.text), self.head)[0]
+                mask = merge_positions((mask,), match, axis, self.run.plan.tail, text_follows(self.sublayer.text), self.head)[0]
             gathered[name] = mask
         return gathered
 
@@ -962,15 +977,15 @@ class _MergeInput(_SublayerHook):
             return args, kwargs
         family, after = self.run.family, text_follows(self.sublayer.text)
         if isinstance(rotary, dict):  # tables by name (AnyFlow's query and key frequencies)
-            moved = merge_positions(tuple(rotary.values()), match, family.rotary_axis, self.run.tail, after, self.head)
+            moved = merge_positions(tuple(rotary.values()), match, family.rotary_axis, self.run.plan.tail, after, self.head)
             return replace_argument(args, kwargs, name, at, type(rotary)(zip(rotary, moved)))
         if not isinstance(rotary, (tuple, list)):  # one table (Z-Image's complex frequencies)
-            moved = merge_positions((rotary,), match, family.rotary_axis, self.run.tail, after, self.head)[0]
+            moved = merge_positions((rotary,), match, family.rotary_axis, self.run.plan.tail, after, self.head)[0]
             return replace_argument(args, kwargs, name, at, moved)
         items = family.rotary_items
         moved = merge_positions(
             [table for i, table in enumerate(rotary) if items is None or i in items], match, family.rotary_axis,
-            self.run.tail, after, self.head,
+            self.run.plan.tail, after, self.head,
         )
         if items is not None:
             moved = iter(moved)
@@ -979,7 +994,7 @@ class _MergeInput(_SublayerHook):
 
     def _size_aware(self, module, args, kwargs, match, merged, masked=False):
         return self.fw.size_aware(
-            module, args, kwargs, SizeBias(match, self.sublayer.text, merged, self.run.tail, self.head)
+            module, args, kwargs, SizeBias(match, self.sublayer.text, merged, self.run.plan.tail, self.head)
         )
 
 
@@ -1008,8 +1023,8 @@ def sublayer_head(run: "_BlockRun", sublayer: Sublayer, length: int, tokens: int
     """The block's head in a sub-layer's input (or output) of ``length`` tokens around ``tokens`` image tokens:
     where no text shares the tensor, a sub-layer may run on the grid alone (Helios' cross-attention gets the
     current frames without their history), and then it has none."""
-    if sublayer.text in (TEXT_PREFIX, TEXT_SUFFIX) or length == run.head + tokens + run.tail:
-        return run.head
+    if sublayer.text in (TEXT_PREFIX, TEXT_SUFFIX) or length == run.plan.head + tokens + run.plan.tail:
+        return run.plan.head
     return 0
 
 
@@ -1079,12 +1094,12 @@ class _UnmergeOutput(_SublayerHook):
             return None
         cached = output is not None and self.fw.output_cache(module) == REUSED  # None: the sub-layer raised
         reused = cached and output is self.stored[0]
-        mode, size_aware = self.run.config.arrangement(self.sublayer.kind, self.sublayer.attention)
+        mode, size_aware = self.run.plan.config.arrangement(self.sublayer.kind, self.sublayer.attention)
         if size_aware:
             self.fw.size_aware_done(module, computed=output is not None and not reused)  # None: it raised
         if reused:
             return self.stored[1]
-        match = self.run.matches.get(self.sublayer.kind)
+        match = self.run.plan.matches.get(self.sublayer.kind)
         # kv: the queries kept every token, so the output has them all
         if output is None or match is None or match.merged == 0 or mode == "kv":
             self.stored = (None, None)
@@ -1097,7 +1112,7 @@ class _UnmergeOutput(_SublayerHook):
         index = self.sublayer.output
         image = output if index is None else output[index]
         head = sublayer_head(self.run, self.sublayer, get_ops(image).shape(image)[1], match.kept)
-        image = around_image(image, match.kept, self.run.tail, self.sublayer.text, lambda x: unmerge(x, match), head)
+        image = around_image(image, match.kept, self.run.plan.tail, self.sublayer.text, lambda x: unmerge(x, match), head)
         if index is None:
             return image
         return type(output)(image if i == index else part for i, part in enumerate(output))
@@ -1176,7 +1191,7 @@ class _Inside:
                 merged = merge(x, match)
             elif self.sublayer.text != TEXT_NONE:  # [image; text] (or [text; image]) keys: the image part
                 text = TEXT_SUFFIX if text_follows(self.sublayer.text) else TEXT_PREFIX
-                merged = around_image(x, match.tokens, self.run.tail, text, lambda image: merge(image, match))
+                merged = around_image(x, match.tokens, self.run.plan.tail, text, lambda image: merge(image, match))
             else:
                 return None
             self.keys = (x, merged)

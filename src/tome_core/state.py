@@ -59,14 +59,18 @@ class ToMeState:
     # run unmerged outside one, when another model that borrowed them runs them (the Z-Image ControlNet runs its
     # transformer's noise refiner); every other block, recomputed in backward after the call, merges as it did
     in_call: bool = False
+    active: ToMeConfig = field(init=False, repr=False, compare=False)  # this call's options (:meth:`choose`)
 
     def __repr__(self) -> str:
         return f"ToMeState(config={self.config!r}, finest_level={self.finest_level}, calls={self.calls})"
 
-    @property
-    def active(self) -> ToMeConfig:
-        """The options this call runs with: ``mode="auto"`` resolved by the token count of the latent's finest
-        merged level (the first choice whose threshold it reaches)."""
+    def __post_init__(self) -> None:
+        self.active = self.choose()
+
+    def choose(self) -> ToMeConfig:
+        """The options a call runs with: ``mode="auto"`` resolved by the token count of the latent's finest
+        merged level (the first choice whose threshold it reaches). Chosen once per call, as the latent becomes
+        known (:meth:`begin_call`, :meth:`enter_grid`), into :attr:`active`, which every block reads."""
         choices = self.choices or ((0, self.config),)
         if self.latent_hw is None:
             return choices[-1][1]
@@ -135,6 +139,7 @@ class ToMeState:
         self.step = step
         self.stats = {}
         self.fallbacks = {}
+        self.active = self.choose()
 
     def follow_generation(self, timestep: float) -> None:
         """With ``reuse_steps > 1``, called with each model call's (largest) timestep before
@@ -151,6 +156,7 @@ class ToMeState:
         self.grid_hw = grid_hw
         if self.latent_hw is None:
             self.latent_hw = grid_hw
+            self.active = self.choose()
 
     def block_matches(
         self, metric: Any, stream: int, shared: bool = False, block_ratio: Optional[float] = None,
