@@ -78,6 +78,11 @@ BAD_OPTIONS = [
     ({"max_downsample": 16}, ValueError, "max_downsample must be one of None, 1, 2, 4, 8, got 16"),
     ({"max_downsample": True}, ValueError, "max_downsample must be one of None, 1, 2, 4, 8, got True"),
     ({"merge_mlp": "yes"}, TypeError, "merge_mlp must be True or False, got 'yes'"),
+    ({"attn_ratio": 0.9}, ValueError, "attn_ratio=0.9 cannot be reached"),
+    ({"level_ratios": {3: 0.5}}, ValueError, "level_ratios keys must be levels 1, 2, 4 or 8, got 3"),
+    ({"level_ratios": [0.5]}, TypeError, "level_ratios must be a dict"),
+    ({"reuse_steps": 0}, ValueError, "reuse_steps must be an int >= 1, got 0"),
+    ({"local_window": -1}, ValueError, "local_window must be an int >= 0, got -1"),
     ({"proportional_attn": 1}, TypeError, "proportional_attn must be True or False, got 1"),
     ({"seed": -1}, ValueError, "seed must be an int >= 0, got -1"),
     ({"mode": "fast"}, ValueError, "mode must be one of 'auto', 'tokens', 'kv', 'queries', got 'fast'"),
@@ -242,9 +247,7 @@ class VideoChecks:
     counts the grid gives (spatial self-attention merged per frame, temporal attention always the frame count).
 
     ``tome``: the backend's module (``patch``, ``remove``, ``patched_models``). ``call(model, frames, height,
-    width, batch)``: one seeded call of a video UNet. ``pre_hook(module, fn)``: registers ``fn(shape)``, called
-    with the shape of the hidden states the module receives, after the hooks registered before it (ToMe's: it
-    sees merged inputs); returns a handle with ``remove()``. ``modules(model)``: its ``(name, module)`` pairs.
+    width, batch)``: one seeded call of a video UNet. ``modules(model)``: its ``(name, module)`` pairs.
     ``hooked(module)``: whether the module carries any forward hook. ``framework``: the adapter's
     :class:`tome_core.driver.Framework` (``FRAMEWORK``).
     """
@@ -254,9 +257,20 @@ class VideoChecks:
     TEMPORAL_NAMES = ("motion_modules", "temp_attentions", "transformer_in", "temporal_transformer_blocks")
     SPATIAL_CONTAINERS = ("Transformer2DModel", "TransformerSpatioTemporalModel")
 
-    def __init__(self, tome, call, pre_hook, modules, hooked, framework):
-        self.tome, self.call, self.pre_hook, self.modules, self.hooked = tome, call, pre_hook, modules, hooked
+    def __init__(self, tome, call, modules, hooked, framework):
+        self.tome, self.call, self.modules, self.hooked = tome, call, modules, hooked
         self.framework = framework
+
+    @staticmethod
+    def pre_hook(module, fn):
+        """Register ``fn(shape)``, called with the shape of the hidden states ``module`` receives, after the hooks
+        registered before it (ToMe's: it sees merged inputs); returns a handle with ``remove()``. torch and
+        paddle register forward pre-hooks alike."""
+
+        def hook(module, args, kwargs):
+            fn(tuple((args[0] if args else kwargs["hidden_states"]).shape))
+
+        return module.register_forward_pre_hook(hook, with_kwargs=True)
 
     @classmethod
     def is_temporal(cls, name: str) -> bool:

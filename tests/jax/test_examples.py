@@ -3,21 +3,11 @@ and its own outputs)."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from importlib import import_module
 
 
 def test_quickstart_reports_patched_blocks_merged_tokens_speed_and_change(capsys):
-    result = load("jax_quickstart").main(["--size", "16", "--repeats", "1"])
+    result = import_module("examples.jax_quickstart").main(["--size", "16", "--repeats", "1"])
     out = capsys.readouterr().out
     assert "FlaxUNet2DConditionModel: 7 transformer blocks hooked" in out
     assert "1/1 scale: 3 blocks, 256 -> 128 tokens (50% merged; tokens, similarity)" in out

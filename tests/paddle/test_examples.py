@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from importlib import import_module
 
 
 def test_quickstart_reports_merged_tokens_and_a_real_change(capsys):
-    result = load("paddle_quickstart").main(["--preset", "tiny", "--size", "64", "--steps", "1", "--repeats", "1"])
+    result = import_module("examples.paddle_quickstart").main(["--preset", "tiny", "--size", "64", "--steps", "1", "--repeats", "1"])
     out = capsys.readouterr().out
     assert "UNet2DConditionModel: 7 transformer blocks hooked" in out
     assert "1/1 scale: 3 blocks, 1024 -> 512 tokens (50% merged; tokens, similarity)" in out

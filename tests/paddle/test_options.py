@@ -132,23 +132,6 @@ def test_proportional_attn_changes_the_output_is_exact_at_ratio_zero_and_removes
     np.testing.assert_array_equal(call(unet, inputs), plain)
 
 
-@pytest.mark.parametrize(
-    "options, error, message",
-    [
-        ({"attn_ratio": 0.9}, ValueError, "attn_ratio=0.9 cannot be reached"),
-        ({"level_ratios": {3: 0.5}}, ValueError, "level_ratios keys must be levels 1, 2, 4 or 8, got 3"),
-        ({"level_ratios": [0.5]}, TypeError, "level_ratios must be a dict"),
-        ({"reuse_steps": 0}, ValueError, "reuse_steps must be an int >= 1, got 0"),
-        ({"local_window": -1}, ValueError, "local_window must be an int >= 0, got -1"),
-        ({"proportional_attn": 1}, TypeError, "proportional_attn must be True or False"),
-    ],
-)
-def test_extension_options_are_validated(unet, options, error, message):
-    with pytest.raises(error, match=message):
-        unet.apply_tome(**options)
-    assert tome.patched_models(unet) == []
-
-
 def test_proportional_attn_leaves_text_keys_unsized_under_only_cross_attention(inputs, call):
     """With only_cross_attention, attn1 attends to the text: its keys are not merged, so size-aware equals plain."""
     from tome_tools.ppdiffusers_models import build_unet

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import pathlib
 import re
+from importlib import import_module
 
 import pytest
 import torch
@@ -13,20 +13,13 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_quickstart_reports_merged_tokens_and_a_real_change(capsys):
-    result = load("torch_quickstart").main(["--preset", "tiny", "--size", "64", "--steps", "1", "--repeats", "1"])
+    result = import_module("examples.torch_quickstart").main(["--preset", "tiny", "--size", "64", "--steps", "1", "--repeats", "1"])
     out = capsys.readouterr().out
     assert "ToMe patch(pipe) (the default)" in out  # what users get: keys and values in 2x2 cells
     assert "1/1 scale: 3 blocks, 1024 -> 256 keys/values (75% merged; kv, 2x2 cells)" in out
     assert 0 < result["change"] < 1
-    result = load("torch_quickstart").main(["--preset", "tiny", "--size", "64", "--steps", "1", "--repeats", "1", "--ratio", "0.5"])
+    result = import_module("examples.torch_quickstart").main(["--preset", "tiny", "--size", "64", "--steps", "1", "--repeats", "1", "--ratio", "0.5"])
     out = capsys.readouterr().out
     assert "UNet2DConditionModel: 7 transformer blocks hooked" in out
     assert "1/1 scale: 3 blocks, 1024 -> 512 tokens (50% merged; tokens, similarity)" in out
@@ -41,7 +34,7 @@ def test_finetune_lora_prints_finite_curves_that_differ_and_ratio_zero_equals_un
             "--sample-steps", "2", "--methods", "unpatched", "tokens-0.5", "kv-cell+stop", "ratio-0", "tokens-0.5+noisy",
             "kv-42-sample+after1+stop2", "--stop-tome-at", "1", "--seed", "2"]
     with pytest.warns(UserWarning, match="merges no tokens"):  # ratio-0
-        result = load("finetune_lora").main(argv)
+        result = import_module("examples.finetune_lora").main(argv)
     out = capsys.readouterr().out
     # the printed loss table: a header naming the runs, then one row per logged step, every value finite
     lines = out.splitlines()
@@ -85,11 +78,11 @@ def test_finetune_lora_prints_finite_curves_that_differ_and_ratio_zero_equals_un
                                   "kv-cell+after", "kv-cell+stop5+stop6", "kv-cell+after10+stop5", "unpatched+after3"])
 def test_finetune_lora_refuses_an_unknown_method_naming_what_is_allowed(name):
     with pytest.raises(SystemExit, match=rf"unknown method {re.escape(repr(name))}: choose from unpatched, .*\+afterN"):
-        load("finetune_lora").method(name, 500, 50)
+        import_module("examples.finetune_lora").method(name, 500, 50)
 
 
 def test_finetune_lora_schedules():
-    method, cell = load("finetune_lora").method, {"mode": "kv", "matching": "cell"}
+    method, cell = import_module("examples.finetune_lora").method, {"mode": "kv", "matching": "cell"}
     assert method("kv-cell", 500, 50) == (cell, 1, None)
     assert method("kv-cell+stop", 500, 50) == (cell, 1, 50)
     assert method("kv-cell+stop12", 500, 50) == (cell, 1, 12)

@@ -122,22 +122,6 @@ def test_proportional_attn_changes_the_output_and_is_exact_at_ratio_zero(unet, i
     assert torch.isfinite(sized).all() and not torch.equal(sized, flat)
 
 
-@pytest.mark.parametrize(
-    "options, error, message",
-    [
-        ({"attn_ratio": 0.9}, ValueError, "attn_ratio=0.9 cannot be reached"),
-        ({"level_ratios": {3: 0.5}}, ValueError, "level_ratios keys must be levels 1, 2, 4 or 8, got 3"),
-        ({"level_ratios": [0.5]}, TypeError, "level_ratios must be a dict"),
-        ({"reuse_steps": 0}, ValueError, "reuse_steps must be an int >= 1, got 0"),
-        ({"local_window": -1}, ValueError, "local_window must be an int >= 0, got -1"),
-        ({"proportional_attn": 1}, TypeError, "proportional_attn must be True or False"),
-    ],
-)
-def test_extension_options_are_validated(unet, options, error, message):
-    with pytest.raises(error, match=message):
-        tome.patch(copy.deepcopy(unet), **options)
-
-
 def test_proportional_attn_leaves_text_keys_unsized_under_only_cross_attention(inputs):
     """With only_cross_attention, attn1 attends to the text: its keys are not merged, so size-aware equals plain."""
     unet = build_unet("tiny", seed=0, only_cross_attention=True)
