@@ -209,6 +209,25 @@ def test_gradient_checkpointing_of_frozen_blocks_gives_the_same_gradients():
     assert relative_error(checkpointed, plain) < 1e-6
 
 
+def test_only_calls_that_may_be_recomputed_remember_their_matches():
+    """Inference (no gradients recorded, input needs none) keeps nothing per input: only a call that records
+    gradients, or whose input needs them (reentrant checkpointing's forward), may be recomputed in backward."""
+    unet = build_unet("tiny", seed=0)
+    batch = unet_batch(1)
+    tome.patch(unet, ratio=0.5)
+    runs = {hook.__self__ for m in unet.modules() for hook in m._forward_pre_hooks.values()
+            if type(getattr(hook, "__self__", None)).__name__ == "_BlockRun"}
+    assert len(runs) == 7
+    with torch.no_grad():
+        unet_loss(unet, batch)
+    assert all(run.ran == {} for run in runs)
+    enable_checkpointing(unet, reentrant=True)  # runs each block's forward without gradients, on inputs needing them
+    unet_loss(unet, batch)
+    assert all(len(run.ran) == 1 for run in runs)
+    unet_loss(unet, batch)
+    assert all(len(run.ran) >= 1 for run in runs)
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("second", ["other-timestep", "other-size"])
 def test_gradient_checkpointing_two_calls_before_backward(second: str, reentrant: bool):

@@ -180,9 +180,11 @@ class TorchFramework:
         return x.reshape(-1).tolist()
 
     def may_run_again(self, x: torch.Tensor) -> bool:
-        # any eager call: a LoRA's frozen block input needs no gradient, and reentrant checkpointing runs its
-        # forward without gradients; compiled code traces a checkpointed block once (no hooks in its backward)
-        return not torch.compiler.is_compiling()
+        # an eager call that records gradients (non-reentrant checkpointing recomputes it; a LoRA's frozen block
+        # input needs none, so the forward's grad mode decides), or whose input needs them (reentrant
+        # checkpointing runs its forward without gradients, and recomputes only blocks whose input needs them);
+        # not inference, and not compiled code, which traces a checkpointed block once (no hooks in its backward)
+        return (torch.is_grad_enabled() or x.requires_grad) and not torch.compiler.is_compiling()
 
     def size_aware(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: driver.SizeBias):
         processor = getattr(module, "processor", None)
