@@ -1451,13 +1451,14 @@ def attach_hooks(fw: Framework, model: Any, state: ToMeState) -> Patch:
     patch = Patch(state)
     add = patch.handles.append
     add(fw.add_pre_hook(model, CallStart(fw, model, state)))
-    add(fw.add_post_hook(model, partial(_call_ends, state)))
-    patch.handles += grid_hooks(fw, model, state)
-    runs: Dict[int, _BlockRun] = {}
     lent = {
         id(m) for path in lent_children(type(model)) if fw.is_module(child_at(model, path))
         for m in fw.submodules(child_at(model, path))
     }
+    if lent:  # only the blocks a model lends ask whether its call is in flight
+        add(fw.add_post_hook(model, partial(_call_ends, state)))
+    patch.handles += grid_hooks(fw, model, state)
+    runs: Dict[int, _BlockRun] = {}
     for stream, block, family, ratio, sublayer, target in _sublayers(fw, model, state.config):
         run = runs.get(stream)
         if run is None:
