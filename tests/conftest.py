@@ -453,3 +453,26 @@ class VideoChecks:
 def video_checks():
     """:class:`VideoChecks`, to build per backend."""
     return VideoChecks
+
+
+def _check_sdxl(tome, pipe, run, attn1_token_counts) -> None:
+    """On the tiny SDXL pipeline (its finest level has no attention): ``patch(pipe)`` merges level 2 in 2x2
+    cells, ``ratio=0.5`` halves level 2's 256 tokens, and ``max_downsample=1`` warns that it excludes it.
+    ``run(pipe)``: one seeded call; ``attn1_token_counts(unet)``: the list every attn1's token count joins."""
+    tome.patch(pipe)  # mode="auto": level 2's keys and values pooled in 2x2 cells
+    run(pipe)
+    [(_, state)] = tome.patched_models(pipe)
+    assert {factor: (level.tokens, level.kept) for factor, level in state.stats.items()} == {2: (256, 64)}
+    tome.patch(pipe, ratio=0.5)
+    counts = attn1_token_counts(pipe.unet)
+    run(pipe)
+    assert 128 in counts and 256 not in counts  # level 2 (16x16 = 256 tokens) merged to 128
+    with pytest.warns(UserWarning, match="max_downsample=1 but the finest level with attention is downsampled 2x"):
+        tome.patch(pipe, max_downsample=1)
+
+
+@pytest.fixture(scope="session")
+def sdxl_check():
+    """:func:`_check_sdxl`, the same on torch and paddle."""
+    return _check_sdxl
+

@@ -103,18 +103,8 @@ def test_multi_controlnet_patches_every_net():
     assert set(counts) == {512, 256, 64}
 
 
-def test_sdxl_merges_by_default_and_warns_when_max_downsample_excludes_it():
-    pipe = build("sdxl")
-    tome.patch(pipe)  # mode="auto": level 2's keys and values pooled in 2x2 cells
-    run(pipe, "sdxl")
-    [(_, state)] = tome.patched_models(pipe)
-    assert {factor: (level.tokens, level.kept) for factor, level in state.stats.items()} == {2: (256, 64)}
-    tome.patch(pipe, ratio=0.5)
-    counts = attn1_token_counts(pipe.unet)
-    run(pipe, "sdxl")
-    assert 128 in counts and 256 not in counts  # level 2 (16x16 = 256 tokens) merged to 128
-    with pytest.warns(UserWarning, match="max_downsample=1 but the finest level with attention is downsampled 2x"):
-        tome.patch(pipe, max_downsample=1)
+def test_sdxl_merges_by_default_and_warns_when_max_downsample_excludes_it(sdxl_check):
+    sdxl_check(tome, build("sdxl"), lambda pipe: run(pipe, "sdxl"), attn1_token_counts)
 
 
 def test_keyword_only_unet_call_inside_a_pipeline_step():
