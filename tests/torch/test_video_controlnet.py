@@ -247,10 +247,7 @@ def test_sparsectrl_temporal_never_merged_when_frames_equal_level_tokens(video_c
     sequence) and max_downsample=2 (the mid block's 2x2 level has 4 tokens): motion modules stay at 16 frames
     and carry no hook; the spatial blocks merge (down block 0 and the mid block)."""
 
-    def pre_hook(module, fn):
-        return module.register_forward_pre_hook(lambda m, args, kwargs: fn(tuple((args[0] if args else kwargs["hidden_states"]).shape)), with_kwargs=True)
-
-    checks = video_checks(tome, sparsectrl_call, pre_hook, lambda model: model.named_modules(), hooked, None)
+    checks = video_checks(tome, sparsectrl_call, lambda model: model.named_modules(), hooked, None)
     model = build_video_controlnet("animatediff-sparsectrl", seed=0)
     frames, hw = 16, 4
     plain, patched, stats = checks.observe(model, 0.5, frames, hw, max_downsample=2)
