@@ -70,14 +70,17 @@ class Attention(Module):
         super().__init__()
         self.keys_seen = keys_seen
         self.bias: Optional[driver.SizeBias] = None
+        self.biases_seen: List[np.ndarray] = []
 
     def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None):
         keys = hidden_states if encoder_hidden_states is None else encoder_hidden_states
         self.keys_seen.append(keys.shape[1])
         logits = hidden_states @ keys.transpose(0, 2, 1) / np.sqrt(CHANNELS)
         if self.bias is not None:
-            logits = logits + self.bias.for_keys(keys.shape[1], hidden_states)
+            added = self.bias.for_keys(keys.shape[1], hidden_states)
+            logits = logits + added
             self.bias_calls += 1
+            self.biases_seen.append(added)
         logits = logits - logits.max(-1, keepdims=True)
         weights = np.exp(logits)
         return (weights / weights.sum(-1, keepdims=True)) @ keys
@@ -151,7 +154,7 @@ class FakeFramework:
         return args, kwargs
 
     def size_aware_done(self, module: Attention, computed: bool) -> None:
-        assert not computed or module.bias_calls > 0
+        assert module.bias is None or not computed or module.bias_calls > 0  # armed: the bias was used
         module.bias = None
 
     def bias_problem(self, module: Module) -> None:
@@ -240,3 +243,28 @@ def test_a_model_without_known_blocks_is_refused_at_patch():
 
     with pytest.raises(ValueError, match=r"nothing to patch: .*Plain contains no transformer block ToMe knows"):
         driver.patch(FW, Plain(), {})
+
+
+def test_a_call_outside_timestep_range_runs_unmerged_and_exactly():
+    model, inputs = Transformer(), _inputs(duplicated=False)
+    unpatched, _ = _run(model, inputs)
+    driver.patch(FW, model, {"ratio": 0.5, "timestep_range": (0, 400)})  # the call's timestep is 500
+    patched, seen = _run(model, inputs)
+    assert seen == [64, 64]
+    np.testing.assert_array_equal(patched, unpatched)
+    driver.patch(FW, model, {"ratio": 0.5, "timestep_range": (400, 1000)})
+    assert _run(model, inputs)[1] == [32, 32]
+
+
+def test_the_size_bias_is_each_merged_keys_log_size_and_text_keys_get_none():
+    """Brute force: the sizes a block's bias carries sum, per batch item, to the tokens merged into its keys;
+    cross-attention (text keys) is never armed."""
+    model, inputs = Transformer(), _inputs(duplicated=False)
+    driver.patch(FW, model, {"ratio": 0.5})
+    _run(model, inputs)
+    for block in model.blocks:
+        [bias] = block.attn1.biases_seen
+        assert bias.shape == (2, 1, 32) and (bias >= 0).all() and (bias > 0).any()
+        np.testing.assert_allclose(np.exp(bias).sum(-1), 64)
+        assert block.attn2.biases_seen == []
+
