@@ -216,7 +216,7 @@ def test_only_calls_that_may_be_recomputed_remember_their_matches():
     batch = unet_batch(1)
     tome.patch(unet, ratio=0.5)
     runs = {hook.__self__ for m in unet.modules() for hook in m._forward_pre_hooks.values()
-            if type(getattr(hook, "__self__", None)).__name__ == "_BlockRun"}
+            if type(getattr(hook, "__self__", None)).__name__ == "BlockRun"}
     assert len(runs) == 7
     with torch.no_grad():
         unet_loss(unet, batch)

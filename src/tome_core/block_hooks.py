@@ -1,0 +1,611 @@
+"""The hooks on each transformer block and its sub-layers: the block decides its :class:`BlockPlan` as it
+starts; each merged sub-layer merges its input (and moves rotary positions and masks, and arms size-aware
+attention with a :class:`~tome_core.framework.SizeBias`) and unmerges its output. Framework-free."""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .backend import get_ops
+from .config import ToMeConfig
+from .families import (
+    BlockFamily, Sublayer, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, attends_text_only, child_at, text_follows,
+    with_text_after,
+)
+from .framework import (
+    Framework, REUSED, SizeBias, spatial_size, argument, argument_positions, arrangement_error,
+    arrangement_problem, forward_of, replace_argument,
+)
+from .match import Match
+from .merge import merge, unmerge
+from .model_tree import block_metric
+from .shards import CONTEXT_PARALLEL
+from .state import ToMeState
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """What one block does at one call, decided once as the block starts (:meth:`BlockRun.begin`, the one
+    place that decides it) and read by its sub-layers' hooks: the options it runs with (``mode="auto"``
+    resolved for this call, or the fallback where its attention cannot take keys apart), its matches per
+    sub-layer kind (none: the block runs unmerged), and the tokens before (``head``) and after (``tail``) the
+    grid's in its image stream."""
+
+    config: ToMeConfig
+    matches: Dict[str, Match] = field(default_factory=dict)
+    head: int = 0
+    tail: int = 0
+
+    def unmerged(self) -> "BlockPlan":
+        return BlockPlan(self.config, {}, self.head, self.tail)
+
+
+class BlockRun:
+    """The matches of one transformer block while it runs, shared by the hooks of its sub-layers.
+
+    A block that gradient checkpointing runs again in the backward pass gets its input tensor back, but the
+    model's state may by then be another call's (another timestep, latent size or arrangement): so a forward
+    that records gradients remembers, per input tensor (while it lives), the matches and options it used,
+    and a run on the same tensor takes them back instead of matching again."""
+
+    def __init__(
+        self, fw: Framework, state: ToMeState, family: BlockFamily, stream: int, block: Any, ratio: Optional[float],
+        where: str,
+    ):
+        self.fw = fw
+        self.state = state
+        self.base = self.family = family  # family: the base, or its variant in this call (family_in_call)
+        self.stream = stream
+        self.block = block
+        self.ratio = ratio  # its block_ratios entry
+        self.where = where
+        self.attentions: List[Tuple[Sublayer, Any]] = []  # its merged self-attentions (what kv/queries arrange)
+        self.merged: set = set()  # sub-layers (children) merged in this run of the block
+        self.passing: set = set()  # sub-layers whose call now in flight runs unmerged (MergeInput._passes)
+        # token masks are gathered like rotary positions: one match for the whole batch
+        self.masks = any(sublayer.masks for sublayer in family.sublayers)
+        name = family.unmerged_with[0] if family.unmerged_with else None
+        self.unmerged_at = argument_positions(forward_of(type(block)), name)[name] if name else None
+        self.text_after_at = family_argument_position(family, block)
+        self.metric, self.metric_at = block_metric(family, block)  # what the match is computed from
+        self.lent = False  # another model may run this block in its own call (families.LENT)
+        self.plan = BlockPlan(state.active)
+        self.ran: Dict[int, Tuple[Any, BlockPlan]] = {}  # id(input): (weakref to it, the plan it ran with)
+
+    def begin(self, module, args, kwargs):
+        """Decide this block's :class:`BlockPlan` for the call now starting."""
+        block_problem(self.block, self.state.config)
+        self.family = family_in_call(self.base, self.text_after_at, args, kwargs)
+        metric = argument(args, kwargs, self.metric, self.metric_at)
+        earlier = self._ran_on(metric)
+        if earlier is not None:  # a recomputation (checkpointing): as it ran then
+            self.plan = earlier[1]
+            return None
+        if self.lent and not self.state.in_call:  # another model runs this block (it borrowed it): unmerged
+            self.plan = self.plan.unmerged()
+            return None
+        config, fallback = self._arrangement(self.state.active)
+        whole = metric
+        if self.family.feature_map:
+            self.state.enter_grid(spatial_size(metric, "NCHW"))
+            metric = pixels(metric)
+        metric = self._own_piece(_batch_first(metric) if self.family.sequence_first else metric)
+        head, tail = self._around(metric)
+        self.plan = BlockPlan(config, {}, head, tail)
+        if not self.state.merging or self._unmerged(args, kwargs):  # a call that runs unmerged, said where decided
+            return None
+        matches = self.state.block_matches(
+            self._image(metric), self.stream, self.family.rotary is not None or self.masks, self.ratio, config, fallback
+        )
+        self.plan = BlockPlan(config, matches, head, tail)
+        if self.fw.may_run_again(whole):
+            self.ran = {key: entry for key, entry in self.ran.items() if entry[0]() is not None}
+            self.ran[id(whole)] = (weakref.ref(whole), self.plan)
+        return None
+
+    def _ran_on(self, x: Any) -> Optional[Tuple[Any, BlockPlan]]:
+        """What an earlier run of this block on ``x`` used, if this is a recomputation of it: on ``x`` itself
+        (non-reentrant checkpointing), or on a tensor whose data ``x`` shares (reentrant checkpointing
+        recomputes from a detached copy); the earlier input is alive, so its memory holds no other tensor."""
+        earlier = self.ran.get(id(x))
+        if earlier is not None and earlier[0]() is x:
+            return earlier
+        return next((entry for entry in self.ran.values() if self.fw.same_data(entry[0](), x)), None)
+
+    def _own_piece(self, x: Any) -> Any:
+        """This process's piece of a block input that context parallelism splits inside the block's own call
+        (:attr:`Shards.split_inside`); ``x`` itself otherwise."""
+        shards = self.state.shards
+        if shards is None or id(self.block) not in shards.split_inside:
+            return x
+        if self.family.stream != TEXT_NONE:
+            raise ValueError(
+                f"ToMe cannot merge {self.where} {CONTEXT_PARALLEL}: its {type(self.block).__name__} splits its "
+                "input of text and image tokens together, so a process's piece mixes both"
+            )
+        length = get_ops(x).shape(x)[1] // shards.count
+        return x[:, shards.rank * length : (shards.rank + 1) * length]
+
+    def _unmerged(self, args, kwargs) -> bool:
+        """Whether this call of the block runs unmerged (:attr:`BlockFamily.unmerged_with`), said once."""
+        if self.family.unmerged_with is None:
+            return False
+        name, why = self.family.unmerged_with
+        if argument(args, kwargs, name, self.unmerged_at) is None:
+            return False
+        self.state.say_once(f"ToMe on {self.where}: calls whose blocks get {name} ({why}) run unmerged in those blocks")
+        return True
+
+    def _around(self, x: Any) -> Tuple[int, int]:
+        """``(head, tail)``: the tokens before and after the grid's in this block's image stream. The tail: the
+        call's (reference tokens its model put in the stream), or, in a stream of image tokens alone, every token
+        past the grid (FLUX.3's joint blocks get the reference images' tokens after the output's, which its
+        earlier blocks ran apart). Where the call's grid comes last (FramePack), those tokens are the head."""
+        grid = self.state.grid_hw
+        if self.family.stream != TEXT_NONE or grid is None:
+            return 0, self.state.tail
+        extra = get_ops(x).shape(x)[1] - grid[0] * grid[1] - self.state.tail
+        if extra > 0 and self.state.shards is not None:
+            raise ValueError(
+                f"ToMe cannot merge {self.where} {CONTEXT_PARALLEL}: its {type(self.block).__name__}s get {extra} "
+                "tokens of other images beside the output's grid, which the split divides together with it"
+            )
+        if self.state.grid_last:
+            return max(extra, 0), self.state.tail
+        return 0, self.state.tail + max(extra, 0)
+
+    def _image(self, x: Any) -> Any:
+        """The image tokens of the block's input: without the tail, and without the text in front where the
+        block's input is ``[text; image; tail]`` (their count: the call's grid)."""
+        stream = self.family.stream
+        if stream == TEXT_NONE and not self.plan.tail and not self.plan.head:
+            return x
+        length = get_ops(x).shape(x)[1]
+        if stream == TEXT_NONE:
+            return x[:, self.plan.head : length - self.plan.tail]
+        grid = self.state.grid_hw
+        if grid is None:
+            raise ValueError(f"ToMe on {self.where}: a {type(self.block).__name__} got no token grid from its model's call")
+        if stream == TEXT_SUFFIX:
+            return x[:, : grid[0] * grid[1]]
+        return x[:, length - self.plan.tail - grid[0] * grid[1] : length - self.plan.tail]
+
+    def _arrangement(self, config: ToMeConfig) -> Tuple[ToMeConfig, Optional[str]]:
+        """The options this block runs with now, and why they are a fallback (None: they are not):
+        ``config``, unless its self-attention (its processor at this call) cannot take keys and values apart
+        from its queries; then ``mode="auto"`` runs ToMe for SD's arrangement here
+        (:meth:`ToMeState.fallback`), and an explicit ``kv`` or ``queries`` is refused."""
+        if config.mode not in ("kv", "queries"):
+            return config, None
+        for sublayer, module in self.attentions:
+            problem = arrangement_problem(self.fw, self.block, sublayer, module)
+            if problem is None:
+                continue
+            if self.state.config.mode != "auto":
+                raise arrangement_error(config.mode, f"block {self.stream} of {self.where}", problem)
+            return self.state.fallback(self.fw.bias_problem(module) is None), problem
+        return config, None
+
+    def end(self, module, args, kwargs, output):
+        self.plan = self.plan.unmerged()
+        self.merged.clear()
+        return None
+
+
+def family_argument_position(family: BlockFamily, block: Any) -> Optional[int]:
+    """Where ``block``'s forward takes its family's ``text_after_with`` argument by position (None: by keyword
+    only, or the family has none)."""
+    name = family.text_after_with
+    return argument_positions(forward_of(type(block)), name)[name] if name else None
+
+
+def family_in_call(family: BlockFamily, at: Optional[int], args, kwargs) -> BlockFamily:
+    """``family`` as a block call with these arguments runs it: with its text after the image where the call gives
+    its ``text_after_with`` argument (at position ``at``, :func:`~tome_core.families.with_text_after`)."""
+    if family.text_after_with is None or argument(args, kwargs, family.text_after_with, at) is None:
+        return family
+    return with_text_after(family)
+
+
+class SublayerHook:
+    """A hook on one sub-layer of a block run: its :class:`Sublayer` is the family's entry as the block's call
+    now runs it (:func:`family_in_call`)."""
+
+    def __init__(self, fw: Framework, run: "BlockRun", sublayer: Sublayer):
+        self.fw = fw
+        self.run = run
+        self.index = run.base.sublayers.index(sublayer)
+
+    @property
+    def sublayer(self) -> Sublayer:
+        return self.run.family.sublayers[self.index]
+
+
+def pixels(x: Any) -> Any:
+    """A feature map ``(B, C, H, W)`` as tokens ``[B, H * W, C]``, with the ops protocol's transpose."""
+    ops = get_ops(x)
+    batch, channels, height, width = ops.shape(x)
+    return ops.matrix_transpose(ops.reshape(x, (batch, channels, height * width)))
+
+
+def _batch_first(x: Any) -> Any:
+    """``[S, B, C]`` as ``[B, S, C]``, with the ops protocol's transpose of the last two axes."""
+    ops = get_ops(x)
+    length, batch, channels = ops.shape(x)
+    x = ops.matrix_transpose(ops.reshape(x, (length, batch * channels)))  # [B * C, S]
+    return ops.matrix_transpose(ops.reshape(x, (batch, channels, length)))
+
+
+def block_problem(block: Any, config: ToMeConfig) -> None:
+    """Refuse options that this block, as it is now set up, cannot run (at ``patch`` and at each call)."""
+    if config.merge_mlp and getattr(block, "_chunk_size", None) is not None:
+        raise ValueError(
+            f"merge_mlp=True cannot be combined with feed-forward chunking (enable_forward_chunking) of "
+            f"{type(block).__name__}: the feed-forward runs on chunks of the merged tokens; disable one of them"
+        )
+
+
+class MergeInput(SublayerHook):
+    """Pre-hook on a sub-layer: merge the image tokens of its first input (text tokens stay), give merged
+    tokens their destination's rotary position, and arm size-aware attention.
+
+    A self-attention with a ``kv_input`` runs in the configured arrangement: ``tokens`` merges its input,
+    ``kv`` keeps its queries and hands it the merged tokens as keys and values, ``queries`` merges its
+    queries and hands it every token as keys and values."""
+
+    def __init__(self, fw: Framework, run: BlockRun, sublayer: Sublayer, module: Any):
+        super().__init__(fw, run, sublayer)
+        # where ``module``'s forward takes the rotary arguments and masks by position (None: by keyword only)
+        self.rotary_at = argument_positions(forward_of(type(module)), *rotary_arguments(run.family))
+        self.masks_at = argument_positions(forward_of(type(module)), "attention_mask", *(name for name, _ in sublayer.masks))
+        self.aligned_at = argument_positions(forward_of(type(module)), *sublayer.aligned)
+        self.counts_at = argument_positions(forward_of(type(module)), *sublayer.counts, *sublayer.log_bases)
+        self.head = 0  # the head in this call's input (sublayer_head)
+        self.inside = Inside(fw, run, sublayer, module) if sublayer.projections else None
+        self.text_only = attends_text_only(run.block, sublayer)  # its block's flag makes it a cross-attention
+        # what the attention takes keys and values from (diffusers' encoder_hidden_states, Flax's context)
+        self.kv_name = sublayer.kv_input or "encoder_hidden_states"
+        self.kv_at = argument_positions(forward_of(type(module)), self.kv_name)[self.kv_name]
+
+    def __call__(self, module, args, kwargs):
+        if self.inside is not None:
+            return self._arm_inside(module, args, kwargs)
+        match = self.run.plan.matches.get(self.sublayer.kind)
+        if match is None or match.merged == 0 or self._passes(args, kwargs):
+            return None
+        mode, size_aware = self.run.plan.config.arrangement(self.sublayer.kind, self.sublayer.attention)
+        self.fw.output_cache(module)  # a cache set after patch is checked here
+        x = argument(args, kwargs, "hidden_states", 0)
+        self.head = sublayer_head(self.run, self.sublayer, get_ops(x).shape(x)[1], match.tokens)
+        merged = around_image(x, match.tokens, self.run.plan.tail, self.sublayer.text, lambda image: merge(image, match), self.head)
+        if mode != "tokens":
+            return self._arrange(module, args, kwargs, x, merged, match, mode, size_aware)
+        args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
+        for name in self.sublayer.aligned:
+            other = argument(args, kwargs, name, self.aligned_at[name])
+            if other is not None:
+                alike = merged if other is x else around_image(
+                    other, match.tokens, self.run.plan.tail, self.sublayer.text, lambda image: merge(image, match), self.head
+                )
+                args, kwargs = replace_argument(args, kwargs, name, self.aligned_at[name], alike)
+        for name, at in self.rotary_at.items():
+            args, kwargs = self._merge_rotary(args, kwargs, match, name, at)
+        gathered = self._gather_masks(args, kwargs, match)
+        for name, mask in gathered.items():
+            args, kwargs = replace_argument(args, kwargs, name, self.masks_at[name], mask)
+        for name in self.sublayer.counts:
+            if argument(args, kwargs, name, self.counts_at[name]) is not None:
+                args, kwargs = replace_argument(args, kwargs, name, self.counts_at[name], match.kept)
+        for name in self.sublayer.log_bases:
+            base = argument(args, kwargs, name, self.counts_at[name])
+            if base is not None:
+                base = same_logarithm(base, get_ops(x).shape(x)[1], get_ops(merged).shape(merged)[1])
+                args, kwargs = replace_argument(args, kwargs, name, self.counts_at[name], base)
+        if not size_aware:
+            return args, kwargs
+        # With only_cross_attention, a BasicTransformerBlock's attn1 attends to text: its keys are not merged. (Its
+        # own input given again there, Lumina-Next's and OmniGen's, was merged alike: its keys are.)
+        attends_text = self.kv_name not in self.sublayer.aligned and argument(args, kwargs, self.kv_name, self.kv_at) is not None
+        if self.sublayer.text == TEXT_NONE and attends_text:
+            return args, kwargs
+        return self._size_aware(module, args, kwargs, match, merged)
+
+    def _arm_inside(self, module, args, kwargs):
+        """Arm the hooks inside an attention that merges at its projections (:class:`Inside`) for this call: a
+        self-attention, or a cross-attention (given keys and values other than its input, with no image among
+        them), which merges its queries as ``crossattn``."""
+        x = argument(args, kwargs, "hidden_states", 0)
+        kv = argument(args, kwargs, self.kv_name, self.kv_at)
+        cross = (self.sublayer.text == TEXT_NONE and kv is not None and kv is not x) or self.text_only
+        kind = "crossattn" if cross else self.sublayer.kind
+        match = self.run.plan.matches.get(kind)
+        # a cross-attention's attention_mask is over the text's keys (Kandinsky 3's), which merging never touches
+        if match is None or match.merged == 0 or (not cross and self._passes(args, kwargs)):
+            return None
+        mode, size_aware = self.run.plan.config.arrangement(kind, self.sublayer.attention and not cross)
+        self.inside.arm(match, mode, cross, size_aware)
+        if not size_aware:
+            return None
+        bias = SizeBias(match, self.sublayer.text, x, self.run.plan.tail, whole_mask=False)
+        return self.fw.size_aware(module, args, kwargs, bias)
+
+    def _passes(self, args, kwargs) -> bool:
+        """Whether this call of the sub-layer runs on all its tokens, unmerged: a call after the block's first
+        where the sub-layer runs once on the image and then on other tokens (:attr:`Sublayer.once`), or a
+        self-attention given an ``attention_mask`` over its tokens that the family table does not say how to
+        gather (SkyReels-V2's block-causal mask; a UNet call's ``attention_mask``): merging would mix tokens the
+        mask keeps apart."""
+        run, child = self.run, self.sublayer.child
+        if self.sublayer.once and child in run.merged:
+            run.passing.add(child)
+            return True
+        run.merged.add(child)
+        mask = argument(args, kwargs, "attention_mask", self.masks_at["attention_mask"])
+        placed = any(name == "attention_mask" for name, _ in self.sublayer.masks)
+        if mask is None or self.sublayer.kind != "attn" or (placed and gatherable(mask, argument(args, kwargs, "hidden_states", 0))):
+            return False
+        run.state.say_once(
+            f"ToMe on {run.where}: {type(run.block).__name__}.{child} is given an attention_mask over its tokens, which "
+            "merging cannot follow; it runs on all its tokens (its block's other sub-layers still merge) in such calls"
+        )
+        run.passing.add(child)
+        return True
+
+    def _gather_masks(self, args, kwargs: Dict[str, Any], match: Match) -> Dict[str, Any]:
+        """The sub-layer's token masks (:attr:`Sublayer.masks`) over ``[text; merged image; tail]``."""
+        gathered = {}
+        for name, axes in self.sublayer.masks:
+            mask = argument(args, kwargs, name, self.masks_at[name])
+            if mask is None:
+                continue
+            for axis in axes:  # none: a mask over the text only, which the processor extends over the image
+                mask = merge_positions((mask,), match, axis, self.run.plan.tail, text_follows(self.sublayer.text), self.head)[0]
+            gathered[name] = mask
+        return gathered
+
+    def _arrange(self, module, args, kwargs, x, merged, match, mode, size_aware):
+        """The ``kv`` or ``queries`` arrangement of a self-attention."""
+        name = self.sublayer.kv_input
+        if mode == "queries":
+            args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
+            return args, {**kwargs, name: x}
+        kwargs = {**kwargs, name: merged}
+        if size_aware:
+            return self._size_aware(module, args, kwargs, match, merged)
+        return args, kwargs
+
+    def _merge_rotary(self, args, kwargs, match, name: str, at: Optional[int]):
+        """The sub-layer's rotary argument ``name`` (at position ``at``) moved to the merged tokens."""
+        rotary = argument(args, kwargs, name, at)
+        if rotary is None:
+            return args, kwargs
+        family, after = self.run.family, text_follows(self.sublayer.text)
+        if isinstance(rotary, dict):  # tables by name (AnyFlow's query and key frequencies)
+            moved = merge_positions(tuple(rotary.values()), match, family.rotary_axis, self.run.plan.tail, after, self.head)
+            return replace_argument(args, kwargs, name, at, type(rotary)(zip(rotary, moved)))
+        if not isinstance(rotary, (tuple, list)):  # one table (Z-Image's complex frequencies)
+            moved = merge_positions((rotary,), match, family.rotary_axis, self.run.plan.tail, after, self.head)[0]
+            return replace_argument(args, kwargs, name, at, moved)
+        items = family.rotary_items
+        moved = merge_positions(
+            [table for i, table in enumerate(rotary) if items is None or i in items], match, family.rotary_axis,
+            self.run.plan.tail, after, self.head,
+        )
+        if items is not None:
+            moved = iter(moved)
+            moved = [next(moved) if i in items else table for i, table in enumerate(rotary)]
+        return replace_argument(args, kwargs, name, at, type(rotary)(moved))
+
+    def _size_aware(self, module, args, kwargs, match, merged, masked=False):
+        return self.fw.size_aware(
+            module, args, kwargs, SizeBias(match, self.sublayer.text, merged, self.run.plan.tail, self.head)
+        )
+
+
+def gatherable(mask: Any, x: Any) -> bool:
+    """Whether a token mask can be gathered as a sub-layer's input ``x`` merges: an array of ``x``'s type (not,
+    e.g., a flex-attention ``BlockMask``, which Qwen-Image 2.1's flex processor gets)."""
+    return mask is None or isinstance(mask, type(x)) or isinstance(x, type(mask))
+
+
+def rotary_arguments(family: BlockFamily) -> Tuple[str, ...]:
+    """The arguments of a family's sub-layers that carry rotary tables: ``rotary``, and ``key_rotary`` where the
+    keys' table is given apart."""
+    return tuple(name for name in (family.rotary, family.key_rotary) if name is not None)
+
+
+def same_logarithm(base: float, whole: int, short: int) -> float:
+    """The base under which the logarithm of ``short`` is that of ``whole`` under ``base``
+    (:attr:`~tome_core.families.Sublayer.log_bases`): ``base ** (ln short / ln whole)``. ``base`` itself where no
+    base can hold it (fewer than two tokens)."""
+    if short < 2 or whole < 2 or short == whole:
+        return base
+    return float(base) ** (math.log(short) / math.log(whole))
+
+
+def sublayer_head(run: "BlockRun", sublayer: Sublayer, length: int, tokens: int) -> int:
+    """The block's head in a sub-layer's input (or output) of ``length`` tokens around ``tokens`` image tokens:
+    where no text shares the tensor, a sub-layer may run on the grid alone (Helios' cross-attention gets the
+    current frames without their history), and then it has none."""
+    if sublayer.text in (TEXT_PREFIX, TEXT_SUFFIX) or length == run.plan.head + tokens + run.plan.tail:
+        return run.plan.head
+    return 0
+
+
+def around_image(x: Any, tokens: int, tail: int, text: str, change: Callable[[Any], Any], head: int = 0) -> Any:
+    """``x`` ``[B, L, C]`` with its ``tokens`` image tokens replaced by ``change(image)``: ``x`` is ``[head; image;
+    tail]``, or with the rest of ``L`` text in front (``text == TEXT_PREFIX``) or behind (``TEXT_SUFFIX``)."""
+    ops = get_ops(x)
+    length = ops.shape(x)[1]
+    words = length - head - tokens - tail if text in (TEXT_PREFIX, TEXT_SUFFIX) else 0
+    if not words and not tail and not head:
+        return change(x)
+    start = (words if text == TEXT_PREFIX else 0) + head
+    parts = [x[:, :start]] if start else []
+    parts.append(change(x[:, start : start + tokens]))
+    if start + tokens < length:
+        parts.append(x[:, start + tokens :])
+    return ops.concat(parts, axis=1)
+
+
+def merge_positions(
+    rotary: Any, match: Match, axis: int = 0, tail: int = 0, text_after: bool = False, head: int = 0
+) -> Any:
+    """Tables ``(cos, sin)`` (rotary positions, token masks) over ``[text; head; image; tail]`` tokens along
+    ``axis`` (``[head; image; tail; text]`` with ``text_after``) moved to the merged tokens: each merged token takes the entry
+    of the token it stands at (its destination). The match is shared by the batch, so batch item 0 tells every
+    item's positions."""
+    if match.representatives is None:
+        return rotary
+    moved = []
+    for table in rotary:
+        if isinstance(table, (tuple, list)):  # nested: Allegro's per-token positions (t, h, w)
+            moved.append(type(table)(merge_positions(table, match, axis, tail, text_after, head)))
+            continue
+        ops = get_ops(table)
+        text = ops.shape(table)[axis] - head - match.tokens - tail
+        first = (0 if text_after else text) + head  # the image's first row
+        image = match.representatives[0] + first
+        rows = lambda start, stop: ops.astype_like(ops.arange(stop - start, image), image) + start  # noqa: E731
+        pieces = [rows(0, first)] if first else []
+        pieces.append(image)
+        if tail or (text and text_after):
+            end = first + match.tokens
+            pieces.append(rows(end, end + tail + (text if text_after else 0)))
+        rows_taken = ops.concat(pieces, axis=0) if len(pieces) > 1 else image
+        moved.append(ops.take(table, rows_taken, axis=axis))
+    return tuple(moved)
+
+
+class UnmergeOutput(SublayerHook):
+    """Post-hook on a sub-layer: unmerge the image stream of its output (the text part stays).
+
+    Where an output cache (e.g. diffusers' Pyramid Attention Broadcast) hands back an output it stored in an
+    earlier call, that output was merged by that call's match: the unmerged result of that call is returned
+    instead, which is what the cache gives an unpatched model."""
+
+    def __init__(self, fw: Framework, run: BlockRun, sublayer: Sublayer, inside: Optional["Inside"] = None):
+        super().__init__(fw, run, sublayer)
+        self.inside = inside  # where the sub-layer merges inside itself (Sublayer.projections)
+        self.stored: Tuple[Any, Any] = (None, None)  # (raw output, its unmerged form), only under a cache
+
+    def __call__(self, module, args, kwargs, output):
+        if self.inside is not None:
+            self.inside.done(module, output)
+            return None
+        if self.sublayer.child in self.run.passing:  # this call ran on all its tokens
+            self.run.passing.discard(self.sublayer.child)
+            return None
+        cached = output is not None and self.fw.output_cache(module) == REUSED  # None: the sub-layer raised
+        reused = cached and output is self.stored[0]
+        mode, size_aware = self.run.plan.config.arrangement(self.sublayer.kind, self.sublayer.attention)
+        if size_aware:
+            self.fw.size_aware_done(module, computed=output is not None and not reused)  # None: it raised
+        if reused:
+            return self.stored[1]
+        match = self.run.plan.matches.get(self.sublayer.kind)
+        # kv: the queries kept every token, so the output has them all
+        if output is None or match is None or match.merged == 0 or mode == "kv":
+            self.stored = (None, None)
+            return None
+        result = self._unmerge(output, match)
+        self.stored = (output, result) if cached else (None, None)
+        return result
+
+    def _unmerge(self, output: Any, match: Match) -> Any:
+        index = self.sublayer.output
+        image = output if index is None else output[index]
+        head = sublayer_head(self.run, self.sublayer, get_ops(image).shape(image)[1], match.kept)
+        image = around_image(image, match.kept, self.run.plan.tail, self.sublayer.text, lambda x: unmerge(x, match), head)
+        if index is None:
+            return image
+        return type(output)(image if i == index else part for i, part in enumerate(output))
+
+
+class Inside:
+    """ToMe inside an attention that keeps its norm and residual to itself (:attr:`Sublayer.projections`): while a
+    call of it armed by :class:`MergeInput` runs, pre-hooks on its query, key and value projections merge their
+    inputs (``[B, N, C]`` tokens, after its norm) and a post-hook on its output projection unmerges that one's
+    output (before its residual), as the call's arrangement says."""
+
+    def __init__(self, fw: Framework, run: BlockRun, sublayer: Sublayer, module: Any):
+        self.fw = fw
+        self.run = run
+        self.sublayer = sublayer
+        self.projections = [child_at(module, path) for path in sublayer.projections]
+        missing = [path for path, found in zip(sublayer.projections, self.projections) if not fw.is_module(found)]
+        if missing:
+            raise ValueError(f"ToMe cannot merge {type(module).__name__}: it has no {', '.join(missing)}")
+        self.armed: Optional[Tuple[Match, str, bool, bool]] = None  # (match, mode, cross, size-aware) of a call
+        self.query: Tuple[Any, Any] = (None, None)  # (what the query projection got, what it got instead)
+        self.keys: Tuple[Any, Any] = (None, None)  # the same for the key and value projections
+        self.acted = False
+
+    def attach(self, add: Callable[[Any], None]) -> None:
+        query, key, value, output = self.projections
+        add(self.fw.add_pre_hook(query, self._query))
+        add(self.fw.add_pre_hook(key, self._key))
+        add(self.fw.add_pre_hook(value, self._key))
+        add(self.fw.add_post_hook(output, self._output))
+
+    def arm(self, match: Match, mode: str, cross: bool, size_aware: bool) -> None:
+        self.armed = (match, mode, cross, size_aware)
+        self.query = self.keys = (None, None)
+        self.acted = False
+
+    def done(self, module: Any, output: Any) -> None:
+        """The armed attention returned (``output`` None: it raised): disarm, and refuse a call whose processor
+        passed by the projections."""
+        armed, acted = self.armed, self.acted
+        self.armed, self.query, self.keys = None, (None, None), (None, None)
+        if armed is None:
+            return
+        if armed[3]:
+            self.fw.size_aware_done(module, computed=output is not None)
+        if output is not None and not acted:
+            raise RuntimeError(
+                f"ToMe: the processor {type(getattr(module, 'processor', None)).__name__} of a merged "
+                f"{type(module).__name__} did not run its projections ({', '.join(self.sublayer.projections)}), where "
+                "ToMe merges; use diffusers' default attention processor there"
+            )
+
+    def _query(self, module, args, kwargs):
+        if self.armed is None:
+            return None
+        match, mode = self.armed[:2]
+        x = args[0]
+        if mode not in ("tokens", "queries"):
+            self.query = (x, x)
+            return None
+        self.acted = True
+        self.query = (x, merge(x, match))
+        return (self.query[1],) + tuple(args[1:]), kwargs
+
+    def _key(self, module, args, kwargs):
+        if self.armed is None:
+            return None
+        match, mode, cross = self.armed[:3]
+        x = args[0]
+        if cross or mode == "queries":
+            return None
+        if x is not self.keys[0]:
+            if x is self.query[0] and self.query[1] is not x:
+                merged = self.query[1]
+            elif x is self.query[0]:
+                merged = merge(x, match)
+            elif self.sublayer.text != TEXT_NONE:  # [image; text] (or [text; image]) keys: the image part
+                text = TEXT_SUFFIX if text_follows(self.sublayer.text) else TEXT_PREFIX
+                merged = around_image(x, match.tokens, self.run.plan.tail, text, lambda image: merge(image, match))
+            else:
+                return None
+            self.keys = (x, merged)
+        self.acted = True
+        return (self.keys[1],) + tuple(args[1:]), kwargs
+
+    def _output(self, module, args, kwargs, output):
+        if self.armed is None or output is None or self.armed[1] not in ("tokens", "queries"):
+            return None
+        return unmerge(output, self.armed[0])

@@ -1,0 +1,204 @@
+"""What a model holds, read through a :class:`~tome_core.framework.Framework`: its blocks of a known family
+(temporal ones left out), their levels and grids, the sub-layers that merge under a config, the choices of
+``mode="auto"``, and the models inside a pipeline. Framework-free."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .config import ToMeConfig
+from .families import (
+    BlockFamily, CHANNELS_LAST_GRID_CONTAINERS, GRID_CONTAINERS, block_family, child_at, grid_source, temporal,
+    text_only,
+)
+from .framework import Framework, argument_positions, forward_of, is_transformer_model, is_unet_like
+from .levels import finest_attention_level
+from .selection import ModelFacts, block_ratios, selected_blocks
+
+
+def temporal_modules(fw: Framework, model: Any, table: Callable[[type], Any] = temporal) -> set:
+    """The ids of the modules inside ``model`` that attend across frames (:data:`~tome_core.families.TEMPORAL`):
+    those containers' blocks (or the blocks under their listed children) and everything inside them; with
+    ``table=text_only``, those that run on the text alone (:data:`~tome_core.families.TEXT_ONLY`)."""
+    inside: set = set()
+    for module in fw.submodules(model):
+        if id(module) in inside:
+            continue
+        entry = table(type(module))
+        if entry is None:
+            continue
+        roots = [child_at(module, child) for child in entry.children] if entry.children else [module]
+        for root in roots:
+            if root is not None and fw.is_module(root):
+                inside.update(id(sub) for sub in fw.submodules(root))
+    return inside
+
+
+def blocks_of(fw: Framework, model: Any) -> List[Tuple[Any, BlockFamily]]:
+    """The spatial transformer blocks of a known family inside ``model``, in module order (their stream index).
+
+    Temporal blocks (tokens = frames: video UNets' motion modules and temporal transformers) are left out:
+    they are never merged, get no hook, and count in no block index, level or statistic."""
+    found = []
+    skip = temporal_modules(fw, model) | temporal_modules(fw, model, text_only)
+    for module in fw.submodules(model):
+        family = block_family(type(module), type(model))
+        if family is not None and id(module) not in skip:
+            found.append((module, family))
+    return found
+
+
+def finest_level(fw: Framework, model: Any) -> int:
+    """Downsample factor of a UNet's finest level with attention; 1 for transformers. Stable Cascade's UNet (a
+    patchified model whose levels are resampled by its ``down_downscalers``, before each level's blocks) counts
+    the downscalers that halve the grid before its first level with attention: its stage B has none at the two
+    finest levels, its stage C two levels on one grid."""
+    attending = lambda: {  # noqa: E731
+        id(block) for block, family in blocks_of(fw, model)
+        for sublayer in family.sublayers if sublayer.kind == "attn" and fw.is_module(child_at(block, sublayer.child))
+    }
+    downscalers = getattr(model, "down_downscalers", None)
+    if not is_unet_like(model) and downscalers is not None and hasattr(model, "down_blocks"):
+        ids, factor = attending(), 1
+        for down, downscaler in zip(model.down_blocks, downscalers):
+            factor *= 2 if _halves(fw, downscaler) else 1
+            if any(id(m) in ids for m in fw.submodules(down)):
+                return factor
+        return factor
+    if not is_unet_like(model):
+        return 1
+    ids = attending()
+    return finest_attention_level([any(id(m) in ids for m in fw.submodules(down)) for down in model.down_blocks])
+
+
+def _halves(fw: Framework, module: Any) -> bool:
+    """Whether a resampling module halves the grid: it holds a stride-2 convolution or a 0.5x interpolation."""
+    return any(
+        getattr(m, "stride", None) in (2, (2, 2)) or getattr(m, "scale_factor", None) in (0.5, (0.5, 0.5))
+        for m in fw.submodules(module)
+    )
+
+
+def block_levels(fw: Framework, model: Any) -> List[Optional[int]]:
+    """The level (downsample factor) of each block of :func:`blocks_of`: 1 in a diffusion transformer (and after a
+    model's :data:`~tome_core.families.GRID_SOURCES` child, whose grid its blocks' tokens are); in a
+    UNet-like model, doubled after each down block that downsamples and halved after each up block that
+    upsamples (the middle block at the deepest level); ``None`` where the model does not tell: blocks on a
+    feature map outside a UNet (Stable Cascade's levels), and UNets whose down blocks resample inside their
+    ResNets rather than in ``downsamplers`` (Kandinsky 3's); their merges then follow each block's grid."""
+    blocks = blocks_of(fw, model)
+    if not is_unet_like(model):
+        one = is_transformer_model(model) or grid_source(type(model)) is not None  # one grid: the model's tokens
+        return [1 if one and not family.feature_map else None for _, family in blocks]
+    if not any(hasattr(down, "downsamplers") for down in model.down_blocks):
+        return [None for _ in blocks]
+    level: Dict[int, int] = {}
+    factor = 1
+    path = [(down, "downsamplers") for down in model.down_blocks]
+    middle = getattr(model, "mid_block", None)
+    path += [(middle, None)] if middle is not None else []
+    path += [(up, "upsamplers") for up in getattr(model, "up_blocks", None) or ()]
+    for part, resamples in path:
+        for sub in fw.submodules(part):
+            level.setdefault(id(sub), factor)
+        if resamples is not None and getattr(part, resamples, None) is not None:
+            factor = factor * 2 if resamples == "downsamplers" else max(factor // 2, 1)
+    return [level.get(id(block)) for block, _ in blocks]
+
+
+def model_facts(fw: Framework, model: Any) -> ModelFacts:
+    """What :func:`~tome_core.selection.check_model` checks the options against."""
+    families = {family for _, family in blocks_of(fw, model)}
+    timesteps = max(family.timesteps for family in families) if families else None
+    return ModelFacts(type(model).__qualname__, finest_level(fw, model), block_levels(fw, model), timesteps)
+
+
+def grid_modules(fw: Framework, model: Any) -> List[Any]:
+    """The 2-D containers in ``model`` (:data:`~tome_core.families.GRID_CONTAINERS`: UNet-style
+    ``Transformer2DModel``, SVD's ``TransformerSpatioTemporalModel``; channels-last, Flax's): their 4-D input
+    ``(batch [* frames], C, H, W)`` is the grid of their spatial blocks."""
+    return [m for m in fw.submodules(model) if type(m).__name__ in GRID_CONTAINERS + CHANNELS_LAST_GRID_CONTAINERS]
+
+
+def check_grids(fw: Framework, model: Any) -> None:
+    """Refuse a model whose blocks cannot know their grid: neither a UNet, a ControlNet or a diffusion
+    transformer, nor inside a 2-D container (``Transformer2DModel``, ``TransformerSpatioTemporalModel``), nor after
+    a child whose output gives it (:data:`~tome_core.families.GRID_SOURCES`)."""
+    if is_unet_like(model) or is_transformer_model(model) or grid_source(type(model)) is not None:
+        return
+    inside = {id(sub) for grid in grid_modules(fw, model) for sub in fw.submodules(grid)}
+    lost = [type(block).__name__ for block, _ in blocks_of(fw, model) if id(block) not in inside]
+    if lost:
+        raise ValueError(
+            f"cannot patch {type(model).__qualname__}: its {lost[0]}s are outside a UNet, a ControlNet, a "
+            "diffusion transformer or a 2-D Transformer2DModel, so nothing tells them their token grid"
+        )
+
+
+def merged_sublayers(fw: Framework, model: Any, config: ToMeConfig):
+    """``(stream, block, family, block ratio, sublayer, module)`` of every sub-layer that merges under
+    ``config`` (the block ratio is its ``block_ratios`` entry or None); block indices are checked first."""
+    blocks = blocks_of(fw, model)
+    chosen = set(selected_blocks(config, len(blocks), type(model).__qualname__))
+    ratios = block_ratios(config, len(blocks), type(model).__qualname__)
+    for stream, (block, family) in enumerate(blocks):
+        if stream not in chosen:
+            continue
+        for sublayer in family.sublayers:
+            target = child_at(block, sublayer.child)
+            if target is not None and fw.is_module(target) and config.sublayers[sublayer.kind]:
+                yield stream, block, family, ratios.get(stream), sublayer, target
+
+
+def auto_choices(fw: Framework, model: Any, config: ToMeConfig) -> Tuple[Tuple[int, ToMeConfig], ...]:
+    """:meth:`ToMeConfig.auto_choices` for ``model``: keys and values in cells only where every merged
+    self-attention takes them apart from its queries (the family table's ``kv_input``)."""
+    kv_input = all(s.kv_input is not None or s.projections for *_, s, _ in merged_sublayers(fw, model, config) if s.kind == "attn")
+    return config.auto_choices(kv_input, is_unet_like(model))
+
+
+def size_aware_somewhere(fw: Framework, model: Any, config: ToMeConfig) -> bool:
+    """Whether some merged self-attention of ``model`` runs size-aware under ``config``."""
+    choices = [choice for _, choice in auto_choices(fw, model, config)]
+    return any(
+        choice.arrangement(sublayer.kind, sublayer.attention)[1]
+        for *_, sublayer, _ in merged_sublayers(fw, model, config) for choice in choices
+    )
+
+
+def block_metric(family: BlockFamily, block: Any) -> Tuple[str, Optional[int]]:
+    """The argument of ``block``'s call whose tokens the match is computed from (:attr:`BlockFamily.metric`;
+    ``hidden_states``, its first input, by default) and its position in the block's ``forward``."""
+    if family.metric is None:
+        return "hidden_states", 0
+    return family.metric, argument_positions(forward_of(type(block)), family.metric)[family.metric]
+
+
+def components(fw: Framework, obj: Any) -> List[Any]:
+    """The modules ``obj`` consists of: itself if it is a module, else a pipeline's module components."""
+    if fw.is_module(obj):
+        return [obj]
+    if isinstance(getattr(obj, "components", None), dict):
+        found = []
+        for component in obj.components.values():
+            items = component if isinstance(component, (list, tuple)) else [component]
+            found.extend(item for item in items if fw.is_module(item))
+        return found
+    raise TypeError(f"ToMe can patch {fw.accepted}; got {type(obj).__module__}.{type(obj).__qualname__}")
+
+
+def find_models(fw: Framework, obj: Any) -> List[Any]:
+    """The models to patch inside ``obj``: every UNet-like model and diffusion transformer holding blocks of a
+    known family (outermost first), else a component that holds such blocks itself."""
+    found: List[Any] = []
+    for component in components(fw, obj):
+        models = [
+            m for m in fw.submodules(component) if (is_unet_like(m) or is_transformer_model(m)) and blocks_of(fw, m)
+        ]
+        inner = {id(sub) for m in models for sub in fw.submodules(m) if sub is not m}
+        models = [m for m in models if id(m) not in inner]
+        if models:
+            found.extend(models)
+        elif blocks_of(fw, component):
+            found.append(fw.submodules(component)[0])  # the component, or the module its wrapper compiles
+    return found

@@ -1,0 +1,75 @@
+"""The classes a patch gives the sub-layers it hooks (:func:`patched_class`), and :class:`Patch`, what one
+patched model holds: its state, its hooks' handles, the classes it changed. Framework-free."""
+
+from __future__ import annotations
+
+import copyreg
+import itertools
+import weakref
+from typing import Any, List, Tuple
+
+from .state import ToMeState
+
+
+_PATCHED_CLASSES: "weakref.WeakValueDictionary[Tuple[type, int], type]" = weakref.WeakValueDictionary()
+_GENERATIONS = itertools.count()
+
+
+def patched_class(cls: type, generation: int) -> type:
+    """The class that patch number ``generation`` gives the modules of class ``cls`` it hooks: a subclass with
+    the same name, module and qualified name that overrides nothing. It pickles as a call of this function,
+    so copies and pickles of a patched model stay patched."""
+    key = (cls, generation)
+    made = _PATCHED_CLASSES.get(key)
+    if made is None:
+
+        def __reduce_ex__(self, protocol):
+            function, arguments, *rest = cls.__reduce_ex__(self, protocol)
+            if function is copyreg.__newobj__ and arguments[0] is type(self):
+                return (_new_patched, (cls, generation) + tuple(arguments[1:]), *rest)
+            return (function, arguments, *rest)
+
+        names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__reduce_ex__": __reduce_ex__}
+        made = _PATCHED_CLASSES[key] = type(cls.__name__, (cls,), names)
+    return made
+
+
+def _new_patched(cls: type, generation: int, *arguments: Any) -> Any:
+    made = patched_class(cls, generation)
+    return made.__new__(made, *arguments)
+
+
+class Patch:
+    """Everything one patched model holds: its state, the handles of its hooks, and the classes it changed.
+
+    Every sub-layer that merges (an ``attn1``, ``attn2``, ``ff``...) also gets, for the life of the patch, this
+    patch's :func:`patched_class` of its class. Compilers guard on the classes of the modules they trace but not
+    on their hooks (torch.compile's default ``skip_nnmodule_hook_guards``): the new classes make any code that
+    runs these sub-layers (the whole model, or one block) and was compiled before this patch, or under an
+    earlier one, compile again, hooks included, instead of replaying a graph traced without them. :meth:`remove`
+    puts the classes back, so code compiled before patching is valid again and runs without compiling. Models
+    and blocks keep their classes: pipelines match their components' classes exactly (diffusers' ``from_pipe``),
+    and diffusers' caching hooks look blocks up by exact class."""
+
+    def __init__(self, state: ToMeState):
+        self.state = state
+        self.handles: List[Any] = []
+        self.generation = next(_GENERATIONS)
+        self.retyped: List[Tuple[Any, type]] = []  # (module, the class it had)
+        self.targets: List[Any] = []  # the sub-layers that merge
+
+    def retype(self, module: Any) -> None:
+        """Give ``module`` this patch's class (once)."""
+        if any(done is module for done, _ in self.retyped):
+            return
+        self.retyped.append((module, type(module)))
+        module.__class__ = patched_class(type(module), self.generation)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        for module, cls in self.retyped:
+            if type(module) is patched_class(cls, self.generation):  # not when something else changed it since
+                module.__class__ = cls
+        self.retyped.clear()
