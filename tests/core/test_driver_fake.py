@@ -265,6 +265,8 @@ def test_the_size_bias_is_each_merged_keys_log_size_and_text_keys_get_none():
     for block in model.blocks:
         [bias] = block.attn1.biases_seen
         assert bias.shape == (2, 1, 32) and (bias >= 0).all() and (bias > 0).any()
-        np.testing.assert_allclose(np.exp(bias).sum(-1), 64)
+        # (a plain comparison: ppdiffusers, imported in the paddle sessions, sets np.bool = bool, which breaks
+        # numpy.testing.assert_allclose against a scalar)
+        assert np.abs(np.exp(bias).sum(-1) - 64).max() < 1e-9
         assert block.attn2.biases_seen == []
 
