@@ -27,7 +27,7 @@ from diffusers import (
 from flax.core.frozen_dict import unfreeze
 from transformers import CLIPTextConfig, CLIPTokenizer, FlaxCLIPTextModel
 
-from tome_tools.presets import TINY_CONTROLNET_CONDITIONING, TINY_TEXT_ENCODER, TINY_VAE, unet_config, write_clip_tokenizer_files
+from tome_tools.presets import SD_SCHEDULER, TINY_CONTROLNET_CONDITIONING, TINY_TEXT_ENCODER, TINY_VAE, unet_config, write_clip_tokenizer_files
 
 PIPELINES = ("sd", "controlnet")
 # Overrides making the "tiny" preset a 2-level UNet (attention at 1/1 and in the middle): half the XLA
@@ -168,9 +168,7 @@ def build_pipeline(kind: str = "sd", seed: int = 0, preset: str = "tiny", **unet
     unet, unet_params = build_unet(preset, seed, **unet_overrides)
     vae, vae_params = build_vae(seed + 1)
     text_encoder, tokenizer, text_params = build_text_parts(seed + 2)
-    scheduler = FlaxDDIMScheduler(
-        beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=False, steps_offset=1
-    )
+    scheduler = FlaxDDIMScheduler(**SD_SCHEDULER)
     parts = dict(
         vae=vae,
         text_encoder=text_encoder,
