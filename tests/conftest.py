@@ -16,6 +16,21 @@ from tome_core import load_backend
 BACKENDS = [b for b in os.environ.get("TOME_TEST_BACKENDS", "numpy").split(",") if b]
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cost_model: runs with the measured bounds of tome_core.cost")
+
+
+@pytest.fixture(autouse=True)
+def merging_always_pays(request, monkeypatch):
+    """Tests check what merging does on tiny models, far below the sizes where it pays (tome_core.cost), so the
+    default merges at every size here; tests marked ``cost_model`` (tests/core/test_cost.py and the checks that
+    the default runs small levels unmerged) keep the measured bounds."""
+    if request.node.get_closest_marker("cost_model") is None:
+        from tome_core import cost
+
+        monkeypatch.setattr(cost, "MIN_TOKENS", dict.fromkeys(cost.MIN_TOKENS, 0))
+
+
 class Converter:
     """Moves numpy arrays into one backend's arrays and back."""
 

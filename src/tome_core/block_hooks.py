@@ -78,6 +78,8 @@ class BlockRun:
     def begin(self, module, args, kwargs):
         """Decide this block's :class:`BlockPlan` for the call now starting."""
         block_problem(self.block, self.state.config)
+        self.merged.clear()  # what an interrupted call left (a BaseException skips post-hooks)
+        self.passing.clear()
         self.family = family_in_call(self.base, self.text_after_at, args, kwargs)
         metric = argument(args, kwargs, self.metric, self.metric_at)
         earlier = self._ran_on(metric)
@@ -97,8 +99,11 @@ class BlockRun:
         self.plan = BlockPlan(config, {}, head, tail)
         if not self.state.merging or self._unmerged(args, kwargs):  # a call that runs unmerged, said where decided
             return None
+        image = self._image(metric)
+        if self.state.why_unmerged(get_ops(image).shape(image)[1], self.fw.execution(image), config) is not None:
+            return None  # merging would not pay at this size (tome_core.cost), said in summary()
         matches = self.state.block_matches(
-            self._image(metric), self.stream, self.family.rotary is not None or self.masks, self.ratio, config, fallback
+            image, self.stream, self.family.rotary is not None or self.masks, self.ratio, config, fallback
         )
         self.plan = BlockPlan(config, matches, head, tail)
         if self.fw.may_run_again(whole):
@@ -540,6 +545,7 @@ class Inside:
         if missing:
             raise ValueError(f"ToMe cannot merge {type(module).__name__}: it has no {', '.join(missing)}")
         self.armed: Optional[Tuple[Match, str, bool, bool]] = None  # (match, mode, cross, size-aware) of a call
+        self.plan: Optional[BlockPlan] = None  # the block plan it was armed under (another: an interrupted call's)
         self.query: Tuple[Any, Any] = (None, None)  # (what the query projection got, what it got instead)
         self.keys: Tuple[Any, Any] = (None, None)  # the same for the key and value projections
         self.acted = False
@@ -553,6 +559,7 @@ class Inside:
 
     def arm(self, match: Match, mode: str, cross: bool, size_aware: bool) -> None:
         self.armed = (match, mode, cross, size_aware)
+        self.plan = self.run.plan
         self.query = self.keys = (None, None)
         self.acted = False
 
@@ -573,7 +580,7 @@ class Inside:
             )
 
     def _query(self, module, args, kwargs):
-        if self.armed is None:
+        if not self._live():
             return None
         match, mode = self.armed[:2]
         x = args[0]
@@ -585,7 +592,7 @@ class Inside:
         return (self.query[1],) + tuple(args[1:]), kwargs
 
     def _key(self, module, args, kwargs):
-        if self.armed is None:
+        if not self._live():
             return None
         match, mode, cross = self.armed[:3]
         x = args[0]
@@ -605,7 +612,11 @@ class Inside:
         self.acted = True
         return (self.keys[1],) + tuple(args[1:]), kwargs
 
+    def _live(self) -> bool:
+        """Whether a call armed this attention in its block's present run (not one that an interrupt cut short)."""
+        return self.armed is not None and self.plan is self.run.plan
+
     def _output(self, module, args, kwargs, output):
-        if self.armed is None or output is None or self.armed[1] not in ("tokens", "queries"):
+        if not self._live() or output is None or self.armed[1] not in ("tokens", "queries"):
             return None
         return unmerge(output, self.armed[0])

@@ -61,6 +61,7 @@ class CallStart:
             self.where.update(argument_positions(forward, *self.layout.sizes, *self.layout.patch_arguments, *named))
 
     def __call__(self, module, args, kwargs):
+        self.fw.clear_interrupted()
         where = self.where
         sample = argument(args, kwargs, "sample", where["sample"])
         if sample is None:

@@ -221,6 +221,15 @@ class ToMeConfig:
         "timesteps costs one host sync per call when they are a device array. ``None`` (default): every call "
         "merges. Not on jax, where the timestep is traced.",
     )
+    min_tokens: Optional[int] = option(
+        None, WHERE,
+        "merge a level only in calls where it has at least this many tokens (per item, the whole sequence under "
+        "context parallelism); 0 merges at every size. ``None`` (default): under the default arrangement "
+        "(``mode=\"auto\"``, ``prefer``), where measurements say merging makes the call faster on this device, "
+        "eager or captured or compiled (tome_core.cost: e.g. from 4,096 tokens on a GPU in a CUDA graph, 16,384 "
+        "eager); with an arrangement chosen by hand (``ratio``, ``mode``...), every size. Levels left unmerged "
+        "for this are named in ``summary()`` with the reason.",
+    )
     prefer: Optional[str] = option(
         None, KNOB,
         "the one knob of the default (``mode=\"auto\"``): ``\"fidelity\"``, ``\"balance\"`` or ``\"speed\"``, "
@@ -267,6 +276,9 @@ class ToMeConfig:
             object.__setattr__(self, "blocks", tuple(int(i) for i in blocks))
         for flag in ("merge_attn", "merge_crossattn", "merge_mlp"):
             _check_bool(flag, getattr(self, flag))
+        if self.min_tokens is not None:
+            _check_int("min_tokens", self.min_tokens, 0)
+            object.__setattr__(self, "min_tokens", int(self.min_tokens))
         if self.max_downsample not in MAX_DOWNSAMPLE_CHOICES or isinstance(self.max_downsample, bool):
             raise ValueError(f"max_downsample must be one of None, 1, 2, 4, 8, got {self.max_downsample!r}")
 

@@ -209,6 +209,7 @@ def remove(fw: Framework, obj: Any, undo: Callable[[Any], None] = detach) -> Any
     """Undo :func:`patch` in place (a no-op on an unpatched object) and return ``obj``.
 
     ``undo`` runs on every module of ``obj`` (an adapter may also undo other ToMe implementations there)."""
+    fw.clear_interrupted()
     for component in components(fw, obj):
         for module in fw.submodules(component):
             undo(module)

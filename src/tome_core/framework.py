@@ -47,6 +47,16 @@ class Framework(Protocol):
         """The call of ``module`` armed by :meth:`size_aware` has returned; ``computed`` is False when an
         output cache returned a stored output instead of running attention."""
 
+    def execution(self, x: Any) -> Tuple[str, str]:
+        """Where and how a call on ``x`` runs, as :mod:`tome_core.cost` tells them apart: the device (``"cpu"`` or
+        ``"gpu"``, any accelerator) and the execution (``"eager"``, ``"captured"`` in a CUDA graph, or ``"compiled"``
+        while a compiler traces)."""
+
+    def clear_interrupted(self) -> None:
+        """Undo what attention calls interrupted by a ``BaseException`` other than ``Exception`` (Ctrl-C) left in
+        the process: post-hooks do not run then (:meth:`size_aware`'s arming). Called as each patched model's call
+        starts, and by ``remove``."""
+
     def bias_problem(self, module: Any) -> Optional[str]:
         """Why ``module``'s attention (its processor now) cannot add a size bias to its logits, or None (it
         can, or its processor's code does not tell): checked at ``patch`` where size-aware attention applies."""

@@ -8,6 +8,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from .backend import get_ops
 from .config import ToMeConfig
+from .cost import arrangement_of, why_unpaid
 from .levels import block_grid, downsample_factor, level_grid
 from .match import Match, bipartite_matches, cell_match, chunk_matches, identity_match, sampled_cell_match
 from .partition import random_offsets
@@ -52,6 +53,7 @@ class ToMeState:
     last_timestep: Optional[float] = None  # with reuse_steps > 1: the previous call's (largest) timestep
     fallbacks: Dict[Tuple[int, str], LevelStats] = field(default_factory=dict)  # (level, why): blocks run as tokens
     fallback_configs: Dict[bool, ToMeConfig] = field(default_factory=dict)  # :meth:`fallback`'s, by takes_bias
+    unpaid: Dict[int, Tuple[LevelStats, str]] = field(default_factory=dict)  # level: blocks run unmerged, and why
     shards: Optional[Shards] = None  # how context parallelism splits this call's tokens (None: it does not)
     where: str = "the model"  # the patched model's class, for warnings
     said: set = field(default_factory=set)  # warnings given (each once per patch)
@@ -105,6 +107,10 @@ class ToMeState:
             _summary_line(self.fallback(True), factor, level) + f"; {why}, so ToMe for SD's arrangement runs there"
             for (factor, why), level in sorted(self.fallbacks.items())
         ]
+        lines += [
+            f"  {scale(factor)}: {level.blocks} blocks unmerged: {why}"
+            for factor, (level, why) in sorted(self.unpaid.items())
+        ]
         return "\n".join(lines) if lines else "  no block merged"
 
     def merges(self, sublayer: str) -> bool:
@@ -139,6 +145,7 @@ class ToMeState:
         self.step = step
         self.stats = {}
         self.fallbacks = {}
+        self.unpaid = {}
         self.active = self.choose()
 
     def follow_generation(self, timestep: float) -> None:
@@ -157,6 +164,28 @@ class ToMeState:
         if self.latent_hw is None:
             self.latent_hw = grid_hw
             self.active = self.choose()
+
+    def why_unmerged(self, tokens: int, execution: Tuple[str, str], config: ToMeConfig) -> Optional[str]:
+        """Why a block whose image stream holds ``tokens`` tokens runs unmerged in this call because merging would
+        not pay there (:mod:`tome_core.cost`), counted for :meth:`summary`; None where it merges. ``execution``:
+        the device and execution of the call (``Framework.execution``); ``config``: the block's options now."""
+        latent = self.latent_hw or self.grid_hw
+        if not self.merging or latent is None:
+            return None
+        min_tokens = self.config.min_tokens
+        if min_tokens is None and self.config.mode != "auto":
+            return None  # an arrangement chosen by hand merges at every size unless min_tokens says otherwise
+        factor = downsample_factor(latent, tokens, self.grid_hw)
+        if factor > self.max_downsample:
+            return None
+        pieces = self.shards.count if self.shards is not None else 1  # decided as for the whole sequence
+        device, how = execution
+        why = why_unpaid(tokens * pieces, device, how, arrangement_of(config.mode, config.matching), min_tokens)
+        if why is not None:
+            level = self.unpaid.setdefault(factor, (LevelStats(), why))[0]
+            level.blocks += 1
+            level.tokens = level.kept = tokens
+        return why
 
     def block_matches(
         self, metric: Any, stream: int, shared: bool = False, block_ratio: Optional[float] = None,

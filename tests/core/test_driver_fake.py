@@ -157,6 +157,12 @@ class FakeFramework:
         assert module.bias is None or not computed or module.bias_calls > 0  # armed: the bias was used
         module.bias = None
 
+    def execution(self, x: Any) -> Tuple[str, str]:
+        return "cpu", "eager"
+
+    def clear_interrupted(self) -> None:
+        pass  # this framework's post-hooks run in a ``finally``
+
     def bias_problem(self, module: Module) -> None:
         return None
 

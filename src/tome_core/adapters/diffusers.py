@@ -21,6 +21,7 @@ per call from the attention module's processor at that moment (so processors set
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -83,6 +84,35 @@ def _tgate_hands_back_cache(module: torch.nn.Module) -> bool:
     return bool(parameter is not None and parameter.default)
 
 
+_STALE = object()  # the owner of a size-bias mode whose attention call was interrupted
+
+
+def _call_frame() -> Any:
+    """The frame of the innermost module call now running (``nn.Module._call_impl``): from a pre-hook, the call of
+    the module it hooks."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not _CALL_IMPL:
+        frame = frame.f_back
+    return frame
+
+
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+
+
+def drop_stale_modes() -> None:
+    """Take the size-bias modes of interrupted attention calls (:meth:`_SizeBiasMode.live`) off torch's function
+    mode stack; every other mode stays, in its order."""
+    if torch.compiler.is_compiling() or not torch._C._len_torch_function_stack():
+        return
+    stack = torch.overrides._get_current_function_mode_stack()
+    if not any(isinstance(mode, _SizeBiasMode) and (mode.owner is _STALE or not mode.live()) for mode in stack):
+        return
+    popped = [torch._C._pop_torch_function_stack() for _ in stack]  # innermost first
+    for mode in reversed(popped):
+        if not (isinstance(mode, _SizeBiasMode) and mode.owner is _STALE):
+            torch._C._push_on_torch_function_stack(mode)
+
+
 class _SizeBiasMode(TorchFunctionMode):
     """Adds a :class:`~tome_core.framework.SizeBias` to every SDPA call made while it is active.
 
@@ -90,16 +120,34 @@ class _SizeBiasMode(TorchFunctionMode):
     the keys of every process in turn, its own among them: each process's bias over its own keys is gathered in
     that order, as diffusers gathers the keys."""
 
-    def __init__(self, bias: driver.SizeBias, group: Any = None):
+    def __init__(self, bias: driver.SizeBias, group: Any = None, owner: Any = None):
         super().__init__()
         self.bias = bias
         self.group = group
         self.calls = 0
         self.offset = 0  # first batch item of the next partial-batch call
+        # the frame of the armed attention module's call (None in compiled code): while it runs, the mode is live
+        self.owner = owner
+
+    def live(self) -> bool:
+        """Whether the attention call that armed this mode is still running. It is not after a ``KeyboardInterrupt``
+        (or another ``BaseException``) escaped it: torch runs post-hooks after ``Exception`` only, so the mode stayed
+        on torch's stack; from then on it passes every call through unchanged, until :func:`drop_stale_modes`."""
+        if self.owner is None:
+            return True
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame is self.owner:
+                return True
+            frame = frame.f_back
+        self.owner = _STALE  # and the frame, with its tensors, is let go
+        return False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func is F.scaled_dot_product_attention:
+        if func is torch.Tensor.unflatten:
+            return _unflatten(*args, **kwargs)
+        if func is F.scaled_dot_product_attention and self.live():
             query = args[0] if args else kwargs["query"]
             key = args[1] if len(args) > 1 else kwargs["key"]
             bias = self._rows(self._for_keys(key.shape[-2], query), query)
@@ -149,6 +197,16 @@ class _SizeBiasMode(TorchFunctionMode):
         )
 
 
+def _unflatten(x: torch.Tensor, dim: int, sizes: Any) -> torch.Tensor:
+    """``x.unflatten(dim, sizes)`` as a reshape. ``Tensor.unflatten`` is Python code that ends in
+    ``super().unflatten()``, which torch.compile cannot trace while a function mode is active (a graph break in
+    every merged attention of Flux, Wan..., and an error under ``fullgraph=True``)."""
+    if not all(isinstance(size, int) for size in sizes):  # named dimensions: torch's own code
+        return torch.Tensor.unflatten(x, dim, sizes)
+    dim = dim % x.dim()
+    return x.reshape(*x.shape[:dim], *sizes, *x.shape[dim + 1 :])
+
+
 class TorchFramework:
     """torch for :mod:`tome_core.driver`."""
 
@@ -175,7 +233,8 @@ class TorchFramework:
                 "tome_core reads a small tensor on the host at the model's entry, a graph break: the timestep "
                 "under timestep_range or reuse_steps > 1 (its value decides whether and how the call merges), or "
                 "Flux's img_ids once per ids tensor (their token grid). Under torch.compile(fullgraph=True) pass "
-                "the timestep as a Python number, or compile without fullgraph, or leave those options out"
+                "the timestep as a Python number (or leave those options out), and call the model once eagerly with "
+                "the same img_ids tensor before its first compiled call; or compile without fullgraph"
             ))
         return x.reshape(-1).tolist()
 
@@ -190,10 +249,21 @@ class TorchFramework:
         processor = getattr(module, "processor", None)
         if type(processor).__name__ in MASK_PROCESSORS and bias.whole_mask:
             return args, {**kwargs, "attention_mask": bias.for_merged_tokens()}
-        mode = _SizeBiasMode(bias, _ulysses_group(processor))
+        drop_stale_modes()
+        mode = _SizeBiasMode(bias, _ulysses_group(processor), None if torch.compiler.is_compiling() else _call_frame())
         module.__dict__["_tome_size_bias"] = mode
         mode.__enter__()
         return args, kwargs
+
+    def execution(self, x: torch.Tensor) -> Tuple[str, str]:
+        device = "cpu" if x.device.type == "cpu" else "gpu"
+        if torch.compiler.is_compiling():
+            return device, "compiled"
+        captured = x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return device, "captured" if captured else "eager"
+
+    def clear_interrupted(self) -> None:
+        drop_stale_modes()
 
     def bias_problem(self, module: torch.nn.Module) -> Optional[str]:
         processor = getattr(module, "processor", None)

@@ -210,6 +210,14 @@ class _CallHooks:
     def size_aware_done(self, module: nn.Module, computed: bool) -> None:
         self.biases.pop(id(module), None)
 
+    def execution(self, x: Any) -> Tuple[str, str]:
+        traced = isinstance(x, jax.core.Tracer)  # under jax.jit (a traced program), or jax.grad in eager code
+        platform = jax.default_backend() if traced else next(iter(x.devices())).platform
+        return "cpu" if platform == "cpu" else "gpu", "compiled" if traced else "eager"
+
+    def clear_interrupted(self) -> None:
+        pass  # post-hooks run in a ``finally`` (intercept): nothing outlives an interrupted call
+
     def bias_problem(self, module: nn.Module) -> Optional[str]:
         return None  # _size_aware_attention runs every FlaxAttention with the bias
 

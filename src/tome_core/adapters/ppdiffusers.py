@@ -182,6 +182,12 @@ class _SdpaWrapper:
                 setattr(F, SDPA, self.original)
         return armed
 
+    def clear(self) -> None:
+        """Disarm every call this thread armed: none is running as a patched model's call starts, so these were
+        interrupted (a ``BaseException`` such as Ctrl-C skips post-hooks)."""
+        for armed in reversed(list(self.stack())):
+            self.disarm(armed.module)
+
 
 _SDPA_WRAPPER = _SdpaWrapper()
 
@@ -268,6 +274,13 @@ class PaddleFramework:
             return args, {**kwargs, "attention_mask": bias.for_merged_tokens()}
         _SDPA_WRAPPER.arm(_Armed(module, bias))
         return args, kwargs
+
+    def execution(self, x: paddle.Tensor) -> Tuple[str, str]:
+        device = "cpu" if x.place.is_cpu_place() else "gpu"
+        return device, "eager" if paddle.in_dynamic_mode() else "compiled"
+
+    def clear_interrupted(self) -> None:
+        _SDPA_WRAPPER.clear()
 
     def bias_problem(self, module: Layer) -> Optional[str]:
         return driver.unbiased_processor(getattr(module, "processor", None), MASK_PROCESSORS, "ppdiffusers", (SDPA,))

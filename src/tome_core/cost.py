@@ -1,0 +1,78 @@
+"""Whether merging pays: the default merges a level only where measurements say it makes the call faster.
+
+Merging trades attention over fewer keys (or tokens) for work of its own: choosing the tokens, gathering them,
+and, in eager code, the Python of the hooks and the small kernels they launch. Below some number of tokens
+per level that work costs more than attention saves, so the default (``mode="auto"``, the ``prefer`` knob)
+runs such a level unmerged and ``summary()`` says why. ``min_tokens`` sets the bound by hand (0: merge at
+every size); options that choose an arrangement themselves (``ratio``, ``mode``...) merge at every size unless
+``min_tokens`` is given.
+
+The bounds are read off paired measurements of whole calls against the same run's unpatched call
+(``docs/results/gpu_h200_defaults.json``: H200, float16/bfloat16, SD 1.5, PixArt, Flux, Flux.2, Wan,
+HunyuanVideo, LTX at released widths; ``docs/results/defaults_speed_sd15_*.json``: this project's 2-core
+CPUs, float32). Across those, the token count of the merged level separated the cells that paid from those that did
+not for each device, execution and arrangement; the models' widths (320-3072 channels), heads and dtypes did
+not, so they are not inputs. Each bound sits at a measured size that paid, above the largest that did not.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+DEVICES = ("cpu", "gpu")  # every accelerator counts as "gpu" (CUDA, ROCm, XPU, MPS, TPU)
+EXECUTIONS = ("eager", "captured", "compiled")  # Python per call; a CUDA graph replayed; a traced program (torch.compile, jax.jit)
+ARRANGEMENTS = ("cells", "similarity")  # keys/values in cells (no similarity computed); ToMe for SD's bipartite match
+
+# (device, execution, arrangement) -> fewest tokens at a level for merging to pay there.
+MIN_TOKENS: Dict[Tuple[str, str, str], int] = {
+    # SD 1.5 UNet, kv 2x2 cells: 4,096 tokens 0.90x eager, 1.03x in a CUDA graph; 16,384 tokens 1.17x eager, 1.27x
+    # graph. PixArt (1,152 channels), kv 2x2 cells in a graph: 1,024 tokens 0.95x, 4,096 tokens 1.30x.
+    ("gpu", "eager", "cells"): 16384,
+    ("gpu", "captured", "cells"): 4096,
+    ("gpu", "compiled", "cells"): 4096,
+    # ToMe for SD at 0.5 on joint attention in a graph: Flux 1,024 image tokens 0.89x, 4,096 tokens 1.13x; Flux.2
+    # 4,096 tokens 1.30x; HunyuanVideo 4,080 tokens 1.16x (the fewest measured that paid); Wan 4,680 tokens 1.00x.
+    # SD 1.5 eager at 0.5: 4,096 tokens 0.77x, 16,384 tokens 1.01x.
+    ("gpu", "eager", "similarity"): 16384,
+    ("gpu", "captured", "similarity"): 4080,
+    ("gpu", "compiled", "similarity"): 4080,
+    # CPUs (2 cores, float32): SD 1.5 at 512 px, 4,096 tokens: kv 2x2 cells 1.05x, ToMe for SD 0.5 1.04x; 16,384
+    # tokens 1.67x / 1.34x (docs/results/defaults_speed_sd15_{512,1024}.json); smaller sizes are not measured yet,
+    # so the bound is the smallest size measured to pay. A CPU runs no CUDA graph.
+    ("cpu", "eager", "cells"): 4096,
+    ("cpu", "compiled", "cells"): 4096,
+    ("cpu", "eager", "similarity"): 4096,
+    ("cpu", "compiled", "similarity"): 4096,
+}
+
+
+def arrangement_of(mode: str, matching: str) -> str:
+    """The cost class of an arrangement: keys and values in cells cost a gather, anything matched by similarity
+    costs a similarity search and a scatter too."""
+    return "cells" if matching == "cell" else "similarity"
+
+
+def fewest_tokens(device: str, execution: str, arrangement: str) -> int:
+    """The fewest tokens at a level for merging to pay, from :data:`MIN_TOKENS`."""
+    for name, value, allowed in (("device", device, DEVICES), ("execution", execution, EXECUTIONS), ("arrangement", arrangement, ARRANGEMENTS)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+    if (device, execution) == ("cpu", "captured"):
+        raise ValueError("execution='captured' (a CUDA graph) needs a GPU, got device='cpu'")
+    return MIN_TOKENS[(device, execution, arrangement)]
+
+
+def why_unpaid(tokens: int, device: str, execution: str, arrangement: str, min_tokens: Optional[int]) -> Optional[str]:
+    """Why a level of ``tokens`` tokens runs unmerged, or None where it merges: ``min_tokens`` when given
+    (the option), else the measured bound for this device, execution and arrangement."""
+    if min_tokens is not None:
+        if tokens >= min_tokens:
+            return None
+        return f"{tokens} tokens, fewer than min_tokens={min_tokens}"
+    fewest = fewest_tokens(device, execution, arrangement)
+    if tokens >= fewest:
+        return None
+    return (
+        f"{tokens} tokens, fewer than the {fewest} from which merging pays on a {device} ({execution}, {arrangement}; "
+        "measured), so the default runs them unmerged (min_tokens=0 merges anyway)"
+    )
