@@ -52,21 +52,59 @@ def identity_match(ops: ArrayOps, batch: int, tokens: int) -> Match:
     return Match(ops=ops, rows=None, sizes=None, inverse_sizes=None, batch=batch, tokens=tokens, merged=0)
 
 
+SIMILARITY_BLOCK = 2**24
+"""Most entries of one source-by-destination similarity block per batch item (64 MiB in float32); above it
+:func:`best_destinations` takes the sources in chunks. Measured by ``docs/results/match_memory.py`` (one
+block's match, torch on a 2-core CPU, Wan 1.3B width, ``docs/results/match_memory.json``): at 9,360 tokens
+(7,020 x 2,340 = 16.4 M entries) it still runs one product, as before; chunks of 2**20 entries ran 1.29x
+slower there, and 2**22 did not reliably lower the peak at 32,760 tokens (blocks under glibc's 32 MiB mmap
+threshold come from a heap that is not always given back: a 278 MiB rise in one run, ~995 MiB in two others,
+against 443 MiB with 2**24 and 1,169 MiB for one product)."""
+
+
 def best_destinations(
-    ops: ArrayOps, metric: Array, src: Array, dst: Array, neighbours: Optional[Array] = None
+    ops: ArrayOps, metric: Array, src: Array, dst: Array, neighbours: Optional[Array] = None,
+    block: Optional[int] = None,
 ) -> Tuple[Array, Array]:
     """Each source's highest cosine similarity to a destination and that destination: ``[B, S]`` twice.
 
     ``neighbours [S, W]`` (destination indices) restricts each source to those candidates (local matching);
     ``None`` compares it with every destination. A zero vector has similarity 0 to everything (tomesd would
     produce NaN there).
+
+    Memory stays linear in tokens: compared with every destination, the sources are taken in chunks of equal
+    size whose similarity block holds at most ``block`` entries per batch item (``None``:
+    :data:`SIMILARITY_BLOCK`), and each chunk's maximum and its first index are kept. A full block would be
+    quadratic: at HunyuanVideo's 720p (~119,000 tokens, a quarter of them destinations) it holds ~2.6 billion
+    entries per batch item (9.9 GiB in float32), in every block; chunked, 159 blocks of 16.7 M entries. The
+    chunk count is a Python int from the shapes, so the loop unrolls under ``torch.compile`` and ``jax.jit``;
+    inputs within one block run one product, as before. Measured at 32,760 tokens (Wan 1.3B width, torch on
+    the CPU): the match's peak memory rise falls from 1,169 to 443 MiB, its time within noise (1.02x).
+
+    A chunk's similarities are the same dot products as the full product's rows, but a BLAS may round a row
+    differently with a different number of rows (numpy's and torch's CPU products do), so two destinations
+    within rounding of each other may swap, as they may between backends; exact similarities give exactly
+    the one-product result, the first of equal destinations winning (tests/core/test_match_memory.py).
     """
     norm = ops.vector_norm(metric)
     unit = metric / (norm + ops.astype_like(norm == 0, norm))  # a zero norm divides by 1
-    a = ops.take(unit, src, axis=1)
     b = ops.take(unit, dst, axis=1)
     if neighbours is None:
-        return ops.max_argmax(ops.matmul(a, ops.matrix_transpose(b)))
+        limit = SIMILARITY_BLOCK if block is None else block
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"block must be an int >= 1 (similarity entries per batch item), got {limit!r}")
+        num_src, num_dst = ops.shape(src)[0], ops.shape(dst)[0]
+        chunks = -(-num_src // max(1, limit // max(1, num_dst)))  # ceil(sources / rows that fit)
+        b_t = ops.matrix_transpose(b)
+        if chunks <= 1:
+            return ops.max_argmax(ops.matmul(ops.take(unit, src, axis=1), b_t))
+        rows = -(-num_src // chunks)  # equal chunks, the last one shorter
+        parts = [
+            ops.max_argmax(ops.matmul(ops.take(unit, src[start:start + rows], axis=1), b_t))
+            for start in range(0, num_src, rows)
+        ]
+        return ops.concat([best for best, _ in parts], axis=1), ops.concat([which for _, which in parts], axis=1)
+    a = ops.take(unit, src, axis=1)
     best = which = None
     for k in range(ops.shape(neighbours)[1]):  # one candidate per source at a time: no [S, W, C] gather
         candidate = neighbours[:, k]
