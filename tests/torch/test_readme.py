@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
+
+# the snippets run as a user runs them: with the measured bounds of tome_core.cost (tiny models pass min_tokens=0)
+pytestmark = pytest.mark.cost_model
+
 
 def test_quick_start_snippet_patches_and_restores_the_pipeline(readme_code, capsys):
     namespace: dict = {}
     exec(compile(readme_code("Quick start: PyTorch / diffusers"), "README.md", "exec"), namespace)
-    assert "1/2 scale: 6 blocks, 256 -> 64 keys/values (75% merged; kv, 2x2 cells)" in capsys.readouterr().out  # SDXL
+    printed = capsys.readouterr().out
+    assert "1/1 scale: 3 blocks unmerged: 1024 tokens, fewer than the 4096 " in printed  # the toy, below the bound
+    assert "1/2 scale: 6 blocks, 256 -> 64 keys/values (75% merged; kv, 2x2 cells)" in printed  # SDXL, min_tokens=0
     assert not namespace["tome"].patched_models(namespace["xl"])
     pipe, image = namespace["pipe"], namespace["image"]
     assert image.size == (64, 64)
