@@ -565,14 +565,13 @@ def _eager_property(v: Violations, family: str, case: Case, model, inputs, grids
             v.check(state["raised"] is None, "the fault raised inside a sub-layer was swallowed")
     finally:
         handle.remove()
-    left = torch._C._len_torch_function_stack()
-    v.check(left == 0, f"torch function modes left on the stack after a {case.fault} in {type(place).__name__}", f"{left} left")
+    # an interrupt may leave an inert mode on torch's stack (docs/limits.md): every call passes through it unchanged,
+    # and the next call of a patched model takes it off
     try:
         plain_sdpa = F.scaled_dot_product_attention(*_SDPA_INPUTS)
         v.check(torch.equal(plain_sdpa, _SDPA_EXPECTED), f"a plain SDPA call is wrong after a {case.fault}", f"rel {_rel(plain_sdpa, _SDPA_EXPECTED):.3g}")
     except Exception as error:
         v.check(False, f"a plain SDPA call fails after a {case.fault}", f"{type(error).__name__}: {error}")
-    _clean_function_modes()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         after_seen, after = _call(model, inputs)
@@ -581,6 +580,9 @@ def _eager_property(v: Violations, family: str, case: Case, model, inputs, grids
         f"the patched model gives another result after a {case.fault} in {type(place).__name__}",
         f"rel {_rel(after, output):.3g}; keys {after_seen[:4]} vs {seen[:4]}",
     )
+    left = torch._C._len_torch_function_stack()
+    v.check(left == 0, f"torch function modes left on the stack after a {case.fault} in {type(place).__name__} and the next call", f"{left} left")
+    _clean_function_modes()
 
 
 # ---------------------------------------------------------------------------------------------------------
