@@ -262,9 +262,10 @@ class ToMeState:
         frames whatever their grid."""
         if factor > self.max_downsample or frames > 1:
             return None
-        ratio = max((config.ratio_for(sublayer, factor, block_ratio) for sublayer in merged), default=0.0)
-        if ratio <= 0:
+        ratios = [config.ratio_for(sublayer, factor, block_ratio) for sublayer in merged]
+        if not ratios or max(ratios) <= 0:
             return None
+        ratio = max(ratios)
         h, w = block_grid(latent, factor, self.grid_hw, tokens)
         sx, sy = config.cell_at(factor)
         if (h // sy) * (w // sx) == 0:
