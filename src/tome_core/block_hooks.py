@@ -462,7 +462,8 @@ def merge_positions(
     """Tables ``(cos, sin)`` (rotary positions, token masks) over ``[text; head; image; tail]`` tokens along
     ``axis`` (``[head; image; tail; text]`` with ``text_after``) moved to the merged tokens: each merged token takes the entry
     of the token it stands at (its destination). The match is shared by the batch, so batch item 0 tells every
-    item's positions."""
+    item's positions. A table of one entry along ``axis`` gives every token that entry (it broadcasts, as the
+    rotary tables of diffusers' HunyuanDiT model test do): it serves the merged tokens as it is."""
     if match.representatives is None:
         return rotary
     moved = []
@@ -471,7 +472,16 @@ def merge_positions(
             moved.append(type(table)(merge_positions(table, match, axis, tail, text_after, head)))
             continue
         ops = get_ops(table)
-        text = ops.shape(table)[axis] - head - match.tokens - tail
+        length = ops.shape(table)[axis]
+        if length == 1:
+            moved.append(table)
+            continue
+        text = length - head - match.tokens - tail
+        if text < 0:
+            raise ValueError(
+                f"a position table (rotary positions or a token mask) of {length} entries along axis {axis} "
+                f"cannot cover the {head + match.tokens + tail} tokens of the block's image stream"
+            )
         first = (0 if text_after else text) + head  # the image's first row
         image = match.representatives[0] + first
         rows = lambda start, stop: ops.astype_like(ops.arange(stop - start, image), image) + start  # noqa: E731

@@ -90,7 +90,10 @@ class CallStart:
             if not sample or isinstance(sample[0], (list, tuple)):
                 why = "its input is a list of lists (several images per item), whose order ToMe does not know; such calls run unmerged"
                 return self._unplaced(step, why)
-            shape = (len(sample),) + tuple(get_ops(sample[0]).shape(sample[0]))
+            shapes = [tuple(get_ops(item).shape(item)) for item in sample]
+            if any(item != shapes[0] for item in shapes):
+                return self._unplaced(step, mixed_sizes("latents", "its list of latents"))
+            shape = (len(sample),) + shapes[0]
         else:
             shape = get_ops(sample).shape(sample)
         videos, tail = None, 0
@@ -113,11 +116,7 @@ class CallStart:
         elif shapes is not None and layout is None:
             grid = shapes_grid(shapes, shape[1], last=grid_last)
             if grid is None:
-                why = (
-                    "the items of its batch give their output images different sizes in its shape list, so no one token "
-                    "grid is known; such calls run unmerged"
-                )
-                return self._unplaced(step, why)
+                return self._unplaced(step, mixed_sizes("output images", "its shape list"))
             grid, tail = grid[:2], grid[2]
         elif layout is not None:
             sizes = self._video_grid(layout, shape, args, kwargs)
@@ -287,6 +286,16 @@ class CallStart:
             return None if trailing is None else (*trailing[:2], 0, True)
 
         return self._read_once(img_ids, read)
+
+
+def mixed_sizes(what: str, where: str) -> str:
+    """Why a call whose batch items give their ``what`` different sizes in ``where`` runs unmerged: a match is
+    one partition of one token grid for the whole batch, and each item's tokens sit at other places in the
+    padded sequence, so no item can merge on another's grid (Qwen-Image's shape lists, Z-Image's latents)."""
+    return (
+        f"the items of its batch give their {what} different sizes in {where}, so no one token grid is known; "
+        "such calls run unmerged"
+    )
 
 
 def shapes_grid(img_shapes: Sequence[Any], tokens: int, last: bool = False) -> Optional[Tuple[int, int, int]]:

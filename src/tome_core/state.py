@@ -52,6 +52,7 @@ class ToMeState:
     grid_last: bool = False  # tokens past the grid's in a block's image stream come before it (FramePack's history)
     last_timestep: Optional[float] = None  # with reuse_steps > 1: the previous call's (largest) timestep
     fallbacks: Dict[Tuple[int, str], LevelStats] = field(default_factory=dict)  # (level, why): blocks run as tokens
+    too_small: Dict[int, str] = field(default_factory=dict)  # level: why its grid merged nothing in the last call
     fallback_configs: Dict[bool, ToMeConfig] = field(default_factory=dict)  # :meth:`fallback`'s, by takes_bias
     unpaid: Dict[int, Tuple[LevelStats, str]] = field(default_factory=dict)  # level: blocks run unmerged, and why
     shards: Optional[Shards] = None  # how context parallelism splits this call's tokens (None: it does not)
@@ -111,6 +112,7 @@ class ToMeState:
             f"  {scale(factor)}: {level.blocks} blocks unmerged: {why}"
             for factor, (level, why) in sorted(self.unpaid.items())
         ]
+        lines += [f"  {scale(factor)}: no block merged: {why}" for factor, why in sorted(self.too_small.items())]
         return "\n".join(lines) if lines else "  no block merged"
 
     def merges(self, sublayer: str) -> bool:
@@ -146,6 +148,7 @@ class ToMeState:
         self.stats = {}
         self.fallbacks = {}
         self.unpaid = {}
+        self.too_small = {}
         self.active = self.choose()
 
     def follow_generation(self, timestep: float) -> None:
@@ -218,6 +221,12 @@ class ToMeState:
             if on
         }
         frames = self._chunk(batch, config) if factor <= self.max_downsample else 1
+        small = self._too_small(latent, factor, tokens, merged, frames, config, block_ratio)
+        if small is not None:  # nothing can merge here, whatever the tokens: said once, shown by summary()
+            self.say_once(f"ToMe on {self.where}: {small}")
+            self.too_small[factor] = small
+            identity = identity_match(ops, batch, tokens)
+            return {sublayer: identity for sublayer in merged}
         reuse = config.reuse_level or config.reuse_steps > 1 or config.reuse_blocks > 1
         first = stream - stream % config.reuse_blocks  # the block whose match a run of reuse_blocks shares
         key = (factor if config.reuse_level else ("block", first), batch, tokens, shared, block_ratio, frames)
@@ -246,13 +255,6 @@ class ToMeState:
             return {sublayer: identity for sublayer in merged}
         h, w = block_grid(latent, factor, self.grid_hw, tokens)
         sx, sy = config.cell_at(factor)
-        if (h // sy) * (w // sx) == 0 and frames == 1:  # no full cell: no destination, nothing can merge here
-            self.say_once(
-                f"ToMe on {self.where}: a {h}x{w} token grid is smaller than one {sx}x{sy} cell, so its blocks at "
-                f"{scale(factor)} merge nothing at this latent size (a larger image, or smaller cells: sx, sy)"
-            )
-            identity = identity_match(ops, ops.shape(metric)[0], tokens)
-            return {sublayer: identity for sublayer in merged}
         picks = config.matching == "similarity" or config.cell_pool == "sample"  # a token per cell, placed per call
         offsets = (
             random_offsets(ops, metric, h, w, sx, sy, config.seed, self.step, stream)
@@ -277,6 +279,35 @@ class ToMeState:
         else:
             found = bipartite_matches(ops, metric, h, w, sx, sy, list(merged.values()), offsets, config.local_window, shared)
         return dict(zip(merged, found))
+
+    def _too_small(
+        self, latent: Tuple[int, int], factor: int, tokens: int, merged: Dict[str, int], frames: int,
+        config: ToMeConfig, block_ratio: Optional[float],
+    ) -> Optional[str]:
+        """Why a block of ``tokens`` tokens at ``factor``, whose options ask it to merge, can merge none of them at
+        this latent size: its grid holds no full cell (no destination), or its ratios times its tokens give no
+        whole token (a 1x1 grid). None where it can merge, or where its options merge nothing there by choice
+        (a level above ``max_downsample``, a ratio of 0: said at patch); cross-frame chunks can merge across
+        frames whatever their grid."""
+        if factor > self.max_downsample or frames > 1:
+            return None
+        ratios = [config.ratio_for(sublayer, factor, block_ratio) for sublayer in merged]
+        if not ratios or max(ratios) <= 0:
+            return None
+        ratio = max(ratios)
+        h, w = block_grid(latent, factor, self.grid_hw, tokens)
+        sx, sy = config.cell_at(factor)
+        if (h // sy) * (w // sx) == 0:
+            return (
+                f"a {h}x{w} token grid is smaller than one {sx}x{sy} cell, so its blocks at {scale(factor)} merge "
+                "nothing at this latent size (a larger image, or smaller cells: sx, sy)"
+            )
+        if not any(merged.values()):
+            return (
+                f"a {h}x{w} token grid has too few tokens for ratio {ratio:g} to merge a whole one, so its blocks at "
+                f"{scale(factor)} merge nothing at this latent size (a larger image, or a larger ratio)"
+            )
+        return None
 
     def say_once(self, message: str) -> None:
         """Warn ``message`` the first time this patch has it to say."""
