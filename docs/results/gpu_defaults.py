@@ -19,7 +19,6 @@ Three parts, each row written as soon as it is measured:
 4. ``newer`` (named only): Flux.2, Qwen-Image, HunyuanVideo and LTX-Video at their released widths with 1-2
    blocks of each kind (the bench's presets), ``ratio=0.5`` against unpatched.
 """
-import json
 import os
 import statistics
 import sys
@@ -34,16 +33,12 @@ import tomesd
 import tome_core.torch as tome
 from tome_tools.diffusers_models import build_transformer, build_unet, transformer_inputs
 from tome_tools.bench_core import image_like_latents
+from gpu_timing import Recorder, capture, on_device, relative_l2, time_rounds
 
 warnings.simplefilter("ignore")
 dev, dtype = "cuda", torch.float16
-OUT = os.path.join(os.environ.get("OUT", "/tmp"), "gpu_defaults.json")
-rows = []
-
-
-def record(**row):
-    rows.append(row)
-    json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, open(OUT, "w"), indent=1)
+record = Recorder(os.path.join(os.environ.get("OUT", "/tmp"), "gpu_defaults.json"),
+                  device=torch.cuda.get_device_name(), torch=torch.__version__)
 
 
 def sdpa_part():
@@ -101,22 +96,6 @@ METHODS = {
 }
 
 
-def time_rounds(calls, rounds, reps):
-    """Median ms per call of each ``calls[name]()`` (a graph replay or an eager call), alternating order."""
-    times = {m: [] for m in calls}
-    for r in range(rounds):
-        for m in (list(calls) if r % 2 == 0 else list(reversed(calls))):
-            calls[m]()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(reps):
-                calls[m]()
-            b.record()
-            torch.cuda.synchronize()
-            times[m].append(a.elapsed_time(b) / reps)
-    return times
-
-
 def unet_part():
     unet = build_unet("sd15").to(dev, dtype).eval()
 
@@ -137,31 +116,20 @@ def unet_part():
         with torch.no_grad():
             for m in METHODS:
                 setup(m)
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    for _ in range(2):
-                        unet(lat, t, text)
-                torch.cuda.current_stream().wait_stream(s)
                 try:
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
-                        out = unet(lat, t, text).sample
-                    g.replay()
-                    torch.cuda.synchronize()
-                    graphs[m] = g
+                    graphs[m], out = capture(lambda: unet(lat, t, text).sample)
                     outs[m] = out.float().clone()
                 except Exception as e:
                     note[m] = str(e).splitlines()[0][:80]
                     torch.cuda.synchronize()
                     outs[m] = unet(lat, t, text).sample.float()
             setup("unpatched")
-            times = time_rounds({m: g.replay for m, g in graphs.items()}, rounds, reps)
+            times = time_rounds(graphs, rounds, reps)
             base = statistics.median(times["unpatched"])
             print(f"\nUNet {res}px batch {batch}: unpatched {base:.2f} ms (CUDA graph replays, median of {rounds} x {reps})", flush=True)
             ref = outs["unpatched"]
             for m in METHODS:
-                fid = ((outs[m] - ref).norm() / ref.norm()).item()
+                fid = relative_l2(outs[m], ref)
                 if m in times:
                     tm = statistics.median(times[m])
                     spread = (max(times[m]) - min(times[m])) / tm
@@ -175,19 +143,9 @@ def unet_part():
             if not eager:
                 continue
             eager_methods = ["unpatched", "tomesd 0.5", "ratio 0.5 (ToMe for SD)", "default (auto)", "auto, cell mean"]
-            times = {m: [] for m in eager_methods}
-            for r in range(rounds):
-                for m in (eager_methods if r % 2 == 0 else list(reversed(eager_methods))):
-                    setup(m)  # patched in turn: patching is not timed
-                    unet(lat, t, text)
-                    torch.cuda.synchronize()
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    for _ in range(reps):
-                        unet(lat, t, text)
-                    b.record()
-                    torch.cuda.synchronize()
-                    times[m].append(a.elapsed_time(b) / reps)
+            call = lambda: unet(lat, t, text)  # noqa: E731
+            # patched in turn: patching is not timed
+            times = time_rounds({m: call for m in eager_methods}, rounds, reps, before={m: (lambda m=m: setup(m)) for m in eager_methods})
             setup("unpatched")
             base = statistics.median(times["unpatched"])
             print(f"UNet {res}px batch {batch}, eager: unpatched {base:.2f} ms", flush=True)
@@ -207,36 +165,21 @@ def transformer_part(label, model, inputs, methods, rounds=7, reps=10):
             tome.remove(model)
             if spec is not None:
                 tome.patch(model, **spec)
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    model(**inputs)
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                out = model(**inputs).sample
-            g.replay()
-            torch.cuda.synchronize()
-            graphs[m], outs[m] = g, out.float().clone()
+            graphs[m], out = capture(lambda: model(**inputs).sample)
+            outs[m] = out.float().clone()
         tome.remove(model)
-        times = time_rounds({m: g.replay for m, g in graphs.items()}, rounds, reps)
+        times = time_rounds(graphs, rounds, reps)
     base = statistics.median(times["unpatched"])
     print(f"\n{label}: unpatched {base:.2f} ms (CUDA graph)", flush=True)
     ref = outs["unpatched"]
     for m in methods:
         tm = statistics.median(times[m])
-        fid = ((outs[m] - ref).norm() / ref.norm()).item()
+        fid = relative_l2(outs[m], ref)
         spread = (max(times[m]) - min(times[m])) / tm
         record(part="transformer", model=label, method=m, ms=tm, speedup=base / tm, fid=fid, spread=spread)
         print(f"  {m:<34} {tm:8.2f} ms {base / tm:6.2f}x  fid@t {fid:.4f}  spread {spread:.1%}", flush=True)
     del graphs, outs
     torch.cuda.empty_cache()
-
-
-def on_device(inputs, dtype):
-    return {k: (v.to(dev, dtype) if torch.is_floating_point(v) else v.to(dev)) if torch.is_tensor(v) else v
-            for k, v in inputs.items()}
 
 
 RATIOS = {"unpatched": None, "ratio 0.25": {"ratio": 0.25}, "default = ratio 0.5": {},
@@ -247,7 +190,7 @@ def flux_part():
     """Flux at its released width (1 double + 2 single blocks), bfloat16 (as Flux runs), 512 + 1024 px."""
     model = build_transformer("flux-small", num_layers=1, num_single_layers=2).to(dev, torch.bfloat16).eval()
     for px in (512, 1024):
-        inputs = on_device(transformer_inputs(model, px // 8, px // 8, text=512), torch.bfloat16)
+        inputs = on_device(transformer_inputs(model, px // 8, px // 8, text=512), dev, torch.bfloat16)
         transformer_part(f"Flux width, {px} px", model, inputs, RATIOS)
 
 
@@ -261,7 +204,7 @@ def pixart_part():
                "kv 4x4 sample": {"mode": "kv", "matching": "cell", "cell_pool": "sample", "sx": 4, "sy": 4},
                "kv similarity 0.5": {"mode": "kv", "ratio": 0.5}}
     for px in (512, 1024):
-        inputs = on_device(transformer_inputs(model, px // 8, px // 8, batch=2, text=120), dtype)
+        inputs = on_device(transformer_inputs(model, px // 8, px // 8, batch=2, text=120), dev, dtype)
         transformer_part(f"PixArt width, {px} px, batch 2", model, inputs, methods)
 
 
@@ -270,7 +213,7 @@ def wan_part():
     from tome_tools.diffusers_models import build_video_transformer, video_transformer_inputs
 
     model = build_video_transformer("wan-1.3b", num_layers=2).to(dev, torch.bfloat16).eval()
-    inputs = on_device(video_transformer_inputs(model, 3, 60, 104, batch=2, text=512), torch.bfloat16)
+    inputs = on_device(video_transformer_inputs(model, 3, 60, 104, batch=2, text=512), dev, torch.bfloat16)
     transformer_part("Wan 1.3B width, 480x832, 9 frames, batch 2", model, inputs, RATIOS)
 
 
@@ -288,7 +231,7 @@ def newer_part():
         model = build_transformer(preset).to(dev, torch.bfloat16).eval()
         made = video_transformer_inputs(model, *video, text=256) if video else transformer_inputs(model, 128, 128, text=512)
         try:
-            transformer_part(label, model, on_device(made, torch.bfloat16), methods)
+            transformer_part(label, model, on_device(made, dev, torch.bfloat16), methods)
         except Exception as e:  # one model failing keeps the others' rows
             print(f"{label} failed: {type(e).__name__}: {e}"[:300], flush=True)
             record(part="transformer", model=label, error=f"{type(e).__name__}: {e}"[:300])

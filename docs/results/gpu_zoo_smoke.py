@@ -18,36 +18,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", 
 import test_zoo  # noqa: E402  (the tiny configs and inputs of every merged class)
 
 import tome_core.torch as tome  # noqa: E402
+from gpu_timing import in_dtype, on_device  # noqa: E402
 
 warnings.simplefilter("ignore")
 dev, dtype = "cuda", torch.bfloat16
 
 
-def on_device(value):
-    """Inputs as a pipeline gives them: float32 arrays in the model's dtype, float64 ones (position ids) kept."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dev, dtype) if value.dtype == torch.float32 else value.to(dev)
-    if isinstance(value, (list, tuple)):
-        return type(value)(on_device(v) for v in value)
-    if isinstance(value, dict):
-        return {k: on_device(v) for k, v in value.items()}
-    return value
-
-
-def in_dtype(model):
-    """``model`` in ``dtype`` on the GPU, the modules its class keeps in float32 kept so, as ``from_pretrained(...,
-    torch_dtype=...)`` loads it."""
-    model = model.to(dev, dtype)
-    keep = getattr(model, "_keep_in_fp32_modules", None) or []
-    for path, module in model.named_modules():
-        if any(name in path.split(".") for name in keep):
-            module.float()
-    return model
-
-
 def check(name):
     model, inputs = test_zoo.MERGED[name]()
-    model, inputs = in_dtype(model), on_device(inputs)
+    model, inputs = in_dtype(model, dev, dtype), on_device(inputs, dev, dtype)
     plain = test_zoo._run(model, inputs).float()
     noise = test_zoo._rel(test_zoo._run(model, inputs).float(), plain)  # run-to-run (atomics in GPU kernels)
     row = {"class": name, "finite": bool(torch.isfinite(plain).all()), "noise": noise}
