@@ -104,6 +104,22 @@ def test_installed_names_are_the_library_alone(tmp_path):
     assert out.strip() == "['tome_core', 'tome_core.backends', 'tome_core.adapters']"
 
 
+# Values of the wrong type for each option that takes one of a few values (issue 43: prefer=["speed"] raised a bare
+# "unhashable type: 'list'", and an array for mode, matching, cell_pool, max_downsample or frames_per_chunk "The
+# truth value of an array ... is ambiguous"): each message names the option and the value.
+WRONG_TYPES = [["speed"], {"speed": 1}, {"speed"}, np.array([1, 2]), np.float32(0.5), 2, b"kv"]
+
+
+@pytest.mark.parametrize("name", ["prefer", "mode", "matching", "cell_pool", "max_downsample", "frames_per_chunk"])
+@pytest.mark.parametrize("value", WRONG_TYPES, ids=lambda v: type(v).__name__)
+def test_wrong_types_raise_naming_the_option_and_the_value(name, value):
+    if name in ("max_downsample", "frames_per_chunk") and type(value) is int:
+        return  # a valid value of these
+    with pytest.raises((TypeError, ValueError)) as raised:
+        ToMeConfig.from_options({name: value})
+    assert str(raised.value).startswith(f"{name} must be") and repr(value) in str(raised.value), raised.value
+
+
 def test_numpy_numbers_are_accepted_as_option_values():
     config = ToMeConfig(
         ratio=np.float32(0.5), sx=np.int64(2), seed=np.int32(3), level_ratios={np.int64(1): np.float64(0.25)},
