@@ -20,11 +20,13 @@ DEFAULT_RATIO = 0.5  # with similarity matching; a cell match's reduction is fix
 # (docs/fidelity.md: on learned weights a mean of the same cells at every step drifts, drawn tokens do not);
 # elsewhere ToMe for SD at the ratio. Each setting is a point of the speed-fidelity front measured on the trained
 # models and a GPU (docs/fidelity.md, "One knob"): 4x4 cells keep a UNet close (its skip connections carry the
-# unpooled tokens past the blocks) but not a transformer, where 4x2 cells are the fast point.
+# unpooled tokens past the blocks) but not a transformer, where 4x2 cells are the fast point below 128x128 tokens;
+# from there "speed" takes balance's 4x4, so that the knob is monotone: at every token count, "speed" merges at
+# least as much as "balance", which merges at least as much as "fidelity" (tests/core: the table's property).
 PREFERENCES = {  # prefer: (UNet cells, transformer cells, ratio)
     "fidelity": (((0, (2, 1)),), ((0, (2, 1)),), 0.25),
     "balance": (((128 * 128, (4, 4)), (0, (2, 2))), ((128 * 128, (4, 4)), (0, (2, 2))), 0.5),
-    "speed": (((0, (4, 4)),), ((0, (4, 2)),), 0.75),
+    "speed": (((0, (4, 4)),), ((128 * 128, (4, 4)), (0, (4, 2))), 0.75),
 }
 DEFAULT_PREFERENCE = "balance"
 AUTO_POOL = "sample"
@@ -238,8 +240,9 @@ class ToMeConfig:
         None, KNOB,
         "the one knob of the default (``mode=\"auto\"``): ``\"fidelity\"``, ``\"balance\"`` or ``\"speed\"``, "
         "each a point of the measured speed-fidelity front per model kind (docs/fidelity.md, \"One knob\"): keys "
-        "and values in 2x1 / 2x2 (4x4 from 128x128 tokens) / 4x4 cells (4x2 in transformers) where self-attention "
-        "takes them apart from its queries, ToMe for SD at 0.25 / 0.5 / 0.75 where it cannot. ``None`` (default): "
+        "and values in 2x1 / 2x2 (4x4 from 128x128 tokens) / 4x4 cells (4x2 in transformers below 128x128 tokens) "
+        "where self-attention takes them apart from its queries, ToMe for SD at 0.25 / 0.5 / 0.75 where it cannot. "
+        "Monotone: at every size each setting merges at least as much as the one before it. ``None`` (default): "
         "``\"balance\"``. Options that choose the arrangement themselves (``ratio``, ``mode``...) leave it out.",
     )
 

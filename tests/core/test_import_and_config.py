@@ -9,6 +9,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tome_core import ToMeConfig
 from tome_core.levels import block_grid, downsample_factor, level_grid
@@ -118,6 +120,33 @@ def test_wrong_types_raise_naming_the_option_and_the_value(name, value):
     with pytest.raises((TypeError, ValueError)) as raised:
         ToMeConfig.from_options({name: value})
     assert str(raised.value).startswith(f"{name} must be") and repr(value) in str(raised.value), raised.value
+
+
+def _merged_share(config: ToMeConfig, tokens: int, kv_input: bool, unet: bool) -> float:
+    """The share of a self-attention's keys that ``mode="auto"`` under ``config`` merges at ``tokens`` tokens of the
+    finest merged level: its cell's where keys pool, else ToMe for SD's ratio."""
+    choice = next(chosen for fewest, chosen in config.auto_choices(kv_input, unet) if tokens >= fewest)
+    return choice.max_ratio if choice.matching == "cell" else choice.ratio
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 1 << 20), st.booleans(), st.booleans())
+def test_the_knob_is_monotone_at_every_token_count(tokens, kv_input, unet):
+    """``prefer`` moves one way (issue 43: from 128x128 tokens "speed" ran 4x2 cells in transformers where
+    "balance" runs 4x4): at every token count and model kind, "speed" merges at least as much as "balance",
+    which merges at least as much as "fidelity"."""
+    shares = [_merged_share(ToMeConfig(prefer=p), tokens, kv_input, unet) for p in ("fidelity", "balance", "speed")]
+    assert shares == sorted(shares), (tokens, kv_input, unet, shares)
+
+
+def test_the_knob_is_monotone_at_the_table_thresholds():
+    """The same at every threshold of the table and on both sides of it (hypothesis may draw none of them)."""
+    thresholds = {fewest for p in ("fidelity", "balance", "speed") for unet in (True, False)
+                  for fewest, _ in ToMeConfig(prefer=p).auto_choices(True, unet)}
+    for at in sorted(t for t in {1, *thresholds, *(t - 1 for t in thresholds), *(2 * t for t in thresholds)} if t >= 1):
+        for unet in (True, False):
+            shares = [_merged_share(ToMeConfig(prefer=p), at, True, unet) for p in ("fidelity", "balance", "speed")]
+            assert shares == sorted(shares), (at, unet, shares)
 
 
 def test_numpy_numbers_are_accepted_as_option_values():
