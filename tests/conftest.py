@@ -111,6 +111,8 @@ BAD_OPTIONS = [
     ({"frame_ratio": 0.5}, ValueError, r"frame_ratio=0.5 merges across frames, which needs frames_per_chunk > 1"),
     ({"frames_per_chunk": 2, "frame_ratio": 1.5}, ValueError, r"frame_ratio must be in \[0, 1\], got 1.5"),
     ({"frames_per_chunk": 2, "mode": "kv"}, ValueError, "frames_per_chunk=2 cannot be combined with mode='kv'"),
+    # issue 43: an unhashable value named neither the option nor the value ("unhashable type: 'list'")
+    ({"prefer": ["speed"]}, TypeError, r"prefer must be one of 'fidelity', 'balance', 'speed' or None, got \['speed'\] \(list\)"),
     ({"rato": 0.5}, TypeError, r"unknown ToMe option\(s\) rato; valid options are ratio, max_downsample"),
     # max_downsample=None merges only the finest attention level (1 on an SD-shaped UNet): another level's
     # ratio can never act (issue 35)

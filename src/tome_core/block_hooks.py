@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .backend import get_ops
@@ -23,7 +23,7 @@ from .match import Match
 from .merge import merge, unmerge
 from .model_tree import block_metric
 from .shards import CONTEXT_PARALLEL
-from .state import ToMeState
+from .state import Level, ToMeState, shown_sublayer
 
 
 @dataclass(frozen=True)
@@ -31,13 +31,15 @@ class BlockPlan:
     """What one block does at one call, decided once as the block starts (:meth:`BlockRun.begin`, the one
     place that decides it) and read by its sub-layers' hooks: the options it runs with (``mode="auto"``
     resolved for this call, or the fallback where its attention cannot take keys apart), its matches per
-    sub-layer kind (none: the block runs unmerged), and the tokens before (``head``) and after (``tail``) the
-    grid's in its image stream."""
+    sub-layer kind (none: the block runs unmerged), the tokens before (``head``) and after (``tail``) the
+    grid's in its image stream, and its level in the call's statistics, until it is counted there (None: it is
+    not counted, or already was)."""
 
     config: ToMeConfig
     matches: Dict[str, Match] = field(default_factory=dict)
     head: int = 0
     tail: int = 0
+    level: Optional[Level] = None
 
     def unmerged(self) -> "BlockPlan":
         return BlockPlan(self.config, {}, self.head, self.tail)
@@ -83,8 +85,8 @@ class BlockRun:
         self.family = family_in_call(self.base, self.text_after_at, args, kwargs)
         metric = argument(args, kwargs, self.metric, self.metric_at)
         earlier = self._ran_on(metric)
-        if earlier is not None:  # a recomputation (checkpointing): as it ran then
-            self.plan = earlier[1]
+        if earlier is not None:  # a recomputation (checkpointing): as it ran then, counted then
+            self.plan = replace(earlier[1], level=None)
             return None
         if self.lent and not self.state.in_call:  # another model runs this block (it borrowed it): unmerged
             self.plan = self.plan.unmerged()
@@ -105,7 +107,8 @@ class BlockRun:
         matches = self.state.block_matches(
             image, self.stream, self.family.rotary is not None or self.masks, self.ratio, config, fallback
         )
-        self.plan = BlockPlan(config, matches, head, tail)
+        level = self.state.level(get_ops(image).shape(image)[1], matches, self.ratio, config, fallback)
+        self.plan = BlockPlan(config, matches, head, tail, level)
         if self.fw.may_run_again(whole):
             self.ran = {key: entry for key, entry in self.ran.items() if entry[0]() is not None}
             self.ran[id(whole)] = (weakref.ref(whole), self.plan)
@@ -194,6 +197,22 @@ class BlockRun:
             return self.state.fallback(self.fw.bias_problem(module) is None), problem
         return config, None
 
+    def count(self, kind: str) -> None:
+        """Count this block in the call's statistics as its ``kind`` sub-layer ran with its match (once per call of
+        the block, and only for the sub-layer its summary line shows): what that sub-layer's attention saw."""
+        plan = self.plan
+        if plan.level is not None and kind == shown_sublayer(plan.matches):
+            self.state.count(plan.level, plan.matches[kind])
+            self.plan = replace(plan, level=None)
+
+    def passed(self, kind: str, child: str, why: str) -> None:
+        """Count this block apart in the call's statistics: its ``kind`` sub-layer ``child``, matched, ran on all
+        its tokens because of ``why``."""
+        plan = self.plan
+        if plan.level is not None and kind == shown_sublayer(plan.matches):
+            self.state.passed(plan.level, child, why, plan.matches[kind].tokens)
+            self.plan = replace(plan, level=None)
+
     def end(self, module, args, kwargs, output):
         self.plan = self.plan.unmerged()
         self.merged.clear()
@@ -279,6 +298,8 @@ class MergeInput(SublayerHook):
         if self.inside is not None:
             return self._arm_inside(module, args, kwargs)
         match = self.run.plan.matches.get(self.sublayer.kind)
+        if match is not None and match.merged == 0:  # it runs on all its tokens, as its match says
+            self.run.count(self.sublayer.kind)
         if match is None or match.merged == 0 or self._passes(args, kwargs):
             return None
         mode, size_aware = self.run.plan.config.arrangement(self.sublayer.kind, self.sublayer.attention)
@@ -327,6 +348,8 @@ class MergeInput(SublayerHook):
         cross = (self.sublayer.text == TEXT_NONE and kv is not None and kv is not x) or self.text_only
         kind = "crossattn" if cross else self.sublayer.kind
         match = self.run.plan.matches.get(kind)
+        if match is not None and match.merged == 0:  # it runs on all its tokens, as its match says
+            self.run.count(kind)
         # a cross-attention's attention_mask is over the text's keys (Kandinsky 3's), which merging never touches
         if match is None or match.merged == 0 or (not cross and self._passes(args, kwargs)):
             return None
@@ -352,10 +375,12 @@ class MergeInput(SublayerHook):
         placed = any(name == "attention_mask" for name, _ in self.sublayer.masks)
         if mask is None or self.sublayer.kind != "attn" or (placed and gatherable(mask, argument(args, kwargs, "hidden_states", 0))):
             return False
+        why = "it is given an attention_mask over its tokens, which merging cannot follow"
         run.state.say_once(
-            f"ToMe on {run.where}: {type(run.block).__name__}.{child} is given an attention_mask over its tokens, which "
-            "merging cannot follow; it runs on all its tokens (its block's other sub-layers still merge) in such calls"
+            f"ToMe on {run.where}: {type(run.block).__name__}.{child} {why.removeprefix('it ')}; it runs on all its "
+            "tokens (its block's other sub-layers still merge) in such calls"
         )
+        run.passed(self.sublayer.kind, f"{type(run.block).__name__}.{child}", why)
         run.passing.add(child)
         return True
 
@@ -509,13 +534,17 @@ class UnmergeOutput(SublayerHook):
 
     def __call__(self, module, args, kwargs, output):
         if self.inside is not None:
-            self.inside.done(module, output)
+            ran = self.inside.done(module, output)
+            if ran is not None:
+                self.run.count(ran)
             return None
         if self.sublayer.child in self.run.passing:  # this call ran on all its tokens
             self.run.passing.discard(self.sublayer.child)
             return None
         cached = output is not None and self.fw.output_cache(module) == REUSED  # None: the sub-layer raised
         reused = cached and output is self.stored[0]
+        if output is not None and not reused:  # its attention ran (a cache's stored output: it did not)
+            self.run.count(self.sublayer.kind)
         mode, size_aware = self.run.plan.config.arrangement(self.sublayer.kind, self.sublayer.attention)
         if size_aware:
             self.fw.size_aware_done(module, computed=output is not None and not reused)  # None: it raised
@@ -573,13 +602,13 @@ class Inside:
         self.query = self.keys = (None, None)
         self.acted = False
 
-    def done(self, module: Any, output: Any) -> None:
+    def done(self, module: Any, output: Any) -> Optional[str]:
         """The armed attention returned (``output`` None: it raised): disarm, and refuse a call whose processor
-        passed by the projections."""
+        passed by the projections. Returns the sub-layer kind that ran merged (None: none did)."""
         armed, acted = self.armed, self.acted
         self.armed, self.query, self.keys = None, (None, None), (None, None)
         if armed is None:
-            return
+            return None
         if armed[3]:
             self.fw.size_aware_done(module, computed=output is not None)
         if output is not None and not acted:
@@ -588,6 +617,7 @@ class Inside:
                 f"{type(module).__name__} did not run its projections ({', '.join(self.sublayer.projections)}), where "
                 "ToMe merges; use diffusers' default attention processor there"
             )
+        return None if output is None else ("crossattn" if armed[2] else self.sublayer.kind)
 
     def _query(self, module, args, kwargs):
         if not self._live():

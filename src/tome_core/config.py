@@ -20,11 +20,13 @@ DEFAULT_RATIO = 0.5  # with similarity matching; a cell match's reduction is fix
 # (docs/fidelity.md: on learned weights a mean of the same cells at every step drifts, drawn tokens do not);
 # elsewhere ToMe for SD at the ratio. Each setting is a point of the speed-fidelity front measured on the trained
 # models and a GPU (docs/fidelity.md, "One knob"): 4x4 cells keep a UNet close (its skip connections carry the
-# unpooled tokens past the blocks) but not a transformer, where 4x2 cells are the fast point.
+# unpooled tokens past the blocks) but not a transformer, where 4x2 cells are the fast point below 128x128 tokens;
+# from there "speed" takes balance's 4x4, so that the knob is monotone: at every token count, "speed" merges at
+# least as much as "balance", which merges at least as much as "fidelity" (tests/core: the table's property).
 PREFERENCES = {  # prefer: (UNet cells, transformer cells, ratio)
     "fidelity": (((0, (2, 1)),), ((0, (2, 1)),), 0.25),
     "balance": (((128 * 128, (4, 4)), (0, (2, 2))), ((128 * 128, (4, 4)), (0, (2, 2))), 0.5),
-    "speed": (((0, (4, 4)),), ((0, (4, 2)),), 0.75),
+    "speed": (((0, (4, 4)),), ((128 * 128, (4, 4)), (0, (4, 2))), 0.75),
 }
 DEFAULT_PREFERENCE = "balance"
 AUTO_POOL = "sample"
@@ -56,6 +58,19 @@ def option(default: Any, group: str, help: str) -> Any:
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def _check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
+    """Refuse ``value`` unless it is one of ``choices`` (strings, or None), naming ``name``, the value and the
+    choices: a value of another type (a list, a set, an array, a number) is refused by its type before any
+    comparison, which would fail on it with a message of its own (``unhashable type``, an array's truth value)."""
+    allowed = ", ".join(repr(c) for c in choices if c is not None) + (" or None" if None in choices else "")
+    if value is None and None in choices:
+        return
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {allowed}, got {value!r} ({type(value).__name__})")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -234,8 +249,9 @@ class ToMeConfig:
         None, KNOB,
         "the one knob of the default (``mode=\"auto\"``): ``\"fidelity\"``, ``\"balance\"`` or ``\"speed\"``, "
         "each a point of the measured speed-fidelity front per model kind (docs/fidelity.md, \"One knob\"): keys "
-        "and values in 2x1 / 2x2 (4x4 from 128x128 tokens) / 4x4 cells (4x2 in transformers) where self-attention "
-        "takes them apart from its queries, ToMe for SD at 0.25 / 0.5 / 0.75 where it cannot. ``None`` (default): "
+        "and values in 2x1 / 2x2 (4x4 from 128x128 tokens) / 4x4 cells (4x2 in transformers below 128x128 tokens) "
+        "where self-attention takes them apart from its queries, ToMe for SD at 0.25 / 0.5 / 0.75 where it cannot. "
+        "Monotone: at every size each setting merges at least as much as the one before it. ``None`` (default): "
         "``\"balance\"``. Options that choose the arrangement themselves (``ratio``, ``mode``...) leave it out.",
     )
 
@@ -279,8 +295,11 @@ class ToMeConfig:
         if self.min_tokens is not None:
             _check_int("min_tokens", self.min_tokens, 0)
             object.__setattr__(self, "min_tokens", int(self.min_tokens))
-        if self.max_downsample not in MAX_DOWNSAMPLE_CHOICES or isinstance(self.max_downsample, bool):
+        value = self.max_downsample
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value not in MAX_DOWNSAMPLE_CHOICES):
             raise ValueError(f"max_downsample must be one of None, 1, 2, 4, 8, got {self.max_downsample!r}")
+        if value is not None:
+            object.__setattr__(self, "max_downsample", int(value))  # a numpy integer becomes Python's
 
     def _check_reuse(self) -> None:
         _check_bool("reuse_level", self.reuse_level)
@@ -328,9 +347,11 @@ class ToMeConfig:
 
     def _resolve_mode(self) -> None:
         """``mode=None``: "auto" when no option says how to merge, else "tokens"; defaults of the rest."""
-        given = [name for name in _ARRANGING if getattr(self, name) is not None and not (name == "frames_per_chunk" and self.frames_per_chunk == 1)]
-        if self.prefer is not None and self.prefer not in PREFERENCES:
-            raise ValueError(f"prefer must be one of {', '.join(map(repr, PREFERENCES))} or None, got {self.prefer!r}")
+        one_frame = isinstance(self.frames_per_chunk, numbers.Integral) and self.frames_per_chunk == 1  # (an array is checked later)
+        given = [name for name in _ARRANGING if getattr(self, name) is not None and not (name == "frames_per_chunk" and one_frame)]
+        _check_choice("prefer", self.prefer, (*PREFERENCES, None))
+        if self.mode is not None:
+            _check_choice("mode", self.mode, MODES)
         if self.mode is None:
             object.__setattr__(self, "mode", "tokens" if given else "auto")
         elif self.mode == "auto" and given:
@@ -384,10 +405,8 @@ class ToMeConfig:
         _check_bool("proportional_attn", self.proportional_attn)
         _check_int("seed", self.seed, 0)
         _check_int("local_window", self.local_window, 0)
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {self.mode!r}")
-        if self.matching not in MATCHINGS:
-            raise ValueError(f"matching must be one of {', '.join(map(repr, MATCHINGS))}, got {self.matching!r}")
+        _check_choice("mode", self.mode, MODES)
+        _check_choice("matching", self.matching, MATCHINGS)
         if self.mode in ("kv", "queries") and self.merge_attn is False:
             raise ValueError(
                 f"mode={self.mode!r} arranges self-attention, but merge_attn=False leaves it alone; pass "
@@ -407,8 +426,8 @@ class ToMeConfig:
                     _check_int(f"level_cells[{level}]", value, 1)
                 cells[int(level)] = (int(pair[0]), int(pair[1]))
             object.__setattr__(self, "level_cells", cells)
-        if self.cell_pool is not None and self.cell_pool not in CELL_POOLS:
-            raise ValueError(f"cell_pool must be one of {', '.join(map(repr, CELL_POOLS))}, got {self.cell_pool!r}")
+        if self.cell_pool is not None:
+            _check_choice("cell_pool", self.cell_pool, CELL_POOLS)
         if self.matching != "cell":
             if self.cell_pool not in (None, "mean") and self.mode != "auto":
                 raise ValueError(

@@ -26,6 +26,10 @@ class LevelStats:
     frames: int = 1  # > 1: tokens and kept count a chunk of this many frames (cross-frame merging)
 
 
+# A block's level in a call's statistics: (downsample factor, why its options are the fallback's, or None).
+Level = Tuple[int, Optional[str]]
+
+
 @dataclass
 class ToMeState:
     """What one patched model (a UNet or a ControlNet) knows while it runs.
@@ -53,6 +57,8 @@ class ToMeState:
     last_timestep: Optional[float] = None  # with reuse_steps > 1: the previous call's (largest) timestep
     fallbacks: Dict[Tuple[int, str], LevelStats] = field(default_factory=dict)  # (level, why): blocks run as tokens
     too_small: Dict[int, str] = field(default_factory=dict)  # level: why its grid merged nothing in the last call
+    # (level, sub-layer, why): blocks whose matched self-attention ran on all its tokens all the same (:meth:`passed`)
+    passes: Dict[Tuple[int, str, str], LevelStats] = field(default_factory=dict)
     fallback_configs: Dict[bool, ToMeConfig] = field(default_factory=dict)  # :meth:`fallback`'s, by takes_bias
     unpaid: Dict[int, Tuple[LevelStats, str]] = field(default_factory=dict)  # level: blocks run unmerged, and why
     shards: Optional[Shards] = None  # how context parallelism splits this call's tokens (None: it does not)
@@ -98,7 +104,9 @@ class ToMeState:
 
     def summary(self) -> str:
         """One line per level of the last call (named by its scale: ``1/2`` is the level at half the latent's
-        width): the blocks that ran on fewer tokens, tokens before and after, and the arrangement."""
+        width): the blocks whose merged sub-layer ran on fewer tokens, tokens before and after (what their
+        attention saw), and the arrangement; then the blocks whose self-attention ran on all its tokens, and why.
+        Blocks are counted as their sub-layers' calls return (:meth:`count`, :meth:`passed`), not as they match."""
         if not self.merging:
             return f"  no block merged: {self.why or f'the timestep is outside timestep_range={self.config.timestep_range}'}"
         lines = [_summary_line(self.active, factor, level) for factor, level in sorted(self.stats.items())]
@@ -113,7 +121,27 @@ class ToMeState:
             for factor, (level, why) in sorted(self.unpaid.items())
         ]
         lines += [f"  {scale(factor)}: no block merged: {why}" for factor, why in sorted(self.too_small.items())]
+        lines += [
+            f"  1/{factor} scale: {level.blocks} blocks ran {sublayer} on all {level.tokens} tokens: {why}"
+            for (factor, sublayer, why), level in sorted(self.passes.items())
+        ]
         return "\n".join(lines) if lines else "  no block merged"
+
+    def count(self, level: Level, match: Match) -> None:
+        """Count a block at ``level`` of this call's statistics: its sub-layer merged by ``match`` ran."""
+        factor, fallback = level
+        stats = self.stats.setdefault(factor, LevelStats()) if fallback is None else self.fallbacks.setdefault(level, LevelStats())
+        stats.blocks += 1
+        stats.tokens = match.tokens
+        stats.kept = match.kept
+        stats.frames = match.frames
+
+    def passed(self, level: Level, sublayer: str, why: str, tokens: int) -> None:
+        """Count a block at ``level`` whose ``sublayer`` (its self-attention) was matched but ran on all its
+        ``tokens`` image tokens, because of ``why``: :meth:`summary` lists it apart."""
+        stats = self.passes.setdefault((level[0], sublayer, why), LevelStats())
+        stats.blocks += 1
+        stats.tokens = stats.kept = tokens
 
     def merges(self, sublayer: str) -> bool:
         """Whether ``sublayer`` ("attn", "crossattn" or "mlp") is wrapped in merge/unmerge."""
@@ -149,6 +177,7 @@ class ToMeState:
         self.fallbacks = {}
         self.unpaid = {}
         self.too_small = {}
+        self.passes = {}
         self.active = self.choose()
 
     def follow_generation(self, timestep: float) -> None:
@@ -200,26 +229,17 @@ class ToMeState:
         Sub-layers share the similarity and ranking; only their ratios may differ. ``shared``: one match for
         the whole batch (blocks whose tokens carry rotary positions). ``block_ratio``: this block's entry of
         ``block_ratios``, if any. ``config``: the block's options (default :attr:`active`); ``fallback``: why
-        they are :meth:`fallback`'s (its stats are kept apart under that reason).
+        they are :meth:`fallback`'s. Nothing is counted here: the block's hooks :meth:`count` it at its
+        :meth:`level` when its merged sub-layer has run (a sub-layer may still run on all its tokens).
         """
         if not self.merging:
             return {}
         ops = get_ops(metric)
         metric = ops.stop_gradient(metric)  # a discrete choice: training keeps nothing of it for backward
         batch, tokens = ops.shape(metric)[:2]
-        latent = self.latent_hw or self.grid_hw
-        if latent is None:
-            raise RuntimeError(
-                "a transformer block ran before its model or transformer gave the latent size: ToMe needs the "
-                "blocks inside a UNet, a ControlNet or a 2-D transformer (Transformer2DModel) to know their grid"
-            )
+        latent = self._latent()
         config = config or self.active
-        factor = downsample_factor(latent, tokens, self.grid_hw)
-        merged = {
-            sublayer: int(tokens * config.ratio_for(sublayer, factor, block_ratio)) if factor <= self.max_downsample else 0
-            for sublayer, on in config.sublayers.items()
-            if on
-        }
+        factor, merged = self._merged(tokens, config, block_ratio)
         frames = self._chunk(batch, config) if factor <= self.max_downsample else 1
         small = self._too_small(latent, factor, tokens, merged, frames, config, block_ratio)
         if small is not None:  # nothing can merge here, whatever the tokens: said once, shown by summary()
@@ -235,14 +255,40 @@ class ToMeState:
             matches = self._match(ops, metric, latent, factor, merged, first, shared, frames, config=config)
             if reuse:
                 self.cache[key] = matches
-        shown = matches["attn"] if "attn" in matches else next(iter(matches.values()), None)
-        if (merged and any(merged.values())) or (shown is not None and shown.merged):
-            level = self.stats.setdefault(factor, LevelStats()) if fallback is None else self.fallbacks.setdefault((factor, fallback), LevelStats())
-            level.blocks += 1
-            level.tokens = shown.tokens
-            level.kept = shown.kept
-            level.frames = shown.frames
         return matches
+
+    def level(
+        self, tokens: int, matches: Dict[str, Match], block_ratio: Optional[float] = None,
+        config: Optional[ToMeConfig] = None, fallback: Optional[str] = None,
+    ) -> Optional[Level]:
+        """Where a block of ``tokens`` image tokens, given ``matches`` by :meth:`block_matches` (with the same
+        ``block_ratio``, ``config`` and ``fallback``), is counted in this call's statistics; None: it merges
+        nothing at its level (above ``max_downsample``, or at ratio 0), and is not counted."""
+        if not matches:
+            return None
+        factor, merged = self._merged(tokens, config or self.active, block_ratio)
+        if any(merged.values()) or matches[shown_sublayer(matches)].merged:
+            return factor, fallback
+        return None
+
+    def _latent(self) -> Tuple[int, int]:
+        latent = self.latent_hw or self.grid_hw
+        if latent is None:
+            raise RuntimeError(
+                "a transformer block ran before its model or transformer gave the latent size: ToMe needs the "
+                "blocks inside a UNet, a ControlNet or a 2-D transformer (Transformer2DModel) to know their grid"
+            )
+        return latent
+
+    def _merged(self, tokens: int, config: ToMeConfig, block_ratio: Optional[float]) -> Tuple[int, Dict[str, int]]:
+        """The downsample factor of a block of ``tokens`` image tokens, and how many its merged sub-layers merge."""
+        factor = downsample_factor(self._latent(), tokens, self.grid_hw)
+        merged = {
+            sublayer: int(tokens * config.ratio_for(sublayer, factor, block_ratio)) if factor <= self.max_downsample else 0
+            for sublayer, on in config.sublayers.items()
+            if on
+        }
+        return factor, merged
 
     def _match(
         self, ops: Any, metric: Any, latent: Tuple[int, int], factor: int, merged: Dict[str, int], stream: int,
@@ -329,6 +375,12 @@ class ToMeState:
                 f"{', '.join(str(d) for d in range(1, frames + 1) if frames % d == 0)}"
             )
         return chunk
+
+
+def shown_sublayer(matches: Dict[str, Match]) -> str:
+    """The sub-layer kind whose match a block's line of :meth:`ToMeState.summary` shows: its self-attention's,
+    else its first merged sub-layer's."""
+    return "attn" if "attn" in matches else next(iter(matches))
 
 
 def _summary_line(config: ToMeConfig, factor: int, level: LevelStats) -> str:

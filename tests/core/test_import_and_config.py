@@ -9,6 +9,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tome_core import ToMeConfig
 from tome_core.levels import block_grid, downsample_factor, level_grid
@@ -102,6 +104,49 @@ def test_installed_names_are_the_library_alone(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path,
                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}).stdout
     assert out.strip() == "['tome_core', 'tome_core.backends', 'tome_core.adapters']"
+
+
+# Values of the wrong type for each option that takes one of a few values (issue 43: prefer=["speed"] raised a bare
+# "unhashable type: 'list'", and an array for mode, matching, cell_pool, max_downsample or frames_per_chunk "The
+# truth value of an array ... is ambiguous"): each message names the option and the value.
+WRONG_TYPES = [["speed"], {"speed": 1}, {"speed"}, np.array([1, 2]), np.float32(0.5), 2, b"kv"]
+
+
+@pytest.mark.parametrize("name", ["prefer", "mode", "matching", "cell_pool", "max_downsample", "frames_per_chunk"])
+@pytest.mark.parametrize("value", WRONG_TYPES, ids=lambda v: type(v).__name__)
+def test_wrong_types_raise_naming_the_option_and_the_value(name, value):
+    if name in ("max_downsample", "frames_per_chunk") and type(value) is int:
+        return  # a valid value of these
+    with pytest.raises((TypeError, ValueError)) as raised:
+        ToMeConfig.from_options({name: value})
+    assert str(raised.value).startswith(f"{name} must be") and repr(value) in str(raised.value), raised.value
+
+
+def _merged_share(config: ToMeConfig, tokens: int, kv_input: bool, unet: bool) -> float:
+    """The share of a self-attention's keys that ``mode="auto"`` under ``config`` merges at ``tokens`` tokens of the
+    finest merged level: its cell's where keys pool, else ToMe for SD's ratio."""
+    choice = next(chosen for fewest, chosen in config.auto_choices(kv_input, unet) if tokens >= fewest)
+    return choice.max_ratio if choice.matching == "cell" else choice.ratio
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 1 << 20), st.booleans(), st.booleans())
+def test_the_knob_is_monotone_at_every_token_count(tokens, kv_input, unet):
+    """``prefer`` moves one way (issue 43: from 128x128 tokens "speed" ran 4x2 cells in transformers where
+    "balance" runs 4x4): at every token count and model kind, "speed" merges at least as much as "balance",
+    which merges at least as much as "fidelity"."""
+    shares = [_merged_share(ToMeConfig(prefer=p), tokens, kv_input, unet) for p in ("fidelity", "balance", "speed")]
+    assert shares == sorted(shares), (tokens, kv_input, unet, shares)
+
+
+def test_the_knob_is_monotone_at_the_table_thresholds():
+    """The same at every threshold of the table and on both sides of it (hypothesis may draw none of them)."""
+    thresholds = {fewest for p in ("fidelity", "balance", "speed") for unet in (True, False)
+                  for fewest, _ in ToMeConfig(prefer=p).auto_choices(True, unet)}
+    for at in sorted(t for t in {1, *thresholds, *(t - 1 for t in thresholds), *(2 * t for t in thresholds)} if t >= 1):
+        for unet in (True, False):
+            shares = [_merged_share(ToMeConfig(prefer=p), at, True, unet) for p in ("fidelity", "balance", "speed")]
+            assert shares == sorted(shares), (at, unet, shares)
 
 
 def test_numpy_numbers_are_accepted_as_option_values():

@@ -307,7 +307,7 @@ def test_the_default_per_model_kind(kind):
 # where keys and values pool, else ToMe for SD's ratio.
 KNOB = {
     ("unet", "fidelity"): [(0, (2, 1))], ("unet", "speed"): [(0, (4, 4))],
-    ("pixart", "fidelity"): [(0, (2, 1))], ("pixart", "speed"): [(0, (4, 2))],
+    ("pixart", "fidelity"): [(0, (2, 1))], ("pixart", "speed"): [(128 * 128, (4, 4)), (0, (4, 2))],
     ("unet", "balance"): [(128 * 128, (4, 4)), (0, (2, 2))],
     ("sd3", "fidelity"): 0.25, ("sd3", "balance"): 0.5, ("sd3", "speed"): 0.75,
     ("flux", "fidelity"): 0.25, ("flux", "speed"): 0.75,
