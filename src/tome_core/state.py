@@ -267,6 +267,8 @@ class ToMeState:
         if not matches:
             return None
         factor, merged = self._merged(tokens, config or self.active, block_ratio)
+        if factor in self.too_small:  # its grid cannot merge: summary() says why instead
+            return None
         if any(merged.values()) or matches[shown_sublayer(matches)].merged:
             return factor, fallback
         return None
