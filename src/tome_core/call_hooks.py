@@ -5,8 +5,10 @@ model's input does not. Framework-free."""
 from __future__ import annotations
 
 import inspect
+import itertools
+import weakref
 from functools import partial
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .backend import get_ops
 from .families import (
@@ -79,7 +81,7 @@ class CallStart:
         )
         step, merging = partition_step(timestep), self._merges_at(values)
         if config.reuse_steps > 1 and values is not None:  # matches live within one generation
-            self.state.follow_generation(-min(values) if self.rising else max(values))
+            self.state.follow_generation(-min(values) if self.rising else max(values), generation(self.state.pipeline))
         if not self.transformer:  # UNets give their latent; inner Transformer2DModels give the grids
             latent = spatial_size(sample, self.data_format) if self.unet else None
             shape = get_ops(sample).shape(sample) if self.unet else ()
@@ -356,3 +358,79 @@ def grid_hooks(fw: Framework, model: Any, state: ToMeState) -> List[Any]:
     if source is not None and fw.is_module(child_at(model, source)):
         handles.append(fw.add_post_hook(child_at(model, source), partial(grid_output, state, data_format)))
     return handles
+
+
+# ------------------------------------------------------------------ generations: a pipeline call starts afresh
+
+_COUNTERS = itertools.count()
+
+
+class Generations:
+    """What a patched pipeline's scheduler runs as its ``set_timesteps`` (an attribute of that scheduler object;
+    its class is untouched): it counts the calls, then runs the scheduler's own. Every diffusers and ppdiffusers
+    pipeline calls ``set_timesteps`` once as a generation starts, so a change of the count tells a patched model
+    of the pipeline that a new generation began, however its timesteps run (one-step generations all run at
+    one timestep). It holds nothing of the models, so the scheduler copies and pickles as before."""
+
+    def __init__(self, scheduler: Any, before: Optional[Callable[..., Any]]):
+        self.scheduler = scheduler
+        self.before = before  # a set_timesteps the object itself held before this one (None: its class's)
+        self.serial = next(_COUNTERS)  # tells this counter from one on a scheduler swapped in later
+        self.count = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.count += 1
+        run = self.before or type(self.scheduler).set_timesteps.__get__(self.scheduler)
+        return run(*args, **kwargs)
+
+
+def generations(pipeline: Any) -> Optional[Generations]:
+    """The counter of generations on ``pipeline``'s scheduler, put there if it has none yet (at ``patch``, or at
+    the first model call after the scheduler was swapped); None: the pipeline has no scheduler with
+    ``set_timesteps``."""
+    scheduler = getattr(pipeline, "scheduler", None)
+    if not callable(getattr(scheduler, "set_timesteps", None)) or not hasattr(scheduler, "__dict__"):
+        return None
+    counter = scheduler.__dict__.get("set_timesteps")
+    if not isinstance(counter, Generations):
+        counter = scheduler.__dict__["set_timesteps"] = Generations(scheduler, counter)
+    return counter
+
+
+def forget_generations(pipeline: Any) -> None:
+    """Take the counter of :func:`generations` off ``pipeline``'s scheduler (at ``remove``)."""
+    scheduler = getattr(pipeline, "scheduler", None)
+    counter = getattr(scheduler, "__dict__", {}).get("set_timesteps")
+    if isinstance(counter, Generations):
+        if counter.before is None:
+            del scheduler.__dict__["set_timesteps"]
+        else:
+            scheduler.__dict__["set_timesteps"] = counter.before
+
+
+class PipelineWatch:
+    """The pipeline a model was patched in, held weakly by the model's state: each call of the model reads the
+    pipeline's count of generations (:func:`generation`). A deep copy of the pipeline watches the copy; a
+    copy or pickle of the model alone watches none (it then tells generations by their timesteps)."""
+
+    def __init__(self, pipeline: Any):
+        self.pipeline = weakref.ref(pipeline)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> Optional["PipelineWatch"]:
+        copied = memo.get(id(self.pipeline()))
+        return PipelineWatch(copied) if copied is not None else None
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return (_no_watch, ())
+
+
+def _no_watch() -> None:
+    return None
+
+
+def generation(watch: Optional[PipelineWatch]) -> Optional[Tuple[int, int]]:
+    """Which generation of its pipeline a model call belongs to: ``(counter, count)`` of the pipeline's
+    scheduler (:class:`Generations`); None: the model was patched without its pipeline, or the pipeline is gone."""
+    pipeline = watch.pipeline() if watch is not None else None
+    counter = generations(pipeline) if pipeline is not None else None
+    return None if counter is None else (counter.serial, counter.count)

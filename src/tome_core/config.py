@@ -150,9 +150,10 @@ class ToMeConfig:
     )
     reuse_steps: int = option(
         1, REUSE,
-        "keep matches for this many consecutive model calls (denoising steps); 1 = recompute every call. A call "
-        "whose timestep is above the previous call's starts a new generation, which starts afresh (the timestep "
-        "is read on the host once per call).",
+        "keep matches for this many consecutive model calls (denoising steps); 1 = recompute every call. A new "
+        "generation starts afresh: each call of a patched pipeline (its scheduler's ``set_timesteps``), or, for a "
+        "model patched on its own, a call whose timestep is above the previous call's (the timestep is read on "
+        "the host once per call).",
     )
     local_window: int = option(
         0, ARRANGEMENT,

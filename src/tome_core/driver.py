@@ -33,7 +33,7 @@ from .block_hooks import (
     BlockRun, MergeInput, UnmergeOutput, block_problem, family_argument_position, family_in_call, gatherable,
     merge_positions, rotary_arguments, same_logarithm,
 )
-from .call_hooks import CallStart, call_ends, grid_hooks
+from .call_hooks import CallStart, PipelineWatch, call_ends, forget_generations, generations, grid_hooks
 from .config import ToMeConfig
 from .families import BLOCK_FAMILIES, attends_text_only, child_at, lent_children
 from .framework import (
@@ -161,6 +161,9 @@ def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any]
     remove(fw, obj, undo)
     for model in models:
         attach(fw, model, config)
+    if config.reuse_steps > 1 and not fw.is_module(obj) and generations(obj) is not None:
+        for model in models:  # each call of the pipeline starts a generation (ToMeState.follow_generation)
+            model.__dict__["_tome_patch"].state.pipeline = PipelineWatch(obj)
     return obj
 
 
@@ -213,6 +216,8 @@ def remove(fw: Framework, obj: Any, undo: Callable[[Any], None] = detach) -> Any
     for component in components(fw, obj):
         for module in fw.submodules(component):
             undo(module)
+    if not fw.is_module(obj):
+        forget_generations(obj)
     return obj
 
 

@@ -55,6 +55,8 @@ class ToMeState:
     tail: int = 0  # tokens after the grid's in each block's image stream (a reference image's), never merged
     grid_last: bool = False  # tokens past the grid's in a block's image stream come before it (FramePack's history)
     last_timestep: Optional[float] = None  # with reuse_steps > 1: the previous call's (largest) timestep
+    pipeline: Any = None  # with reuse_steps > 1: the pipeline patched with the model (call_hooks.PipelineWatch)
+    generation: Any = None  # with reuse_steps > 1: the pipeline's generation of the previous call (call_hooks.generation)
     fallbacks: Dict[Tuple[int, str], LevelStats] = field(default_factory=dict)  # (level, why): blocks run as tokens
     too_small: Dict[int, str] = field(default_factory=dict)  # level: why its grid merged nothing in the last call
     # (level, sub-layer, why): blocks whose matched self-attention ran on all its tokens all the same (:meth:`passed`)
@@ -180,13 +182,21 @@ class ToMeState:
         self.passes = {}
         self.active = self.choose()
 
-    def follow_generation(self, timestep: float) -> None:
-        """With ``reuse_steps > 1``, called with each model call's (largest) timestep before
-        :meth:`begin_call`: a timestep above the previous call's starts a new generation (sampling runs from
-        high noise to low), which drops the matches and restarts the count of calls, so that the same seed
-        gives the same image in every generation. Repeated calls at one timestep (a pipeline running its
-        conditional and unconditional halves apart) stay in one generation."""
-        if self.last_timestep is not None and timestep > self.last_timestep:
+    def follow_generation(self, timestep: float, generation: Any = None) -> None:
+        """With ``reuse_steps > 1``, called before :meth:`begin_call` with each model call's (largest) timestep
+        and, for a model patched in its pipeline, the pipeline's generation (a new one with each call of the
+        pipeline: its scheduler's ``set_timesteps``, :func:`~tome_core.call_hooks.generation`). A new generation
+        drops the matches and restarts the count of calls, so that the same seed gives the same image in every
+        generation. A model patched without its pipeline tells a new generation by a timestep above the
+        previous call's (sampling runs from high noise to low); repeated calls at one timestep (a pipeline
+        running its conditional and unconditional halves apart) stay in one generation, and so do one-step
+        generations at one timestep, which only the pipeline tells apart."""
+        if generation is not None:
+            if generation != self.generation:
+                self.calls = 0
+                self.cache = {}
+            self.generation = generation
+        elif self.last_timestep is not None and timestep > self.last_timestep:
             self.calls = 0
             self.cache = {}
         self.last_timestep = timestep
