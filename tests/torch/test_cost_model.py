@@ -43,14 +43,19 @@ def _run(unet, side):
     return out, sorted({keys for queries, keys in counts.keys if queries == keys or queries == side * side})
 
 
-def test_default_leaves_a_small_level_unmerged_and_says_why(unet):
-    unpatched, keys = _run(unet, 16)
-    tome.patch(unet)
+def _patched_run(unet, side, **options):
+    """``(output, keys seen, summary)`` of one call of ``unet`` patched with ``options``, which is then removed."""
+    tome.patch(unet, **options)
     try:
-        out, seen = _run(unet, 16)
-        summary = tome.patched_models(unet)[0].state.summary()
+        out, seen = _run(unet, side)
+        return out, seen, tome.patched_models(unet)[0].state.summary()
     finally:
         tome.remove(unet)
+
+
+def test_default_leaves_a_small_level_unmerged_and_says_why(unet):
+    unpatched, keys = _run(unet, 16)
+    out, seen, summary = _patched_run(unet, 16)
     assert torch.equal(out, unpatched)
     assert seen == keys
     assert "blocks unmerged: 256 tokens, fewer than the 4096 from which merging pays on a cpu (eager, cells" in summary
@@ -60,12 +65,7 @@ def test_default_leaves_a_small_level_unmerged_and_says_why(unet):
 @pytest.mark.parametrize("options", [dict(min_tokens=0), dict(ratio=0.5), dict(prefer="speed", min_tokens=200)])
 def test_min_tokens_or_a_chosen_arrangement_merges_anyway(unet, options):
     unpatched, keys = _run(unet, 16)
-    tome.patch(unet, **options)
-    try:
-        out, seen = _run(unet, 16)
-        summary = tome.patched_models(unet)[0].state.summary()
-    finally:
-        tome.remove(unet)
+    out, seen, summary = _patched_run(unet, 16, **options)
     assert not torch.equal(out, unpatched)
     assert min(seen) < 256 and 256 not in seen, seen
     assert "unmerged" not in summary
@@ -74,11 +74,6 @@ def test_min_tokens_or_a_chosen_arrangement_merges_anyway(unet, options):
 def test_default_merges_from_the_measured_size(unet):
     """At 64x64 latents the finest level has 4,096 tokens: the CPU bound, so the default merges there."""
     unpatched, keys = _run(unet, 64)
-    tome.patch(unet)
-    try:
-        out, seen = _run(unet, 64)
-        summary = tome.patched_models(unet)[0].state.summary()
-    finally:
-        tome.remove(unet)
+    out, seen, summary = _patched_run(unet, 64)
     assert 4096 in keys and 4096 not in seen
     assert "4096 -> 1024 keys/values" in summary, summary
