@@ -377,6 +377,12 @@ _SDPA_INPUTS = [torch.randn(2, 2, 9, 8, generator=torch.Generator().manual_seed(
 _SDPA_EXPECTED = F.scaled_dot_product_attention(*_SDPA_INPUTS)
 
 
+def _plain_sdpa_intact(out: torch.Tensor) -> bool:
+    """A plain SDPA call as before, to float noise: the thread count other tests set may change its last bits; a stale
+    size bias changes it by far more."""
+    return torch.allclose(out, _SDPA_EXPECTED, rtol=0, atol=1e-6)
+
+
 def _sublayers(model: torch.nn.Module) -> List[torch.nn.Module]:
     """Where a fault is raised: every attention and feed-forward module, and the key projection inside each
     attention (after ToMe's hooks on the attention have run)."""
@@ -569,7 +575,7 @@ def _eager_property(v: Violations, family: str, case: Case, model, inputs, grids
     # and the next call of a patched model takes it off
     try:
         plain_sdpa = F.scaled_dot_product_attention(*_SDPA_INPUTS)
-        v.check(torch.equal(plain_sdpa, _SDPA_EXPECTED), f"a plain SDPA call is wrong after a {case.fault}", f"rel {_rel(plain_sdpa, _SDPA_EXPECTED):.3g}")
+        v.check(_plain_sdpa_intact(plain_sdpa), f"a plain SDPA call is wrong after a {case.fault}", f"rel {_rel(plain_sdpa, _SDPA_EXPECTED):.3g}")
     except Exception as error:
         v.check(False, f"a plain SDPA call fails after a {case.fault}", f"{type(error).__name__}: {error}")
     with warnings.catch_warnings():
