@@ -276,8 +276,9 @@ class PaddleFramework:
         return args, kwargs
 
     def execution(self, x: paddle.Tensor) -> Tuple[str, str]:
-        device = "cpu" if x.place.is_cpu_place() else "gpu"
-        return device, "eager" if paddle.in_dynamic_mode() else "compiled"
+        place = getattr(x, "place", None)  # None on a static-graph variable (paddle.jit's AST mode)
+        cpu = place.is_cpu_place() if place is not None else paddle.device.get_device().startswith("cpu")
+        return "cpu" if cpu else "gpu", "eager" if paddle.in_dynamic_mode() else "compiled"
 
     def clear_interrupted(self) -> None:
         _SDPA_WRAPPER.clear()
