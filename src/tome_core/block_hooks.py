@@ -41,9 +41,6 @@ class BlockPlan:
     tail: int = 0
     level: Optional[Level] = None
 
-    def unmerged(self) -> "BlockPlan":
-        return BlockPlan(self.config, {}, self.head, self.tail)
-
 
 class BlockRun:
     """The matches of one transformer block while it runs, shared by the hooks of its sub-layers.
@@ -74,45 +71,57 @@ class BlockRun:
         self.text_after_at = family_argument_position(family, block)
         self.metric, self.metric_at = block_metric(family, block)  # what the match is computed from
         self.lent = False  # another model may run this block in its own call (families.LENT)
-        self.plan = BlockPlan(state.active)
+        self.idle = BlockPlan(state.active)  # the plan of a run that merges nothing (its options are not read)
+        self.plan = self.idle
         self.ran: Dict[int, Tuple[Any, BlockPlan]] = {}  # id(input): (weakref to it, the plan it ran with)
 
     def begin(self, module, args, kwargs):
-        """Decide this block's :class:`BlockPlan` for the call now starting."""
+        """Decide this block's :class:`BlockPlan` for the call now starting. The checks run cheapest first, so a
+        block that runs unmerged (most blocks of a UNet, every block below the cost model's size) costs little
+        host time: an eager GPU call is bound by it at the sizes people run."""
         block_problem(self.block, self.state.config)
         self.merged.clear()  # what an interrupted call left (a BaseException skips post-hooks)
         self.passing.clear()
         self.family = family_in_call(self.base, self.text_after_at, args, kwargs)
-        metric = argument(args, kwargs, self.metric, self.metric_at)
-        earlier = self._ran_on(metric)
+        whole = argument(args, kwargs, self.metric, self.metric_at)
+        earlier = self._ran_on(whole) if self.ran else None
         if earlier is not None:  # a recomputation (checkpointing): as it ran then, counted then
             self.plan = replace(earlier[1], level=None)
             return None
         if self.lent and not self.state.in_call:  # another model runs this block (it borrowed it): unmerged
-            self.plan = self.plan.unmerged()
+            self.plan = self.idle
             return None
-        config, fallback = self._arrangement(self.state.active)
-        whole = metric
-        if self.family.feature_map:
-            self.state.enter_grid(spatial_size(metric, "NCHW"))
-            metric = pixels(metric)
-        metric = self._own_piece(_batch_first(metric) if self.family.sequence_first else metric)
-        head, tail = self._around(metric)
-        self.plan = BlockPlan(config, {}, head, tail)
-        if not self.state.merging or self._unmerged(args, kwargs):  # a call that runs unmerged, said where decided
-            return None
-        image = self._image(metric)
-        if self.state.why_unmerged(get_ops(image).shape(image)[1], self.fw.execution(image), config) is not None:
-            return None  # merging would not pay at this size (tome_core.cost), said in summary()
-        matches = self.state.block_matches(
-            image, self.stream, self.family.rotary is not None or self.masks, self.ratio, config, fallback
-        )
-        level = self.state.level(get_ops(image).shape(image)[1], matches, self.ratio, config, fallback)
-        self.plan = BlockPlan(config, matches, head, tail, level)
+        self.plan = self._decide(args, kwargs, whole)
         if self.fw.may_run_again(whole):
             self.ran = {key: entry for key, entry in self.ran.items() if entry[0]() is not None}
             self.ran[id(whole)] = (weakref.ref(whole), self.plan)
         return None
+
+    def _decide(self, args, kwargs, whole: Any) -> BlockPlan:
+        state = self.state
+        metric = whole
+        if self.family.feature_map:
+            state.enter_grid(spatial_size(metric, "NCHW"))
+            metric = pixels(metric)
+        metric = self._own_piece(_batch_first(metric) if self.family.sequence_first else metric)
+        head, tail = self._around(metric)
+        if not state.merging or self._unmerged(args, kwargs):  # a call that runs unmerged, said where decided
+            return self.idle
+        image = self._image(metric, head, tail)
+        tokens = get_ops(image).shape(image)[1]
+        if not state.merges_level(tokens):  # a level above max_downsample: its blocks never merge
+            return self.idle
+        config, fallback = self._arrangement(state.active)
+        if state.why_unmerged(tokens, self._execution(image), config) is not None:
+            return self.idle  # merging would not pay at this size (tome_core.cost), said in summary()
+        matches = state.block_matches(image, self.stream, self.family.rotary is not None or self.masks, self.ratio, config, fallback)
+        return BlockPlan(config, matches, head, tail, state.level(tokens, matches, self.ratio, config, fallback))
+
+    def _execution(self, x: Any) -> Tuple[str, str]:
+        """The device and execution of the call now running (``Framework.execution``), read once per call."""
+        if self.state.execution is None:
+            self.state.execution = self.fw.execution(x)
+        return self.state.execution
 
     def _ran_on(self, x: Any) -> Optional[Tuple[Any, BlockPlan]]:
         """What an earlier run of this block on ``x`` used, if this is a recomputation of it: on ``x`` itself
@@ -165,21 +174,21 @@ class BlockRun:
             return max(extra, 0), self.state.tail
         return 0, self.state.tail + max(extra, 0)
 
-    def _image(self, x: Any) -> Any:
+    def _image(self, x: Any, head: int, tail: int) -> Any:
         """The image tokens of the block's input: without the tail, and without the text in front where the
         block's input is ``[text; image; tail]`` (their count: the call's grid)."""
         stream = self.family.stream
-        if stream == TEXT_NONE and not self.plan.tail and not self.plan.head:
+        if stream == TEXT_NONE and not tail and not head:
             return x
         length = get_ops(x).shape(x)[1]
         if stream == TEXT_NONE:
-            return x[:, self.plan.head : length - self.plan.tail]
+            return x[:, head : length - tail]
         grid = self.state.grid_hw
         if grid is None:
             raise ValueError(f"ToMe on {self.where}: a {type(self.block).__name__} got no token grid from its model's call")
         if stream == TEXT_SUFFIX:
             return x[:, : grid[0] * grid[1]]
-        return x[:, length - self.plan.tail - grid[0] * grid[1] : length - self.plan.tail]
+        return x[:, length - tail - grid[0] * grid[1] : length - tail]
 
     def _arrangement(self, config: ToMeConfig) -> Tuple[ToMeConfig, Optional[str]]:
         """The options this block runs with now, and why they are a fallback (None: they are not):
@@ -214,7 +223,7 @@ class BlockRun:
             self.plan = replace(plan, level=None)
 
     def end(self, module, args, kwargs, output):
-        self.plan = self.plan.unmerged()
+        self.plan = self.idle
         self.merged.clear()
         return None
 
@@ -541,6 +550,9 @@ class UnmergeOutput(SublayerHook):
         if self.sublayer.child in self.run.passing:  # this call ran on all its tokens
             self.run.passing.discard(self.sublayer.child)
             return None
+        match = self.run.plan.matches.get(self.sublayer.kind)
+        if match is None and self.stored[0] is None:  # it ran unmerged, and no cache holds an output to hand back
+            return None
         cached = output is not None and self.fw.output_cache(module) == REUSED  # None: the sub-layer raised
         reused = cached and output is self.stored[0]
         if output is not None and not reused:  # its attention ran (a cache's stored output: it did not)
@@ -550,7 +562,6 @@ class UnmergeOutput(SublayerHook):
             self.fw.size_aware_done(module, computed=output is not None and not reused)  # None: it raised
         if reused:
             return self.stored[1]
-        match = self.run.plan.matches.get(self.sublayer.kind)
         # kv: the queries kept every token, so the output has them all
         if output is None or match is None or match.merged == 0 or mode == "kv":
             self.stored = (None, None)

@@ -97,6 +97,7 @@ def attach_hooks(fw: Framework, model: Any, state: ToMeState) -> Patch:
         if merge_input.inside is not None:
             merge_input.inside.attach(add)
         patch.targets.append(target)
+    state.streams = max(runs, default=-1) + 1
     for run in runs.values():  # after its sub-layers' post-hooks: a block may be its own sub-layer (child "")
         add(fw.add_post_hook(run.block, run.end))
     return patch

@@ -26,9 +26,12 @@ def num_cells(h: int, w: int, sx: int, sy: int) -> int:
 
 
 def random_offsets(
-    ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: int, step: Union[int, Array], stream: int
+    ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: int, step: Union[int, Array],
+    stream: Union[int, Array],
 ) -> Array:
-    """Destination position inside each cell, in ``[0, sx*sy)``, shape ``[h//sy, w//sx]``.
+    """Destination position inside each cell, in ``[0, sx*sy)``, shape ``[h//sy, w//sx]``; for an array of
+    ``S`` streams ``[S, h//sy, w//sx]``, row ``i`` the partition of stream ``stream[i]`` (one set of array
+    operations for every block of a call: an eager GPU call is bound by their launches).
 
     A counter-based hash of (seed, step, stream, cell): no random-number generator state is read or
     advanced, the same arguments give the same partition on every backend and on every run, and
@@ -38,7 +41,10 @@ def random_offsets(
     hsy, wsx = h // sy, w // sx
     cell = ops.arange(hsy * wsx, like)
     key = (seed % _PRIME) * _MIX[0] % _PRIME
-    key = (key + stream % _PRIME) * _MIX[1] % _PRIME
+    several = not isinstance(stream, int)
+    key = (stream % _PRIME + key) * _MIX[1] % _PRIME
+    if several:  # an array of streams: one row of cells each
+        key = ops.reshape(key, (-1, 1))
     # Flow-matching transformers (Flux) pass fractional timesteps in [0, 1]: the hash takes floor(1000 * t).
     # Computed as (floor(t) mod p) * 1000 + the fraction's thousandths, so that int32 never overflows.
     if isinstance(step, (int, float)):
@@ -55,7 +61,7 @@ def random_offsets(
     while high:
         x = _scramble((x + (high % _PRIME) * _MIX[0] % _PRIME) % _PRIME)
         high //= _PRIME
-    return ops.reshape(x % (sx * sy), (hsy, wsx))
+    return ops.reshape(x % (sx * sy), (-1, hsy, wsx) if several else (hsy, wsx))
 
 
 def _scramble(x: Array) -> Array:

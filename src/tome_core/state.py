@@ -70,6 +70,9 @@ class ToMeState:
     # run unmerged outside one, when another model that borrowed them runs them (the Z-Image ControlNet runs its
     # transformer's noise refiner); every other block, recomputed in backward after the call, merges as it did
     in_call: bool = False
+    streams: int = 0  # the patched model's block streams (their partitions are drawn together, _offsets)
+    drawn: Dict[Tuple[int, ...], Any] = field(default_factory=dict)  # this call's partitions, by grid and seed
+    execution: Optional[Tuple[str, str]] = None  # this call's (device, execution) (Framework.execution), once read
     active: ToMeConfig = field(init=False, repr=False, compare=False)  # this call's options (:meth:`choose`)
 
     def __repr__(self) -> str:
@@ -175,6 +178,8 @@ class ToMeState:
         self.shards = shards
         self.grid_hw = None
         self.step = step
+        self.execution = None
+        self.drawn = {}
         self.stats = {}
         self.fallbacks = {}
         self.unpaid = {}
@@ -206,6 +211,14 @@ class ToMeState:
         if self.latent_hw is None:
             self.latent_hw = grid_hw
             self.active = self.choose()
+
+    def merges_level(self, tokens: int) -> bool:
+        """Whether a block whose image stream holds ``tokens`` tokens is at a level this patch merges (not above
+        ``max_downsample``); a block at another level runs unmerged and is not counted."""
+        latent = self.latent_hw or self.grid_hw
+        if latent is None:
+            return True  # block_matches says what the block lacks
+        return downsample_factor(latent, tokens, self.grid_hw) <= self.max_downsample
 
     def why_unmerged(self, tokens: int, execution: Tuple[str, str], config: ToMeConfig) -> Optional[str]:
         """Why a block whose image stream holds ``tokens`` tokens runs unmerged in this call because merging would
@@ -315,7 +328,7 @@ class ToMeState:
         sx, sy = config.cell_at(factor)
         picks = config.matching == "similarity" or config.cell_pool == "sample"  # a token per cell, placed per call
         offsets = (
-            random_offsets(ops, metric, h, w, sx, sy, config.seed, self.step, stream)
+            self._offsets(ops, metric, h, w, sx, sy, config.seed, stream)
             if picks and config.use_rand and (h // sy) * (w // sx) > 0
             else None
         )
@@ -329,7 +342,7 @@ class ToMeState:
         if frames > 1:
             # the reference frame of every chunk: drawn like a destination in a 1 x K cell, from the next seed
             reference = (
-                ops.reshape(random_offsets(ops, metric, 1, frames, frames, 1, config.seed + 1, self.step, stream), (1,))
+                ops.reshape(self._offsets(ops, metric, 1, frames, frames, 1, config.seed + 1, stream), (1,))
                 if config.use_rand
                 else frames // 2
             )
@@ -337,6 +350,16 @@ class ToMeState:
         else:
             found = bipartite_matches(ops, metric, h, w, sx, sy, list(merged.values()), offsets, config.local_window, shared)
         return dict(zip(merged, found))
+
+    def _offsets(self, ops: Any, like: Any, h: int, w: int, sx: int, sy: int, seed: int, stream: int) -> Any:
+        """``random_offsets`` of block stream ``stream`` at this call's step: drawn for every stream of the model at
+        once, at the first block of the call that needs this grid's, and taken out for each."""
+        key = (h, w, sx, sy, seed)
+        table = self.drawn.get(key)
+        if table is None or ops.shape(table)[0] <= stream:
+            streams = ops.arange(max(self.streams, stream + 1), like)
+            table = self.drawn[key] = random_offsets(ops, like, h, w, sx, sy, seed, self.step, streams)
+        return table[stream]
 
     def _too_small(
         self, latent: Tuple[int, int], factor: int, tokens: int, merged: Dict[str, int], frames: int,

@@ -153,6 +153,21 @@ def test_random_offsets_are_spread_and_depend_on_every_key(xp):
         assert np.mean(other == base) < 0.4, changed
 
 
+@pytest.mark.parametrize("step", [7, 0.375, "array"])
+def test_random_offsets_of_several_streams_are_each_streams_own(xp, step):
+    """Drawn for every block stream at once (one set of array operations per call), row i is stream i's own
+    partition, for Python and on-device steps and seeds above the prime."""
+    like = xp.asarray(np.zeros((1,), np.float32))
+    step = xp.asarray(np.asarray(0.625, np.float32)) if step == "array" else step
+    for seed in (0, 40_000):
+        table = xp.numpy(random_offsets(xp.ops, like, 12, 10, 2, 3, seed, step, xp.ops.arange(5, like)))
+        assert table.shape == (5, 4, 5)
+        for stream in range(5):
+            own = xp.numpy(random_offsets(xp.ops, like, 12, 10, 2, 3, seed, step, stream))
+            np.testing.assert_array_equal(table[stream], own)
+        assert len({row.tobytes() for row in table}) == 5  # the streams differ: the check can fail
+
+
 def test_zero_vectors_match_without_nan(xp):
     metric = np.zeros((1, 16, 4), np.float32)
     match = bipartite_match(xp.ops, xp.asarray(metric), 4, 4, 2, 2, 8, None)
