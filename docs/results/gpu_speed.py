@@ -484,18 +484,29 @@ def measure_block(case: Case, turns: Turns, call: Callable[[], torch.Tensor], de
     sublayers = [s for s in family.sublayers if child_at(block, s.child) is not None and config.sublayers[s.kind]]
     mode, biased = config.arrangement("attn", True)
     merged = merge(image, match)
-    run_block = lambda: block(*args, **kwargs)  # noqa: E731
     level = downsample_factor(seen["call"]["latent_hw"] or grid, match.tokens, grid)
+    current: List[Any] = []  # the state of the patch the block now runs under (none: unpatched, the oracle)
+
+    def run_block() -> None:
+        for on in current:  # each run is a call of its own, its per-call tables (partitions) drawn afresh: in a
+            resume(on)  # CUDA graph inside it, as in a captured model call
+        block(*args, **kwargs)
+
+    def matches() -> Any:
+        resume(state)
+        return state.block_matches(image, stream, shared)
 
     def clear() -> None:
         tome.remove(model)
         turns.set(None)
+        current.clear()
 
     def patched(**extra: Any) -> Callable[[], None]:
         def setup() -> None:
             clear()
             tome.patch(model, **METHODS[FORCED], **extra)
-            resume(tome.patched_models(model)[0].state)
+            current.append(tome.patched_models(model)[0].state)
+            resume(current[0])
         return setup
 
     def oracle() -> None:
@@ -506,7 +517,7 @@ def measure_block(case: Case, turns: Turns, call: Callable[[], torch.Tensor], de
         "block unpatched": (run_block, clear),
         "block merged": (run_block, patched()),
         "block oracle": (run_block, oracle),
-        "match": (lambda: state.block_matches(image, stream, shared), clear),
+        "match": (matches, clear),
         "merge": (lambda: merge(image, match), clear),
     }
     if biased:

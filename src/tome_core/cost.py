@@ -8,8 +8,8 @@ every size); options that choose an arrangement themselves (``ratio``, ``mode``.
 ``min_tokens`` is given.
 
 The bounds are read off paired measurements of whole calls against the same run's unpatched call
-(``docs/results/gpu_h200_defaults.json``: H200, float16/bfloat16, SD 1.5, PixArt, Flux, Flux.2, Wan,
-HunyuanVideo, LTX at released widths; ``docs/results/defaults_speed_sd15_*.json``: this project's 2-core
+(``docs/results/gpu_h200_defaults.json`` and ``gpu_h200_speed*.json``: H200, float16/bfloat16, SD 1.5, SDXL,
+PixArt, Flux, Flux.2, Wan, HunyuanVideo, LTX at released widths; ``docs/results/defaults_speed_sd15_*.json``: this project's 2-core
 CPUs, float32). Across those, the token count of the merged level separated the cells that paid from those that did
 not for each device, execution and arrangement; the models' widths (320-3072 channels), heads and dtypes did
 not, so they are not inputs. Each bound sits at a measured size that paid, above the largest that did not.
@@ -25,14 +25,18 @@ ARRANGEMENTS = ("cells", "similarity")  # keys/values in cells (no similarity co
 
 # (device, execution, arrangement) -> fewest tokens at a level for merging to pay there.
 MIN_TOKENS: Dict[Tuple[str, str, str], int] = {
-    # SD 1.5 UNet, kv 2x2 cells: 4,096 tokens 0.90x eager, 1.03x in a CUDA graph; 16,384 tokens 1.17x eager, 1.27x
-    # graph. PixArt (1,152 channels), kv 2x2 cells in a graph: 1,024 tokens 0.95x, 4,096 tokens 1.30x.
-    ("gpu", "eager", "cells"): 16384,
+    # SD 1.5 UNet, kv 2x2 cells: 4,096 tokens 0.90x eager, 1.03x in a CUDA graph; 16,384 tokens 1.27x graph, and
+    # eager 1.17x at batch 2 but 0.85x and 0.89x at batch 1 (two H200 hosts, gpu_h200_speed*.json): an eager GPU call
+    # is bound by its host, so no size up to 16,384 reliably pays there; the next measured size that pays eagerly is a
+    # video DiT's (below), so UNets merge eagerly from 32,768 tokens (2048 px; not measured yet).
+    # PixArt (1,152 channels), kv 2x2 cells in a graph: 1,024 tokens 0.95x, 4,096 tokens 1.30x.
+    ("gpu", "eager", "cells"): 32768,
     ("gpu", "captured", "cells"): 4096,
     ("gpu", "compiled", "cells"): 4096,
     # ToMe for SD at 0.5 on joint attention in a graph: Flux 1,024 image tokens 0.89x, 4,096 tokens 1.13x; Flux.2
     # 4,096 tokens 1.30x; HunyuanVideo 4,080 tokens 1.16x (the fewest measured that paid); Wan 4,680 tokens 1.00x.
-    # SD 1.5 eager at 0.5: 4,096 tokens 0.77x, 16,384 tokens 1.01x.
+    # SD 1.5 eager at 0.5: 4,096 tokens 0.77x, 16,384 tokens 1.01x. Eager, batch 1: Flux 4,096 tokens 0.83x; Wan 1.3B
+    # width 32,760 tokens (81 frames at 480p) 1.31x, 75,600 (720p) 1.66x; HunyuanVideo 118,800 tokens 2.46x.
     ("gpu", "eager", "similarity"): 16384,
     ("gpu", "captured", "similarity"): 4080,
     ("gpu", "compiled", "similarity"): 4080,

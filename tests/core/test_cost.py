@@ -34,6 +34,23 @@ MEASURED = [
     ("gpu_h200_defaults.json", dict(model="Flux.2 dev width, 1024 px", method="ratio 0.5"), 4096, "gpu", "captured", "similarity"),
     ("gpu_h200_defaults.json", dict(model="HunyuanVideo width, 544x960, 5 frames", method="ratio 0.5"), 4080, "gpu", "captured", "similarity"),
     ("gpu_h200_defaults.json", dict(model="LTX-Video width, 512x704, 161 frames", method="ratio 0.5"), 7392, "gpu", "captured", "similarity"),
+    *[  # gpu_speed.py on an H200 (batch 1 but SD 1.5 at 512 px); the default where it merges, else forced to
+        ("gpu_h200_speed_before.json", dict(row="call", case=case, execution=execution, method=method), tokens, "gpu",
+         "captured" if execution == "graph" else "eager", arrangement)
+        for case, tokens, arrangement, execution, method in (
+            ("SD 1.5, 512 px, batch 2", 4096, "cells", "eager", "default, min_tokens=0"),
+            ("SD 1.5, 512 px, batch 2", 4096, "cells", "graph", "default"),
+            ("SD 1.5, 1024 px, batch 1", 16384, "cells", "eager", "default"),
+            ("SD 1.5, 1024 px, batch 1", 16384, "cells", "graph", "default"),
+            ("SDXL, 1024 px, batch 1", 4096, "cells", "eager", "default, min_tokens=0"),
+            ("SDXL, 1024 px, batch 1", 4096, "cells", "graph", "default"),
+            ("Flux width, 1024 px", 4096, "similarity", "eager", "default, min_tokens=0"),
+            ("Flux width, 1024 px", 4096, "similarity", "graph", "default"),
+            *[(case, tokens, "similarity", execution, "default") for case, tokens in (
+                ("Wan 2.1 1.3B width, 480x832, 81 frames", 32760), ("Wan 2.1 1.3B width, 720x1280, 81 frames", 75600),
+                ("HunyuanVideo width, 720x1280, 129 frames", 118800)) for execution in ("eager", "graph")],
+        )
+    ],
     ("defaults_speed_sd15_512.json", dict(method="ours:auto"), 4096, "cpu", "eager", "cells"),
     ("defaults_speed_sd15_512.json", dict(method="ours"), 4096, "cpu", "eager", "similarity"),
     ("defaults_speed_sd15_1024.json", dict(method="ours:auto"), 16384, "cpu", "eager", "cells"),

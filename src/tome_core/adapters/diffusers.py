@@ -148,16 +148,18 @@ class _SizeBiasMode(TorchFunctionMode):
         if func is torch.Tensor.unflatten:
             return _unflatten(*args, **kwargs)
         if func is F.scaled_dot_product_attention and self.live():
-            call = {**dict(zip(SDPA_ARGUMENTS, args)), **kwargs}
-            query, key = call["query"], call["key"]
+            query = args[0] if args else kwargs["query"]
+            key = args[1] if len(args) > 1 else kwargs["key"]
             bias = self._rows(self._for_keys(key.shape[-2], query), query)
-            self.calls += 1
-            mask = call.get("attn_mask")
-            if mask is None and key_bias_folds(call):
-                return sdpa_with_key_bias(func, args, kwargs, bias)
+            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
             if mask is not None and mask.dtype == torch.bool:
                 mask = torch.zeros_like(mask, dtype=query.dtype).masked_fill(~mask, float("-inf"))
-            args, kwargs = _sdpa_with(args, kwargs, attn_mask=bias if mask is None else mask + bias)
+            mask = bias if mask is None else mask + bias
+            if len(args) > 3:  # every other argument (dropout_p, is_causal, scale...) passes as it came
+                args = tuple(args[:3]) + (mask,) + tuple(args[4:])
+            else:
+                kwargs["attn_mask"] = mask
+            self.calls += 1
         return func(*args, **kwargs)
 
     def _for_keys(self, keys: int, query: torch.Tensor) -> torch.Tensor:
@@ -193,60 +195,6 @@ class _SizeBiasMode(TorchFunctionMode):
             f"size-aware attention: an SDPA call with query shape {tuple(query.shape)} does not fit a batch of "
             f"{batch}; pass proportional_attn=False"
         )
-
-
-SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-FLASH_HEAD_DIM = 256  # the largest head dimension of the flash kernels SDPA picks on CUDA (torch 2.x)
-
-
-def key_bias_folds(call: Dict[str, Any]) -> bool:
-    """Whether an SDPA call with no mask of its own takes the size bias as one more head dimension
-    (:func:`sdpa_with_key_bias`): on CUDA, in half precision, where the widened head still fits the flash
-    kernels. There an additive mask would move the call to a slower kernel (measured on an H200: Wan 1.3B
-    width at 32,760 tokens merged to 16,380, the bias cost 1.7 ms of a block's 16 ms, ``docs/results/
-    gpu_h200_speed.json``); on the CPU a mask costs about nothing and the wider head more."""
-    query, key, value = call["query"], call["key"], call["value"]
-    width = query.shape[-1]
-    return (
-        query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16)
-        and key.shape[-1] == value.shape[-1] == width and width + _pad(width) <= FLASH_HEAD_DIM
-    )
-
-
-def _pad(width: int) -> int:
-    return 8 - width % 8  # one column for the bias, the rest keeps the head a multiple of 8
-
-
-def sdpa_with_key_bias(func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: torch.Tensor) -> torch.Tensor:
-    """SDPA ``func(*args, **kwargs)`` with an additive per-key ``bias`` (``[b, 1, 1, K]`` or ``[b, 1, K]``, broadcast
-    over heads and queries) folded into the dot products, so that the call needs no mask: each query gets a last
-    column of 1, each key ``bias / scale`` there, and the values 0 (sliced off the output). ``q.k * scale`` then
-    gains exactly ``bias``; the head grows by :func:`_pad` columns. Every other argument passes as it came."""
-    call = {**dict(zip(SDPA_ARGUMENTS, args)), **kwargs}
-    query, key, value = call["query"], call["key"], call["value"]
-    width = query.shape[-1]
-    pad = _pad(width)
-    scale = call.get("scale")
-    scale = width**-0.5 if scale is None else scale
-    column = (bias.transpose(-1, -2) / scale).to(key.dtype).expand(*key.shape[:-1], 1)
-    ones = torch.ones(*query.shape[:-1], 1, dtype=query.dtype, device=query.device)
-    args, kwargs = _sdpa_with(
-        args, kwargs, query=torch.cat([query, F.pad(ones, (0, pad - 1))], dim=-1),
-        key=torch.cat([key, F.pad(column, (0, pad - 1))], dim=-1), value=F.pad(value, (0, pad)), scale=scale,
-    )
-    return func(*args, **kwargs)[..., :width]
-
-
-def _sdpa_with(args: Tuple[Any, ...], kwargs: Dict[str, Any], **changes: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-    """An SDPA call's ``(args, kwargs)`` with ``changes`` made where each argument came (by position or keyword)."""
-    args, kwargs = list(args), dict(kwargs)
-    for name, value in changes.items():
-        at = SDPA_ARGUMENTS.index(name)
-        if at < len(args):
-            args[at] = value
-        else:
-            kwargs[name] = value
-    return tuple(args), kwargs
 
 
 def _unflatten(x: torch.Tensor, dim: int, sizes: Any) -> torch.Tensor:
