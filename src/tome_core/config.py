@@ -243,7 +243,7 @@ class ToMeConfig:
         "context parallelism); 0 merges at every size. ``None`` (default): under the default arrangement "
         "(``mode=\"auto\"``, ``prefer``), where measurements say merging makes the call faster on this device, "
         "eager or captured or compiled (tome_core.cost: e.g. from 4,096 tokens on a GPU in a CUDA graph, 16,384 "
-        "eager); with an arrangement chosen by hand (``ratio``, ``mode``...), every size. Levels left unmerged "
+        "or 32,768 eager); with an arrangement chosen by hand (``ratio``, ``mode``...), every size. Levels left unmerged "
         "for this are named in ``summary()`` with the reason.",
     )
     prefer: Optional[str] = option(
