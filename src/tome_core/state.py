@@ -223,16 +223,15 @@ class ToMeState:
     def why_unmerged(self, tokens: int, execution: Tuple[str, str], config: ToMeConfig) -> Optional[str]:
         """Why a block whose image stream holds ``tokens`` tokens runs unmerged in this call because merging would
         not pay there (:mod:`tome_core.cost`), counted for :meth:`summary`; None where it merges. ``execution``:
-        the device and execution of the call (``Framework.execution``); ``config``: the block's options now."""
+        the device and execution of the call (``Framework.execution``); ``config``: the block's options now. Asked
+        only in a merging call, for a block at a level this patch merges (:meth:`merges_level`)."""
         latent = self.latent_hw or self.grid_hw
-        if not self.merging or latent is None:
-            return None
+        if latent is None:
+            return None  # block_matches says what the block lacks
         min_tokens = self.config.min_tokens
         if min_tokens is None and self.config.mode != "auto":
             return None  # an arrangement chosen by hand merges at every size unless min_tokens says otherwise
         factor = downsample_factor(latent, tokens, self.grid_hw)
-        if factor > self.max_downsample:
-            return None
         pieces = self.shards.count if self.shards is not None else 1  # decided as for the whole sequence
         device, how = execution
         why = why_unpaid(tokens * pieces, device, how, arrangement_of(config.mode, config.matching), min_tokens)
