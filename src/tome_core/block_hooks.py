@@ -74,14 +74,18 @@ class BlockRun:
         self.idle = BlockPlan(state.active)  # the plan of a run that merges nothing (its options are not read)
         self.plan = self.idle
         self.ran: Dict[int, Tuple[Any, BlockPlan]] = {}  # id(input): (weakref to it, the plan it ran with)
+        # (call key, input shape, family, options, (level, why, tokens) or None) of the last eager call in which this
+        # block ran unmerged for its size: a call with the same key and input decides the same (_repeats)
+        self.settled: Optional[Tuple[Any, Any, BlockFamily, ToMeConfig, Optional[Tuple[int, str, int]]]] = None
 
     def begin(self, module, args, kwargs):
         """Decide this block's :class:`BlockPlan` for the call now starting. The checks run cheapest first, so a
         block that runs unmerged (most blocks of a UNet, every block below the cost model's size) costs little
         host time: an eager GPU call is bound by it at the sizes people run."""
         block_problem(self.block, self.state.config)
-        self.merged.clear()  # what an interrupted call left (a BaseException skips post-hooks)
-        self.passing.clear()
+        if self.merged or self.passing:  # what an interrupted call left (a BaseException skips post-hooks)
+            self.merged.clear()
+            self.passing.clear()
         self.family = family_in_call(self.base, self.text_after_at, args, kwargs)
         whole = argument(args, kwargs, self.metric, self.metric_at)
         earlier = self._ran_on(whole) if self.ran else None
@@ -99,6 +103,10 @@ class BlockRun:
 
     def _decide(self, args, kwargs, whole: Any) -> BlockPlan:
         state = self.state
+        if self.settled is not None and state.merging and not self._unmerged(args, kwargs):
+            config, fallback = self._arrangement(state.active)
+            if self._repeats(whole, config):
+                return self.idle
         metric = whole
         if self.family.feature_map:
             state.enter_grid(spatial_size(metric, "NCHW"))
@@ -107,15 +115,42 @@ class BlockRun:
         head, tail = self._around(metric)
         if not state.merging or self._unmerged(args, kwargs):  # a call that runs unmerged, said where decided
             return self.idle
+        config, fallback = self._arrangement(state.active)
         image = self._image(metric, head, tail)
         tokens = get_ops(image).shape(image)[1]
         if not state.merges_level(tokens):  # a level above max_downsample: its blocks never merge
+            self._settle(whole, config, None)
             return self.idle
-        config, fallback = self._arrangement(state.active)
-        if state.why_unmerged(tokens, self._execution(image), config) is not None:
-            return self.idle  # merging would not pay at this size (tome_core.cost), said in summary()
+        unpaid = state.why_unmerged(tokens, self._execution(image), config)
+        if unpaid is not None:  # merging would not pay at this size (tome_core.cost), said in summary()
+            self._settle(whole, config, (*unpaid, tokens))
+            return self.idle
+        self.settled = None
         matches = state.block_matches(image, self.stream, self.family.rotary is not None or self.masks, self.ratio, config, fallback)
         return BlockPlan(config, matches, head, tail, state.level(tokens, matches, self.ratio, config, fallback))
+
+    def _repeats(self, whole: Any, config: ToMeConfig) -> bool:
+        """Whether this call repeats the eager call in which this block last ran unmerged for its size (the same
+        call key, input shape, family variant and options): then it runs unmerged again, counted as then, without
+        reading its sizes again (an eager GPU call is bound by the hooks' host time)."""
+        settled = self.settled
+        if settled is None or settled[0] != self.state.call_key or settled[2] is not self.family or settled[3] is not config:
+            return False
+        if settled[1] != get_ops(whole).shape(whole):
+            return False
+        if settled[4] is not None:
+            self.state.unpaid_block(*settled[4])
+        return True
+
+    def _settle(self, whole: Any, config: ToMeConfig, unpaid: Optional[Tuple[int, str, int]]) -> None:
+        """Remember that this block runs unmerged for its size in this call (``unpaid``: its count in
+        :meth:`ToMeState.summary`), for :meth:`_repeats`: only in an eager call, not for a block whose grid it reads
+        itself (``feature_map``) or that another model may run (``lent``)."""
+        key = self.state.call_key
+        if key is None or self.family.feature_map or self.lent:
+            self.settled = None
+            return
+        self.settled = (key, get_ops(whole).shape(whole), self.family, config, unpaid)
 
     def _execution(self, x: Any) -> Tuple[str, str]:
         """The device and execution of the call now running (``Framework.execution``), read once per call."""
@@ -304,6 +339,8 @@ class MergeInput(SublayerHook):
         self.kv_at = argument_positions(forward_of(type(module)), self.kv_name)[self.kv_name]
 
     def __call__(self, module, args, kwargs):
+        if self.run.plan is self.run.idle:  # its block runs unmerged in this call
+            return None
         if self.inside is not None:
             return self._arm_inside(module, args, kwargs)
         match = self.run.plan.matches.get(self.sublayer.kind)
@@ -542,6 +579,8 @@ class UnmergeOutput(SublayerHook):
         self.stored: Tuple[Any, Any] = (None, None)  # (raw output, its unmerged form), only under a cache
 
     def __call__(self, module, args, kwargs, output):
+        if self.run.plan is self.run.idle and self.inside is None and self.stored[0] is None:
+            return None  # its block runs unmerged in this call, and no cache holds an output to hand back
         if self.inside is not None:
             ran = self.inside.done(module, output)
             if ran is not None:

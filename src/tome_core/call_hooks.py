@@ -8,7 +8,7 @@ import inspect
 import itertools
 import weakref
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from .backend import get_ops
 from .families import (
@@ -86,7 +86,8 @@ class CallStart:
             latent = spatial_size(sample, self.data_format) if self.unet else None
             shape = get_ops(sample).shape(sample) if self.unet else ()
             # a video UNet's sample is 5-D (batch first); its blocks see batch * frames items
-            self.state.begin_call(latent, step, videos=shape[0] if len(shape) == 5 else None, merging=merging)
+            videos = shape[0] if len(shape) == 5 else None
+            self.state.begin_call(latent, step, videos=videos, merging=merging, execution=self.fw.execution(sample))
             return None
         if isinstance(sample, (list, tuple)):  # a list of [C, F, H, W] latents (Z-Image): one batch
             if not sample or isinstance(sample[0], (list, tuple)):
@@ -171,7 +172,10 @@ class CallStart:
         if shards is not None:
             check_shards(shards, self.size_aware, self.model)
             grid = shard_grid(grid, shards, tail, videos, self.model)
-        self.state.begin_call(grid, step, videos=videos, merging=merging, tail=tail, grid_last=grid_last, shards=shards)
+        execution = self.fw.execution(sample[0] if isinstance(sample, (list, tuple)) else sample)
+        self.state.begin_call(
+            grid, step, videos=videos, merging=merging, tail=tail, grid_last=grid_last, shards=shards, execution=execution
+        )
         self.state.enter_grid(grid)
         if shards is not None:
             check_shard_cells(grid, shards, self.state.active, self.model)
@@ -338,20 +342,26 @@ class GridHook:
         self.data_format = data_format
 
     def __call__(self, module, args, kwargs):
-        hidden_states = argument(args, kwargs, "hidden_states", 0)
-        if hidden_states is not None and len(get_ops(hidden_states).shape(hidden_states)) == 4:
-            self.state.enter_grid(spatial_size(hidden_states, self.data_format))
+        hidden_states = args[0] if args else kwargs.get("hidden_states")
+        if hidden_states is None:
+            return None
+        shape = get_ops(hidden_states).shape(hidden_states)
+        if len(shape) == 4:
+            self.state.enter_grid((shape[1], shape[2]) if self.data_format == "NHWC" else (shape[2], shape[3]))
         return None
 
 
-def grid_hooks(fw: Framework, model: Any, state: ToMeState) -> List[Any]:
+def grid_hooks(fw: Framework, model: Any, state: ToMeState, blocks: Optional[Set[int]] = None) -> List[Any]:
     """Hook the modules of ``model`` that tell ``state`` its blocks' grid where its call's input does not: the 2-D
-    containers of a UNet-style model (their 4-D input) and its :data:`~tome_core.families.GRID_SOURCES` child (its
-    4-D output); returns the handles."""
+    containers of a UNet-style model (their 4-D input; only those holding one of ``blocks``, ids of the hooked
+    blocks, where given) and its :data:`~tome_core.families.GRID_SOURCES` child (its 4-D output); returns the
+    handles."""
     data_format = getattr(model, "data_format", "NCHW")
     handles = []
     if not is_transformer_model(model):
         for module in grid_modules(fw, model):
+            if blocks is not None and not any(id(sub) in blocks for sub in fw.submodules(module)):
+                continue
             layout = "NHWC" if type(module).__name__ in CHANNELS_LAST_GRID_CONTAINERS else data_format
             handles.append(fw.add_pre_hook(module, GridHook(state, getattr(module, "data_format", layout))))
     source = grid_source(type(model))

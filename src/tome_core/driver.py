@@ -41,7 +41,7 @@ from .framework import (
     arrangement_problem, is_transformer_model, is_unet_like, replace_argument, unbiased_processor,
 )
 from .model_tree import (
-    merged_sublayers, auto_choices, block_metric, blocks_of, check_grids, components, find_models, finest_level,
+    merged_sublayers, auto_choices, block_levels, block_metric, blocks_of, check_grids, components, find_models, finest_level,
     model_facts, size_aware_somewhere, temporal_modules,
 )
 from .model_zoo import AUXILIARY, refusal
@@ -81,9 +81,14 @@ def attach_hooks(fw: Framework, model: Any, state: ToMeState) -> Patch:
     }
     if lent:  # only the blocks a model lends ask whether its call is in flight
         add(fw.add_post_hook(model, partial(call_ends, state)))
-    patch.handles += grid_hooks(fw, model, state)
+    merged = list(merged_sublayers(fw, model, state.config))
+    state.streams = max((stream for stream, *_ in merged), default=-1) + 1
+    # a block at a level above max_downsample never merges: it gets no hooks, so it costs an eager call no host time
+    levels = block_levels(fw, model)
+    merged = [entry for entry in merged if levels[entry[0]] is None or levels[entry[0]] <= state.max_downsample]
+    patch.handles += grid_hooks(fw, model, state, {id(entry[1]) for entry in merged})
     runs: Dict[int, BlockRun] = {}
-    for stream, block, family, ratio, sublayer, target in merged_sublayers(fw, model, state.config):
+    for stream, block, family, ratio, sublayer, target in merged:
         run = runs.get(stream)
         if run is None:
             run = runs[stream] = BlockRun(fw, state, family, stream, block, ratio, type(model).__qualname__)
@@ -97,7 +102,6 @@ def attach_hooks(fw: Framework, model: Any, state: ToMeState) -> Patch:
         if merge_input.inside is not None:
             merge_input.inside.attach(add)
         patch.targets.append(target)
-    state.streams = max(runs, default=-1) + 1
     for run in runs.values():  # after its sub-layers' post-hooks: a block may be its own sub-layer (child "")
         add(fw.add_post_hook(run.block, run.end))
     return patch

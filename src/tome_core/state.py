@@ -73,6 +73,7 @@ class ToMeState:
     streams: int = 0  # the patched model's block streams (their partitions are drawn together, _offsets)
     drawn: Dict[Tuple[int, ...], Any] = field(default_factory=dict)  # this call's partitions, by grid and seed
     execution: Optional[Tuple[str, str]] = None  # this call's (device, execution) (Framework.execution), once read
+    call_key: Any = None  # an eager call's inputs to its blocks' size decisions (begin_call; None: not eager)
     active: ToMeConfig = field(init=False, repr=False, compare=False)  # this call's options (:meth:`choose`)
 
     def __repr__(self) -> str:
@@ -155,13 +156,15 @@ class ToMeState:
     def begin_call(
         self, latent_hw: Optional[Tuple[int, int]], step: Any, videos: Optional[int] = None, merging: bool = True,
         tail: int = 0, why: Optional[str] = None, grid_last: bool = False, shards: Optional[Shards] = None,
+        execution: Optional[Tuple[str, str]] = None,
     ) -> None:
         """Start a model call on a latent of ``latent_hw`` (None: the first grid seen) at ``step``; ``videos``:
         the batch of a video model's call (None: not a video call); ``merging``: False runs the call unmerged
         (its timestep is outside ``timestep_range``, or ``why`` says why); ``tail``: tokens of other images
         (a reference image's) after the grid's in every block's image stream, passed through unmerged;
         ``grid_last``: a block's image stream ends with the grid, the tokens before it passed through unmerged;
-        ``shards``: how context parallelism splits the call (``latent_hw`` is then this process's piece)."""
+        ``shards``: how context parallelism splits the call (``latent_hw`` is then this process's piece);
+        ``execution``: the call's device and execution (``Framework.execution``; None: read by the first block)."""
         if self.config.reuse_steps == 1:
             self.cache = {}  # also where reuse_blocks keeps its matches within the call
         else:  # the call counter is read only here, so compiled models do not specialise on it otherwise
@@ -178,7 +181,10 @@ class ToMeState:
         self.shards = shards
         self.grid_hw = None
         self.step = step
-        self.execution = None
+        self.execution = execution
+        # what an eager call's blocks decide from: a call with the same key repeats their size decisions (BlockRun)
+        eager = execution is not None and execution[1] == "eager" and shards is None
+        self.call_key = (latent_hw, videos, merging, tail, grid_last, execution) if eager else None
         self.drawn = {}
         self.stats = {}
         self.fallbacks = {}
@@ -220,11 +226,11 @@ class ToMeState:
             return True  # block_matches says what the block lacks
         return downsample_factor(latent, tokens, self.grid_hw) <= self.max_downsample
 
-    def why_unmerged(self, tokens: int, execution: Tuple[str, str], config: ToMeConfig) -> Optional[str]:
-        """Why a block whose image stream holds ``tokens`` tokens runs unmerged in this call because merging would
-        not pay there (:mod:`tome_core.cost`), counted for :meth:`summary`; None where it merges. ``execution``:
-        the device and execution of the call (``Framework.execution``); ``config``: the block's options now. Asked
-        only in a merging call, for a block at a level this patch merges (:meth:`merges_level`)."""
+    def why_unmerged(self, tokens: int, execution: Tuple[str, str], config: ToMeConfig) -> Optional[Tuple[int, str]]:
+        """``(level, why)`` a block whose image stream holds ``tokens`` tokens runs unmerged in this call because
+        merging would not pay there (:mod:`tome_core.cost`), counted for :meth:`summary`; None where it merges.
+        ``execution``: the device and execution of the call (``Framework.execution``); ``config``: the block's
+        options now. Asked only in a merging call, for a block at a level this patch merges (:meth:`merges_level`)."""
         latent = self.latent_hw or self.grid_hw
         if latent is None:
             return None  # block_matches says what the block lacks
@@ -235,11 +241,19 @@ class ToMeState:
         pieces = self.shards.count if self.shards is not None else 1  # decided as for the whole sequence
         device, how = execution
         why = why_unpaid(tokens * pieces, device, how, arrangement_of(config.mode, config.matching), min_tokens)
-        if why is not None:
-            level = self.unpaid.setdefault(factor, (LevelStats(), why))[0]
-            level.blocks += 1
-            level.tokens = level.kept = tokens
-        return why
+        if why is None:
+            return None
+        self.unpaid_block(factor, why, tokens)
+        return factor, why
+
+    def unpaid_block(self, factor: int, why: str, tokens: int) -> None:
+        """Count a block of ``tokens`` tokens at level ``factor`` that runs unmerged because of ``why``
+        (:meth:`why_unmerged`)."""
+        if factor not in self.unpaid:
+            self.unpaid[factor] = (LevelStats(), why)
+        level = self.unpaid[factor][0]
+        level.blocks += 1
+        level.tokens = level.kept = tokens
 
     def block_matches(
         self, metric: Any, stream: int, shared: bool = False, block_ratio: Optional[float] = None,

@@ -217,7 +217,7 @@ def test_only_calls_that_may_be_recomputed_remember_their_matches():
     tome.patch(unet, ratio=0.5)
     runs = {hook.__self__ for m in unet.modules() for hook in m._forward_pre_hooks.values()
             if type(getattr(hook, "__self__", None)).__name__ == "BlockRun"}
-    assert len(runs) == 7
+    assert len(runs) == 3  # the blocks at the finest level of 7: the others, above max_downsample, get no hooks
     with torch.no_grad():
         unet_loss(unet, batch)
     assert all(run.ran == {} for run in runs)

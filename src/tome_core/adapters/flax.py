@@ -212,7 +212,8 @@ class _CallHooks:
 
     def execution(self, x: Any) -> Tuple[str, str]:
         traced = isinstance(x, jax.core.Tracer)  # under jax.jit (a traced program), or jax.grad in eager code
-        platform = jax.default_backend() if traced else next(iter(x.devices())).platform
+        devices = None if traced else getattr(x, "devices", None)  # none on a NumPy input, which runs on the default
+        platform = next(iter(devices())).platform if devices is not None else jax.default_backend()
         return "cpu" if platform == "cpu" else "gpu", "compiled" if traced else "eager"
 
     def clear_interrupted(self) -> None:
