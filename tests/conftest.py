@@ -84,9 +84,9 @@ def numpy_partition():
 
 # Bad options and the error every entry point of every backend must raise (argument, value, what is allowed).
 BAD_OPTIONS = [
-    ({"ratio": 1.0}, ValueError, r"ratio must be in \[0, 1\), got 1.0"),
-    ({"ratio": -0.1}, ValueError, r"ratio must be in \[0, 1\), got -0.1"),
-    ({"ratio": "0.5"}, TypeError, r"ratio must be a float in \[0, 1\), got '0.5'"),
+    ({"ratio": 1.0}, ValueError, r"ratio must be in \[0, 0.75\] \(one token per 2x2 cell is kept: at most 1 - 1/\(sx\*sy\)\), got 1.0"),
+    ({"ratio": -0.1}, ValueError, r"ratio must be in \[0, 0.75\] .*, got -0.1"),
+    ({"ratio": "0.5"}, TypeError, r"ratio must be a float in \[0, 1 - 1/\(sx\*sy\)\], got '0.5'"),
     ({"ratio": 0.6, "sx": 1, "sy": 2}, ValueError, r"ratio=0.6 cannot be reached with sx=1, sy=2.* = 0.5"),
     ({"sx": 0}, ValueError, "sx must be an int >= 1, got 0"),
     ({"sy": 2.0}, TypeError, "sy must be an int >= 1, got 2.0"),
@@ -113,7 +113,7 @@ BAD_OPTIONS = [
     ({"frames_per_chunk": 2, "mode": "kv"}, ValueError, "frames_per_chunk=2 cannot be combined with mode='kv'"),
     # issue 43: an unhashable value named neither the option nor the value ("unhashable type: 'list'")
     ({"prefer": ["speed"]}, TypeError, r"prefer must be one of 'fidelity', 'balance', 'speed' or None, got \['speed'\] \(list\)"),
-    ({"rato": 0.5}, TypeError, r"unknown ToMe option\(s\) rato; valid options are ratio, max_downsample"),
+    ({"rato": 0.5}, TypeError, r"unknown ToMe option\(s\) rato \(did you mean ratio for rato\?\); valid options are ratio, max_downsample"),
     # max_downsample=None merges only the finest attention level (1 on an SD-shaped UNet): another level's
     # ratio can never act (issue 35)
     ({"ratio": 0.0, "level_ratios": {2: 0.5}}, ValueError, r"level_ratios names level 2 \(1/2 scale\), where no block of \w+ merges"),

@@ -44,6 +44,7 @@ framework.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import json
 import math
@@ -453,18 +454,33 @@ def plot(rows: Sequence[Row], path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def preset_names() -> Dict[str, List[str]]:
+    """Every ``--preset`` name by kind: ``unet``, ``transformer`` (released shapes), ``tiny`` (test-sized
+    transformers), ``video`` and ``trained``."""
+    from tome_tools.presets import TRANSFORMERS, UNETS, VIDEO_PRESETS
+    from tome_tools.trained import TRAINED_PRESETS
+
+    return {
+        "unet": list(UNETS),
+        "transformer": [name for name in TRANSFORMERS if not name.startswith("tiny")],
+        "tiny": [name for name in TRANSFORMERS if name.startswith("tiny")],
+        "video": list(VIDEO_PRESETS),
+        "trained": list(TRAINED_PRESETS),
+    }
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tome_tools.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=sorted(RUNNERS), default="torch")
-    p.add_argument("--preset", default="sd15-small",
-                   help="UNet or diffusion transformer architecture with random weights (tome_tools.presets: UNETS, "
-                   "TRANSFORMERS: sd3, sd3-small, flux-small, pixart, flux2-small, qwen-image-small, z-image-small, "
-                   "hunyuan-video-small, ltx-small (real widths, 1-2 blocks of each kind; the video ones at "
-                   "TRANSFORMER_VIDEOS' frames and size, --resolution their frame height), tiny-*), a video "
-                   "model (VIDEO_PRESETS: animatediff, svd, wan (Wan 2.1 T2V 1.3B), tiny-animatediff, tiny-svd, "
-                   "tiny-wan; see --frames), or a "
-                   "small trained pixel-space model shipped in the repository's models/ (trained-unet, "
-                   "trained-dit, trained-mmdit; torch): then sample fidelity (PSNR, SSIM, classifier accuracy) is reported too")
+    names = preset_names()
+    p.add_argument("--preset", default="sd15-small", metavar="NAME",
+                   help="an architecture with random weights, or a small trained model. UNets: "
+                   f"{', '.join(names['unet'])}. Diffusion transformers (real widths, 1-2 blocks of each kind; the video "
+                   f"ones at TRANSFORMER_VIDEOS' frames and size, --resolution their frame height): "
+                   f"{', '.join(names['transformer'])}, and {len(names['tiny'])} test-sized tiny-* ones (tome_tools.presets). "
+                   f"Video models (see --frames): {', '.join(names['video'])}. Trained pixel-space models shipped in "
+                   f"the repository's models/ (torch; sample fidelity, PSNR, SSIM and classifier accuracy, is reported "
+                   f"too): {', '.join(names['trained'])}")
     p.add_argument("--model", help="local diffusers/ppdiffusers pipeline or UNet folder (from_pretrained), or a "
                    "trained model's folder (python -m tome_tools.train)")
     p.add_argument("--resolution", type=int, nargs="+", default=None,
@@ -617,7 +633,15 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Row]:
     from tome_tools.console import quiet_known_notices
 
     quiet_known_notices()
-    args = parser().parse_args(argv)
+    arguments = parser()
+    args = arguments.parse_args(argv)
+    known = [name for names in preset_names().values() for name in names]
+    if args.preset not in known:
+        close = difflib.get_close_matches(args.preset, known, n=1)
+        arguments.error(
+            f"--preset {args.preset!r} is none of the presets{f' (did you mean {close[0]!r}?)' if close else ''}; "
+            f"choose one of {', '.join(known)}"
+        )
     args.options = parse_options(args.option)
     args.variants = variant_options(args.variant)
     explicit_methods = args.methods is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from dataclasses import dataclass, field, fields, replace
@@ -182,13 +183,16 @@ class ToMeConfig:
     )
     mode: Optional[str] = option(
         None, ARRANGEMENT,
-        "the arrangement around self-attention (docs/high-resolution.md). ``None`` (default): ``\"auto\"`` unless "
-        "an option above or ``matching``, ``level_cells``, a sub-layer, level or block ratio is given, else "
-        "``\"tokens\"``. ``\"auto\"`` chooses by the latent size from measured speed and fidelity: where "
-        "self-attention takes separate keys (UNets, PixArt, DiT), ``\"kv\"`` with 2x2 cells, each cell one of its "
-        "tokens drawn per call and block (``cell_pool=\"sample\"``), 4x4 where the finest merged level has >= "
-        "128x128 tokens (ToMe for SD's ``\"tokens\"`` at 0.5 where kv cannot serve: joint-attention transformers, "
-        "or cross-attention or MLP merged too, or a similarity-only option set). ``\"tokens\"`` merges its input "
+        "the arrangement around self-attention (docs/high-resolution.md). ``None`` (default): ``\"tokens\"`` when an "
+        "option that says how many tokens merge or how they are matched is given (``ratio``, ``sx``, ``sy``, "
+        "``matching``, ``level_cells``, a sub-layer, level or block ratio, ``frames_per_chunk``, ``frame_ratio``), "
+        "else ``\"auto\"`` (the other options keep it). ``\"auto\"`` chooses by the latent size from measured "
+        "speed and fidelity: where every merged self-attention takes separate keys (UNets, PixArt, DiT), only "
+        "self-attention merges and no similarity option is set (``local_window``, ``reuse_level``, "
+        "``reuse_steps``, ``reuse_blocks``), ``\"kv\"`` in ``prefer``'s cells (2x2, 4x4 where the finest merged "
+        "level has >= 128x128 tokens), each cell one of its tokens drawn per call and block "
+        "(``cell_pool=\"sample\"``); elsewhere (joint-attention transformers, cross-attention or MLP merged too, a "
+        "similarity option) ToMe for SD's ``\"tokens\"`` at ``prefer``'s ratio (0.5). ``\"tokens\"`` merges its input "
         "and unmerges its output (ToMe for SD); ``\"kv\"`` reduces only its keys and values (queries keep every "
         "token, nothing to unmerge; ToDo); ``\"queries\"`` merges only its queries (keys and values keep every "
         "token, output unmerged; ComfyUI's arrangement). Cross-attention and MLP always merge as ``\"tokens\"``.",
@@ -535,7 +539,7 @@ class ToMeConfig:
     @staticmethod
     def _check_ratio_type(name: str, ratio: Any) -> None:
         if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real):
-            raise TypeError(f"{name} must be a float in [0, 1), got {ratio!r} ({type(ratio).__name__})")
+            raise TypeError(f"{name} must be a float in [0, 1 - 1/(sx*sy)], got {ratio!r} ({type(ratio).__name__})")
 
     def _cells_of_ratio(self) -> Optional[Tuple[int, int]]:
         """The cell that bounds ``ratio`` when the config alone tells it: ``(sx, sy)``, or None when
@@ -550,13 +554,16 @@ class ToMeConfig:
         largest cell of this config, ``(sx, sy)`` without ``level_cells``; each merged level's own cell is
         checked at ``patch``)."""
         self._check_ratio_type(name, ratio)
-        if not (math.isfinite(ratio) and 0 <= ratio < 1):
-            raise ValueError(f"{name} must be in [0, 1), got {ratio!r}")
         if cell is None:
             cells = [(self.sx, self.sy), *(self.level_cells or {}).values()]
             cell = max(cells, key=lambda c: c[0] * c[1])
         sx, sy = cell
         reachable = 1 - 1 / (sx * sy)
+        if not (math.isfinite(ratio) and 0 <= ratio < 1):
+            raise ValueError(
+                f"{name} must be in [0, {reachable:g}] (one token per {sx}x{sy} cell is kept: at most 1 - 1/(sx*sy)), "
+                f"got {ratio!r}"
+            )
         if ratio > reachable:
             where = "" if cell == (self.sx, self.sy) else f" (the largest cell of level_cells={self.level_cells})"
             raise ValueError(
@@ -604,7 +611,12 @@ class ToMeConfig:
         names = [f.name for f in fields(cls)]
         unknown = sorted(set(options) - set(names))
         if unknown:
-            raise TypeError(f"unknown ToMe option(s) {', '.join(unknown)}; valid options are {', '.join(names)}")
+            guesses = [(name, difflib.get_close_matches(name, names, n=1)) for name in unknown]
+            meant = ", ".join(f"{guess[0]} for {name}" for name, guess in guesses if guess)
+            raise TypeError(
+                f"unknown ToMe option(s) {', '.join(unknown)}{f' (did you mean {meant}?)' if meant else ''}; "
+                f"valid options are {', '.join(names)}"
+            )
         return cls(**options)
 
 

@@ -35,7 +35,7 @@ from .block_hooks import (
 )
 from .call_hooks import CallStart, PipelineWatch, call_ends, forget_generations, generations, grid_hooks
 from .config import ToMeConfig
-from .families import BLOCK_FAMILIES, attends_text_only, child_at, lent_children
+from .families import attends_text_only, child_at, lent_children
 from .framework import (
     Framework, PostHook, PreHook, REUSED, SizeBias, argument, argument_positions, arrangement_error,
     arrangement_problem, is_transformer_model, is_unet_like, replace_argument, unbiased_processor,
@@ -146,9 +146,10 @@ def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any]
     if not models:
         temporal_only = any(temporal_modules(fw, component) for component in components(fw, obj))
         raise ValueError(
-            f"nothing to patch: {type(obj).__qualname__} contains no transformer block ToMe knows "
-            f"({', '.join(name for family in BLOCK_FAMILIES for name in family.classes)})"
+            f"nothing to patch: {type(obj).__qualname__} contains no transformer block ToMe knows"
             + (" outside temporal layers (their tokens are frames, which ToMe does not merge)" if temporal_only else "")
+            + "; pass a pipeline, or its UNet, ControlNet or diffusion transformer (docs/models.md lists the models "
+            "ToMe merges)"
         )
     if config.frames > 1 and not any(temporal_modules(fw, model) for model in models):
         raise ValueError(

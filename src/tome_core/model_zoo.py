@@ -40,10 +40,9 @@ REFUSED: Dict[str, str] = {
     ),
     # merging cannot pay, or cannot be right
     "SanaTransformer2DModel": (
-        "its self-attention is linear attention (its cost grows linearly with the tokens and it has no attention "
-        "matrix to shrink) and its feed-forward is a 3x3 convolution over the image grid (GLUMBConv), which needs "
-        "every token; merging could shrink only the attention's projections, a fifth of a block at ratio 0.5, "
-        "while matching costs grow with the square of the tokens"
+        "its self-attention is linear attention (no attention matrix to shrink) and its feed-forward a 3x3 "
+        "convolution over the grid (GLUMBConv), which needs every token: merging would shrink a fifth of a block at "
+        "ratio 0.5 and cost more than that"
     ),
     "SanaControlNetModel": "its blocks are Sana's (see SanaTransformer2DModel): linear attention and a convolutional feed-forward over the grid",
     "SanaVideoTransformer3DModel": (
@@ -72,11 +71,9 @@ REFUSED: Dict[str, str] = {
         "merged tokens fit none of these"
     ),
     "Cosmos3OmniTransformer": (
-        "a mixture-of-transformers decoder whose layers take two batchless streams [tokens, C], the understanding "
-        "(text) one first and the generation one [vision; sound; action] second, each with its own attention "
-        "projections and MLP, the vision's queries over both streams' keys: ToMe's blocks take their image stream as "
-        "their first, batched input, and the role indicator that places Ideogram 4's and MiniMax-H3's image run does "
-        "not reach a second stream (not supported)"
+        "a mixture-of-transformers decoder whose layers take two batchless streams (text first, then vision, sound "
+        "and action), each with its own projections: ToMe's blocks take their image stream as their first, batched "
+        "input (not supported)"
     ),
 }
 

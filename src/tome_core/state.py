@@ -74,10 +74,12 @@ class ToMeState:
     drawn: Dict[Tuple[int, ...], Any] = field(default_factory=dict)  # this call's partitions, by grid and seed
     execution: Optional[Tuple[str, str]] = None  # this call's (device, execution) (Framework.execution), once read
     call_key: Any = None  # an eager call's inputs to its blocks' size decisions (begin_call; None: not eager)
+    started: bool = False  # a call of the model has begun since patch (summary() describes the last one)
     active: ToMeConfig = field(init=False, repr=False, compare=False)  # this call's options (:meth:`choose`)
 
     def __repr__(self) -> str:
-        return f"ToMeState(config={self.config!r}, finest_level={self.finest_level}, calls={self.calls})"
+        """The options and the finest level; ``summary()`` tells what the last call did."""
+        return f"ToMeState(config={self.config!r}, finest_level={self.finest_level}{'' if self.started else ', no call yet'})"
 
     def __post_init__(self) -> None:
         self.active = self.choose()
@@ -113,6 +115,8 @@ class ToMeState:
         width): the blocks whose merged sub-layer ran on fewer tokens, tokens before and after (what their
         attention saw), and the arrangement; then the blocks whose self-attention ran on all its tokens, and why.
         Blocks are counted as their sub-layers' calls return (:meth:`count`, :meth:`passed`), not as they match."""
+        if not self.started:
+            return "  no call yet: summary() describes the last call of the patched model"
         if not self.merging:
             return f"  no block merged: {self.why or f'the timestep is outside timestep_range={self.config.timestep_range}'}"
         lines = [_summary_line(self.active, factor, level) for factor, level in sorted(self.stats.items())]
@@ -172,6 +176,7 @@ class ToMeState:
                 self.cache = {}
             self.calls += 1
         self.in_call = True
+        self.started = True
         self.latent_hw = latent_hw
         self.videos = videos
         self.merging = merging

@@ -100,7 +100,7 @@ def test_unknown_levels_judge_by_the_level_range():
 
 
 @pytest.mark.parametrize("options, error, message", [
-    (dict(ratio="0.75", matching="cell"), TypeError, r"ratio must be a float in \[0, 1\), got '0.75' \(str\)"),
+    (dict(ratio="0.75", matching="cell"), TypeError, r"ratio must be a float in \[0, 1 - 1/\(sx\*sy\)\], got '0.75' \(str\)"),
     (dict(level_cells={1: 4}, ratio=0.95), ValueError,
      r"ratio=0.95 cannot be reached with sx=4, sy=4 \(the largest cell of level_cells=\{1: \(4, 4\)\}\)"),
 ])

@@ -28,8 +28,8 @@ def test_import_loads_no_framework():
 @pytest.mark.parametrize(
     "options, error, message",
     [
-        ({"ratio": 1.0}, ValueError, r"ratio must be in \[0, 1\), got 1.0"),
-        ({"ratio": -0.1}, ValueError, r"ratio must be in \[0, 1\), got -0.1"),
+        ({"ratio": 1.0}, ValueError, r"ratio must be in \[0, 0.75\] \(one token per 2x2 cell is kept: at most 1 - 1/\(sx\*sy\)\), got 1.0"),
+        ({"ratio": -0.1}, ValueError, r"ratio must be in \[0, 0.75\] .*, got -0.1"),
         ({"ratio": float("nan")}, ValueError, "ratio must be in"),
         ({"ratio": "0.5"}, TypeError, "ratio must be a float"),
         ({"ratio": True}, TypeError, "ratio must be a float"),
@@ -48,7 +48,7 @@ def test_import_loads_no_framework():
         ({"timestep_range": (900, 100)}, ValueError, r"got \(900, 100\) \(low > high\)"),
         ({"mode": "kv", "matching": "cell", "cell_pool": "max"}, ValueError, "cell_pool must be one of 'mean', 'sample', got 'max'"),
         ({"ratio": 0.5, "cell_pool": "sample"}, ValueError, "cell_pool='sample' says what stands for a cell of matching='cell', but matching is 'similarity'"),
-        ({"ration": 0.5}, TypeError, "unknown ToMe option\\(s\\) ration; valid options are ratio, max_downsample"),
+        ({"ration": 0.5}, TypeError, "unknown ToMe option\\(s\\) ration \\(did you mean ratio for ration\\?\\); valid options are ratio, max_downsample"),
     ],
 )
 def test_bad_options_raise_naming_argument_value_and_allowed(options, error, message):

@@ -122,12 +122,35 @@ def test_blocks_outside_a_2d_transformer_raise_a_clear_error():
     "obj, error, message",
     [
         ("a pipeline", TypeError, "ToMe can patch a diffusers DiffusionPipeline.*got builtins.str"),
-        (torch.nn.Linear(2, 2), ValueError, "nothing to patch: Linear contains no transformer block ToMe knows \\(BasicTransformerBlock, "),
+        (torch.nn.Linear(2, 2), ValueError, "nothing to patch: Linear contains no transformer block ToMe knows; pass a pipeline, or its UNet"),
     ],
 )
 def test_objects_that_cannot_be_patched_raise(obj, error, message):
     with pytest.raises(error, match=message):
         tome.patch(obj)
+
+
+def test_a_refusal_is_short_and_says_what_to_pass():
+    """A module ToMe cannot patch is refused in one or two sentences (under 400 characters), not with a list of
+    the library's classes: a pipeline's text encoder, and every class the registry refuses with its reason."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from tome_core.model_zoo import REFUSED
+
+    encoder = CLIPTextModel(CLIPTextConfig(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2))
+    with pytest.raises(ValueError) as refused:
+        tome.patch(encoder)
+    message = str(refused.value)
+    assert len(message) < 400 and "CLIPTextModel" in message and "pass a pipeline, or its UNet" in message, message
+    for name, reason in REFUSED.items():  # said as "ToMe cannot patch {class}: {reason}"
+        assert len(f"ToMe cannot patch {name}: {reason}") < 400, name
+
+
+def test_a_misspelt_option_gets_a_suggestion(unet):
+    with pytest.raises(TypeError, match=r"unknown ToMe option\(s\) rato \(did you mean ratio for rato\?\)"):
+        tome.patch(copy.deepcopy(unet), rato=0.5)
+    with pytest.raises(TypeError, match=r"unknown ToMe option\(s\) zzz; valid options"):  # nothing close: no guess
+        tome.patch(copy.deepcopy(unet), zzz=1)
 
 
 def test_bad_options_raise_through_every_entry_point(unet):
@@ -201,8 +224,18 @@ def test_patched_models_print_briefly_and_dir_shows_the_public_names(unet):
     finally:
         tome.remove(unet)
     assert model is unet and state.config.ratio == 0.3
-    assert text == "[Patched(model=UNet2DConditionModel, state=ToMeState(config=ToMeConfig(ratio=0.3, mode='tokens'), finest_level=1, calls=0))]"
+    assert text == "[Patched(model=UNet2DConditionModel, state=ToMeState(config=ToMeConfig(ratio=0.3, mode='tokens'), finest_level=1, no call yet))]"
     assert "DiffusionPipeline" not in dir(tome)
+
+
+def test_the_state_says_when_no_call_has_run_yet(unet):
+    model = copy.deepcopy(unet)
+    tome.patch(model, ratio=0.5)
+    state = tome.patched_models(model)[0].state
+    assert state.summary() == "  no call yet: summary() describes the last call of the patched model"
+    with torch.no_grad():
+        model(torch.randn(1, 4, 16, 16), torch.tensor(500), torch.randn(1, 7, 32))
+    assert "no call yet" not in repr(state) and "256 -> 128 tokens" in state.summary(), state.summary()
 
 
 def test_the_cli_leaves_out_transformers_torchvision_notice():

@@ -891,3 +891,15 @@ def test_bad_video_arguments_fail_before_anything_is_built(monkeypatch, argv, me
     monkeypatch.setattr(diffusers_video_bench, "build_video_preset", lambda *a: pytest.fail("built a model"))
     with pytest.raises(SystemExit, match=message.replace("(", r"\(")):
         bench.main(argv)
+
+
+def test_an_unknown_preset_is_refused_by_name_with_every_choice(capsys):
+    """No traceback: argparse's error names the preset, the closest one and every choice; --help lists them."""
+    with pytest.raises(SystemExit) as stopped:
+        bench.main(["--preset", "sd15x"])
+    error = capsys.readouterr().err
+    assert stopped.value.code == 2 and "--preset 'sd15x' is none of the presets (did you mean 'sd15'?)" in error
+    every = [name for names in bench.preset_names().values() for name in names]
+    assert all(name in error for name in every)
+    shown = bench.parser()._option_string_actions["--preset"].help
+    assert all(name in shown for kind in ("unet", "transformer", "video", "trained") for name in bench.preset_names()[kind])

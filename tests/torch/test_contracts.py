@@ -247,7 +247,7 @@ def test_seeds_beyond_the_hash_prime_give_other_images(unet, inputs):
 
 
 @pytest.mark.parametrize("entry, message", [
-    (lambda u: tome.patch(u, ratio="0.75", matching="cell"), r"ratio must be a float in \[0, 1\), got '0.75' \(str\)"),
+    (lambda u: tome.patch(u, ratio="0.75", matching="cell"), r"ratio must be a float in \[0, 1 - 1/\(sx\*sy\)\], got '0.75' \(str\)"),
     (lambda u: tome.apply_patch(u, ratio=0.5, foo=1), "apply_patch got unknown option.s. foo; tomesd's apply_patch takes ratio, max_downsample"),
 ], ids=["ratio-str-cell", "apply_patch-foo"])
 def test_errors_name_the_argument(unet, entry, message):

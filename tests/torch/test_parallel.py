@@ -308,7 +308,6 @@ def _snippet_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import warnings
 
     torch.set_num_threads(1)
-    torch.accelerator.device_count = lambda: 1  # CPU-only torch (see cpu_process_group)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     code = "\n".join(re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S))
     with open(os.path.join(out_dir, f"printed{rank}.txt"), "w") as out, contextlib.redirect_stdout(out), warnings.catch_warnings():

@@ -24,6 +24,14 @@ def test_quick_start_snippet_patches_and_restores_the_pipeline(readme_code, caps
     assert model is pipe.unet and state.config.ratio == 0.5
 
 
+def test_home_page_snippet_patches_runs_and_removes(guide_code, capsys):
+    namespace: dict = {}
+    exec(compile(*guide_code("index"), "exec"), namespace)
+    assert "1/1 scale: 3 blocks unmerged: 1024 tokens" in capsys.readouterr().out
+    pipe = namespace["pipe"]
+    assert not any("_tome_patch" in m.__dict__ for m in pipe.unet.modules())
+
+
 def test_transformer_snippet_merges_image_tokens_and_restores(guide_code):
     namespace: dict = {}
     exec(compile(*guide_code("transformers"), "exec"), namespace)
@@ -107,4 +115,6 @@ def test_every_guide_with_python_has_its_snippets_run():
 
     docs = pathlib.Path(__file__).resolve().parents[2] / "docs"
     with_code = {path.stem for path in docs.glob("*.md") if "```python" in path.read_text()}
-    assert with_code == {"compile", "fidelity", "high-resolution", "models", "parallel", "training", "transformers", "video"}
+    assert with_code == {
+        "compile", "fidelity", "high-resolution", "index", "models", "parallel", "training", "transformers", "video"
+    }
