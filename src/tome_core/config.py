@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import difflib
+import inspect
 import math
 import numbers
+import textwrap
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, get_type_hints
 
 MAX_DOWNSAMPLE_CHOICES = (None, 1, 2, 4, 8)
 LEVELS = (1, 2, 4, 8)
@@ -620,6 +622,16 @@ class ToMeConfig:
         return cls(**options)
 
 
+def option_parameters() -> List[inspect.Parameter]:
+    """Every option as a keyword-only parameter with its type and its default (which acts as leaving the option
+    out: tests/core/test_documented_defaults.py): what the entry points' signatures list after the model."""
+    types = get_type_hints(ToMeConfig)
+    return [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=types[f.name])
+        for f in fields(ToMeConfig)
+    ]
+
+
 def option_meanings() -> Dict[str, str]:
     """Each option's help, as its field gives it."""
     return {f.name: f.metadata["help"] for f in fields(ToMeConfig)}
@@ -633,7 +645,8 @@ def options_help() -> str:
         lines.append(f"  {title}:")
         for f in fields(ToMeConfig):
             if f.metadata["group"] == group:
-                lines.append(f"    {f.name}={f.default!r}: {f.metadata['help']}")
+                text = f"{f.name}={f.default!r}: {f.metadata['help']}"
+                lines += textwrap.wrap(text, 110, initial_indent="    ", subsequent_indent="        ")
     return "\n".join(lines)
 
 

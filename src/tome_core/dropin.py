@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Tuple
+import inspect
+from typing import Any, Callable, Optional, Tuple
+
+from .config import option_parameters
 
 
 def tomesd_functions(patch: Callable[..., Any], remove: Callable[[Any], Any]) -> Tuple[Callable[..., Any], Callable[[Any], Any]]:
@@ -67,8 +70,15 @@ def ratio_positional(patch: Callable[..., Any], name: str, module: str) -> Calla
         return patch(model, **options)
 
     entry.__doc__ = (
-        f"{name}(model, ratio=None, **options): the ratio positional or by keyword, every other option by "
-        "keyword.\n\n" + (patch.__doc__ or "")
+        f"{name}(model, ratio=None, *, max_downsample=None, ...): the ratio positional or by keyword, every other "
+        "option by keyword.\n\n" + (patch.__doc__ or "")
+    )
+    # what inspect.signature, help() and interactive completion show: every option with the default that acts
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    options = [p for p in option_parameters() if p.name != "ratio"]
+    entry.__signature__ = inspect.Signature(
+        [inspect.Parameter("model", positional), inspect.Parameter("ratio", positional, default=None, annotation=Optional[float]), *options],
+        return_annotation=Any,
     )
     entry.__wrapped__ = patch
     entry.__name__ = entry.__qualname__ = name

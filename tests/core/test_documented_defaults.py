@@ -43,3 +43,21 @@ def test_the_documented_default_is_the_default_and_acts_as_it(name, default, res
     assert ToMeConfig(**{name: default}) == ToMeConfig()
     if resolved is not None:
         assert _behaviour(ToMeConfig(**{name: resolved})) == _behaviour(ToMeConfig())
+
+
+def test_the_entry_points_signature_lists_every_option_with_its_acting_default():
+    """Every framework's ``patch`` and ``apply_tome`` is :func:`~tome_core.dropin.ratio_positional` around its
+    adapter: its signature (inspect, help(), completion) is the model, the ratio (also positional), then every
+    other option by keyword, each with the default that acts as leaving it out."""
+    import inspect
+
+    from tome_core.dropin import ratio_positional
+
+    entry = ratio_positional(lambda model, **options: (model, options), "patch", __name__)
+    parameters = list(inspect.signature(entry).parameters.values())
+    assert [p.name for p in parameters] == ["model", "ratio"] + [f.name for f in fields(ToMeConfig) if f.name != "ratio"]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in parameters[2:])
+    defaults = {f.name: f.default for f in fields(ToMeConfig)}
+    assert all(p.default == defaults[p.name] for p in parameters[1:])
+    assert all(ToMeConfig(**{p.name: p.default}) == ToMeConfig() for p in parameters[1:])
+    assert entry("pipe", 0.5, seed=3) == ("pipe", {"seed": 3, "ratio": 0.5})
