@@ -31,7 +31,7 @@ def generate(pipe, args, steps=None) -> np.ndarray:
 
 def main(argv=None) -> dict:
     ratio_help = "ToMe for SD at this ratio (default: patch(pipe), what users get)"
-    args = quickstart_parser(__doc__, "diffusers", steps=4, repeats=2, ratio_help=ratio_help).parse_args(argv)
+    args = quickstart_parser(__doc__, "diffusers", steps=4, repeats=3, ratio_help=ratio_help).parse_args(argv)
 
     if args.model:
         from diffusers import StableDiffusionPipeline

@@ -104,6 +104,7 @@ def attach_hooks(fw: Framework, model: Any, state: ToMeState) -> Patch:
         patch.targets.append(target)
     for run in runs.values():  # after its sub-layers' post-hooks: a block may be its own sub-layer (child "")
         add(fw.add_post_hook(run.block, run.end))
+    state.hooked = len(runs)
     return patch
 
 

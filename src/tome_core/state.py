@@ -71,6 +71,7 @@ class ToMeState:
     # transformer's noise refiner); every other block, recomputed in backward after the call, merges as it did
     in_call: bool = False
     streams: int = 0  # the patched model's block streams (their partitions are drawn together, _offsets)
+    hooked: int = 0  # the blocks that carry hooks (one at a level above max_downsample never merges, and has none)
     drawn: Dict[Tuple[int, ...], Any] = field(default_factory=dict)  # this call's partitions, by grid and seed
     execution: Optional[Tuple[str, str]] = None  # this call's (device, execution) (Framework.execution), once read
     call_key: Any = None  # an eager call's inputs to its blocks' size decisions (begin_call; None: not eager)

@@ -21,7 +21,7 @@ def test_quickstart_reports_merged_tokens_and_a_real_change(capsys):
     assert 0 < result["change"] < 1
     result = import_module("examples.torch_quickstart").main(["--preset", "tiny", "--size", "64", "--steps", "1", "--repeats", "1", "--ratio", "0.5"])
     out = capsys.readouterr().out
-    assert "UNet2DConditionModel: 7 transformer blocks hooked" in out
+    assert "UNet2DConditionModel: 3 of 7 transformer blocks hooked" in out  # the finest level's
     assert "1/1 scale: 3 blocks, 1024 -> 512 tokens (50% merged; tokens, similarity)" in out
     assert 0 < result["change"] < 1 and result["speedup"] > 0
     [(model, state)] = result["models"]
