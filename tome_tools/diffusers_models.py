@@ -6,7 +6,6 @@ Used by the examples, the benchmark and the tests; nothing is downloaded.
 from __future__ import annotations
 
 import inspect
-import tempfile
 from types import SimpleNamespace
 from typing import Any, Dict, Tuple
 
@@ -235,7 +234,7 @@ def _text_parts(seed: int, with_projection: bool = False, width: int = 32) -> Di
     torch.manual_seed(seed)
     config = CLIPTextConfig(**{**TINY_TEXT_ENCODER, "hidden_size": width})
     encoder = (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(config).eval()
-    files = write_clip_tokenizer_files(tempfile.mkdtemp(prefix="tome-tokenizer-"))
+    files = write_clip_tokenizer_files()
     tokenizer = CLIPTokenizer(files["vocab_file"], files["merges_file"], model_max_length=77)
     return {"text_encoder": encoder, "tokenizer": tokenizer}
 

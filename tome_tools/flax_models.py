@@ -10,7 +10,6 @@ its transformer blocks show in its output.
 from __future__ import annotations
 
 import math
-import tempfile
 from typing import Any, Dict, Optional, Tuple
 
 import jax
@@ -147,7 +146,7 @@ def build_text_parts(seed: int = 0) -> Tuple[FlaxCLIPTextModel, CLIPTokenizer, D
     """A tiny FlaxCLIPTextModel (random parameters) and an offline CLIPTokenizer."""
     model = FlaxCLIPTextModel(CLIPTextConfig(**TINY_TEXT_ENCODER), _do_init=False)
     shapes = jax.eval_shape(lambda: model.init_weights(jax.random.PRNGKey(0), (1, 77)))
-    files = write_clip_tokenizer_files(tempfile.mkdtemp(prefix="tome-tokenizer-"))
+    files = write_clip_tokenizer_files()
     tokenizer = CLIPTokenizer(files["vocab_file"], files["merges_file"], model_max_length=77)
     return model, tokenizer, random_params(shapes, seed)
 

@@ -7,7 +7,6 @@ model is the one place that draws from it).
 
 from __future__ import annotations
 
-import tempfile
 from types import SimpleNamespace
 from typing import Any, Dict, Tuple
 
@@ -163,7 +162,7 @@ def build_controlnet(unet: UNet2DConditionModel, seed: int = 0, tiny: bool = Tru
 
 def build_tokenizer() -> CLIPTokenizer:
     """A byte-level CLIP tokenizer from vocabulary files written on the spot (no download)."""
-    files = write_clip_tokenizer_files(tempfile.mkdtemp(prefix="tome-tokenizer-"))
+    files = write_clip_tokenizer_files()
     return CLIPTokenizer(files["vocab_file"], files["merges_file"], model_max_length=77)
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Tuple
+import tempfile
+from typing import Any, Dict, Optional, Tuple
 
 # UNet architectures. "sd15"/"sd21"/"sdxl" match the released models' shapes; "sd15-small" halves the
 # width of sd15 for quick runs; "tiny" and "tiny-xl" are the test-sized models (channels multiples of 32,
@@ -607,11 +608,14 @@ def unet_config(preset: str, **overrides: Any) -> Dict[str, Any]:
     return {**UNETS[preset], **overrides}
 
 
-def write_clip_tokenizer_files(folder: str) -> Dict[str, str]:
+def write_clip_tokenizer_files(folder: Optional[str] = None) -> Dict[str, str]:
     """Write a byte-level CLIP BPE vocabulary (no merges beyond a few) and return its file paths.
 
-    Enough for CLIPTokenizer (transformers or paddlenlp) to tokenize any prompt offline.
+    Enough for CLIPTokenizer (transformers or paddlenlp) to tokenize any prompt offline. ``folder`` None: one
+    folder of this user's temporary directory that every tiny pipeline shares (the files never change), so
+    building pipelines leaves no folder behind each time; each file is written whole, then moved in place.
     """
+    folder = folder or os.path.join(tempfile.gettempdir(), f"tome-tokenizer-{os.getuid() if hasattr(os, 'getuid') else 0}")
     os.makedirs(folder, exist_ok=True)
     # GPT-2's byte-to-unicode table: printable bytes map to themselves, the rest to 256 + n.
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
@@ -629,10 +633,10 @@ def write_clip_tokenizer_files(folder: str) -> Dict[str, str]:
     vocab = {token: index for index, token in enumerate(tokens)}
     vocab_file = os.path.join(folder, "vocab.json")
     merges_file = os.path.join(folder, "merges.txt")
-    with open(vocab_file, "w", encoding="utf-8") as f:
-        json.dump(vocab, f)
-    with open(merges_file, "w", encoding="utf-8") as f:
-        f.write("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")
+    for path, text in ((vocab_file, json.dumps(vocab)), (merges_file, "#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n")):
+        with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=folder, delete=False) as f:
+            f.write(text)
+        os.replace(f.name, path)
     return {"vocab_file": vocab_file, "merges_file": merges_file}
 
 
