@@ -103,7 +103,8 @@ class BlockRun:
 
     def _decide(self, args, kwargs, whole: Any) -> BlockPlan:
         state = self.state
-        if self.settled is not None and state.merging and not self._unmerged(args, kwargs):
+        held = state.merging and self._unmerged(args, kwargs)
+        if self.settled is not None and state.merging and not held:
             config, fallback = self._arrangement(state.active)
             if self._repeats(whole, config):
                 return self.idle
@@ -113,7 +114,7 @@ class BlockRun:
             metric = pixels(metric)
         metric = self._own_piece(_batch_first(metric) if self.family.sequence_first else metric)
         head, tail = self._around(metric)
-        if not state.merging or self._unmerged(args, kwargs):  # a call that runs unmerged, said where decided
+        if not state.merging or held:  # a call that runs unmerged, said where decided
             return self.idle
         config, fallback = self._arrangement(state.active)
         image = self._image(metric, head, tail)
@@ -189,6 +190,7 @@ class BlockRun:
         if argument(args, kwargs, name, self.unmerged_at) is None:
             return False
         self.state.say_once(f"ToMe on {self.where}: calls whose blocks get {name} ({why}) run unmerged in those blocks")
+        self.state.hold(f"they got {name} ({why})")
         return True
 
     def _around(self, x: Any) -> Tuple[int, int]:

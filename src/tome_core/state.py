@@ -63,6 +63,7 @@ class ToMeState:
     passes: Dict[Tuple[int, str, str], LevelStats] = field(default_factory=dict)
     fallback_configs: Dict[bool, ToMeConfig] = field(default_factory=dict)  # :meth:`fallback`'s, by takes_bias
     unpaid: Dict[int, Tuple[LevelStats, str]] = field(default_factory=dict)  # level: blocks run unmerged, and why
+    held: Dict[str, int] = field(default_factory=dict)  # why: blocks this call's own arguments ran unmerged (hold)
     shards: Optional[Shards] = None  # how context parallelism splits this call's tokens (None: it does not)
     where: str = "the model"  # the patched model's class, for warnings
     said: set = field(default_factory=set)  # warnings given (each once per patch)
@@ -132,6 +133,7 @@ class ToMeState:
             for factor, (level, why) in sorted(self.unpaid.items())
         ]
         lines += [f"  {scale(factor)}: no block merged: {why}" for factor, why in sorted(self.too_small.items())]
+        lines += [f"  {blocks} blocks unmerged: {why}" for why, blocks in sorted(self.held.items())]
         lines += [
             f"  1/{factor} scale: {level.blocks} blocks ran {sublayer} on all {level.tokens} tokens: {why}"
             for (factor, sublayer, why), level in sorted(self.passes.items())
@@ -197,6 +199,7 @@ class ToMeState:
         self.unpaid = {}
         self.too_small = {}
         self.passes = {}
+        self.held = {}
         self.active = self.choose()
 
     def follow_generation(self, timestep: float, generation: Any = None) -> None:
@@ -251,6 +254,10 @@ class ToMeState:
             return None
         self.unpaid_block(factor, why, tokens)
         return factor, why
+
+    def hold(self, why: str) -> None:
+        """Count a block that this call's own arguments run unmerged, because of ``why``, for :meth:`summary`."""
+        self.held[why] = self.held.get(why, 0) + 1
 
     def unpaid_block(self, factor: int, why: str, tokens: int) -> None:
         """Count a block of ``tokens`` tokens at level ``factor`` that runs unmerged because of ``why``

@@ -1074,6 +1074,8 @@ def test_hidream_padded_non_square_latent_runs_unmerged_and_says_so():
     tome.patch(model, ratio=0.5)
     output, _ = _warned_once(lambda: _run(model, inputs), "hidden_states_masks")
     assert torch.equal(output, plain)
+    summary = tome.patched_models(model)[0].state.summary()  # the reason, with the blocks it held
+    assert "blocks unmerged: they got hidden_states_masks (a non-square latent padded" in summary and "->" not in summary, summary
 
 
 def test_ltx_reads_its_grid_from_video_coords_after_conditioning_tokens():
