@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tome_core import bipartite_match, cell_match, load_backend, merge, unmerge
-from tome_core.match import sampled_cell_match
+from tome_core.match import first_tokens_match, sampled_cell_match
 from tome_core.partition import random_offsets, split
 
 NUMPY = load_backend("numpy")
@@ -292,6 +292,29 @@ def test_sampled_cell_match_takes_one_token_of_each_cell(xp, case, data_seed, fi
     np.testing.assert_array_equal(xp.numpy(match.sizes), xp.numpy(pooled.sizes))
     every = [xp.numpy(merge(xp.asarray(x), picked(np.full((h // sy, w // sx), o)))) for o in range(sx * sy)]
     np.testing.assert_allclose(np.mean(every, axis=0), xp.numpy(merge(xp.asarray(x), pooled)), rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batch=st.integers(1, 3), tokens=st.integers(1, 40), fraction=st.floats(0, 1), channels=st.integers(1, 4),
+    data_seed=st.integers(0, 2**32 - 1),
+)
+def test_first_tokens_match_keeps_the_first_tokens_and_repeats_them(xp, batch, tokens, fraction, channels, data_seed):
+    """Brute force: merge is the first ``kept`` tokens of each item, unmerge gives token i slot i % kept's value,
+    each slot stands at its own position for one token; keeping every token is the identity."""
+    kept = max(1, round(tokens * fraction))
+    x = np.random.default_rng(data_seed).standard_normal((batch, tokens, channels)).astype(np.float32)
+    match = first_tokens_match(xp.ops, xp.asarray(x), batch, tokens, kept)
+    assert (match.tokens, match.kept, match.merged) == (tokens, kept, tokens - kept)
+    merged = merge(xp.asarray(x), match)
+    np.testing.assert_array_equal(xp.numpy(merged), x[:, :kept])
+    np.testing.assert_array_equal(xp.numpy(unmerge(merged, match)), x[:, [i % kept for i in range(tokens)]])
+    if kept == tokens:
+        assert match.rows is None
+        return
+    np.testing.assert_array_equal(xp.numpy(match.representatives), np.tile(np.arange(kept), (batch, 1)))
+    np.testing.assert_array_equal(xp.numpy(match.sizes), np.ones((batch, kept, 1)))
+    np.testing.assert_array_equal(xp.numpy(match.slot), np.tile(np.arange(tokens) % kept, (batch, 1)))
 
 
 @pytest.mark.parametrize("kind", ["similarity", "pooled", "sampled"])
