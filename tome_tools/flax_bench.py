@@ -56,7 +56,12 @@ class Oracle:
     first ``kept`` tokens, the rest restored by index; self-attention in ``kv`` mode gets the first ``kept`` as
     keys/values (its ``context``) and every query, in ``queries`` mode the first ``kept`` as queries and every
     token as context (:class:`~tome_tools.bench_runner.OracleCut`). Frozen (hashable), as a static argument of
-    the jitted call must be: it holds the plan's table of cuts, one per sub-layer and token count."""
+    the jitted call must be: it holds the plan's table of cuts, one per sub-layer and token count.
+
+    The other frameworks' oracle is the library's own hooks (:func:`tome_core.driver.attach_oracle`). Flax's
+    hooks live inside a patched module's traced call, built from its ``tome`` config field
+    (:mod:`tome_core.adapters.flax`), which has no room for an oracle switch without adding one to the public
+    module; so the Flax bench keeps this table (UNets only, where its counts are :class:`OraclePlan`'s)."""
 
     cuts: Tuple[OracleCut, ...]
 
@@ -161,8 +166,9 @@ class Runner(BenchRunner):
         self._use(tome.patch(self.unet, **options), None)
         return lambda: self._use(tome.remove(self.model), None)
 
-    def install_oracle(self, plan: OraclePlan) -> Undo:
-        self._use(self.unet, Oracle(plan.table()))
+    def install_oracle(self, name: str, ratio: float) -> Undo:
+        config = self.config_for(name, ratio)
+        self._use(self.unet, Oracle(OraclePlan(config, self.latent_hw, self.max_downsample_of(config)).table()))
         return lambda: self._use(self.unet, None)
 
     def peer_note(self) -> str:
