@@ -258,16 +258,6 @@ def overhead_shares(block_ms: float, match_ms: float, merge_unmerge_ms: float, r
     return {f"reuse_{k}": (match_ms / k + merge_unmerge_ms) / block_ms for k in reuse}
 
 
-def remover(handles: List[Any]) -> Undo:
-    """What removes these hook handles (torch's and paddle's both have ``remove()``)."""
-
-    def undo() -> None:
-        for handle in handles:
-            handle.remove()
-
-    return undo
-
-
 class BenchRunner:
     """One UNet (or diffusion transformer) and fixed inputs; ``method(name, ratio)`` patches it for one of the
     bench's methods.
