@@ -4,10 +4,10 @@
 Everything the frameworks share lives here, written once: the UNet inputs (image-like latents noised to the
 mid timestep, seeded text embeddings, SDXL's added conditions), which ToMe options each method uses, the
 level bound the peer copies from 'ours', and the DDIM loop. The oracle is the library's own hooks with a
-match that keeps the first tokens (:func:`tome_core.driver.attach_oracle`; Flax's bench keeps a table of
-token counts, :class:`tome_tools.flax_bench.OraclePlan`). Diffusion transformers (SD3, Flux, PixArt, and Wan's video transformer:
-:data:`TRANSFORMER_SPECS`) get their own inputs (flow-matching or DDPM noising, Flux's packed tokens and ids)
-and their own scheduler.
+match that keeps the first tokens (:func:`hook_oracle`, :func:`tome_core.driver.attach_oracle`; Flax's bench
+keeps a table of token counts, :class:`tome_tools.flax_bench.OraclePlan`). Diffusion transformers (SD3, Flux,
+PixArt, and Wan's video transformer: :data:`TRANSFORMER_SPECS`) get their own inputs (flow-matching or DDPM
+noising, Flux's packed tokens and ids) and their own scheduler.
 A subclass supplies the framework: building the model, moving numpy arrays in, calling the UNet, and
 patching and unpatching each method. No framework is imported here (numpy only).
 """
@@ -215,7 +215,7 @@ def image_part(x: Any, family: BlockFamily, grid: Tuple[int, int], tail: int = 0
     return x[:, head : head + tokens]
 
 
-def install_transformer_oracle(
+def hook_oracle(
     fw: "driver.Framework", model: Any, config: ToMeConfig, call: Optional[Tuple[Tuple[int, int], int, bool]] = None,
 ) -> Undo:
     """Hook the oracle of ``config`` into ``model`` (:func:`tome_core.driver.attach_oracle`: the patch's own
@@ -523,9 +523,9 @@ class BenchRunner:
     def install_oracle(self, name: str, ratio: float) -> Undo:
         """Hook in the oracle of method ``ours`` or ``ours:NAME`` (``oracle`` / ``oracle:NAME``): free removal of
         the tokens it merges, at the same blocks, levels and sizes and in the same arrangement, by the library's
-        own hooks (:func:`install_transformer_oracle`); returns what removes it."""
+        own hooks (:func:`hook_oracle`); returns what removes it."""
         config = ToMeConfig.from_options(self.options_for(name, ratio))
-        return install_transformer_oracle(self.framework(), self.unet, config)
+        return hook_oracle(self.framework(), self.unet, config)
 
     def peer_note(self) -> str:
         """What the peer is, or why there is none."""

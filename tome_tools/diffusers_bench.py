@@ -29,7 +29,7 @@ from tome_tools.diffusers_models import build_transformer, build_unet
 from tome_core import driver
 from tome_tools import bench_train
 from tome_tools.bench_core import serve_peak_request
-from tome_tools.bench_runner import DDIM_CONFIG, MID_TIMESTEP, BenchRunner, Undo, install_transformer_oracle, median_ms
+from tome_tools.bench_runner import DDIM_CONFIG, MID_TIMESTEP, BenchRunner, Undo, hook_oracle, median_ms
 from tome_core.families import child_at
 from tome_tools.presets import TRANSFORMERS, transformer_config
 from tome_tools.trained import model_info, sample_labels, shipped
@@ -541,7 +541,7 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
 
         @contextlib.contextmanager
         def oracle():
-            undo = install_transformer_oracle(FRAMEWORK, model, config, call=(grid, tail, grid_last))
+            undo = hook_oracle(FRAMEWORK, model, config, call=(grid, tail, grid_last))
             try:
                 yield
             finally:

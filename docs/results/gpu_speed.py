@@ -42,10 +42,11 @@ Methods, each against the unpatched call of the same run:
   on SDXL, where its default of 1 merges nothing);
 - ``oracle of default``: free removal of the tokens the default removes in this execution, at the same levels
   and blocks and in the same arrangement: the benchmark's oracle (``tome_core.driver.attach_oracle``: the patch's
-  own hooks with a match that keeps the first tokens), which runs each merged sub-layer on the first ``kept`` image tokens (or, for keys/values in cells, gives
-  self-attention the first ``kept`` tokens as keys and values) and restores the rest by index, so its time is
-  attention at the merged size with no match, merge or unmerge. Where the default merges nothing its oracle is
-  the unpatched call (a row says so, untimed); ``oracle of default, min_tokens=0`` is that of the forced default.
+  own hooks with a match that keeps the first tokens), which runs each merged sub-layer on the first ``kept``
+  image tokens (or, for keys/values in cells, gives self-attention the first ``kept`` tokens as keys and values)
+  and restores the rest by index, so its time is attention at the merged size with no match, merge or unmerge.
+  Where the default merges nothing its oracle is the unpatched call (a row says so, untimed); ``oracle of
+  default, min_tokens=0`` is that of the forced default.
 A method whose patched call is the same computation as an earlier one in the same execution (the same options,
 levels, blocks and token counts: e.g. the default and ``min_tokens=0`` where no level is left unmerged, or the
 default and ``ratio 0.5`` on Flux) is not timed again: its row names that method in ``same_as``.
@@ -100,7 +101,7 @@ from tome_core.families import child_at
 from tome_core.levels import downsample_factor, level_grid
 from tome_core.merge import size_bias
 from tome_tools.bench_core import image_like_latents
-from tome_tools.bench_runner import MID_TIMESTEP, image_part, install_transformer_oracle
+from tome_tools.bench_runner import MID_TIMESTEP, hook_oracle, image_part
 from tome_tools.diffusers_models import (
     build_transformer, build_unet, build_video_transformer, transformer_inputs, video_transformer_inputs,
 )
@@ -304,11 +305,11 @@ def install_oracle(case: Case, model: torch.nn.Module, config: Any, deepest: int
     """Hook into ``model`` the oracle of a patch with options ``config`` (resolved: ``ToMeState.active``) that
     merged the levels down to downsample factor ``deepest``; returns what removes it. The library's own hooks
     with a match keeping the first tokens (``tome_core.driver.attach_oracle``, through the bench's
-    ``install_transformer_oracle``), on a UNet at the levels ``<= deepest``; each call's grid is read as the
+    ``hook_oracle``), on a UNet at the levels ``<= deepest``; each call's grid is read as the
     patch reads it (``call``: (grid, tail, grid_last) for blocks run on their own)."""
     if case.kind == "unet":
         config = dataclasses.replace(config, max_downsample=deepest)
-    return install_transformer_oracle(FRAMEWORK, model, config, call=call)
+    return hook_oracle(FRAMEWORK, model, config, call=call)
 
 
 class Turns:

@@ -62,7 +62,8 @@ def first_tokens_match(ops: ArrayOps, like: Array, batch: int, tokens: int, kept
         return identity_match(ops, batch, tokens)
     if kept < 1:
         raise ValueError(f"a match keeps at least one of its {tokens} tokens, not {kept}")
-    return cached(ops, like, ("first tokens", batch, tokens, kept), lambda: _first_tokens(ops, like, batch, tokens, kept))
+    build = lambda: _first_tokens(ops, like, batch, tokens, kept)  # noqa: E731
+    return cached(ops, like, ("first tokens", batch, tokens, kept), build)
 
 
 def _first_tokens(ops: ArrayOps, like: Array, batch: int, tokens: int, kept: int) -> Match:

@@ -383,7 +383,7 @@ def test_the_oracle_gives_every_merged_sublayer_of_the_zoo_the_shapes_of_ours(na
     import tome_core.torch as tome
     from tome_core import driver
     from tome_core.adapters.diffusers import FRAMEWORK
-    from tome_tools.bench_runner import install_transformer_oracle
+    from tome_tools.bench_runner import hook_oracle
 
     builders = _zoo_builders()
     if name not in builders:
@@ -419,7 +419,7 @@ def test_the_oracle_gives_every_merged_sublayer_of_the_zoo_the_shapes_of_ours(na
         config = ToMeConfig.from_options({"ratio": 0.5, **options})
         merged = calls(ours)
         assert merged != plain
-        assert calls(lambda: install_transformer_oracle(FRAMEWORK, model, config)) == merged
+        assert calls(lambda: hook_oracle(FRAMEWORK, model, config)) == merged
 
 
 class AttentionShapes(torch.overrides.TorchFunctionMode):
@@ -448,7 +448,7 @@ def test_the_oracle_gives_attention_the_token_counts_of_ours_in_families_the_cop
     arrangement and in the default's (keys and values in cells where the attention takes them apart)."""
     import tome_core.torch as tome
     from tome_core.adapters.diffusers import FRAMEWORK
-    from tome_tools.bench_runner import install_transformer_oracle
+    from tome_tools.bench_runner import hook_oracle
 
     model, inputs = _zoo_builders()[name]()
 
@@ -470,7 +470,7 @@ def test_the_oracle_gives_attention_the_token_counts_of_ours_in_families_the_cop
 
         merged = attention(ours)
         assert merged != plain
-        assert attention(lambda: install_transformer_oracle(FRAMEWORK, model, ToMeConfig.from_options(options))) == merged
+        assert attention(lambda: hook_oracle(FRAMEWORK, model, ToMeConfig.from_options(options))) == merged
 
 
 # -- arrangements (mode), cell matching, several resolutions, missing dependencies -------------------------
