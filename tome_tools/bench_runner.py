@@ -1,12 +1,13 @@
-"""The framework-free half of a benchmark runner: inputs, method dispatch, sampling loop, oracle arithmetic.
+"""The framework-free half of a benchmark runner: inputs, method dispatch, sampling loop, the oracle.
 
 ``python -m tome_tools.bench`` drives one runner per framework (``tome_core.adapters.<framework>_bench``).
 Everything the frameworks share lives here, written once: the UNet inputs (image-like latents noised to the
 mid timestep, seeded text embeddings, SDXL's added conditions), which ToMe options each method uses, the
-level bound the peer and the oracle copy from 'ours', the token counts the oracle keeps, and the DDIM loop.
-Diffusion transformers (SD3, Flux, PixArt, and Wan's video transformer: :data:`TRANSFORMER_SPECS`) get their
-own inputs (flow-matching or DDPM noising, Flux's packed tokens and ids), their own scheduler, and an oracle
-that slices image tokens only, placed by :mod:`tome_core.families` through the patch driver's framework hooks.
+level bound the peer copies from 'ours', and the DDIM loop. The oracle is the library's own hooks with a
+match that keeps the first tokens (:func:`hook_oracle`, :func:`tome_core.driver.attach_oracle`; Flax's bench
+keeps a table of token counts, :class:`tome_tools.flax_bench.OraclePlan`). Diffusion transformers (SD3, Flux,
+PixArt, and Wan's video transformer: :data:`TRANSFORMER_SPECS`) get their own inputs (flow-matching or DDPM
+noising, Flux's packed tokens and ids) and their own scheduler.
 A subclass supplies the framework: building the model, moving numpy arrays in, calling the UNet, and
 patching and unpatching each method. No framework is imported here (numpy only).
 """
@@ -21,12 +22,11 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import numpy as np
 
-from tome_core import driver, selection
+from tome_core import driver
 from tome_core.backend import get_ops
 from tome_tools.bench_core import image_like_latents, noised, peak_memory_in_fresh_process, video_latents
 from tome_core.config import ToMeConfig
-from tome_core.families import TEXT_NONE, TEXT_PREFIX, BlockFamily, Sublayer, child_at, text_follows
-from tome_core.levels import block_grid, downsample_factor, level_grid
+from tome_core.families import TEXT_NONE, TEXT_PREFIX, BlockFamily
 from tome_core.state import ToMeState
 
 MID_TIMESTEP = 500
@@ -35,115 +35,6 @@ DDIM_CONFIG = dict(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0
 # The ToMe options tomesd and its ports understand: the peer gets these from --option, nothing else.
 PEER_OPTIONS = ("sx", "sy", "use_rand", "merge_attn", "merge_crossattn", "merge_mlp")
 Undo = Callable[[], None]
-
-
-def oracle_sublayers(options: Dict[str, Any]) -> List[str]:
-    """The transformer-block sub-layers ('attn1', 'attn2', 'ff') ToMe merges with these options."""
-    config = ToMeConfig.from_options(options)
-    chosen = (("attn1", config.merge_attn), ("attn2", config.merge_crossattn), ("ff", config.merge_mlp))
-    return [name for name, on in chosen if on]
-
-
-def oracle_kept(latent_hw: Tuple[int, int], tokens: int, ratio: float, max_downsample: int) -> Optional[int]:
-    """How many of a sub-layer's ``tokens`` the oracle keeps (``None``: its level is not merged), with
-    similarity matching at one ``ratio`` (see :class:`OraclePlan` for every configuration).
-
-    ToMe merges ``int(tokens * ratio)`` of them, so the oracle runs the sub-layer on the first
-    ``tokens - int(tokens * ratio)`` and restores the rest with the index ``arange(tokens) % kept``.
-    """
-    if downsample_factor(latent_hw, tokens) > max_downsample:
-        return None
-    return tokens - int(tokens * ratio)
-
-
-# A UNet transformer block's sub-layers by the name ToMeConfig gives their kind.
-SUBLAYER_KINDS = {"attn1": "attn", "attn2": "crossattn", "ff": "mlp"}
-
-
-@dataclass(frozen=True)
-class OracleCut:
-    """What the oracle does to one sub-layer call: the reduced part keeps the first ``kept`` of ``tokens``
-    tokens, in ``arrangement`` (ToMeConfig's ``mode``, for self-attention; ``tokens`` elsewhere):
-
-    * ``tokens``: the sub-layer runs on the first ``kept`` tokens, its output restored by the index
-      ``arange(tokens) % kept``;
-    * ``kv``: self-attention's queries are every token, its keys and values the first ``kept`` (nothing to
-      restore);
-    * ``queries``: its queries are the first ``kept``, its keys and values every token, its output restored as
-      for ``tokens``.
-    """
-
-    name: str  # the sub-layer: attn1, attn2, ff (UNets) or a family's child name
-    tokens: int
-    kept: int
-    arrangement: str
-
-
-class OraclePlan:
-    """The token counts 'ours' keeps with one configuration, per sub-layer and token count, for the oracle
-    (free removal of the same counts): similarity matching merges ``int(tokens * ratio)`` (the sub-layer's,
-    level's and cell's ratio, at most the sources of the partition), cell matching keeps one token per full
-    ``sx x sy`` cell of the level (``level_cells``) plus the leftover rows and columns. ``mode`` decides the
-    arrangement of self-attention (``attn1``).
-
-    ``max_downsample=None``: a diffusion transformer (one grid, level 1, every block the config selects).
-    """
-
-    def __init__(self, config: ToMeConfig, latent_hw: Tuple[int, int], max_downsample: Optional[int]):
-        self.config = config
-        self.latent_hw = latent_hw
-        self.max_downsample = max_downsample
-
-    @property
-    def sublayers(self) -> List[str]:
-        """The UNet block sub-layers ('attn1', 'attn2', 'ff') the configuration merges."""
-        on = self.config.sublayers
-        return [name for name, kind in SUBLAYER_KINDS.items() if on[kind]]
-
-    def arrangement(self, kind: str) -> str:
-        return self.config.mode if kind == "attn" else "tokens"
-
-    def kept(self, kind: str, tokens: int) -> Optional[int]:
-        """How many of ``tokens`` the oracle keeps in a sub-layer of ``kind`` ('attn', 'crossattn', 'mlp');
-        ``None`` when its level is not merged."""
-        level = downsample_factor(self.latent_hw, tokens)
-        if self.max_downsample is not None and level > self.max_downsample:
-            return None
-        try:
-            h, w = block_grid(self.latent_hw, level, None, tokens)
-        except ValueError:  # not a grid of this latent: no cells, as the partition sees it
-            h = w = 0
-        if self.max_downsample is None:
-            level = 1  # transformers: one grid, merged at level 1's settings (as the driver does)
-        config = self.config
-        sx, sy = config.cell_at(level)
-        cells = (h // sy) * (w // sx)
-        if config.matching == "cell":
-            return tokens if sx * sy == 1 or cells == 0 else tokens - cells * (sx * sy - 1)
-        merged = min(int(tokens * config.ratio_for(kind, level)), tokens - cells)
-        return tokens - max(merged, 0)
-
-    def cut(self, name: str, tokens: int) -> Optional[OracleCut]:
-        """The cut of UNet sub-layer ``name`` ('attn1', 'attn2', 'ff') on ``tokens`` tokens (``None``: untouched)."""
-        kind = SUBLAYER_KINDS[name]
-        if not self.config.sublayers[kind]:
-            return None
-        kept = self.kept(kind, tokens)
-        if kept is None or kept == tokens:
-            return None
-        return OracleCut(name, tokens, kept, self.arrangement(kind))
-
-    def table(self, sublayers: Optional[Iterable[str]] = None) -> Tuple[OracleCut, ...]:
-        """Every cut at the token counts of this latent's levels 1, 2, 4, 8: a hashable plan (Flax's oracle is
-        a static argument of a jitted call)."""
-        cuts = []
-        for level in (1, 2, 4, 8):
-            h, w = level_grid(self.latent_hw, level)
-            for name in sublayers if sublayers is not None else self.sublayers:
-                cut = self.cut(name, h * w)
-                if cut is not None:
-                    cuts.append(cut)
-        return tuple(cuts)
 
 
 @dataclass(frozen=True)
@@ -302,37 +193,6 @@ def draw_latents(args: Any, shape: Tuple[int, ...], image_like: Callable[..., np
     return clean, np.random.default_rng(1).standard_normal(shape).astype("float32")
 
 
-def _keep_rows(x: Any, axis: int, first: int, tokens: int, kept: int) -> Any:
-    """``x`` along ``axis`` without the image rows ``first + kept ... first + tokens`` (the ones the oracle drops):
-    what comes before the image, its first ``kept`` rows, and what comes after it, in order; a new array (a
-    sub-layer may view it as contiguous, as HiDream's MoE feed-forward does)."""
-    ops = get_ops(x)
-    shape = ops.shape(x)
-    axis = axis % len(shape)
-    cut = lambda a, b: x[(slice(None),) * axis + (slice(a, b),)]  # noqa: E731
-    pieces = [cut(0, first + kept)] + ([cut(first + tokens, shape[axis])] if first + tokens < shape[axis] else [])
-    return ops.concat(pieces, axis=axis)
-
-
-def _cut_tables(
-    tables: Any, axis: int, tokens: int, tail: int, kept: int, after: bool, items: Optional[Tuple[int, ...]] = None,
-    head: int = 0,
-) -> Any:
-    """Rotary tables or token masks over ``[text; head; image; tail]`` along ``axis`` (``[head; image; tail;
-    text]`` with ``after``) with the dropped image rows left out; a tuple's items outside ``items`` (None: all)
-    stay as they are, nested tuples (Allegro's) are cut alike, tables by name (a dict) each, one table alone
-    (Z-Image's) itself."""
-    if isinstance(tables, dict):
-        return {name: _cut_tables(t, axis, tokens, tail, kept, after, None, head) for name, t in tables.items()}
-    if not isinstance(tables, (tuple, list)):
-        length = get_ops(tables).shape(tables)[axis]
-        return _keep_rows(tables, axis, (0 if after else length - head - tokens - tail) + head, tokens, kept)
-    return type(tables)(
-        _cut_tables(t, axis, tokens, tail, kept, after, None, head) if items is None or i in items else t
-        for i, t in enumerate(tables)
-    )
-
-
 def around_grid(x: Any, family: BlockFamily, grid: Tuple[int, int], tail: int = 0, grid_last: bool = False) -> Tuple[int, int]:
     """``(head, tail)``: the tokens before and after the grid's in a block's input ``x``, as the patch counts them:
     the call's ``tail``, or in a stream of image tokens alone every token past the grid's (the head where the
@@ -355,186 +215,19 @@ def image_part(x: Any, family: BlockFamily, grid: Tuple[int, int], tail: int = 0
     return x[:, head : head + tokens]
 
 
-class _OracleCall:
-    """What the oracle knows of the model call in flight: its token grid and tail (reference tokens after the
-    grid's, or head tokens before it where its grid comes last), found by the patch's own call hook (:class:`~tome_core.driver.CallStart`: ids, ``img_shapes``,
-    a video's sizes, :class:`~tome_core.families.GridLayout`) on a state of its own, so that the oracle cuts the
-    calls and counts 'ours' merges, and none where 'ours' runs unmerged."""
-
-    def __init__(self, fw: "driver.Framework", model: Any, config: ToMeConfig):
-        self.state = ToMeState(config=config, where=type(model).__qualname__)
-        self.hook = driver.CallStart(fw, model, self.state)
-
-    def set(self, grid: Tuple[int, int], tail: int = 0, grid_last: bool = False) -> None:
-        """A call on ``grid`` with ``tail`` tokens after it (or before it: ``grid_last``), for blocks run on their
-        own, as ``--micro`` runs them."""
-        self.state.begin_call(grid, MID_TIMESTEP, tail=tail, grid_last=grid_last)
-        self.state.enter_grid(grid)
-
-    def image(self, x: Any, family: BlockFamily) -> Optional[Tuple[int, int, int]]:
-        """``(grid tokens, head, tail)`` of a block's input ``x`` in this call (:func:`around_grid`), or None
-        where the call runs unmerged."""
-        state = self.state
-        if not state.merging or state.grid_hw is None:
-            return None
-        head, tail = around_grid(x, family, state.grid_hw, state.tail, getattr(state, "grid_last", False))
-        return state.grid_hw[0] * state.grid_hw[1], head, tail
-
-
-class _OracleBlock:
-    """Free removal in one transformer block: each chosen sub-layer runs on the block's first ``kept`` image
-    tokens (text tokens and the tail of reference tokens untouched, rotary positions and token masks cut alike)
-    and its image output is restored by repeating them (index ``arange(N) % kept``); self-attention in ``kv`` or
-    ``queries`` mode gets the first ``kept`` tokens as keys/values or as queries instead (:class:`OracleCut`).
-    ``kept`` is the count 'ours' keeps of the call's ``N`` grid tokens (:class:`OraclePlan`).
-
-    Everything is read from the family (:class:`~tome_core.families.BlockFamily`), as the patch reads it: where
-    the image sits in the block's stream and in each sub-layer's input (``text``: ``[text; image; tail]`` or
-    ``[image; rest]``), the rotary tables (by keyword or at their place in the sub-layer's ``forward``, tokens on
-    ``rotary_axis``, only ``rotary_items``), the token masks (``masks``), the inputs carrying the same tokens
-    (``aligned``), a sub-layer run again on other tokens (``once``), a mask the family cannot place (the call
-    runs whole, as 'ours' does) and blocks given ``unmerged_with``."""
-
-    def __init__(self, plan: OraclePlan, family: BlockFamily, call: _OracleCall, block: Any):
-        self.plan = plan
-        self.base = self.family = family  # family: as this call runs it (driver.family_in_call)
-        self.text_after_at = driver.family_argument_position(family, block)
-        self.metric, self.metric_at = driver.block_metric(family, block)  # the stream of the grid (the match's)
-        self.call = call
-        self.image: Optional[Tuple[int, int, int]] = None  # (grid tokens, head, tail) of this run of the block
-        self.done: set = set()  # sub-layers cut in this run of the block (Sublayer.once)
-        name = family.unmerged_with[0] if family.unmerged_with else None
-        self.unmerged_at = driver.argument_positions(type(block).forward, name)[name] if name else None
-
-    def begin(self, module, args, kwargs):
-        self.done = set()
-        self.family = driver.family_in_call(self.base, self.text_after_at, args, kwargs)
-        self.image = self.call.image(driver.argument(args, kwargs, self.metric, self.metric_at), self.family)
-        if self.image is not None and self.family.unmerged_with is not None:
-            if driver.argument(args, kwargs, self.family.unmerged_with[0], self.unmerged_at) is not None:
-                self.image = None
-        if self.image is not None and self.plan.latent_hw == (0, 0):
-            self.plan = OraclePlan(self.plan.config, self.call.state.grid_hw, None)
-        return None
-
-    def pre_hook(self, sublayer: Sublayer, target: Any) -> driver.PreHook:
-        """The hook cutting the input of ``target``, the block's ``sublayer``."""
-        arrangement = self.plan.arrangement(sublayer.kind)
-        family = self.family
-        rotaries, axis = driver.rotary_arguments(family), family.rotary_axis
-        # where the sub-layer's forward takes these by position (None: by keyword only), read once
-        at = driver.argument_positions(
-            type(target).forward, *rotaries, "attention_mask", *(n for n, _ in sublayer.masks), *sublayer.aligned,
-            *sublayer.log_bases,
-        )
-        placed_mask = any(name == "attention_mask" for name, _ in sublayer.masks)
-        index = self.base.sublayers.index(sublayer)
-
-        def drop(module, args, kwargs):
-            if self.image is None:
-                return None
-            text = self.family.sublayers[index].text  # where this call puts the text
-            after = text_follows(text)
-            tokens, head, tail = self.image
-            kept = self.plan.kept(sublayer.kind, tokens)
-            if kept is None or kept == tokens:
-                return None
-            if sublayer.once and sublayer.child in self.done:
-                return None
-            self.done.add(sublayer.child)
-            x = driver.argument(args, kwargs, "hidden_states", 0)
-            mask = driver.argument(args, kwargs, "attention_mask", at["attention_mask"])
-            if sublayer.kind == "attn" and mask is not None and not (placed_mask and driver.gatherable(mask, x)):
-                return None  # 'ours' runs such an attention on all its tokens
-            if arrangement != "tokens" and sublayer.kv_input is not None:
-                # BasicTransformerBlock's attn1 (PixArt, DiT): no text in its stream, keys/values by keyword
-                if arrangement == "kv":
-                    return args, {**kwargs, sublayer.kv_input: x[:, :kept]}
-                args, kwargs = driver.replace_argument(args, kwargs, "hidden_states", 0, x[:, :kept])
-                module.__dict__["_tome_oracle"] = (tokens, kept, 0)
-                return args, {**kwargs, sublayer.kv_input: x}
-            length = get_ops(x).shape(x)[1]
-            first = (length - head - tokens - tail if text == TEXT_PREFIX else 0) + head
-            short = _keep_rows(x, 1, first, tokens, kept)
-            args, kwargs = driver.replace_argument(args, kwargs, "hidden_states", 0, short)
-            for name in sublayer.aligned:
-                other = driver.argument(args, kwargs, name, at[name])
-                if other is not None:
-                    alike = short if other is x else _keep_rows(other, 1, first, tokens, kept)
-                    args, kwargs = driver.replace_argument(args, kwargs, name, at[name], alike)
-            for rotary in rotaries:
-                tables = driver.argument(args, kwargs, rotary, at[rotary])
-                if tables is not None:
-                    cut = _cut_tables(tables, axis, tokens, tail, kept, after, family.rotary_items, head)
-                    args, kwargs = driver.replace_argument(args, kwargs, rotary, at[rotary], cut)
-            for name in sublayer.log_bases:
-                base = driver.argument(args, kwargs, name, at[name])
-                if base is not None:
-                    base = driver.same_logarithm(base, length, length - tokens + kept)
-                    args, kwargs = driver.replace_argument(args, kwargs, name, at[name], base)
-            for name, axes in sublayer.masks:
-                mask = driver.argument(args, kwargs, name, at[name])
-                if mask is None:
-                    continue
-                for mask_axis in axes:  # none: a mask over the text only, which the processor extends
-                    mask = _cut_tables(mask, mask_axis, tokens, tail, kept, after, None, head)
-                args, kwargs = driver.replace_argument(args, kwargs, name, at[name], mask)
-            module.__dict__["_tome_oracle"] = (tokens, kept, first)
-            return args, kwargs
-
-        return drop
-
-    def post_hook(self, sublayer: Sublayer) -> driver.PostHook:
-        def restore(module, args, kwargs, output):
-            sizes = module.__dict__.pop("_tome_oracle", None)
-            if sizes is None or output is None:
-                return None
-            tokens, kept, first = sizes
-            part = output if sublayer.output is None else output[sublayer.output]
-            ops = get_ops(part)
-            image = ops.take(part[:, first : first + kept], ops.arange(tokens, part) % kept, axis=1)
-            pieces = ([part[:, :first]] if first else []) + [image]
-            if ops.shape(part)[1] > first + kept:
-                pieces.append(part[:, first + kept :])
-            image = ops.concat(pieces, axis=1) if len(pieces) > 1 else image
-            if sublayer.output is None:
-                return image
-            return type(output)(image if i == sublayer.output else p for i, p in enumerate(output))
-
-        return restore
-
-
-def install_transformer_oracle(
-    fw: "driver.Framework", model: Any, config: ToMeConfig, latent_hw: Optional[Tuple[int, int]] = None,
-    call: Optional[Tuple[Tuple[int, int], int, bool]] = None,
-) -> List[Any]:
-    """Hook the oracle into every block 'ours' merges with ``config`` (``blocks`` included) and every
-    sub-layer it wraps (:mod:`tome_core.families`); returns the hook handles. ``latent_hw`` (the latent
-    grid) places the tokens on a grid for cell matching's counts (default: the call's token grid). The call's
-    grid and tail are read from each model call as the patch reads them; ``call=(grid, tail, grid_last)``
-    gives them instead (blocks run on their own)."""
-    blocks = driver.blocks_of(fw, model)
-    chosen = set(selection.selected_blocks(config, len(blocks), type(model).__qualname__))
-    plan = OraclePlan(config, latent_hw or (0, 0), None)
-    seen = _OracleCall(fw, model, config)
-    handles = []
-    if call is None:
-        handles.append(fw.add_pre_hook(model, seen.hook))
-        handles += driver.grid_hooks(fw, model, seen.state)
-    else:
-        seen.set(*call)
-    for index, (block, family) in enumerate(blocks):
-        if index not in chosen:
-            continue
-        oracle = _OracleBlock(plan, family, seen, block)
-        handles.append(fw.add_pre_hook(block, oracle.begin))
-        for sublayer in family.sublayers:
-            target = child_at(block, sublayer.child)
-            if target is None or not fw.is_module(target) or not config.sublayers[sublayer.kind]:
-                continue
-            handles.append(fw.add_pre_hook(target, oracle.pre_hook(sublayer, target)))
-            handles.append(fw.add_post_hook(target, oracle.post_hook(sublayer)))
-    return handles
+def hook_oracle(
+    fw: "driver.Framework", model: Any, config: ToMeConfig, call: Optional[Tuple[Tuple[int, int], int, bool]] = None,
+) -> Undo:
+    """Hook the oracle of ``config`` into ``model`` (:func:`tome_core.driver.attach_oracle`: the patch's own
+    hooks, each match keeping the first tokens); returns what removes it. The call's grid and tail are read from
+    each model call as the patch reads them; ``call=(grid, tail, grid_last)`` gives them instead (blocks run on
+    their own, as ``--micro`` runs them)."""
+    patch = driver.attach_oracle(fw, model, config)
+    if call is not None:
+        grid, tail, grid_last = call
+        patch.state.begin_call(grid, MID_TIMESTEP, tail=tail, grid_last=grid_last)
+        patch.state.enter_grid(grid)
+    return patch.remove
 
 
 def median_ms(
@@ -563,16 +256,6 @@ def overhead_shares(block_ms: float, match_ms: float, merge_unmerge_ms: float, r
     """Match + merge + unmerge as a share of a block's time when one match serves ``k`` blocks (or steps):
     ``(match / k + merge_unmerge) / block``, for each ``k`` in ``reuse``."""
     return {f"reuse_{k}": (match_ms / k + merge_unmerge_ms) / block_ms for k in reuse}
-
-
-def remover(handles: List[Any]) -> Undo:
-    """What removes these hook handles (torch's and paddle's both have ``remove()``)."""
-
-    def undo() -> None:
-        for handle in handles:
-            handle.remove()
-
-    return undo
 
 
 class BenchRunner:
@@ -837,11 +520,12 @@ class BenchRunner:
         """Patch the UNet with the peer implementation; returns what unpatches it."""
         raise ValueError(f"no peer to run: {self.peer_note()}")
 
-    def install_oracle(self, plan: OraclePlan) -> Undo:
-        """Make the sub-layers of every transformer block that ``plan`` cuts (:meth:`OraclePlan.cut`, levels
-        ``<= max_downsample``) run on its first ``kept`` tokens in the plan's arrangement, restoring the rest by
-        index; returns what removes that."""
-        raise NotImplementedError
+    def install_oracle(self, name: str, ratio: float) -> Undo:
+        """Hook in the oracle of method ``ours`` or ``ours:NAME`` (``oracle`` / ``oracle:NAME``): free removal of
+        the tokens it merges, at the same blocks, levels and sizes and in the same arrangement, by the library's
+        own hooks (:func:`hook_oracle`); returns what removes it."""
+        config = ToMeConfig.from_options(self.options_for(name, ratio))
+        return hook_oracle(self.framework(), self.unet, config)
 
     def peer_note(self) -> str:
         """What the peer is, or why there is none."""
@@ -919,14 +603,6 @@ class BenchRunner:
         """The bench's options the peer understands."""
         return {k: v for k, v in self.options.items() if k in PEER_OPTIONS}
 
-    def oracle_plan(self, name: str, ratio: float) -> OraclePlan:
-        """The oracle of 'ours' (``oracle``) or of variant ``ours:NAME`` (``oracle:NAME``): the same token counts
-        in the same arrangement, at the same levels."""
-        config = self.config_for(name, ratio)
-        if self.spec is not None:
-            return OraclePlan(config, self.latent_hw, None)
-        return OraclePlan(config, self.latent_hw, self.max_downsample_of(config))
-
     def split_stack(self, name: str) -> Tuple[Optional[str], str]:
         """``deepcache+ours:plain`` -> ``("deepcache", "ours:plain")``, ``tgate`` -> ``("tgate", "unpatched")``,
         ``ours`` -> ``(None, "ours")``: a ``--stack`` method's speed-up and the bench method beside it."""
@@ -959,11 +635,8 @@ class BenchRunner:
             return self.patch_ours(self.options_for(name, ratio))
         if name == "peer":
             return self.patch_peer(ratio, self.max_downsample(), self.peer_options())
-        if name.startswith("oracle") and self.spec is not None:
-            config = self.config_for(name, ratio)
-            return remover(install_transformer_oracle(self.framework(), self.unet, config, self.latent_hw))
         if name.startswith("oracle"):
-            return self.install_oracle(self.oracle_plan(name, ratio))
+            return self.install_oracle(name, ratio)
         if name != "unpatched":
             raise ValueError(f"unknown bench method {name!r}")
         return lambda: None

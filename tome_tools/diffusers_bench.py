@@ -1,7 +1,7 @@
 """The torch side of ``python -m tome_tools.bench``: a diffusers UNet or diffusion transformer (SD3, Flux,
 PixArt) and each method's patch.
 
-Inputs, method dispatch, the sampling loop and the transformers' oracle are
+Inputs, method dispatch, the sampling loop and the oracle are
 :class:`tome_tools.bench_runner.BenchRunner`'s; the peer is tomesd (when installed; UNets only).
 
 ``--stack`` (:data:`tome_tools.bench.STACKS`) runs whole loops of a diffusers pipeline built around the bench's
@@ -21,7 +21,6 @@ import diffusers
 import numpy as np
 import torch
 from diffusers import DDIMScheduler, UNet2DConditionModel
-from diffusers.models.attention import BasicTransformerBlock
 
 import tome_core.torch as tome
 from tome_core.adapters.diffusers import FRAMEWORK
@@ -30,7 +29,7 @@ from tome_tools.diffusers_models import build_transformer, build_unet
 from tome_core import driver
 from tome_tools import bench_train
 from tome_tools.bench_core import serve_peak_request
-from tome_tools.bench_runner import DDIM_CONFIG, MID_TIMESTEP, BenchRunner, OraclePlan, Undo, install_transformer_oracle, median_ms, remover
+from tome_tools.bench_runner import DDIM_CONFIG, MID_TIMESTEP, BenchRunner, Undo, hook_oracle, median_ms
 from tome_core.families import child_at
 from tome_tools.presets import TRANSFORMERS, transformer_config
 from tome_tools.trained import model_info, sample_labels, shipped
@@ -93,7 +92,7 @@ def classifier_folder(model: str) -> str:
 
 
 class Runner(BenchRunner):
-    """A diffusers UNet; the peer is tomesd (when installed), the oracle slices through forward hooks."""
+    """A diffusers UNet or diffusion transformer; the peer is tomesd (when installed)."""
 
     has_peer = tomesd is not None
     scheduler_class = DDIMScheduler
@@ -241,47 +240,6 @@ class Runner(BenchRunner):
     def patch_peer(self, ratio: float, max_downsample: int, options: Dict[str, Any]) -> Undo:
         tomesd.apply_patch(self.unet, ratio=ratio, max_downsample=max_downsample, **options)
         return lambda: tomesd.remove_patch(self.unet)
-
-    def install_oracle(self, plan: OraclePlan) -> Undo:
-        """Forward hooks (keyword-aware) on each block's sub-layers: slice the input (or, for self-attention in
-        ``kv`` / ``queries`` mode, hand it the slice as keys/values or as queries and every token as the other),
-        index the output."""
-
-        def drop(name):
-            def hook(module, args, kwargs):
-                x = args[0] if args else kwargs["hidden_states"]
-                cut = plan.cut(name, x.shape[1])
-                if cut is None:
-                    return None
-                rest = tuple(args[1:]) if args else ()
-                kwargs = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-                if cut.arrangement == "kv":  # queries keep every token; keys and values the first kept
-                    return (x,) + rest, {**kwargs, "encoder_hidden_states": x[:, : cut.kept]}
-                module._oracle_tokens = cut.tokens
-                if cut.arrangement == "queries":
-                    return (x[:, : cut.kept],) + rest, {**kwargs, "encoder_hidden_states": x}
-                return (x[:, : cut.kept],) + rest, kwargs
-
-            return hook
-
-        def restore(module, args, kwargs, output):
-            tokens = module.__dict__.pop("_oracle_tokens", None)
-            if tokens is None:
-                return None
-            return output[:, torch.arange(tokens) % output.shape[1]]
-
-        handles = []
-        for block in self.oracle_blocks():
-            for name in plan.sublayers:
-                target = getattr(block, name, None)
-                if target is not None:
-                    handles.append(target.register_forward_pre_hook(drop(name), with_kwargs=True))
-                    handles.append(target.register_forward_hook(restore, with_kwargs=True))
-        return remover(handles)
-
-    def oracle_blocks(self) -> List[torch.nn.Module]:
-        """The transformer blocks whose sub-layers the oracle cuts: every ``BasicTransformerBlock``."""
-        return [block for block in self.unet.modules() if isinstance(block, BasicTransformerBlock)]
 
     def peer_note(self) -> str:
         return f"tomesd {getattr(tomesd, '__version__', '0.1.3')}" if self.has_peer else "tomesd is not installed"
@@ -583,7 +541,7 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
 
         @contextlib.contextmanager
         def oracle():
-            undo = remover(install_transformer_oracle(FRAMEWORK, model, config, call=(grid, tail, grid_last)))
+            undo = hook_oracle(FRAMEWORK, model, config, call=(grid, tail, grid_last))
             try:
                 yield
             finally:

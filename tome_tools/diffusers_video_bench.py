@@ -9,12 +9,10 @@ Everything but building the model and calling a UNet is shared: the video inputs
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any
 
 import torch
 
-from tome_core import driver
-from tome_core.adapters.diffusers import FRAMEWORK
 from tome_tools.diffusers_bench import Runner as ImageRunner
 from tome_tools.diffusers_models import build_video_preset, build_video_transformer
 from tome_tools.bench_core import serve_peak_request
@@ -23,8 +21,8 @@ from tome_tools.presets import VIDEO_PRESETS
 
 
 class Runner(VideoBench, ImageRunner):
-    """A video UNet or video transformer with random weights; a UNet's oracle slices the spatial blocks only
-    (per frame), a transformer's is the transformer presets' (its one sequence)."""
+    """A video UNet or video transformer with random weights (the oracle, the library's own hooks, leaves a
+    UNet's temporal blocks alone as the patch does)."""
 
     def load_unet(self) -> torch.nn.Module:
         """The preset's model: a VIDEO_TRANSFORMERS entry (Wan; zero-initialised output layers given small random
@@ -37,11 +35,6 @@ class Runner(VideoBench, ImageRunner):
     def unet_call(self, sample: torch.Tensor, timestep: Any) -> torch.Tensor:
         with torch.no_grad():
             return self.unet(**self.video_kwargs(sample, timestep)).sample
-
-    def oracle_blocks(self) -> List[torch.nn.Module]:
-        """The spatial blocks 'ours' merges: temporal blocks (motion modules, SVD's temporal blocks) are left
-        out, as the patch leaves them."""
-        return [block for block, _ in driver.blocks_of(FRAMEWORK, self.unet)]
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import os
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import diffusers
 import flax.linen as nn
@@ -27,7 +27,9 @@ import tome_core.jax as tome
 from tome_core.adapters.flax import finest_level, module_fields
 from tome_tools.flax_models import build_unet
 from tome_tools.bench_core import serve_peak_request
-from tome_tools.bench_runner import BenchRunner, OraclePlan, OracleCut, Undo, median_ms
+from tome_core.config import ToMeConfig
+from tome_core.levels import block_grid, downsample_factor, level_grid
+from tome_tools.bench_runner import BenchRunner, Undo, median_ms
 
 diffusers.utils.logging.set_verbosity_error()  # diffusers 0.39 warns from every Flax module setup
 
@@ -50,13 +52,105 @@ def set_xla_threads(threads: int) -> None:
     os.environ["PJRT_NPROC"] = wanted
 
 
+# A UNet transformer block's sub-layers by the name ToMeConfig gives their kind.
+SUBLAYER_KINDS = {"attn1": "attn", "attn2": "crossattn", "ff": "mlp"}
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleCut:
+    """What the oracle does to one sub-layer call: the reduced part keeps the first ``kept`` of ``tokens``
+    tokens, in ``arrangement`` (ToMeConfig's ``mode``, for self-attention; ``tokens`` elsewhere):
+
+    * ``tokens``: the sub-layer runs on the first ``kept`` tokens, its output restored by the index
+      ``arange(tokens) % kept``;
+    * ``kv``: self-attention's queries are every token, its keys and values the first ``kept`` (nothing to
+      restore);
+    * ``queries``: its queries are the first ``kept``, its keys and values every token, its output restored as
+      for ``tokens``.
+    """
+
+    name: str  # the sub-layer: attn1, attn2, ff (UNets) or a family's child name
+    tokens: int
+    kept: int
+    arrangement: str
+
+
+class OraclePlan:
+    """The token counts 'ours' keeps in a UNet with one configuration, per sub-layer and token count, for the
+    :class:`Oracle` (free removal of the same counts; every other framework's oracle is the library's own,
+    :func:`tome_core.driver.attach_oracle`): similarity matching merges ``int(tokens * ratio)`` (the sub-layer's,
+    level's and cell's ratio, at most the sources of the partition), cell matching keeps one token per full
+    ``sx x sy`` cell of the level (``level_cells``) plus the leftover rows and columns. ``mode`` decides the
+    arrangement of self-attention (``attn1``).
+    """
+
+    def __init__(self, config: ToMeConfig, latent_hw: Tuple[int, int], max_downsample: int):
+        self.config = config
+        self.latent_hw = latent_hw
+        self.max_downsample = max_downsample
+
+    @property
+    def sublayers(self) -> List[str]:
+        """The UNet block sub-layers ('attn1', 'attn2', 'ff') the configuration merges."""
+        on = self.config.sublayers
+        return [name for name, kind in SUBLAYER_KINDS.items() if on[kind]]
+
+    def arrangement(self, kind: str) -> str:
+        return self.config.mode if kind == "attn" else "tokens"
+
+    def kept(self, kind: str, tokens: int) -> Optional[int]:
+        """How many of ``tokens`` the oracle keeps in a sub-layer of ``kind`` ('attn', 'crossattn', 'mlp');
+        ``None`` when its level is not merged."""
+        level = downsample_factor(self.latent_hw, tokens)
+        if level > self.max_downsample:
+            return None
+        try:
+            h, w = block_grid(self.latent_hw, level, None, tokens)
+        except ValueError:  # not a grid of this latent: no cells, as the partition sees it
+            h = w = 0
+        config = self.config
+        sx, sy = config.cell_at(level)
+        cells = (h // sy) * (w // sx)
+        if config.matching == "cell":
+            return tokens if sx * sy == 1 or cells == 0 else tokens - cells * (sx * sy - 1)
+        merged = min(int(tokens * config.ratio_for(kind, level)), tokens - cells)
+        return tokens - max(merged, 0)
+
+    def cut(self, name: str, tokens: int) -> Optional[OracleCut]:
+        """The cut of UNet sub-layer ``name`` ('attn1', 'attn2', 'ff') on ``tokens`` tokens (``None``: untouched)."""
+        kind = SUBLAYER_KINDS[name]
+        if not self.config.sublayers[kind]:
+            return None
+        kept = self.kept(kind, tokens)
+        if kept is None or kept == tokens:
+            return None
+        return OracleCut(name, tokens, kept, self.arrangement(kind))
+
+    def table(self) -> Tuple[OracleCut, ...]:
+        """Every cut at the token counts of this latent's levels 1, 2, 4, 8: a hashable plan (Flax's oracle is
+        a static argument of a jitted call)."""
+        cuts = []
+        for level in (1, 2, 4, 8):
+            h, w = level_grid(self.latent_hw, level)
+            for name in self.sublayers:
+                cut = self.cut(name, h * w)
+                if cut is not None:
+                    cuts.append(cut)
+        return tuple(cuts)
+
+
 @dataclasses.dataclass(frozen=True)
 class Oracle:
     """A Flax interceptor making the sub-layers of every transformer block that the plan cuts run on their
     first ``kept`` tokens, the rest restored by index; self-attention in ``kv`` mode gets the first ``kept`` as
     keys/values (its ``context``) and every query, in ``queries`` mode the first ``kept`` as queries and every
-    token as context (:class:`~tome_tools.bench_runner.OracleCut`). Frozen (hashable), as a static argument of
-    the jitted call must be: it holds the plan's table of cuts, one per sub-layer and token count."""
+    token as context (:class:`OracleCut`). Frozen (hashable), as a static argument of
+    the jitted call must be: it holds the plan's table of cuts, one per sub-layer and token count.
+
+    The other frameworks' oracle is the library's own hooks (:func:`tome_core.driver.attach_oracle`). Flax's
+    hooks live inside a patched module's traced call, built from its ``tome`` config field
+    (:mod:`tome_core.adapters.flax`), which has no room for an oracle switch without adding one to the public
+    module; so the Flax bench keeps this table (UNets only, where its counts are :class:`OraclePlan`'s)."""
 
     cuts: Tuple[OracleCut, ...]
 
@@ -161,8 +255,9 @@ class Runner(BenchRunner):
         self._use(tome.patch(self.unet, **options), None)
         return lambda: self._use(tome.remove(self.model), None)
 
-    def install_oracle(self, plan: OraclePlan) -> Undo:
-        self._use(self.unet, Oracle(plan.table()))
+    def install_oracle(self, name: str, ratio: float) -> Undo:
+        config = self.config_for(name, ratio)
+        self._use(self.unet, Oracle(OraclePlan(config, self.latent_hw, self.max_downsample_of(config)).table()))
         return lambda: self._use(self.unet, None)
 
     def peer_note(self) -> str:

@@ -11,7 +11,6 @@ from typing import Any, Dict
 import numpy as np
 import paddle
 from ppdiffusers import DDIMScheduler, UNet2DConditionModel
-from ppdiffusers.models.attention import BasicTransformerBlock
 from ppdiffusers.patches import tomesd_patch_utils
 
 import tome_core.paddle as tome
@@ -19,11 +18,11 @@ from tome_core import driver
 from tome_core.adapters.ppdiffusers import FRAMEWORK
 from tome_tools.ppdiffusers_models import build_unet
 from tome_tools.bench_core import serve_peak_request
-from tome_tools.bench_runner import BenchRunner, OraclePlan, Undo, median_ms, remover
+from tome_tools.bench_runner import BenchRunner, Undo, median_ms
 
 
 class Runner(BenchRunner):
-    """A ppdiffusers UNet; the peer is ppdiffusers' built-in ToMe, the oracle slices through forward hooks.
+    """A ppdiffusers UNet; the peer is ppdiffusers' built-in ToMe.
 
     Random draws are numpy's (seeded), so paddle's global generator stays untouched.
     """
@@ -81,65 +80,8 @@ class Runner(BenchRunner):
 
         return undo
 
-    def install_oracle(self, plan: OraclePlan) -> Undo:
-        """Forward hooks on each block's sub-layers: slice the input, index the output.
-
-        ppdiffusers' blocks pass the hidden states to ``attn1`` / ``attn2`` / ``ff`` positionally, so plain
-        (positional) paddle hooks see them. Self-attention in ``kv`` or ``queries`` mode takes its keys/values by
-        keyword (``encoder_hidden_states``), which paddle's hooks cannot set: ``attn1.forward`` is wrapped
-        instead (an instance attribute, deleted on removal).
-        """
-
-        def drop(name):
-            def hook(layer, inputs):
-                x = inputs[0]
-                cut = plan.cut(name, int(x.shape[1]))
-                if cut is None:
-                    return None
-                layer._oracle_tokens = cut.tokens
-                return (x[:, : cut.kept],) + tuple(inputs[1:])
-
-            return hook
-
-        def restore(layer, inputs, output):
-            tokens = layer.__dict__.pop("_oracle_tokens", None)
-            if tokens is None:
-                return None
-            return paddle.index_select(output, paddle.arange(tokens) % int(output.shape[1]), axis=1)
-
-        def arranged(forward, name):
-            def call(hidden_states, *args, **kwargs):
-                cut = plan.cut(name, int(hidden_states.shape[1]))
-                if cut is None:
-                    return forward(hidden_states, *args, **kwargs)
-                if cut.arrangement == "kv":
-                    return forward(hidden_states, *args, **{**kwargs, "encoder_hidden_states": hidden_states[:, : cut.kept]})
-                out = forward(hidden_states[:, : cut.kept], *args, **{**kwargs, "encoder_hidden_states": hidden_states})
-                return paddle.index_select(out, paddle.arange(cut.tokens) % cut.kept, axis=1)
-
-            return call
-
-        handles, wrapped = [], []
-        for block in self.unet.sublayers(include_self=True):
-            if isinstance(block, BasicTransformerBlock):
-                for name in plan.sublayers:
-                    target = getattr(block, name, None)
-                    if target is None:
-                        continue
-                    if name == "attn1" and plan.arrangement("attn") != "tokens":
-                        target.__dict__["forward"] = arranged(target.forward, name)
-                        wrapped.append(target)
-                        continue
-                    handles.append(target.register_forward_pre_hook(drop(name)))
-                    handles.append(target.register_forward_post_hook(restore))
-        undo_hooks = remover(handles)
-
-        def undo() -> None:
-            undo_hooks()
-            for target in wrapped:
-                target.__dict__.pop("forward", None)
-
-        return undo
+    def framework(self) -> Any:
+        return FRAMEWORK
 
     def peer_note(self) -> str:
         import ppdiffusers

@@ -41,11 +41,12 @@ Methods, each against the unpatched call of the same run:
 - ``tomesd 0.5`` (UNets; eager only, as most users run it; at its finest level with attention: max_downsample=2
   on SDXL, where its default of 1 merges nothing);
 - ``oracle of default``: free removal of the tokens the default removes in this execution, at the same levels
-  and blocks and in the same arrangement: the benchmark's oracle (``tome_tools.bench_runner``), which runs each
-  merged sub-layer of the unpatched model on the first ``kept`` image tokens (or, for keys/values in cells, gives
-  self-attention the first ``kept`` tokens as keys and values) and restores the rest by index, so its time is
-  attention at the merged size with no match, merge or unmerge. Where the default merges nothing its oracle is
-  the unpatched call (a row says so, untimed); ``oracle of default, min_tokens=0`` is that of the forced default.
+  and blocks and in the same arrangement: the benchmark's oracle (``tome_core.driver.attach_oracle``: the patch's
+  own hooks with a match that keeps the first tokens), which runs each merged sub-layer on the first ``kept``
+  image tokens (or, for keys/values in cells, gives self-attention the first ``kept`` tokens as keys and values)
+  and restores the rest by index, so its time is attention at the merged size with no match, merge or unmerge.
+  Where the default merges nothing its oracle is the unpatched call (a row says so, untimed); ``oracle of
+  default, min_tokens=0`` is that of the forced default.
 A method whose patched call is the same computation as an earlier one in the same execution (the same options,
 levels, blocks and token counts: e.g. the default and ``min_tokens=0`` where no level is left unmerged, or the
 default and ``ratio 0.5`` on Flux) is not timed again: its row names that method in ``same_as``.
@@ -100,8 +101,7 @@ from tome_core.families import child_at
 from tome_core.levels import downsample_factor, level_grid
 from tome_core.merge import size_bias
 from tome_tools.bench_core import image_like_latents
-from tome_tools.bench_runner import MID_TIMESTEP, OraclePlan, image_part, install_transformer_oracle, remover
-from tome_tools.diffusers_bench import Runner as UNetBench
+from tome_tools.bench_runner import MID_TIMESTEP, hook_oracle, image_part
 from tome_tools.diffusers_models import (
     build_transformer, build_unet, build_video_transformer, transformer_inputs, video_transformer_inputs,
 )
@@ -300,18 +300,16 @@ def did_of(model: torch.nn.Module) -> Did:
     )
 
 
-def install_oracle(case: Case, model: torch.nn.Module, config: Any, deepest: int, latent_hw: Tuple[int, int],
+def install_oracle(case: Case, model: torch.nn.Module, config: Any, deepest: int,
                    call: Optional[Tuple[Any, int, bool]] = None) -> Callable[[], None]:
     """Hook into ``model`` the oracle of a patch with options ``config`` (resolved: ``ToMeState.active``) that
-    merged the levels down to downsample factor ``deepest``; returns what removes it. UNets: the bench's UNet
-    oracle (forward hooks on every transformer block's sub-layers, cutting the levels ``<= deepest`` of a
-    ``latent_hw`` latent); transformers: the bench's transformer oracle on every block the options select, which
-    reads each call's grid as the patch does (``call``: (grid, tail, grid_last) for blocks run on their own)."""
+    merged the levels down to downsample factor ``deepest``; returns what removes it. The library's own hooks
+    with a match keeping the first tokens (``tome_core.driver.attach_oracle``, through the bench's
+    ``hook_oracle``), on a UNet at the levels ``<= deepest``; each call's grid is read as the
+    patch reads it (``call``: (grid, tail, grid_last) for blocks run on their own)."""
     if case.kind == "unet":
-        bench = UNetBench.__new__(UNetBench)  # only its oracle, which reads nothing but the model
-        bench.unet = model
-        return bench.install_oracle(OraclePlan(config, latent_hw, deepest))
-    return remover(install_transformer_oracle(FRAMEWORK, model, config, call=call))
+        config = dataclasses.replace(config, max_downsample=deepest)
+    return hook_oracle(FRAMEWORK, model, config, call=call)
 
 
 class Turns:
@@ -336,7 +334,7 @@ class Turns:
             self.undo = lambda: tomesd.remove_patch(model)
         elif isinstance(spec, Oracle):
             did = self.did[spec.of]
-            self.undo = install_oracle(self.case, model, did.config, max(level[0] for level in did.levels), self.latent_hw)
+            self.undo = install_oracle(self.case, model, did.config, max(level[0] for level in did.levels))
         else:
             tome.patch(model, **spec)
             self.undo = lambda: tome.remove(model)
@@ -511,7 +509,7 @@ def measure_block(case: Case, turns: Turns, call: Callable[[], torch.Tensor], de
 
     def oracle() -> None:
         clear()
-        turns.undo = install_oracle(turns.case, model, config, level, turns.latent_hw, call=call_grid)
+        turns.undo = install_oracle(turns.case, model, config, level, call=call_grid)
 
     pieces: Dict[str, Tuple[Callable[[], Any], Callable[[], None]]] = {  # name: (call, set-up before it)
         "block unpatched": (run_block, clear),

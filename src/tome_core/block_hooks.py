@@ -243,6 +243,12 @@ class BlockRun:
             return self.state.fallback(self.fw.bias_problem(module) is None), problem
         return config, None
 
+    def arrangement(self, kind: str, self_attention: bool) -> Tuple[str, bool]:
+        """:meth:`ToMeConfig.arrangement` of this run's options: never size-aware in the oracle, whose kept tokens
+        each stand for themselves (:attr:`ToMeState.oracle`)."""
+        mode, size_aware = self.plan.config.arrangement(kind, self_attention)
+        return mode, size_aware and not self.state.oracle
+
     def count(self, kind: str) -> None:
         """Count this block in the call's statistics as its ``kind`` sub-layer ran with its match (once per call of
         the block, and only for the sub-layer its summary line shows): what that sub-layer's attention saw."""
@@ -350,7 +356,7 @@ class MergeInput(SublayerHook):
             self.run.count(self.sublayer.kind)
         if match is None or match.merged == 0 or self._passes(args, kwargs):
             return None
-        mode, size_aware = self.run.plan.config.arrangement(self.sublayer.kind, self.sublayer.attention)
+        mode, size_aware = self.run.arrangement(self.sublayer.kind, self.sublayer.attention)
         self.fw.output_cache(module)  # a cache set after patch is checked here
         x = argument(args, kwargs, "hidden_states", 0)
         self.head = sublayer_head(self.run, self.sublayer, get_ops(x).shape(x)[1], match.tokens)
@@ -401,7 +407,7 @@ class MergeInput(SublayerHook):
         # a cross-attention's attention_mask is over the text's keys (Kandinsky 3's), which merging never touches
         if match is None or match.merged == 0 or (not cross and self._passes(args, kwargs)):
             return None
-        mode, size_aware = self.run.plan.config.arrangement(kind, self.sublayer.attention and not cross)
+        mode, size_aware = self.run.arrangement(kind, self.sublayer.attention and not cross)
         self.inside.arm(match, mode, cross, size_aware)
         if not size_aware:
             return None
@@ -598,7 +604,7 @@ class UnmergeOutput(SublayerHook):
         reused = cached and output is self.stored[0]
         if output is not None and not reused:  # its attention ran (a cache's stored output: it did not)
             self.run.count(self.sublayer.kind)
-        mode, size_aware = self.run.plan.config.arrangement(self.sublayer.kind, self.sublayer.attention)
+        mode, size_aware = self.run.arrangement(self.sublayer.kind, self.sublayer.attention)
         if size_aware:
             self.fw.size_aware_done(module, computed=output is not None and not reused)  # None: it raised
         if reused:

@@ -53,7 +53,7 @@ from .state import ToMeState
 # Its own names, and those of the modules it drives that adapters, tools and tests reach through it.
 __all__ = [
     "CallStart", "Framework", "Patched", "PostHook", "PreHook", "REUSED", "SizeBias", "argument",
-    "argument_positions", "attach", "attach_hooks", "block_metric", "blocks_of", "check_sublayers",
+    "argument_positions", "attach", "attach_hooks", "attach_oracle", "block_metric", "blocks_of", "check_sublayers",
     "components", "detach", "family_argument_position", "family_in_call", "find_models", "finest_level",
     "gatherable", "grid_hooks", "is_transformer_model", "is_unet_like", "merge_positions", "model_facts",
     "model_state", "patch", "patched_class", "patched_models", "refuse_listed", "remove", "replace_argument",
@@ -61,11 +61,12 @@ __all__ = [
 ]
 
 
-def model_state(fw: Framework, model: Any, config: ToMeConfig) -> ToMeState:
-    """A new run state for ``model`` (one found by :func:`find_models`) under ``config``."""
+def model_state(fw: Framework, model: Any, config: ToMeConfig, oracle: bool = False) -> ToMeState:
+    """A new run state for ``model`` (one found by :func:`find_models`) under ``config`` (``oracle``:
+    :attr:`ToMeState.oracle`'s, free removal of the tokens ``config`` merges)."""
     return ToMeState(
         config=config, finest_level=finest_level(fw, model), choices=auto_choices(fw, model, config),
-        where=type(model).__qualname__,
+        where=type(model).__qualname__, oracle=oracle,
     )
 
 
@@ -110,10 +111,24 @@ def attach_hooks(fw: Framework, model: Any, state: ToMeState) -> Patch:
 
 def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
     """Hook ``model`` (one found by :func:`find_models`) with ``config``, for the life of the patch."""
-    patch = attach_hooks(fw, model, model_state(fw, model, config))
+    model.__dict__["_tome_patch"] = _retyped(attach_hooks(fw, model, model_state(fw, model, config)))
+
+
+def _retyped(patch: Patch) -> Patch:
+    """``patch`` with every sub-layer it merges given its class (:class:`~tome_core.retyping.Patch`)."""
     for target in patch.targets:
         patch.retype(target)
-    model.__dict__["_tome_patch"] = patch
+    return patch
+
+
+def attach_oracle(fw: Framework, model: Any, config: ToMeConfig) -> Patch:
+    """Hook ``model`` (one found by :func:`find_models`) with the oracle of ``config``: ToMe's own hooks, at the
+    blocks, levels and sizes where ``config`` merges and in its arrangement, each match keeping the first of its
+    tokens instead (:attr:`ToMeState.oracle`), so a merged sub-layer runs on as many tokens as ToMe's with no
+    match, mean or bias to compute: the limit of what token reduction saves (the benchmark's ``oracle``).
+    Returns the patch; its ``remove()`` takes the hooks off, its ``state`` is the oracle's run state."""
+    check(fw, model, config)
+    return _retyped(attach_hooks(fw, model, model_state(fw, model, config, oracle=True)))
 
 
 def detach(model: Any) -> None:
@@ -159,12 +174,7 @@ def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any]
             "transformer such as Wan runs one sequence over all frames, where a token merges with any frame's)"
         )
     for model in models:
-        check_grids(fw, model)
-        check_model(config, model_facts(fw, model))
-        check_sublayers(fw, model, config)
-        shards = fw.shards(model)
-        if shards is not None:
-            check_shards(shards, size_aware_somewhere(fw, model, config), type(model).__qualname__)
+        check(fw, model, config)
     remove(fw, obj, undo)
     for model in models:
         attach(fw, model, config)
@@ -172,6 +182,17 @@ def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any]
         for model in models:  # each call of the pipeline starts a generation (ToMeState.follow_generation)
             model.__dict__["_tome_patch"].state.pipeline = PipelineWatch(obj)
     return obj
+
+
+def check(fw: Framework, model: Any, config: ToMeConfig) -> None:
+    """Refuse ``config`` on ``model`` (one found by :func:`find_models`) before anything is attached: its grids,
+    its block selection and levels, its merged sub-layers (:func:`check_sublayers`), its context parallelism."""
+    check_grids(fw, model)
+    check_model(config, model_facts(fw, model))
+    check_sublayers(fw, model, config)
+    shards = fw.shards(model)
+    if shards is not None:
+        check_shards(shards, size_aware_somewhere(fw, model, config), type(model).__qualname__)
 
 
 def refuse_listed(fw: Framework, obj: Any) -> None:

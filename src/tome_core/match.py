@@ -52,6 +52,32 @@ def identity_match(ops: ArrayOps, batch: int, tokens: int) -> Match:
     return Match(ops=ops, rows=None, sizes=None, inverse_sizes=None, batch=batch, tokens=tokens, merged=0)
 
 
+def first_tokens_match(ops: ArrayOps, like: Array, batch: int, tokens: int, kept: int) -> Match:
+    """A match that keeps the first ``kept`` of each batch item's ``tokens`` tokens: merge takes their rows (a
+    gather, the rest dropped), unmerge gives token ``i`` the value of slot ``i % kept``, every slot stands for one
+    token at its own position. Free token removal (no similarity, no mean): the benchmark's oracle
+    (:attr:`ToMeState.oracle <tome_core.state.ToMeState.oracle>`). A function of the shape only, built once per
+    shape and device; ``kept >= tokens`` merges nothing."""
+    if kept >= tokens:
+        return identity_match(ops, batch, tokens)
+    if kept < 1:
+        raise ValueError(f"a match keeps at least one of its {tokens} tokens, not {kept}")
+    build = lambda: _first_tokens(ops, like, batch, tokens, kept)  # noqa: E731
+    return cached(ops, like, ("first tokens", batch, tokens, kept), build)
+
+
+def _first_tokens(ops: ArrayOps, like: Array, batch: int, tokens: int, kept: int) -> Match:
+    item = ops.reshape(ops.arange(batch, like), (batch, 1))
+    slot = ops.reshape(ops.arange(tokens, like) % kept, (1, tokens))
+    first = ops.reshape(ops.arange(kept, like), (1, kept))
+    sizes = ops.ones((batch, kept, 1), like)
+    return Match(
+        ops=ops, rows=ops.reshape(slot + item * kept, (batch * tokens,)), sizes=sizes, inverse_sizes=sizes,
+        batch=batch, tokens=tokens, merged=tokens - kept, representatives=ops.broadcast_to(first, (batch, kept)),
+        picked=ops.reshape(first + item * tokens, (batch * kept,)),
+    )
+
+
 SIMILARITY_BLOCK = 2**24
 """Most entries of one source-by-destination similarity block per batch item (64 MiB in float32); above it
 :func:`best_destinations` takes the sources in chunks. Measured by ``docs/results/match_memory.py`` (one

@@ -10,7 +10,9 @@ from .backend import get_ops
 from .config import ToMeConfig
 from .cost import arrangement_of, why_unpaid
 from .levels import block_grid, downsample_factor, level_grid
-from .match import Match, bipartite_matches, cell_match, chunk_matches, identity_match, sampled_cell_match
+from .match import (
+    Match, bipartite_matches, cell_match, chunk_matches, first_tokens_match, identity_match, sampled_cell_match,
+)
 from .partition import random_offsets
 from .selection import scale
 from .shards import Shards
@@ -77,6 +79,9 @@ class ToMeState:
     execution: Optional[Tuple[str, str]] = None  # this call's (device, execution) (Framework.execution), once read
     call_key: Any = None  # an eager call's inputs to its blocks' size decisions (begin_call; None: not eager)
     started: bool = False  # a call of the model has begun since patch (summary() describes the last one)
+    # the benchmark's oracle: every match is replaced by one keeping the first tokens (free removal of as many
+    # tokens as ToMe merges there, match.first_tokens_match), and no size-aware bias is armed (BlockRun.arrangement)
+    oracle: bool = False
     active: ToMeConfig = field(init=False, repr=False, compare=False)  # this call's options (:meth:`choose`)
 
     def __repr__(self) -> str:
@@ -84,6 +89,11 @@ class ToMeState:
         return f"ToMeState(config={self.config!r}, finest_level={self.finest_level}{'' if self.started else ', no call yet'})"
 
     def __post_init__(self) -> None:
+        if self.oracle and self.config.frames > 1:
+            raise ValueError(
+                f"the oracle removes tokens per frame and cannot follow frames_per_chunk={self.config.frames} "
+                "(cross-frame merging)"
+            )
         self.active = self.choose()
 
     def choose(self) -> ToMeConfig:
@@ -352,6 +362,8 @@ class ToMeState:
             return {sublayer: identity for sublayer in merged}
         h, w = block_grid(latent, factor, self.grid_hw, tokens)
         sx, sy = config.cell_at(factor)
+        if self.oracle:
+            return self._first_tokens(ops, metric, h, w, sx, sy, merged, config)
         picks = config.matching == "similarity" or config.cell_pool == "sample"  # a token per cell, placed per call
         offsets = (
             self._offsets(ops, metric, h, w, sx, sy, config.seed, stream)
@@ -376,6 +388,23 @@ class ToMeState:
         else:
             found = bipartite_matches(ops, metric, h, w, sx, sy, list(merged.values()), offsets, config.local_window, shared)
         return dict(zip(merged, found))
+
+    def _first_tokens(
+        self, ops: Any, metric: Any, h: int, w: int, sx: int, sy: int, merged: Dict[str, int], config: ToMeConfig,
+    ) -> Dict[str, Match]:
+        """:attr:`oracle`'s matches: each keeps the first of its tokens, as many as the match :meth:`_match` would
+        compute there keeps (similarity: ``merged`` sources; cells: one token per full cell, the leftovers; no full
+        cell: every token)."""
+        batch, tokens = ops.shape(metric)[:2]
+        cells = (h // sy) * (w // sx)
+        pooled = tokens - cells * (sx * sy - 1)
+        return {
+            sublayer: first_tokens_match(
+                ops, metric, batch, tokens,
+                tokens if not count or not cells else pooled if config.matching == "cell" else tokens - count,
+            )
+            for sublayer, count in merged.items()
+        }
 
     def _offsets(self, ops: Any, like: Any, h: int, w: int, sx: int, sy: int, seed: int, stream: int) -> Any:
         """``random_offsets`` of block stream ``stream`` at this call's step: drawn for every stream of the model at

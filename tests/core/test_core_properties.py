@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tome_core import bipartite_match, cell_match, load_backend, merge, unmerge
-from tome_core.match import sampled_cell_match
+from tome_core.match import first_tokens_match, sampled_cell_match
 from tome_core.partition import random_offsets, split
 
 NUMPY = load_backend("numpy")
@@ -294,6 +296,29 @@ def test_sampled_cell_match_takes_one_token_of_each_cell(xp, case, data_seed, fi
     np.testing.assert_allclose(np.mean(every, axis=0), xp.numpy(merge(xp.asarray(x), pooled)), rtol=1e-5, atol=1e-6)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    batch=st.integers(1, 3), tokens=st.integers(1, 40), fraction=st.floats(0, 1), channels=st.integers(1, 4),
+    data_seed=st.integers(0, 2**32 - 1),
+)
+def test_first_tokens_match_keeps_the_first_tokens_and_repeats_them(xp, batch, tokens, fraction, channels, data_seed):
+    """Brute force: merge is the first ``kept`` tokens of each item, unmerge gives token i slot i % kept's value,
+    each slot stands at its own position for one token; keeping every token is the identity."""
+    kept = max(1, round(tokens * fraction))
+    x = np.random.default_rng(data_seed).standard_normal((batch, tokens, channels)).astype(np.float32)
+    match = first_tokens_match(xp.ops, xp.asarray(x), batch, tokens, kept)
+    assert (match.tokens, match.kept, match.merged) == (tokens, kept, tokens - kept)
+    merged = merge(xp.asarray(x), match)
+    np.testing.assert_array_equal(xp.numpy(merged), x[:, :kept])
+    np.testing.assert_array_equal(xp.numpy(unmerge(merged, match)), x[:, [i % kept for i in range(tokens)]])
+    if kept == tokens:
+        assert match.rows is None
+        return
+    np.testing.assert_array_equal(xp.numpy(match.representatives), np.tile(np.arange(kept), (batch, 1)))
+    np.testing.assert_array_equal(xp.numpy(match.sizes), np.ones((batch, kept, 1)))
+    np.testing.assert_array_equal(xp.numpy(match.slot), np.tile(np.arange(tokens) % kept, (batch, 1)))
+
+
 @pytest.mark.parametrize("kind", ["similarity", "pooled", "sampled"])
 def test_trailing_feature_axes_merge_as_one_channel_axis(xp, kind):
     """An attention output ``[B, N, heads, d]`` (Lumina-Next's) merges and unmerges as its ``[B, N, heads * d]``
@@ -329,3 +354,39 @@ def test_same_logarithm_keeps_the_logarithm_of_the_whole_count(base, whole, shor
         assert given == base
     else:
         assert math.log(short, given) == pytest.approx(math.log(whole, base), rel=1e-12)
+
+
+@st.composite
+def oracle_cases(draw):
+    """A grid, a batch and options of ToMe's arrangements (similarity at any reachable ratio, cells pooled or
+    sampled), with the sub-layers they merge."""
+    h, w, sx, sy = draw(st.integers(1, 9)), draw(st.integers(1, 9)), draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    options = {"sx": sx, "sy": sy, "use_rand": draw(st.booleans()), "merge_mlp": draw(st.booleans())}
+    if draw(st.booleans()):
+        options.update(matching="cell", cell_pool=draw(st.sampled_from(["mean", "sample"])))
+    else:
+        options["ratio"] = draw(st.floats(0, 1 - 1 / (sx * sy), exclude_max=True)) if sx * sy > 1 else 0.0
+    return h, w, draw(st.integers(1, 3)), options
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=oracle_cases(), data_seed=st.integers(0, 2**32 - 1))
+def test_the_oracle_state_keeps_the_first_tokens_as_many_as_tome_keeps(xp, case, data_seed):
+    """ToMeState(oracle=True) gives each merged sub-layer the first-tokens match of the count ToMe's own match
+    keeps there (the same state, same call, same options)."""
+    from tome_core import ToMeConfig, ToMeState
+
+    h, w, batch, options = case
+    metric = xp.asarray(np.random.default_rng(data_seed).standard_normal((batch, h * w, 4)).astype(np.float32))
+    found = []
+    for oracle in (False, True):
+        state = ToMeState(config=ToMeConfig.from_options(options), oracle=oracle)
+        state.begin_call((h, w), 500)
+        state.enter_grid((h, w))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a grid too small to merge says so
+            found.append(state.block_matches(metric, 0))
+    ours, oracle = found
+    assert {k: m.merged for k, m in ours.items()} == {k: m.merged for k, m in oracle.items()}
+    for match in oracle.values():
+        np.testing.assert_array_equal(xp.numpy(merge(metric, match)), xp.numpy(metric)[:, : match.kept])
