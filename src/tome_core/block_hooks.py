@@ -103,20 +103,18 @@ class BlockRun:
 
     def _decide(self, args, kwargs, whole: Any) -> BlockPlan:
         state = self.state
-        held = state.merging and self._unmerged(args, kwargs)
-        if self.settled is not None and state.merging and not held:
-            config, fallback = self._arrangement(state.active)
-            if self._repeats(whole, config):
-                return self.idle
+        deciding = state.merging and not self._unmerged(args, kwargs)  # else a call that runs unmerged, said there
+        config, fallback = self._arrangement(state.active) if deciding else (None, None)
+        if deciding and self._repeats(whole, config):
+            return self.idle
         metric = whole
         if self.family.feature_map:
             state.enter_grid(spatial_size(metric, "NCHW"))
             metric = pixels(metric)
         metric = self._own_piece(_batch_first(metric) if self.family.sequence_first else metric)
         head, tail = self._around(metric)
-        if not state.merging or held:  # a call that runs unmerged, said where decided
+        if not deciding:
             return self.idle
-        config, fallback = self._arrangement(state.active)
         image = self._image(metric, head, tail)
         tokens = get_ops(image).shape(image)[1]
         if not state.merges_level(tokens):  # a level above max_downsample: its blocks never merge

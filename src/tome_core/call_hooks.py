@@ -343,12 +343,9 @@ class GridHook:
         self.data_format = data_format
 
     def __call__(self, module, args, kwargs):
-        hidden_states = args[0] if args else kwargs.get("hidden_states")
-        if hidden_states is None:
-            return None
-        shape = get_ops(hidden_states).shape(hidden_states)
-        if len(shape) == 4:
-            self.state.enter_grid((shape[1], shape[2]) if self.data_format == "NHWC" else (shape[2], shape[3]))
+        hidden_states = argument(args, kwargs, "hidden_states", 0)
+        if hidden_states is not None and len(get_ops(hidden_states).shape(hidden_states)) == 4:
+            self.state.enter_grid(spatial_size(hidden_states, self.data_format))
         return None
 
 

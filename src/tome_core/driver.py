@@ -87,7 +87,7 @@ def attach_hooks(fw: Framework, model: Any, state: ToMeState) -> Patch:
     # a block at a level above max_downsample never merges: it gets no hooks, so it costs an eager call no host time
     levels = block_levels(fw, model)
     merged = [entry for entry in merged if levels[entry[0]] is None or levels[entry[0]] <= state.max_downsample]
-    patch.handles += grid_hooks(fw, model, state, {id(entry[1]) for entry in merged})
+    patch.handles += grid_hooks(fw, model, state, {id(block) for _, block, *_ in merged})
     runs: Dict[int, BlockRun] = {}
     for stream, block, family, ratio, sublayer, target in merged:
         run = runs.get(stream)
