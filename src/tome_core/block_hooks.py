@@ -63,7 +63,6 @@ class BlockRun:
         self.where = where
         self.attentions: List[Tuple[Sublayer, Any]] = []  # its merged self-attentions (what kv/queries arrange)
         self.merged: set = set()  # sub-layers (children) merged in this run of the block
-        self.passing: set = set()  # sub-layers whose call now in flight runs unmerged (MergeInput._passes)
         # token masks are gathered like rotary positions: one match for the whole batch
         self.masks = any(sublayer.masks for sublayer in family.sublayers)
         name = family.unmerged_with[0] if family.unmerged_with else None
@@ -83,9 +82,8 @@ class BlockRun:
         block that runs unmerged (most blocks of a UNet, every block below the cost model's size) costs little
         host time: an eager GPU call is bound by it at the sizes people run."""
         block_problem(self.block, self.state.config)
-        if self.merged or self.passing:  # what an interrupted call left (a BaseException skips post-hooks)
+        if self.merged:  # what an interrupted call left (a BaseException skips post-hooks)
             self.merged.clear()
-            self.passing.clear()
         self.family = family_in_call(self.base, self.text_after_at, args, kwargs)
         whole = argument(args, kwargs, self.metric, self.metric_at)
         earlier = self._ran_on(whole) if self.ran else None
@@ -284,20 +282,6 @@ def family_in_call(family: BlockFamily, at: Optional[int], args, kwargs) -> Bloc
     return with_text_after(family)
 
 
-class SublayerHook:
-    """A hook on one sub-layer of a block run: its :class:`Sublayer` is the family's entry as the block's call
-    now runs it (:func:`family_in_call`)."""
-
-    def __init__(self, fw: Framework, run: "BlockRun", sublayer: Sublayer):
-        self.fw = fw
-        self.run = run
-        self.index = run.base.sublayers.index(sublayer)
-
-    @property
-    def sublayer(self) -> Sublayer:
-        return self.run.family.sublayers[self.index]
-
-
 def pixels(x: Any) -> Any:
     """A feature map ``(B, C, H, W)`` as tokens ``[B, H * W, C]``, with the ops protocol's transpose."""
     ops = get_ops(x)
@@ -322,16 +306,25 @@ def block_problem(block: Any, config: ToMeConfig) -> None:
         )
 
 
-class MergeInput(SublayerHook):
-    """Pre-hook on a sub-layer: merge the image tokens of its first input (text tokens stay), give merged
-    tokens their destination's rotary position, and arm size-aware attention.
+class SublayerHooks:
+    """The hooks of one merged sub-layer of a block run, before and after its call. :meth:`before` (a pre-hook)
+    merges the image tokens of its first input (text tokens stay), gives merged tokens their destination's rotary
+    position, and arms size-aware attention; :meth:`after` (a post-hook) unmerges the image stream of its output
+    (the text part stays). Its :class:`Sublayer` is the family's entry as the block's call now runs it
+    (:func:`family_in_call`).
 
     A self-attention with a ``kv_input`` runs in the configured arrangement: ``tokens`` merges its input,
     ``kv`` keeps its queries and hands it the merged tokens as keys and values, ``queries`` merges its
-    queries and hands it every token as keys and values."""
+    queries and hands it every token as keys and values.
+
+    Where an output cache (e.g. diffusers' Pyramid Attention Broadcast) hands back an output it stored in an
+    earlier call, that output was merged by that call's match: the unmerged result of that call is returned
+    instead, which is what the cache gives an unpatched model."""
 
     def __init__(self, fw: Framework, run: BlockRun, sublayer: Sublayer, module: Any):
-        super().__init__(fw, run, sublayer)
+        self.fw = fw
+        self.run = run
+        self.index = run.base.sublayers.index(sublayer)
         # where ``module``'s forward takes the rotary arguments and masks by position (None: by keyword only)
         self.rotary_at = argument_positions(forward_of(type(module)), *rotary_arguments(run.family))
         self.masks_at = argument_positions(forward_of(type(module)), "attention_mask", *(name for name, _ in sublayer.masks))
@@ -343,8 +336,15 @@ class MergeInput(SublayerHook):
         # what the attention takes keys and values from (diffusers' encoder_hidden_states, Flax's context)
         self.kv_name = sublayer.kv_input or "encoder_hidden_states"
         self.kv_at = argument_positions(forward_of(type(module)), self.kv_name)[self.kv_name]
+        self.passing = False  # the call in flight runs on all its tokens (_passes)
+        self.stored: Tuple[Any, Any] = (None, None)  # (raw output, its unmerged form), only under a cache
 
-    def __call__(self, module, args, kwargs):
+    @property
+    def sublayer(self) -> Sublayer:
+        return self.run.family.sublayers[self.index]
+
+    def before(self, module, args, kwargs):
+        self.passing = False
         if self.run.plan is self.run.idle:  # its block runs unmerged in this call
             return None
         if self.inside is not None:
@@ -420,7 +420,7 @@ class MergeInput(SublayerHook):
         mask keeps apart."""
         run, child = self.run, self.sublayer.child
         if self.sublayer.once and child in run.merged:
-            run.passing.add(child)
+            self.passing = True
             return True
         run.merged.add(child)
         mask = argument(args, kwargs, "attention_mask", self.masks_at["attention_mask"])
@@ -433,8 +433,48 @@ class MergeInput(SublayerHook):
             "tokens (its block's other sub-layers still merge) in such calls"
         )
         run.passed(self.sublayer.kind, f"{type(run.block).__name__}.{child}", why)
-        run.passing.add(child)
+        self.passing = True
         return True
+
+    def after(self, module, args, kwargs, output):
+        if self.run.plan is self.run.idle and self.inside is None and self.stored[0] is None:
+            return None  # its block runs unmerged in this call, and no cache holds an output to hand back
+        if self.inside is not None:
+            ran = self.inside.done(module, output)
+            if ran is not None:
+                self.run.count(ran)
+            return None
+        if self.passing:  # this call ran on all its tokens
+            self.passing = False
+            return None
+        match = self.run.plan.matches.get(self.sublayer.kind)
+        if match is None and self.stored[0] is None:  # it ran unmerged, and no cache holds an output to hand back
+            return None
+        cached = output is not None and self.fw.output_cache(module) == REUSED  # None: the sub-layer raised
+        reused = cached and output is self.stored[0]
+        if output is not None and not reused:  # its attention ran (a cache's stored output: it did not)
+            self.run.count(self.sublayer.kind)
+        mode, size_aware = self.run.arrangement(self.sublayer.kind, self.sublayer.attention)
+        if size_aware:
+            self.fw.size_aware_done(module, computed=output is not None and not reused)  # None: it raised
+        if reused:
+            return self.stored[1]
+        # kv: the queries kept every token, so the output has them all
+        if output is None or match is None or match.merged == 0 or mode == "kv":
+            self.stored = (None, None)
+            return None
+        result = self._unmerge(output, match)
+        self.stored = (output, result) if cached else (None, None)
+        return result
+
+    def _unmerge(self, output: Any, match: Match) -> Any:
+        index = self.sublayer.output
+        image = output if index is None else output[index]
+        head = sublayer_head(self.run, self.sublayer, get_ops(image).shape(image)[1], match.kept)
+        image = around_image(image, match.kept, self.run.plan.tail, self.sublayer.text, lambda x: unmerge(x, match), head)
+        if index is None:
+            return image
+        return type(output)(image if i == index else part for i, part in enumerate(output))
 
     def _gather_masks(self, args, kwargs: Dict[str, Any], match: Match) -> Dict[str, Any]:
         """The sub-layer's token masks (:attr:`Sublayer.masks`) over ``[text; merged image; tail]``."""
@@ -572,62 +612,9 @@ def merge_positions(
     return tuple(moved)
 
 
-class UnmergeOutput(SublayerHook):
-    """Post-hook on a sub-layer: unmerge the image stream of its output (the text part stays).
-
-    Where an output cache (e.g. diffusers' Pyramid Attention Broadcast) hands back an output it stored in an
-    earlier call, that output was merged by that call's match: the unmerged result of that call is returned
-    instead, which is what the cache gives an unpatched model."""
-
-    def __init__(self, fw: Framework, run: BlockRun, sublayer: Sublayer, inside: Optional["Inside"] = None):
-        super().__init__(fw, run, sublayer)
-        self.inside = inside  # where the sub-layer merges inside itself (Sublayer.projections)
-        self.stored: Tuple[Any, Any] = (None, None)  # (raw output, its unmerged form), only under a cache
-
-    def __call__(self, module, args, kwargs, output):
-        if self.run.plan is self.run.idle and self.inside is None and self.stored[0] is None:
-            return None  # its block runs unmerged in this call, and no cache holds an output to hand back
-        if self.inside is not None:
-            ran = self.inside.done(module, output)
-            if ran is not None:
-                self.run.count(ran)
-            return None
-        if self.sublayer.child in self.run.passing:  # this call ran on all its tokens
-            self.run.passing.discard(self.sublayer.child)
-            return None
-        match = self.run.plan.matches.get(self.sublayer.kind)
-        if match is None and self.stored[0] is None:  # it ran unmerged, and no cache holds an output to hand back
-            return None
-        cached = output is not None and self.fw.output_cache(module) == REUSED  # None: the sub-layer raised
-        reused = cached and output is self.stored[0]
-        if output is not None and not reused:  # its attention ran (a cache's stored output: it did not)
-            self.run.count(self.sublayer.kind)
-        mode, size_aware = self.run.arrangement(self.sublayer.kind, self.sublayer.attention)
-        if size_aware:
-            self.fw.size_aware_done(module, computed=output is not None and not reused)  # None: it raised
-        if reused:
-            return self.stored[1]
-        # kv: the queries kept every token, so the output has them all
-        if output is None or match is None or match.merged == 0 or mode == "kv":
-            self.stored = (None, None)
-            return None
-        result = self._unmerge(output, match)
-        self.stored = (output, result) if cached else (None, None)
-        return result
-
-    def _unmerge(self, output: Any, match: Match) -> Any:
-        index = self.sublayer.output
-        image = output if index is None else output[index]
-        head = sublayer_head(self.run, self.sublayer, get_ops(image).shape(image)[1], match.kept)
-        image = around_image(image, match.kept, self.run.plan.tail, self.sublayer.text, lambda x: unmerge(x, match), head)
-        if index is None:
-            return image
-        return type(output)(image if i == index else part for i, part in enumerate(output))
-
-
 class Inside:
     """ToMe inside an attention that keeps its norm and residual to itself (:attr:`Sublayer.projections`): while a
-    call of it armed by :class:`MergeInput` runs, pre-hooks on its query, key and value projections merge their
+    call of it armed by :meth:`SublayerHooks.before` runs, pre-hooks on its query, key and value projections merge their
     inputs (``[B, N, C]`` tokens, after its norm) and a post-hook on its output projection unmerges that one's
     output (before its residual), as the call's arrangement says."""
 

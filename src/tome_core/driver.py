@@ -30,7 +30,7 @@ from functools import partial
 from typing import Any, Callable, Dict, List, NamedTuple
 
 from .block_hooks import (
-    BlockRun, MergeInput, UnmergeOutput, block_problem, family_argument_position, family_in_call, gatherable,
+    BlockRun, SublayerHooks, block_problem, family_argument_position, family_in_call, gatherable,
     merge_positions, rotary_arguments, same_logarithm,
 )
 from .call_hooks import CallStart, PipelineWatch, call_ends, forget_generations, generations, grid_hooks
@@ -97,11 +97,11 @@ def attach_hooks(fw: Framework, model: Any, state: ToMeState) -> Patch:
             add(fw.add_pre_hook(block, run.begin))
         if sublayer.kind == "attn":
             run.attentions.append((sublayer, target))
-        merge_input = MergeInput(fw, run, sublayer, target)
-        add(fw.add_pre_hook(target, merge_input))
-        add(fw.add_post_hook(target, UnmergeOutput(fw, run, sublayer, merge_input.inside)))
-        if merge_input.inside is not None:
-            merge_input.inside.attach(add)
+        hooks = SublayerHooks(fw, run, sublayer, target)
+        add(fw.add_pre_hook(target, hooks.before))
+        add(fw.add_post_hook(target, hooks.after))
+        if hooks.inside is not None:
+            hooks.inside.attach(add)
         patch.targets.append(target)
     for run in runs.values():  # after its sub-layers' post-hooks: a block may be its own sub-layer (child "")
         add(fw.add_post_hook(run.block, run.end))
