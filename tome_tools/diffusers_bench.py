@@ -31,6 +31,7 @@ from tome_tools import bench_train
 from tome_tools.bench_core import serve_peak_request
 from tome_tools.bench_runner import DDIM_CONFIG, MID_TIMESTEP, BenchRunner, Undo, hook_oracle, median_ms
 from tome_core.families import child_at
+from tome_core.plan import plan_model
 from tome_tools.presets import TRANSFORMERS, transformer_config
 from tome_tools.trained import model_info, sample_labels, shipped
 
@@ -496,7 +497,7 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
     firsts = _block_kinds(model, blocks)
     captured: Dict[str, Tuple[tuple, dict]] = {}
     seen = ToMeState(config=config)
-    model_hook = model.register_forward_pre_hook(driver.CallStart(FRAMEWORK, model, seen), with_kwargs=True)
+    model_hook = model.register_forward_pre_hook(driver.CallStart(FRAMEWORK, plan_model(FRAMEWORK, model, config), seen), with_kwargs=True)
 
     def capture(name):
         def hook(module, hook_args, hook_kwargs):

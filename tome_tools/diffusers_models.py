@@ -20,8 +20,9 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 
 import diffusers
 
-from tome_core import driver
 from tome_core.adapters.diffusers import FRAMEWORK
+from tome_core.config import ToMeConfig
+from tome_core.plan import plan_model
 from tome_tools.presets import (
     SD_PIPELINES,
     assemble_sd_pipeline,
@@ -111,7 +112,7 @@ def _packed_inputs(model: torch.nn.Module, h: int, w: int, batch: int, text: int
     prompt = torch.ones(batch, text, dtype=torch.bool)
     prompt[1:, 5:] = False
     image = torch.ones(batch, tokens, dtype=torch.bool)
-    scale = driver.model_facts(FRAMEWORK, model).timesteps or 1000.0
+    scale = plan_model(FRAMEWORK, model, ToMeConfig()).facts.timesteps or 1000.0
     inputs: Dict[str, Any] = dict(
         hidden_states=randn(batch, tokens, config.in_channels),
         encoder_hidden_states=randn(batch, text, config.joint_attention_dim),

@@ -20,7 +20,8 @@ from .framework import (
     argument, argument_positions, forward_of, is_transformer_model, is_unet_like,
 )
 from .levels import indicated_run, leading_raster, trailing_frames, trailing_raster
-from .model_tree import grid_modules, blocks_of, size_aware_somewhere
+from .model_tree import grid_modules
+from .plan import ModelPlan
 from .shards import check_shard_cells, check_shards, shard_grid
 from .state import ToMeState
 
@@ -32,7 +33,8 @@ class CallStart:
     timing): hooked on an unpatched model with a state of its own, it reads each call's grid into that state and
     merges nothing."""
 
-    def __init__(self, fw: Framework, model: Any, state: ToMeState):
+    def __init__(self, fw: Framework, plan: ModelPlan, state: ToMeState):
+        model = plan.model
         self.fw = fw
         self.state = state
         self.unet = is_unet_like(model)
@@ -44,11 +46,10 @@ class CallStart:
         parameters = list(inspect.signature(forward).parameters.values())[1:]
         self.first = parameters[0].name if parameters else None  # the latent, by keyword where not named as above
         self.defaults = {p.name: p.default for p in parameters}
-        # a model whose timestep rises while sampling: a falling one starts a generation
-        self.rising = any(family.timesteps_rise for _, family in blocks_of(fw, model))
+        self.rising = plan.rising
         self.model = type(model).__qualname__
         self.ids_grid: Tuple[Any, Optional[Tuple[int, int, int]]] = (None, None)  # (ids, leading_raster of them)
-        self.size_aware = size_aware_somewhere(fw, model, state.config)
+        self.size_aware = plan.size_aware
         self.layout = grid_layout(type(model)) if self.transformer else None
         self.context = context_latents(type(model)) if self.transformer else None  # images' latents after the grid
         if self.context is not None:

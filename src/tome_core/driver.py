@@ -35,16 +35,14 @@ from .block_hooks import (
 )
 from .call_hooks import CallStart, PipelineWatch, call_ends, forget_generations, generations, grid_hooks
 from .config import ToMeConfig
-from .families import attends_text_only, child_at, lent_children
+from .families import attends_text_only
 from .framework import (
     Framework, PostHook, PreHook, REUSED, SizeBias, argument, argument_positions, arrangement_error,
     arrangement_problem, is_transformer_model, is_unet_like, replace_argument, unbiased_processor,
 )
-from .model_tree import (
-    merged_sublayers, auto_choices, block_levels, block_metric, blocks_of, check_grids, components, find_models, finest_level,
-    model_facts, size_aware_somewhere, temporal_modules,
-)
+from .model_tree import block_metric, blocks_of, check_grids, components, find_models, finest_level, temporal_modules
 from .model_zoo import AUXILIARY, refusal
+from .plan import ModelPlan, plan_model
 from .retyping import Patch, patched_class
 from .selection import check_model
 from .shards import check_shards
@@ -55,45 +53,38 @@ __all__ = [
     "CallStart", "Framework", "Patched", "PostHook", "PreHook", "REUSED", "SizeBias", "argument",
     "argument_positions", "attach", "attach_hooks", "attach_oracle", "block_metric", "blocks_of", "check_sublayers",
     "components", "detach", "family_argument_position", "family_in_call", "find_models", "finest_level",
-    "gatherable", "grid_hooks", "is_transformer_model", "is_unet_like", "merge_positions", "model_facts",
+    "gatherable", "grid_hooks", "is_transformer_model", "is_unet_like", "merge_positions",
     "model_state", "patch", "patched_class", "patched_models", "refuse_listed", "remove", "replace_argument",
     "rotary_arguments", "same_logarithm", "unbiased_processor", "undo_tomesd",
 ]
 
 
-def model_state(fw: Framework, model: Any, config: ToMeConfig, oracle: bool = False) -> ToMeState:
-    """A new run state for ``model`` (one found by :func:`find_models`) under ``config`` (``oracle``:
-    :attr:`ToMeState.oracle`'s, free removal of the tokens ``config`` merges)."""
+def model_state(plan: ModelPlan, oracle: bool = False) -> ToMeState:
+    """A new run state for the model of ``plan`` (``oracle``: :attr:`ToMeState.oracle`'s, free removal of the
+    tokens its config merges)."""
     return ToMeState(
-        config=config, finest_level=finest_level(fw, model), choices=auto_choices(fw, model, config),
-        where=type(model).__qualname__, oracle=oracle,
+        config=plan.config, finest_level=plan.finest, choices=plan.choices, where=plan.where, oracle=oracle,
+        streams=plan.streams, hooked=len({m.stream for m in plan.hooked}),
     )
 
 
-def attach_hooks(fw: Framework, model: Any, state: ToMeState) -> Patch:
-    """Attach every hook ToMe runs ``model`` with, sharing ``state``; returns the patch holding their handles
-    and the sub-layers that merge (:attr:`Patch.targets`)."""
+def attach_hooks(fw: Framework, plan: ModelPlan, state: ToMeState) -> Patch:
+    """Attach every hook ToMe runs the model of ``plan`` with, sharing ``state``; returns the patch holding their
+    handles and the sub-layers that merge (:attr:`Patch.targets`)."""
+    model = plan.model
     patch = Patch(state)
     add = patch.handles.append
-    add(fw.add_pre_hook(model, CallStart(fw, model, state)))
-    lent = {
-        id(m) for path in lent_children(type(model)) if fw.is_module(child_at(model, path))
-        for m in fw.submodules(child_at(model, path))
-    }
-    if lent:  # only the blocks a model lends ask whether its call is in flight
+    add(fw.add_pre_hook(model, CallStart(fw, plan, state)))
+    if plan.lent:  # only the blocks a model lends ask whether its call is in flight
         add(fw.add_post_hook(model, partial(call_ends, state)))
-    merged = list(merged_sublayers(fw, model, state.config))
-    state.streams = max((stream for stream, *_ in merged), default=-1) + 1
-    # a block at a level above max_downsample never merges: it gets no hooks, so it costs an eager call no host time
-    levels = block_levels(fw, model)
-    merged = [entry for entry in merged if levels[entry[0]] is None or levels[entry[0]] <= state.max_downsample]
-    patch.handles += grid_hooks(fw, model, state, {id(block) for _, block, *_ in merged})
+    hooked = plan.hooked
+    patch.handles += grid_hooks(fw, model, state, {id(m.block) for m in hooked})
     runs: Dict[int, BlockRun] = {}
-    for stream, block, family, ratio, sublayer, target in merged:
+    for stream, block, family, _, ratio, sublayer, target in hooked:
         run = runs.get(stream)
         if run is None:
-            run = runs[stream] = BlockRun(fw, state, family, stream, block, ratio, type(model).__qualname__)
-            run.lent = id(block) in lent
+            run = runs[stream] = BlockRun(fw, state, family, stream, block, ratio, plan.where)
+            run.lent = id(block) in plan.lent
             add(fw.add_pre_hook(block, run.begin))
         if sublayer.kind == "attn":
             run.attentions.append((sublayer, target))
@@ -105,13 +96,12 @@ def attach_hooks(fw: Framework, model: Any, state: ToMeState) -> Patch:
         patch.targets.append(target)
     for run in runs.values():  # after its sub-layers' post-hooks: a block may be its own sub-layer (child "")
         add(fw.add_post_hook(run.block, run.end))
-    state.hooked = len(runs)
     return patch
 
 
-def attach(fw: Framework, model: Any, config: ToMeConfig) -> None:
-    """Hook ``model`` (one found by :func:`find_models`) with ``config``, for the life of the patch."""
-    model.__dict__["_tome_patch"] = _retyped(attach_hooks(fw, model, model_state(fw, model, config)))
+def attach(fw: Framework, plan: ModelPlan) -> None:
+    """Hook the model of ``plan``, for the life of the patch."""
+    plan.model.__dict__["_tome_patch"] = _retyped(attach_hooks(fw, plan, model_state(plan)))
 
 
 def _retyped(patch: Patch) -> Patch:
@@ -127,8 +117,9 @@ def attach_oracle(fw: Framework, model: Any, config: ToMeConfig) -> Patch:
     tokens instead (:attr:`ToMeState.oracle`), so a merged sub-layer runs on as many tokens as ToMe's with no
     match, mean or bias to compute: the limit of what token reduction saves (the benchmark's ``oracle``).
     Returns the patch; its ``remove()`` takes the hooks off, its ``state`` is the oracle's run state."""
-    check(fw, model, config)
-    return _retyped(attach_hooks(fw, model, model_state(fw, model, config, oracle=True)))
+    plan = plan_model(fw, model, config)
+    check(fw, plan)
+    return _retyped(attach_hooks(fw, plan, model_state(plan, oracle=True)))
 
 
 def detach(model: Any) -> None:
@@ -155,7 +146,7 @@ def undo_tomesd(module: Any, drop_hook: Callable[[Any, Any], None]) -> None:
 def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any], None] = detach) -> Any:
     """Apply ToMe to ``obj`` in place and return it; patching again replaces the earlier options.
 
-    Options are checked, and every model's block selection too, before anything is patched."""
+    Options are checked, and every model's plan too, before anything is patched."""
     config = ToMeConfig.from_options(options)
     refuse_listed(fw, obj)
     models = find_models(fw, obj)
@@ -173,26 +164,27 @@ def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any]
             f"{type(obj).__qualname__} holds no video UNet (no temporal layers); leave frames_per_chunk out (a video "
             "transformer such as Wan runs one sequence over all frames, where a token merges with any frame's)"
         )
-    for model in models:
-        check(fw, model, config)
+    plans = [plan_model(fw, model, config) for model in models]
+    for plan in plans:
+        check(fw, plan)
     remove(fw, obj, undo)
-    for model in models:
-        attach(fw, model, config)
+    for plan in plans:
+        attach(fw, plan)
     if config.reuse_steps > 1 and not fw.is_module(obj) and generations(obj) is not None:
         for model in models:  # each call of the pipeline starts a generation (ToMeState.follow_generation)
             model.__dict__["_tome_patch"].state.pipeline = PipelineWatch(obj)
     return obj
 
 
-def check(fw: Framework, model: Any, config: ToMeConfig) -> None:
-    """Refuse ``config`` on ``model`` (one found by :func:`find_models`) before anything is attached: its grids,
-    its block selection and levels, its merged sub-layers (:func:`check_sublayers`), its context parallelism."""
-    check_grids(fw, model)
-    check_model(config, model_facts(fw, model))
-    check_sublayers(fw, model, config)
-    shards = fw.shards(model)
+def check(fw: Framework, plan: ModelPlan) -> None:
+    """Refuse ``plan`` before anything is attached: its model's grids, its block selection and levels, its merged
+    sub-layers (:func:`check_sublayers`), its context parallelism."""
+    check_grids(fw, plan.model, plan.blocks)
+    check_model(plan.config, plan.facts)
+    check_sublayers(fw, plan)
+    shards = fw.shards(plan.model)
     if shards is not None:
-        check_shards(shards, size_aware_somewhere(fw, model, config), type(model).__qualname__)
+        check_shards(shards, plan.size_aware, plan.where)
 
 
 def refuse_listed(fw: Framework, obj: Any) -> None:
@@ -207,14 +199,13 @@ def refuse_listed(fw: Framework, obj: Any) -> None:
         raise ValueError("; ".join(f"ToMe cannot patch {type(c).__qualname__}: {reason}" for c, reason in listed))
 
 
-def check_sublayers(fw: Framework, model: Any, config: ToMeConfig) -> None:
-    """Refuse, before anything is attached, what a merged sub-layer as it is now set up cannot run: an output
-    cache that extrapolates, an explicit ``kv`` or ``queries`` arrangement without separate keys and values,
+def check_sublayers(fw: Framework, plan: ModelPlan) -> None:
+    """Refuse, before anything is attached, what a merged sub-layer of ``plan`` as it is now set up cannot run: an
+    output cache that extrapolates, an explicit ``kv`` or ``queries`` arrangement without separate keys and values,
     size-aware attention through a processor that cannot take the bias, MLP merging with chunked feed-forward.
     A processor swapped in after ``patch`` is checked at its first call with the same messages."""
-    where = type(model).__qualname__
-    choices = [choice for _, choice in auto_choices(fw, model, config)]
-    for stream, block, _, _, sublayer, target in merged_sublayers(fw, model, config):
+    where, config = plan.where, plan.config
+    for stream, block, _, _, _, sublayer, target in plan.merged:
         fw.output_cache(target)
         block_problem(block, config)
         if sublayer.kind != "attn":
@@ -226,7 +217,7 @@ def check_sublayers(fw: Framework, model: Any, config: ToMeConfig) -> None:
             raise arrangement_error(config.mode, f"block {stream} of {where}", problem)
         if attends_text_only(block, sublayer):
             continue  # it attends to the text: no merged keys, no sizes
-        size_aware = any(choice.arrangement(sublayer.kind, sublayer.attention)[1] for choice in choices)
+        size_aware = any(choice.arrangement(sublayer.kind, sublayer.attention)[1] for _, choice in plan.choices)
         bias = fw.bias_problem(target) if size_aware else None
         if bias is not None:
             raise ValueError(

@@ -1,19 +1,17 @@
 """What a model holds, read through a :class:`~tome_core.framework.Framework`: its blocks of a known family
-(temporal ones left out), their levels and grids, the sub-layers that merge under a config, the choices of
-``mode="auto"``, and the models inside a pipeline. Framework-free."""
+(temporal ones left out), their levels and grids, and the models inside a pipeline. :func:`~tome_core.plan.plan_model`
+reads a model through these once per ``patch``. Framework-free."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .config import ToMeConfig
 from .families import (
     BlockFamily, CHANNELS_LAST_GRID_CONTAINERS, GRID_CONTAINERS, block_family, child_at, grid_source, temporal,
     text_only,
 )
 from .framework import Framework, argument_positions, forward_of, is_transformer_model, is_unet_like
 from .levels import finest_attention_level
-from .selection import ModelFacts, block_ratios, selected_blocks
 
 
 def temporal_modules(fw: Framework, model: Any, table: Callable[[type], Any] = temporal) -> set:
@@ -48,13 +46,13 @@ def blocks_of(fw: Framework, model: Any) -> List[Tuple[Any, BlockFamily]]:
     return found
 
 
-def finest_level(fw: Framework, model: Any) -> int:
+def finest_level(fw: Framework, model: Any, blocks: Optional[Sequence[Tuple[Any, BlockFamily]]] = None) -> int:
     """Downsample factor of a UNet's finest level with attention; 1 for transformers. Stable Cascade's UNet (a
     patchified model whose levels are resampled by its ``down_downscalers``, before each level's blocks) counts
     the downscalers that halve the grid before its first level with attention: its stage B has none at the two
-    finest levels, its stage C two levels on one grid."""
+    finest levels, its stage C two levels on one grid. ``blocks``: :func:`blocks_of`'s, where already read."""
     attending = lambda: {  # noqa: E731
-        id(block) for block, family in blocks_of(fw, model)
+        id(block) for block, family in (blocks_of(fw, model) if blocks is None else blocks)
         for sublayer in family.sublayers if sublayer.kind == "attn" and fw.is_module(child_at(block, sublayer.child))
     }
     downscalers = getattr(model, "down_downscalers", None)
@@ -79,14 +77,17 @@ def _halves(fw: Framework, module: Any) -> bool:
     )
 
 
-def block_levels(fw: Framework, model: Any) -> List[Optional[int]]:
+def block_levels(
+    fw: Framework, model: Any, blocks: Optional[Sequence[Tuple[Any, BlockFamily]]] = None
+) -> List[Optional[int]]:
     """The level (downsample factor) of each block of :func:`blocks_of`: 1 in a diffusion transformer (and after a
     model's :data:`~tome_core.families.GRID_SOURCES` child, whose grid its blocks' tokens are); in a
     UNet-like model, doubled after each down block that downsamples and halved after each up block that
     upsamples (the middle block at the deepest level); ``None`` where the model does not tell: blocks on a
     feature map outside a UNet (Stable Cascade's levels), and UNets whose down blocks resample inside their
-    ResNets rather than in ``downsamplers`` (Kandinsky 3's); their merges then follow each block's grid."""
-    blocks = blocks_of(fw, model)
+    ResNets rather than in ``downsamplers`` (Kandinsky 3's); their merges then follow each block's grid.
+    ``blocks``: :func:`blocks_of`'s, where already read."""
+    blocks = blocks_of(fw, model) if blocks is None else blocks
     if not is_unet_like(model):
         one = is_transformer_model(model) or grid_source(type(model)) is not None  # one grid: the model's tokens
         return [1 if one and not family.feature_map else None for _, family in blocks]
@@ -106,11 +107,6 @@ def block_levels(fw: Framework, model: Any) -> List[Optional[int]]:
     return [level.get(id(block)) for block, _ in blocks]
 
 
-def model_facts(fw: Framework, model: Any) -> ModelFacts:
-    """What :func:`~tome_core.selection.check_model` checks the options against."""
-    families = {family for _, family in blocks_of(fw, model)}
-    timesteps = max(family.timesteps for family in families) if families else None
-    return ModelFacts(type(model).__qualname__, finest_level(fw, model), block_levels(fw, model), timesteps)
 
 
 def grid_modules(fw: Framework, model: Any) -> List[Any]:
@@ -120,14 +116,14 @@ def grid_modules(fw: Framework, model: Any) -> List[Any]:
     return [m for m in fw.submodules(model) if type(m).__name__ in GRID_CONTAINERS + CHANNELS_LAST_GRID_CONTAINERS]
 
 
-def check_grids(fw: Framework, model: Any) -> None:
+def check_grids(fw: Framework, model: Any, blocks: Optional[Sequence[Tuple[Any, BlockFamily]]] = None) -> None:
     """Refuse a model whose blocks cannot know their grid: neither a UNet, a ControlNet or a diffusion
     transformer, nor inside a 2-D container (``Transformer2DModel``, ``TransformerSpatioTemporalModel``), nor after
     a child whose output gives it (:data:`~tome_core.families.GRID_SOURCES`)."""
     if is_unet_like(model) or is_transformer_model(model) or grid_source(type(model)) is not None:
         return
     inside = {id(sub) for grid in grid_modules(fw, model) for sub in fw.submodules(grid)}
-    lost = [type(block).__name__ for block, _ in blocks_of(fw, model) if id(block) not in inside]
+    lost = [type(block).__name__ for block, _ in (blocks_of(fw, model) if blocks is None else blocks) if id(block) not in inside]
     if lost:
         raise ValueError(
             f"cannot patch {type(model).__qualname__}: its {lost[0]}s are outside a UNet, a ControlNet, a "
@@ -135,35 +131,10 @@ def check_grids(fw: Framework, model: Any) -> None:
         )
 
 
-def merged_sublayers(fw: Framework, model: Any, config: ToMeConfig):
-    """``(stream, block, family, block ratio, sublayer, module)`` of every sub-layer that merges under
-    ``config`` (the block ratio is its ``block_ratios`` entry or None); block indices are checked first."""
-    blocks = blocks_of(fw, model)
-    chosen = set(selected_blocks(config, len(blocks), type(model).__qualname__))
-    ratios = block_ratios(config, len(blocks), type(model).__qualname__)
-    for stream, (block, family) in enumerate(blocks):
-        if stream not in chosen:
-            continue
-        for sublayer in family.sublayers:
-            target = child_at(block, sublayer.child)
-            if target is not None and fw.is_module(target) and config.sublayers[sublayer.kind]:
-                yield stream, block, family, ratios.get(stream), sublayer, target
 
 
-def auto_choices(fw: Framework, model: Any, config: ToMeConfig) -> Tuple[Tuple[int, ToMeConfig], ...]:
-    """:meth:`ToMeConfig.auto_choices` for ``model``: keys and values in cells only where every merged
-    self-attention takes them apart from its queries (the family table's ``kv_input``)."""
-    kv_input = all(s.kv_input is not None or s.projections for *_, s, _ in merged_sublayers(fw, model, config) if s.kind == "attn")
-    return config.auto_choices(kv_input, is_unet_like(model))
 
 
-def size_aware_somewhere(fw: Framework, model: Any, config: ToMeConfig) -> bool:
-    """Whether some merged self-attention of ``model`` runs size-aware under ``config``."""
-    choices = [choice for _, choice in auto_choices(fw, model, config)]
-    return any(
-        choice.arrangement(sublayer.kind, sublayer.attention)[1]
-        for *_, sublayer, _ in merged_sublayers(fw, model, config) for choice in choices
-    )
 
 
 def block_metric(family: BlockFamily, block: Any) -> Tuple[str, Optional[int]]:

@@ -43,6 +43,7 @@ from tome_core import driver
 from tome_core.config import ToMeConfig, document
 from tome_core.driver import SizeBias, argument
 from tome_core.levels import finest_attention_level
+from tome_core.plan import plan_model
 from tome_core.selection import ModelFacts, check_model
 from tome_core.state import ToMeState
 
@@ -315,8 +316,9 @@ def _patched_call(self, *args, **kwargs):
     if config is None:
         return call(*args, **kwargs)
     hooks = _CallHooks()
-    state = driver.model_state(hooks, self, config)
-    driver.attach_hooks(hooks, self, state)
+    plan = plan_model(hooks, self, config)
+    state = driver.model_state(plan)
+    driver.attach_hooks(hooks, plan, state)
     with nn.intercept_methods(hooks.intercept):
         out = call(*args, **kwargs)  # intercepted too: the model's own hooks start and end the call
     for states in _recorder.stack:

@@ -1,0 +1,109 @@
+"""The model plan: what patching one model means, read from the model and the options once per ``patch``.
+
+:func:`plan_model` walks the model a single time for everything the driver checks and attaches (its blocks and
+their families, their levels, the sub-layers that merge with their ratios, the choices of ``mode="auto"``,
+whether size-aware attention applies, the blocks it lends). :func:`~tome_core.driver.check` refuses what the plan
+cannot run, :func:`~tome_core.driver.attach_hooks` and the call hooks read it; nothing walks the model again.
+Framework-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, FrozenSet, NamedTuple, Optional, Tuple
+
+from .config import ToMeConfig
+from .families import BlockFamily, Sublayer, child_at, lent_children
+from .framework import Framework, is_unet_like
+from .model_tree import block_levels, blocks_of, finest_level
+from .selection import ModelFacts, block_ratios, selected_blocks
+
+
+class MergedSublayer(NamedTuple):
+    """One sub-layer that merges: its block's index (the block's stream), the block, its family and level, its
+    ``block_ratios`` entry (or None), the family's description of the sub-layer and the sub-layer module."""
+
+    stream: int
+    block: Any
+    family: BlockFamily
+    level: Optional[int]
+    ratio: Optional[float]
+    sublayer: Sublayer
+    target: Any
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """One model as ``config`` patches it (built by :func:`plan_model`)."""
+
+    model: Any
+    config: ToMeConfig
+    blocks: Tuple[Tuple[Any, BlockFamily], ...]  # the spatial blocks of a known family, in module order (streams)
+    levels: Tuple[Optional[int], ...]  # each block's level (downsample factor), None where the model does not tell
+    finest: int  # the downsample factor of the finest level with attention (1 in a transformer)
+    merged: Tuple[MergedSublayer, ...]  # every sub-layer that merges under config, block by block
+    choices: Tuple[Tuple[int, ToMeConfig], ...]  # what mode="auto" runs (ToMeConfig.auto_choices)
+    lent: FrozenSet[int]  # ids of the modules inside the children the model lends (families.LENT)
+
+    @property
+    def where(self) -> str:
+        return type(self.model).__qualname__
+
+    @property
+    def deepest(self) -> int:
+        """The coarsest level that merges: ``max_downsample``, or the finest level with attention."""
+        return self.config.max_downsample if self.config.max_downsample is not None else self.finest
+
+    @property
+    def hooked(self) -> Tuple[MergedSublayer, ...]:
+        """The merged sub-layers that get hooks: those of blocks at a level that can merge (a block above
+        ``max_downsample`` never does, and gets none, so it costs an eager call no host time)."""
+        return tuple(m for m in self.merged if m.level is None or m.level <= self.deepest)
+
+    @property
+    def streams(self) -> int:
+        """How many block streams draw partitions (the last merged block's index + 1)."""
+        return max((m.stream for m in self.merged), default=-1) + 1
+
+    @property
+    def size_aware(self) -> bool:
+        """Whether some merged self-attention runs size-aware under one of the choices."""
+        return any(
+            choice.arrangement(m.sublayer.kind, m.sublayer.attention)[1] for m in self.merged for _, choice in self.choices
+        )
+
+    @property
+    def rising(self) -> bool:
+        """Whether the model's timestep rises while sampling (then a falling one starts a generation)."""
+        return any(family.timesteps_rise for _, family in self.blocks)
+
+    @property
+    def facts(self) -> ModelFacts:
+        """What :func:`~tome_core.selection.check_model` checks the options against."""
+        timesteps = max((family.timesteps for _, family in self.blocks), default=None)
+        return ModelFacts(self.where, self.finest, self.levels, timesteps)
+
+
+def plan_model(fw: Framework, model: Any, config: ToMeConfig) -> ModelPlan:
+    """The plan of ``model`` (one found by :func:`~tome_core.model_tree.find_models`) under ``config``; block
+    indices of ``blocks`` and ``block_ratios`` outside the model raise here."""
+    blocks = tuple(blocks_of(fw, model))
+    levels = tuple(block_levels(fw, model, blocks))
+    where = type(model).__qualname__
+    chosen = set(selected_blocks(config, len(blocks), where))
+    ratios = block_ratios(config, len(blocks), where)
+    merged = tuple(
+        MergedSublayer(stream, block, family, levels[stream], ratios.get(stream), sublayer, target)
+        for stream, (block, family) in enumerate(blocks) if stream in chosen
+        for sublayer in family.sublayers if config.sublayers[sublayer.kind]
+        for target in (child_at(block, sublayer.child),) if target is not None and fw.is_module(target)
+    )
+    # keys and values in cells only where every merged self-attention takes them apart from its queries
+    kv_input = all(m.sublayer.kv_input is not None or m.sublayer.projections for m in merged if m.sublayer.kind == "attn")
+    lent = frozenset(
+        id(m) for path in lent_children(type(model)) if fw.is_module(child_at(model, path))
+        for m in fw.submodules(child_at(model, path))
+    )
+    return ModelPlan(
+        model=model, config=config, blocks=blocks, levels=levels, finest=finest_level(fw, model, blocks),
+        merged=merged, choices=config.auto_choices(kv_input, is_unet_like(model)), lent=lent,
+    )
