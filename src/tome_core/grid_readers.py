@@ -1,0 +1,326 @@
+"""How a diffusion transformer's call places its tokens on a grid: one reader per layout, chosen once per model
+at ``patch`` (:func:`grid_reader`) and run by :class:`~tome_core.call_hooks.CallStart` as each call begins.
+
+A reader returns where the call's image tokens sit (:class:`Placed`: the grid, the tokens after it, ...) or why
+no grid is known (a call that then runs unmerged, said once). The layouts:
+
+* :class:`LatentGrid`: the latent's shape over the config's ``patch_size`` (4-D images, 5-D and 6-D videos), or
+  packed tokens placed by their ``img_ids`` (:class:`PackedIds`);
+* :class:`ShapeListGrid`: per-item image shapes the call gives (Qwen-Image's ``img_shapes``);
+* :class:`VideoGrid`: a video transformer's frame-major sequence (:data:`~tome_core.families.GRID_LAYOUTS`);
+* :class:`RolesGrid`: packed rows whose image tokens a per-token role tells (:data:`~tome_core.families.TOKEN_ROLES`).
+
+A new layout is a new reader here and a line in :func:`grid_reader`. Framework-free."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+from .backend import get_ops
+from .families import GridLayout, TokenRoles, context_latents, grid_last, grid_layout, token_roles
+from .framework import SHAPE_LISTS, TOKEN_IDS, Framework, argument, argument_positions, config_value, forward_of, spatial_size
+from .levels import indicated_run, leading_raster, trailing_frames, trailing_raster
+
+
+class Placed(NamedTuple):
+    """Where a call's image tokens sit: a ``(rows, cols)`` grid (a video's frames stacked in rows), ``tail``
+    tokens after it in each block's image stream, ``videos`` items whose frames are the blocks' batch (None: the
+    batch is the call's), and ``grid_last``: the grid ends the stream, after the other tokens."""
+
+    grid: Tuple[int, int]
+    tail: int = 0
+    videos: Optional[int] = None
+    grid_last: bool = False
+
+
+Reading = Union[Placed, str]  # where the tokens sit, or why no grid is known
+
+
+class Call(NamedTuple):
+    """One call of the model: its arguments, its latent (``sample``, a list of latents read as their batch) and the
+    latent's shape."""
+
+    args: Tuple[Any, ...]
+    kwargs: Dict[str, Any]
+    sample: Any
+    shape: Tuple[int, ...]
+
+
+class Reader:
+    """What every reader shares: the model's ``forward`` (where its arguments sit, their defaults), its config's
+    ``patch_size`` and data format, and host reads of small arrays made once per array object (pipelines build
+    ids and coordinates once per generation)."""
+
+    def __init__(self, fw: Framework, model: Any, *names: str):
+        self.fw = fw
+        forward = forward_of(type(model))
+        self.where = argument_positions(forward, *names)
+        self.defaults = {p.name: p.default for p in list(inspect.signature(forward).parameters.values())[1:]}
+        self.patch_size = config_value(model, "patch_size")
+        self.data_format = getattr(model, "data_format", "NCHW")
+        self.grid_last = grid_last(type(model))  # the latent's tokens end each block's image stream
+        self._read: Dict[str, Tuple[Any, Any]] = {}
+
+    def get(self, call: Call, name: str) -> Any:
+        return argument(call.args, call.kwargs, name, self.where[name])
+
+    def first(self, call: Call, names: Sequence[str]) -> Any:
+        return next((value for value in (self.get(call, name) for name in names) if value is not None), None)
+
+    def read_once(self, what: str, array: Any, read: Callable[[List[float], Tuple[int, ...]], Any]) -> Any:
+        """``read(values, shape)`` of ``array``'s values on the host, read again only for another array."""
+        if what not in self._read or self._read[what][0] is not array:
+            self._read[what] = (array, read(self.fw.host_values(array), get_ops(array).shape(array)))
+        return self._read[what][1]
+
+    def __call__(self, call: Call) -> Reading:
+        raise NotImplementedError
+
+
+class PackedIds(Reader):
+    """Packed image tokens ``[B, N, C]`` placed by their ids ``[N, 3]`` (Flux's ``img_ids``)."""
+
+    def __init__(self, fw: Framework, model: Any):
+        super().__init__(fw, model, *TOKEN_IDS)
+
+    def __call__(self, call: Call) -> Reading:
+        ids = self.first(call, TOKEN_IDS)
+        if ids is None:
+            raise ValueError("ToMe needs img_ids to place packed image tokens on their grid")
+        tokens = call.shape[1]
+
+        def read(values: List[float], shape: Tuple[int, ...]) -> Optional[Placed]:
+            # the output image's raster grid, then reference images' tokens (leading_raster); or the grid last,
+            # after them (trailing_raster). Ids of more rows than tokens (Krea 2's position_ids over [text; image])
+            # are read from their last rows
+            rows = [values[i : i + shape[-1]] for i in range(0, len(values), shape[-1])]
+            rows = rows[-min(tokens, len(rows) // (shape[0] if len(shape) == 3 else 1)):]
+            leading = leading_raster(rows)
+            if leading is not None:
+                return Placed(leading[:2], leading[2])
+            trailing = trailing_raster(rows)
+            return None if trailing is None else Placed(trailing[:2], 0, None, True)
+
+        placed = self.read_once("ids", ids, read)
+        if placed is None:
+            return (
+                "its img_ids do not begin with one image's tokens in raster order (row by row), so no token grid is "
+                "known; calls with such ids run unmerged"
+            )
+        return placed
+
+
+class LatentGrid(Reader):
+    """The latent's shape over the config's ``patch_size``: ``(B, C, H, W)`` images (plus any
+    :data:`~tome_core.families.CONTEXT_LATENTS` after them, a tail), ``(B, C, F, H, W)`` videos (with a 2-D patch
+    each frame is an item of the blocks' batch, as in video UNets, Latte; with a 3-D patch the frames' grids
+    stack in one sequence, Wan), ``(B, items, C, F, H, W)`` (the first item the output, the rest a tail:
+    JoyImage-Edit); packed tokens are placed by their ids (:class:`PackedIds`)."""
+
+    def __init__(self, fw: Framework, model: Any):
+        self.context = context_latents(type(model))  # images' latents after the grid
+        super().__init__(fw, model, *((self.context,) if self.context else ()))
+        self.packed = PackedIds(fw, model)
+
+    def __call__(self, call: Call) -> Reading:
+        shape, patch = call.shape, self.patch_size
+        if len(shape) == 4:
+            height, width = spatial_size(call.sample, self.data_format)
+            side = patch if isinstance(patch, int) else patch[-1]  # (1, 1): HunyuanImage
+            tail = sum(
+                (rows // side) * (cols // side)
+                for rows, cols in (spatial_size(latent, self.data_format) for latent in self._context(call))
+            )
+            return Placed((height // side, width // side), tail, None, self.grid_last)
+        if len(shape) == 5 and isinstance(patch, int):
+            return Placed((shape[3] // patch, shape[4] // patch), 0, shape[0], self.grid_last)
+        if len(shape) == 5:
+            frames, height, width = (n // p for n, p in zip(shape[2:], patch))
+            return Placed((frames * height, width), 0, None, self.grid_last)
+        if len(shape) == 6:
+            frames, height, width = (n // p for n, p in zip(shape[3:], patch))
+            return Placed((frames * height, width), (shape[1] - 1) * frames * height * width, None, self.grid_last)
+        return self.packed(call)
+
+    def _context(self, call: Call) -> Sequence[Any]:
+        return (self.get(call, self.context) or ()) if self.context else ()
+
+
+class ShapeListGrid(Reader):
+    """Per-item shapes of the images in the sequence (:data:`~tome_core.framework.SHAPE_LISTS`), the output's
+    first (or last, :data:`~tome_core.families.GRID_LAST`): :func:`shapes_grid`; a call without them is read by
+    ``otherwise``."""
+
+    def __init__(self, fw: Framework, model: Any, otherwise: Reader):
+        super().__init__(fw, model, *SHAPE_LISTS)
+        self.otherwise = otherwise
+
+    def __call__(self, call: Call) -> Reading:
+        shapes = self.first(call, SHAPE_LISTS)
+        if shapes is None:
+            return self.otherwise(call)
+        found = shapes_grid(shapes, call.shape[1], last=self.grid_last)
+        if found is None:
+            return mixed_sizes("output images", "its shape list")
+        return Placed(found[:2], found[2], None, self.grid_last)
+
+
+class VideoGrid(Reader):
+    """A video transformer's frame-major sequence of ``frames x rows x cols`` tokens, the frames' grids stacked in
+    rows (:class:`~tome_core.families.GridLayout`): sizes from its 5-D latent, the call's size arguments or its
+    tokens' coordinates; condition frames its frame types mark pass through as a tail."""
+
+    def __init__(self, fw: Framework, model: Any, layout: GridLayout):
+        named = tuple(name for name in (layout.coords, layout.frame_types) if name)
+        super().__init__(fw, model, *layout.sizes, *layout.patch_arguments, *named)
+        self.layout = layout
+        self.temporal_patch = (layout.temporal_patch and config_value(model, layout.temporal_patch)) or 1
+
+    def __call__(self, call: Call) -> Reading:
+        layout = self.layout
+        sizes = self._sizes(call)
+        if sizes is None:
+            given = ", ".join((*layout.sizes, *((layout.coords,) if layout.coords else ())))
+            return f"the call gave none of {given} (or coordinates of no video grid), so no token grid is known; such calls run unmerged"
+        frames, height, width, from_coords = sizes
+        grid, tail = (frames * height, width), (call.shape[1] - frames * height * width if layout.frames_axis is None else 0)
+        conditions = self._condition_frames(call)
+        if conditions is None:
+            return (
+                f"its {layout.frame_types} do not give noisy frames (type 0) first and conditions after them, the "
+                "same in every item, so no token grid is known; such calls run unmerged"
+            )
+        if conditions:  # appended condition frames: a tail after the grid
+            grid, tail = ((frames - conditions) * height, width), tail + conditions * height * width
+        if from_coords:  # conditioning tokens before the grid: the blocks' head
+            return Placed(grid, 0, None, True)
+        return Placed(grid, tail, None, self.grid_last)
+
+    def _sizes(self, call: Call) -> Optional[Tuple[int, int, int, bool]]:
+        """``(frames, rows, cols, from_coords)`` of the tokens, or None where the call does not give them;
+        ``from_coords``: read from the tokens' coordinates, after conditioning tokens."""
+        layout, patch = self.layout, self.patch_size
+        temporal = self.temporal_patch
+        spatial = patch if isinstance(patch, int) else (patch or (1,))[-1]
+        if isinstance(patch, (tuple, list)) and len(patch) == 3:
+            temporal = patch[0]
+        if layout.patch_arguments:
+            temporal, spatial = (self.get(call, name) or self.defaults[name] for name in layout.patch_arguments)
+        if layout.frames_axis is None:
+            sizes = [self.get(call, name) for name in layout.sizes]
+            if any(size is None for size in sizes):
+                coords = self.get(call, layout.coords) if layout.coords else None
+                found = None if coords is None else self._coords_grid(coords)
+                return None if found is None else (*found[:3], True)
+        else:
+            shape = call.shape
+            sizes = [shape[layout.frames_axis], *(shape[2:4] if layout.channels_last else shape[-2:])]
+        return sizes[0] // temporal, sizes[1] // spatial, sizes[2] // spatial, False
+
+    def _condition_frames(self, call: Call) -> Optional[int]:
+        """How many frames at the end of the call's video are conditions (:attr:`GridLayout.frame_types`): 0
+        where it gives no types; None where its types are not noisy frames (0) then conditions in every item."""
+        types = self.get(call, self.layout.frame_types) if self.layout.frame_types else None
+        if types is None:
+            return 0
+
+        def read(values: List[float], shape: Tuple[int, ...]) -> Optional[int]:
+            rows = [values[i : i + shape[-1]] for i in range(0, len(values), shape[-1])]
+            noisy = sum(1 for value in rows[0] if value == 0)
+            if not noisy or any(row != rows[0] for row in rows) or any(value != 0 for value in rows[0][:noisy]):
+                return None
+            return len(rows[0]) - noisy
+
+        return self.read_once("types", types, read)
+
+    def _coords_grid(self, coords: Any) -> Optional[Tuple[int, int, int, int]]:
+        """``(frames, rows, cols, head)`` of tokens from their coordinates ``[B, 3, N]`` (batch item 0)
+        (:func:`~tome_core.levels.trailing_frames`)."""
+
+        def read(values: List[float], shape: Tuple[int, ...]) -> Optional[Tuple[int, int, int, int]]:
+            axes, tokens = shape[-2], shape[-1]
+            return trailing_frames([[values[axis * tokens + i] for axis in range(axes)] for i in range(tokens)])
+
+        return self.read_once("coords", coords, read)
+
+
+class RolesGrid(Reader):
+    """Packed rows whose image tokens a per-token role indicator tells (:class:`~tome_core.families.TokenRoles`,
+    :func:`~tome_core.levels.indicated_run`): the image's last run in every row is the grid, the tokens before it
+    the blocks' text in front, those after it a tail."""
+
+    def __init__(self, fw: Framework, model: Any, roles: TokenRoles):
+        super().__init__(fw, model, *roles.arguments)
+        self.roles = roles
+        self.last: Tuple[Tuple[Any, ...], Any] = ((), None)  # (the arrays read, indicated_run of them)
+
+    def __call__(self, call: Call) -> Reading:
+        run = self._indicated(call)
+        if run is None:
+            roles = self.roles
+            return (
+                f"its {roles.indicator} does not end the image's tokens with one run at the same place in every row, "
+                f"in one segment and under the same {roles.ids} of one grid (rows packing other samples elsewhere), "
+                "so no token grid is known; such calls run unmerged"
+            )
+        return Placed(run[:2], run[3], None, self.grid_last)
+
+    def _indicated(self, call: Call) -> Optional[Tuple[int, int, int, int]]:
+        """``(rows, cols, head, tail)`` of the image's last run in the call's packed rows, or None; read on the host
+        once per set of arrays (pipelines build them once per generation)."""
+        roles = self.roles
+        arrays = tuple(self.get(call, name) for name in roles.arguments)
+        if any(array is None for array in arrays):
+            return None
+        if len(arrays) != len(self.last[0]) or any(a is not b for a, b in zip(arrays, self.last[0])):
+            rows = []
+            for name, array in zip(roles.arguments, arrays):
+                values, shape = self.fw.host_values(array), get_ops(array).shape(array)
+                # ids [B, L, k], roles and segments [B, L]; without the batch axis, one layout the batch shares
+                width = shape[-1] if name == roles.ids else 1
+                length = shape[-2] if name == roles.ids else shape[-1]
+                tokens = [values[i : i + width] if name == roles.ids else values[i] for i in range(0, len(values), width)]
+                rows.append([tokens[i : i + length] for i in range(0, len(tokens), length)])
+            indicator, ids = rows[0], rows[1]
+            self.last = (arrays, indicated_run(indicator, roles.image, ids, rows[2] if len(rows) > 2 else None))
+        return self.last[1]
+
+
+def grid_reader(fw: Framework, model: Any) -> Reader:
+    """The reader of a diffusion transformer's calls, by its layout: its model class's token roles or video
+    layout, else its latent's shape, first from a shape list where its ``forward`` takes one."""
+    roles, layout = token_roles(type(model)), grid_layout(type(model))
+    if roles is not None:
+        return RolesGrid(fw, model, roles)
+    if layout is not None:
+        return VideoGrid(fw, model, layout)
+    latent = LatentGrid(fw, model)
+    takes_shapes = any(position is not None for position in argument_positions(forward_of(type(model)), *SHAPE_LISTS).values())
+    return ShapeListGrid(fw, model, latent) if takes_shapes else latent
+
+
+def mixed_sizes(what: str, where: str) -> str:
+    """Why a call whose batch items give their ``what`` different sizes in ``where`` runs unmerged: a match is
+    one partition of one token grid for the whole batch, and each item's tokens sit at other places in the
+    padded sequence, so no item can merge on another's grid (Qwen-Image's shape lists, Z-Image's latents)."""
+    return (
+        f"the items of its batch give their {what} different sizes in {where}, so no one token grid is known; "
+        "such calls run unmerged"
+    )
+
+
+def shapes_grid(img_shapes: Sequence[Any], tokens: int, last: bool = False) -> Optional[Tuple[int, int, int]]:
+    """``(h, w, tail)`` of ``tokens`` tokens from a shape list (:data:`SHAPE_LISTS`: Qwen-Image's ``img_shapes``,
+    JoyImage-Edit-Plus's ``shape_list``): per batch item, the ``(frames, h, w)`` of each image in the sequence (or
+    one such tuple), the output's first; the images after it (Edit's references, Layered's further layers and
+    condition) and any padding are the tail. With ``last`` the output's is each item's last (Qwen-Image 2.1's,
+    after its condition images: the blocks' head, :data:`~tome_core.families.GRID_LAST`), and the tail is 0. None
+    where the items' outputs differ in size."""
+    outputs = [tuple(item[-1 if last else 0] if isinstance(item[0], (tuple, list)) else item) for item in img_shapes]
+    if any(output != outputs[0] for output in outputs):
+        return None
+    frames, height, width = outputs[0]
+    if frames * height * width > tokens:
+        raise ValueError(f"shapes {outputs[0]} give more than the {tokens} tokens of hidden_states")
+    return frames * height, width, 0 if last else tokens - frames * height * width
