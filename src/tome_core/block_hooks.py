@@ -69,7 +69,7 @@ class BlockRun:
         self.unmerged_at = argument_positions(forward_of(type(block)), name)[name] if name else None
         self.text_after_at = family_argument_position(family, block)
         self.metric, self.metric_at = block_metric(family, block)  # what the match is computed from
-        self.lent = False  # another model may run this block in its own call (families.LENT)
+        self.lent = False  # another model may run this block in its own call (ModelLayout.lent)
         self.idle = BlockPlan(state.active)  # the plan of a run that merges nothing (its options are not read)
         self.plan = self.idle
         self.ran: Dict[int, Tuple[Any, BlockPlan]] = {}  # id(input): (weakref to it, the plan it ran with)

@@ -11,7 +11,7 @@ from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from .backend import get_ops
-from .families import CHANNELS_LAST_GRID_CONTAINERS, child_at, grid_source
+from .families import CHANNELS_LAST_GRID_CONTAINERS, child_at, model_layout
 from .framework import (
     Framework, TIMESTEPS, host_timesteps, spatial_size, partition_step, argument, argument_positions, forward_of,
     is_transformer_model, is_unet_like,
@@ -122,7 +122,7 @@ def call_ends(state: ToMeState, module: Any, args: Any, kwargs: Any, output: Any
 
 
 def grid_output(state: ToMeState, data_format: str, module: Any, args: Any, kwargs: Any, output: Any) -> None:
-    """Post-hook on a model's :data:`~tome_core.families.GRID_SOURCES` child: its 4-D output is the grid of the
+    """Post-hook on a model's ``grid_source`` child (:class:`~tome_core.families.ModelLayout`): its 4-D output is the grid of the
     blocks the model runs after it on that map's flattened pixels."""
     if len(get_ops(output).shape(output)) == 4:
         state.enter_grid(spatial_size(output, data_format))
@@ -146,7 +146,7 @@ class GridHook:
 def grid_hooks(fw: Framework, model: Any, state: ToMeState, blocks: Optional[Set[int]] = None) -> List[Any]:
     """Hook the modules of ``model`` that tell ``state`` its blocks' grid where its call's input does not: the 2-D
     containers of a UNet-style model (their 4-D input; only those holding one of ``blocks``, ids of the hooked
-    blocks, where given) and its :data:`~tome_core.families.GRID_SOURCES` child (its 4-D output); returns the
+    blocks, where given) and its ``grid_source`` child (:class:`~tome_core.families.ModelLayout`) (its 4-D output); returns the
     handles."""
     data_format = getattr(model, "data_format", "NCHW")
     handles = []
@@ -156,7 +156,7 @@ def grid_hooks(fw: Framework, model: Any, state: ToMeState, blocks: Optional[Set
                 continue
             layout = "NHWC" if type(module).__name__ in CHANNELS_LAST_GRID_CONTAINERS else data_format
             handles.append(fw.add_pre_hook(module, GridHook(state, getattr(module, "data_format", layout))))
-    source = grid_source(type(model))
+    source = model_layout(type(model)).grid_source
     if source is not None and fw.is_module(child_at(model, source)):
         handles.append(fw.add_post_hook(child_at(model, source), partial(grid_output, state, data_format)))
     return handles

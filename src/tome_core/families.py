@@ -1,10 +1,26 @@
-"""What ToMe needs to know about each transformer block family, as data (framework-free).
+"""What ToMe needs to know about each transformer block family and model class, as data (framework-free).
 
-A block family says which of a block's sub-layers are wrapped in merge/unmerge, where the image tokens are in
-each one's input and output, and where text tokens sit beside them in its attention. The driver
-(:mod:`tome_core.driver`) reads these descriptions; adding a model family is adding an entry here. Classes are
-named, not imported, so the same table serves diffusers (torch), ppdiffusers (paddle) and any library that
-keeps diffusers' class names.
+A block family (:class:`BlockFamily`) says which of a block's sub-layers are wrapped in merge/unmerge, where the
+image tokens are in each one's input and output, and where text tokens sit beside them in its attention. A model
+layout (:class:`ModelLayout`) says what a model class's call and children tell beyond that: how its call places
+its tokens on a grid, which of its children never merge. The driver (:mod:`tome_core.driver`) reads both through
+:func:`block_family` and :func:`model_layout`. Classes are named, not imported, so the same tables serve diffusers
+(torch), ppdiffusers (paddle) and any library that keeps diffusers' class names.
+
+Adding a model family, honestly:
+
+1. A block class laid out as an existing family's: its name in that family's ``classes`` (one line).
+2. A new block layout: one :class:`BlockFamily` in :data:`BLOCK_FAMILIES`.
+3. A model class whose call places its tokens otherwise than its latent's shape over its config's
+   ``patch_size`` or its packed tokens' ids: one :class:`ModelLayout` in :data:`MODEL_LAYOUTS`; a placement that
+   no reader of :mod:`tome_core.grid_readers` knows yet: one reader there, and its line in ``grid_reader``.
+4. A module class whose blocks attend across frames: a :class:`Temporal` entry; a 2-D container whose input is
+   its blocks' grid: :data:`GRID_CONTAINERS`. A class ToMe must refuse: its reason in
+   :data:`tome_core.model_zoo.REFUSED`.
+5. A mechanism no family has yet (a new way text sits beside the image, a new kind of mask) is code in
+   :mod:`tome_core.block_hooks`, built once for every family that names it.
+6. Tests: a tiny config in ``tests/torch/test_zoo.py`` (``MERGED``, checked against the unpatched model and by
+   counting the tokens attention sees) and a row in ``docs/models.md`` (the zoo test reads both).
 """
 
 from __future__ import annotations
@@ -698,7 +714,7 @@ BLOCK_FAMILIES += (
 )
 
 BLOCK_FAMILIES += (
-    BlockFamily(  # Qwen-Image 2.1: one stream [text with condition images; target image] (the target last: GRID_LAST),
+    BlockFamily(  # Qwen-Image 2.1: one stream [text with condition images; target image] (the target last: ModelLayout.grid_last),
         "qwen-image-21",  # its attention block-causal (the prefix never sees the target), prefilled segment by segment;
         ("QwenImage21TransformerBlock",),  # its cached steps run on the target alone, the prefix's keys cached before it
         (
@@ -747,7 +763,7 @@ BLOCK_FAMILIES += (
 )
 
 BLOCK_FAMILIES += (
-    BlockFamily(  # Ideogram 4: one packed stream [left padding; text; image] per row (TOKEN_ROLES place the image),
+    BlockFamily(  # Ideogram 4: one packed stream [left padding; text; image] per row (ModelLayout.roles place the image),
         "ideogram4",  # a segment mask over it on both axes and an MRoPE table (cos, sin) [B, tokens, d] per token
         ("Ideogram4TransformerBlock",),
         (
@@ -763,7 +779,7 @@ BLOCK_FAMILIES += (
 )
 
 BLOCK_FAMILIES += (
-    BlockFamily(  # MiniMax-H3: one packed stream [text; condition frames; audio; video] (TOKEN_ROLES place the video),
+    BlockFamily(  # MiniMax-H3: one packed stream [text; condition frames; audio; video] (ModelLayout.roles place the video),
         "minimax-h3",  # modulated per row outside its sub-layers; one rotary table (cos, sin) [tokens, d] for the batch
         ("MiniMaxH3TransformerBlock",),
         (Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True), Sublayer("ff", "mlp", text=TEXT_PREFIX)),
@@ -808,9 +824,11 @@ TEMPORAL: Tuple[Temporal, ...] = (
     Temporal("LatteTransformer3DModel", ("temporal_transformer_blocks",)),  # Latte: spatial and temporal blocks alternate
 )
 
+_TEMPORAL: Dict[str, Temporal] = {entry.name: entry for entry in TEMPORAL}
+
 @dataclass(frozen=True)
 class GridLayout:
-    """How the call of a diffusion transformer gives its token grid, where the shape of its input and a config
+    """How the call of a video transformer gives its token grid, where the shape of its input and a config
     ``patch_size`` cannot tell: its tokens are one frame-major sequence of ``frames x rows x cols`` tokens, read
     as the frames' grids stacked in rows (as Wan's).
 
@@ -829,7 +847,6 @@ class GridLayout:
         of type 1, to the noisy ones).
     """
 
-    classes: Tuple[str, ...]
     frames_axis: Optional[int] = 2
     temporal_patch: Optional[str] = "patch_size_t"
     sizes: Tuple[str, ...] = ()
@@ -837,33 +854,6 @@ class GridLayout:
     channels_last: bool = False
     coords: Optional[str] = None
     frame_types: Optional[str] = None
-
-
-GRID_LAYOUTS: Tuple[GridLayout, ...] = (
-    GridLayout(("HunyuanVideoTransformer3DModel", "HunyuanVideo15Transformer3DModel", "MotifVideoTransformer3DModel")),
-    GridLayout(("HunyuanVideoFramepackTransformer3DModel", "HeliosTransformer3DModel")),
-    GridLayout(("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel", "AnyFlowTransformer3DModel"), frames_axis=1),
-    GridLayout(
-        ("LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel"), frames_axis=None, sizes=("num_frames", "height", "width"),
-        coords="video_coords",
-    ),
-    GridLayout(("ZImageTransformer2DModel", "ZImageControlNetModel"), patch_arguments=("f_patch_size", "patch_size")),
-    GridLayout(("Kandinsky5Transformer3DModel",), frames_axis=1, channels_last=True),
-    GridLayout(("Kandinsky6Transformer3DModel",), frames_axis=1, channels_last=True, frame_types="visual_token_type_ids"),
-    # a 2-D patch per frame, the frames' tokens in one sequence
-    GridLayout(("MochiTransformer3DModel", "AllegroTransformer3DModel", "EasyAnimateTransformer3DModel"), temporal_patch=None),
-)
-
-_LAYOUTS: Dict[str, GridLayout] = {name: layout for layout in GRID_LAYOUTS for name in layout.classes}
-
-# Model classes whose call takes further images' latents as a list argument (each ``(B, C, h, w)``), whose tokens
-# follow the output's in its blocks' image stream: they pass through as a tail (Bria-FIBO 2's images to edit).
-CONTEXT_LATENTS: Dict[str, str] = {"BriaFibo2Transformer2DModel": "context_latents"}
-
-
-def context_latents(cls: type) -> Optional[str]:
-    """The :data:`CONTEXT_LATENTS` argument of a model class (or of its nearest base class named there), or None."""
-    return _nearest(CONTEXT_LATENTS, cls)
 
 
 @dataclass(frozen=True)
@@ -894,92 +884,86 @@ class TokenRoles:
         return (self.indicator, self.ids) + ((self.segments,) if self.segments else ())
 
 
-TOKEN_ROLES: Dict[str, TokenRoles] = {
-    "Ideogram4Transformer2DModel": TokenRoles("indicator", 2, "position_ids", "segment_ids"),
-    "MiniMaxH3Transformer3DModel": TokenRoles("token_tags", 0, "position_ids"),
-}
-
-
-def token_roles(cls: type) -> Optional[TokenRoles]:
-    """The :data:`TOKEN_ROLES` entry of a model class (or of its nearest base class named there), or None."""
-    return _nearest(TOKEN_ROLES, cls)
-
-
-# Model classes whose blocks' image stream ends with the latent's tokens, after tokens that pass through unmerged:
-# other grids (FramePack's clean and history latents, Helios' history) or the prompt (OmniGen's text, input images
-# and time token, all in one stream; Qwen-Image 2.1's text and condition images).
-GRID_LAST: Tuple[str, ...] = (
-    "HunyuanVideoFramepackTransformer3DModel", "HeliosTransformer3DModel", "OmniGenTransformer2DModel",
-    "QwenImage21Transformer2DModel",  # text and condition images, then the target (the last of its img_shapes)
-)
-
-
-_GRID_LAST: Dict[str, bool] = dict.fromkeys(GRID_LAST, True)
-
-
-def grid_last(cls: type) -> bool:
-    """Whether a model class (or its nearest base class) is in :data:`GRID_LAST`."""
-    return _nearest(_GRID_LAST, cls) is not None
-
-
-def grid_layout(cls: type) -> Optional[GridLayout]:
-    """The :data:`GRID_LAYOUTS` entry of a model class (or of its nearest base class named there), or None."""
-    return _nearest(_LAYOUTS, cls)
-
-
 @dataclass(frozen=True)
-class TextOnly:
-    """A model class whose listed children (dotted paths) hold blocks of a known family that run on the text
-    alone (Z-Image's and Lumina 2's caption refiners), on other tokens than the output image's (FLUX.3's
-    reference-image blocks), or that are another model's own modules (the Z-Image ControlNet's refiners are its
-    transformer's, given by ``from_transformer``; that model's patch hooks them, and they run unmerged outside its
-    calls): ToMe never hooks them through this model."""
+class ModelLayout:
+    """What a model class's call and children tell beyond its blocks' families, in one record (the model's
+    :mod:`~tome_core.grid_readers` reader is chosen from it). A model class named nowhere here has the default:
+    its grid is its latent's shape over its config's ``patch_size``, or its packed tokens' ids.
 
-    name: str
-    children: Tuple[str, ...]
+    video: its tokens are a frame-major video sequence (:class:`GridLayout`).
+    roles: a per-token role tells which packed tokens are the image's (:class:`TokenRoles`).
+    context_latents: its call takes further images' latents as a list argument of this name (each ``(B, C, h,
+        w)``), whose tokens follow the output's in its blocks' image stream: a tail (Bria-FIBO 2's images to edit).
+    grid_last: its blocks' image stream ends with the latent's tokens, after tokens that pass through unmerged:
+        other grids (FramePack's clean and history latents, Helios' history) or the prompt (OmniGen's text, input
+        images and time token, all in one stream; Qwen-Image 2.1's text and condition images, its target the last
+        of its ``img_shapes``).
+    text_only: children (dotted paths) holding blocks of a known family that run on the text alone (Z-Image's and
+        Lumina 2's caption refiners), on other tokens than the output image's (FLUX.3's reference-image blocks),
+        or that are another model's own modules (the Z-Image ControlNet's refiners are its transformer's, given
+        by ``from_transformer``; that model's patch hooks them): never hooked through this model.
+    lent: children that another model runs inside its own call (it borrowed them: a ZImageControlNetModel built
+        ``from_transformer`` runs the transformer's noise refiner): their blocks merge only inside this model's call.
+    grid_source: a child whose 4-D output ``(B, C, h, w)`` is the grid of the blocks after it, in a model that
+        flattens a feature map into its blocks' tokens itself (aMUSEd's UVit runs its transformer layers on its
+        down block's output, its VQ codes' grid downsampled).
+    """
+
+    classes: Tuple[str, ...]
+    video: Optional[GridLayout] = None
+    roles: Optional[TokenRoles] = None
+    context_latents: Optional[str] = None
+    grid_last: bool = False
+    text_only: Tuple[str, ...] = ()
+    lent: Tuple[str, ...] = ()
+    grid_source: Optional[str] = None
 
 
-TEXT_ONLY: Tuple[TextOnly, ...] = (
-    TextOnly("ZImageTransformer2DModel", ("context_refiner", "siglip_refiner")),
-    TextOnly("ZImageControlNetModel", ("noise_refiner", "context_refiner")),  # its transformer's, borrowed
-    TextOnly("Lumina2Transformer2DModel", ("context_refiner",)),
-    TextOnly("Flux3Transformer2DModel", ("txt_mode_blocks", "mode_blocks.image_cond")),  # (and the reference images)
+_Z_IMAGE_VIDEO = GridLayout(patch_arguments=("f_patch_size", "patch_size"))
+
+MODEL_LAYOUTS: Tuple[ModelLayout, ...] = (
+    ModelLayout(("HunyuanVideoTransformer3DModel", "HunyuanVideo15Transformer3DModel", "MotifVideoTransformer3DModel"), video=GridLayout()),
+    ModelLayout(("HunyuanVideoFramepackTransformer3DModel", "HeliosTransformer3DModel"), video=GridLayout(), grid_last=True),
+    ModelLayout(("CogVideoXTransformer3DModel", "ConsisIDTransformer3DModel", "AnyFlowTransformer3DModel"), video=GridLayout(frames_axis=1)),
+    ModelLayout(
+        ("LTXVideoTransformer3DModel", "LTX2VideoTransformer3DModel"),
+        video=GridLayout(frames_axis=None, sizes=("num_frames", "height", "width"), coords="video_coords"),
+    ),
+    ModelLayout(
+        ("ZImageTransformer2DModel",), video=_Z_IMAGE_VIDEO, text_only=("context_refiner", "siglip_refiner"),
+        lent=("noise_refiner",),
+    ),
+    ModelLayout(("ZImageControlNetModel",), video=_Z_IMAGE_VIDEO, text_only=("noise_refiner", "context_refiner")),  # its transformer's, borrowed
+    ModelLayout(("Kandinsky5Transformer3DModel",), video=GridLayout(frames_axis=1, channels_last=True)),
+    ModelLayout(
+        ("Kandinsky6Transformer3DModel",),
+        video=GridLayout(frames_axis=1, channels_last=True, frame_types="visual_token_type_ids"),
+    ),
+    # a 2-D patch per frame, the frames' tokens in one sequence
+    ModelLayout(("MochiTransformer3DModel", "AllegroTransformer3DModel", "EasyAnimateTransformer3DModel"), video=GridLayout(temporal_patch=None)),
+    ModelLayout(("BriaFibo2Transformer2DModel",), context_latents="context_latents"),
+    ModelLayout(("Ideogram4Transformer2DModel",), roles=TokenRoles("indicator", 2, "position_ids", "segment_ids")),
+    ModelLayout(("MiniMaxH3Transformer3DModel",), roles=TokenRoles("token_tags", 0, "position_ids")),
+    ModelLayout(("OmniGenTransformer2DModel", "QwenImage21Transformer2DModel"), grid_last=True),
+    ModelLayout(("Lumina2Transformer2DModel",), text_only=("context_refiner",)),
+    ModelLayout(("Flux3Transformer2DModel",), text_only=("txt_mode_blocks", "mode_blocks.image_cond")),  # (and the reference images)
+    ModelLayout(("UVit2DModel",), grid_source="down_block"),
 )
 
-_TEXT_ONLY: Dict[str, TextOnly] = {entry.name: entry for entry in TEXT_ONLY}
-
-# Children of a model that another model runs inside its own call (it borrowed them: a ZImageControlNetModel built
-# from_transformer runs the transformer's noise refiner): their blocks merge only inside their own model's call.
-LENT: Dict[str, Tuple[str, ...]] = {"ZImageTransformer2DModel": ("noise_refiner",)}
+_MODEL_LAYOUTS: Dict[str, ModelLayout] = {name: layout for layout in MODEL_LAYOUTS for name in layout.classes}
+_DEFAULT_LAYOUT = ModelLayout(())
 
 
-def lent_children(cls: type) -> Tuple[str, ...]:
-    """The :data:`LENT` children of a model class (or of its nearest base class named there)."""
-    return _nearest(LENT, cls) or ()
-
-
-def text_only(cls: type) -> Optional[TextOnly]:
-    """The :data:`TEXT_ONLY` entry of a model class (or of its nearest base class named there), or None."""
-    return _nearest(_TEXT_ONLY, cls)
+def model_layout(cls: type) -> ModelLayout:
+    """The :data:`MODEL_LAYOUTS` record of a model class (or of its nearest base class named there), else the
+    default layout."""
+    return _nearest(_MODEL_LAYOUTS, cls) or _DEFAULT_LAYOUT
 
 
 # Containers whose 4-D input ``(batch [* frames], C, H, W)`` is the token grid of the (spatial) blocks inside.
 GRID_CONTAINERS: Tuple[str, ...] = ("Transformer2DModel", "TransformerSpatioTemporalModel", "DreamLiteTransformer2DModel")
 # 2-D containers whose 4-D input is channels-last ``(batch, H, W, C)``: diffusers' Flax Transformer2DModel.
 CHANNELS_LAST_GRID_CONTAINERS: Tuple[str, ...] = ("FlaxTransformer2DModel",)
-
-_TEMPORAL: Dict[str, Temporal] = {entry.name: entry for entry in TEMPORAL}
-
-# Models that flatten a feature map into their blocks' tokens themselves, after one of their modules: that child's
-# 4-D output ``(B, C, h, w)`` is the grid of the blocks after it (aMUSEd's UVit runs its transformer layers on its
-# down block's output, its VQ codes' grid downsampled).
-GRID_SOURCES: Dict[str, str] = {"UVit2DModel": "down_block"}
-
-
-def grid_source(cls: type) -> Optional[str]:
-    """The :data:`GRID_SOURCES` child of a model class (or of its nearest base class named there), or None."""
-    return _nearest(GRID_SOURCES, cls)
-
 
 def child_at(module: Any, path: str) -> Any:
     """The submodule at a dotted attribute ``path`` of ``module`` (``"video_dec_block.self_attention"``: a

@@ -9,7 +9,7 @@ import numbers
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from .backend import get_ops
-from .families import Sublayer, TEXT_NONE, attends_text_only, grid_layout, text_follows
+from .families import Sublayer, TEXT_NONE, attends_text_only, model_layout, text_follows
 from .match import Match
 from .merge import size_bias
 from .shards import Shards
@@ -260,10 +260,10 @@ SHAPE_LISTS = ("img_shapes", "shape_list")
 
 def is_transformer_model(module: Any) -> bool:
     """A diffusion transformer (SD3, Flux, PixArt, DiT, their ControlNets): a config with a patch size, a class
-    whose call :data:`~tome_core.families.GRID_LAYOUTS` describes, or one whose call takes its tokens' ids."""
+    whose call :class:`~tome_core.families.GridLayout` describes, or one whose call takes its tokens' ids."""
     if is_unet_like(module):
         return False
-    if config_value(module, "patch_size") is not None or grid_layout(type(module)) is not None:
+    if config_value(module, "patch_size") is not None or model_layout(type(module)).video is not None:
         return True
     forward = getattr(type(module), "forward", None)
     return forward is not None and any(p in inspect.signature(forward).parameters for p in TOKEN_IDS)

@@ -7,8 +7,8 @@ no grid is known (a call that then runs unmerged, said once). The layouts:
 * :class:`LatentGrid`: the latent's shape over the config's ``patch_size`` (4-D images, 5-D and 6-D videos), or
   packed tokens placed by their ``img_ids`` (:class:`PackedIds`);
 * :class:`ShapeListGrid`: per-item image shapes the call gives (Qwen-Image's ``img_shapes``);
-* :class:`VideoGrid`: a video transformer's frame-major sequence (:data:`~tome_core.families.GRID_LAYOUTS`);
-* :class:`RolesGrid`: packed rows whose image tokens a per-token role tells (:data:`~tome_core.families.TOKEN_ROLES`).
+* :class:`VideoGrid`: a video transformer's frame-major sequence (:attr:`ModelLayout.video <tome_core.families.ModelLayout>`);
+* :class:`RolesGrid`: packed rows whose image tokens a per-token role tells (:attr:`ModelLayout.roles <tome_core.families.ModelLayout>`).
 
 A new layout is a new reader here and a line in :func:`grid_reader`. Framework-free."""
 
@@ -18,7 +18,7 @@ import inspect
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from .backend import get_ops
-from .families import GridLayout, TokenRoles, context_latents, grid_last, grid_layout, token_roles
+from .families import GridLayout, TokenRoles, model_layout
 from .framework import SHAPE_LISTS, TOKEN_IDS, Framework, argument, argument_positions, config_value, forward_of, spatial_size
 from .levels import indicated_run, leading_raster, trailing_frames, trailing_raster
 
@@ -59,7 +59,7 @@ class Reader:
         self.defaults = {p.name: p.default for p in list(inspect.signature(forward).parameters.values())[1:]}
         self.patch_size = config_value(model, "patch_size")
         self.data_format = getattr(model, "data_format", "NCHW")
-        self.grid_last = grid_last(type(model))  # the latent's tokens end each block's image stream
+        self.grid_last = model_layout(type(model)).grid_last  # the latent's tokens end each block's image stream
         self._read: Dict[str, Tuple[Any, Any]] = {}
 
     def get(self, call: Call, name: str) -> Any:
@@ -113,13 +113,13 @@ class PackedIds(Reader):
 
 class LatentGrid(Reader):
     """The latent's shape over the config's ``patch_size``: ``(B, C, H, W)`` images (plus any
-    :data:`~tome_core.families.CONTEXT_LATENTS` after them, a tail), ``(B, C, F, H, W)`` videos (with a 2-D patch
+    ``context_latents`` (:class:`~tome_core.families.ModelLayout`) after them, a tail), ``(B, C, F, H, W)`` videos (with a 2-D patch
     each frame is an item of the blocks' batch, as in video UNets, Latte; with a 3-D patch the frames' grids
     stack in one sequence, Wan), ``(B, items, C, F, H, W)`` (the first item the output, the rest a tail:
     JoyImage-Edit); packed tokens are placed by their ids (:class:`PackedIds`)."""
 
     def __init__(self, fw: Framework, model: Any):
-        self.context = context_latents(type(model))  # images' latents after the grid
+        self.context = model_layout(type(model)).context_latents  # images' latents after the grid
         super().__init__(fw, model, *((self.context,) if self.context else ()))
         self.packed = PackedIds(fw, model)
 
@@ -149,7 +149,7 @@ class LatentGrid(Reader):
 
 class ShapeListGrid(Reader):
     """Per-item shapes of the images in the sequence (:data:`~tome_core.framework.SHAPE_LISTS`), the output's
-    first (or last, :data:`~tome_core.families.GRID_LAST`): :func:`shapes_grid`; a call without them is read by
+    first (or last, ``grid_last``, :class:`~tome_core.families.ModelLayout`): :func:`shapes_grid`; a call without them is read by
     ``otherwise``."""
 
     def __init__(self, fw: Framework, model: Any, otherwise: Reader):
@@ -288,13 +288,13 @@ class RolesGrid(Reader):
 
 
 def grid_reader(fw: Framework, model: Any) -> Reader:
-    """The reader of a diffusion transformer's calls, by its layout: its model class's token roles or video
-    layout, else its latent's shape, first from a shape list where its ``forward`` takes one."""
-    roles, layout = token_roles(type(model)), grid_layout(type(model))
-    if roles is not None:
-        return RolesGrid(fw, model, roles)
-    if layout is not None:
-        return VideoGrid(fw, model, layout)
+    """The reader of a diffusion transformer's calls, by its :class:`~tome_core.families.ModelLayout`: its token
+    roles or video layout, else its latent's shape, first from a shape list where its ``forward`` takes one."""
+    layout = model_layout(type(model))
+    if layout.roles is not None:
+        return RolesGrid(fw, model, layout.roles)
+    if layout.video is not None:
+        return VideoGrid(fw, model, layout.video)
     latent = LatentGrid(fw, model)
     takes_shapes = any(position is not None for position in argument_positions(forward_of(type(model)), *SHAPE_LISTS).values())
     return ShapeListGrid(fw, model, latent) if takes_shapes else latent
@@ -315,7 +315,7 @@ def shapes_grid(img_shapes: Sequence[Any], tokens: int, last: bool = False) -> O
     JoyImage-Edit-Plus's ``shape_list``): per batch item, the ``(frames, h, w)`` of each image in the sequence (or
     one such tuple), the output's first; the images after it (Edit's references, Layered's further layers and
     condition) and any padding are the tail. With ``last`` the output's is each item's last (Qwen-Image 2.1's,
-    after its condition images: the blocks' head, :data:`~tome_core.families.GRID_LAST`), and the tail is 0. None
+    after its condition images: the blocks' head, ``grid_last``, :class:`~tome_core.families.ModelLayout`), and the tail is 0. None
     where the items' outputs differ in size."""
     outputs = [tuple(item[-1 if last else 0] if isinstance(item[0], (tuple, list)) else item) for item in img_shapes]
     if any(output != outputs[0] for output in outputs):

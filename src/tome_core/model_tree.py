@@ -7,26 +7,33 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .families import (
-    BlockFamily, CHANNELS_LAST_GRID_CONTAINERS, GRID_CONTAINERS, block_family, child_at, grid_source, temporal,
-    text_only,
+    BlockFamily, CHANNELS_LAST_GRID_CONTAINERS, GRID_CONTAINERS, block_family, child_at, model_layout, temporal,
 )
 from .framework import Framework, argument_positions, forward_of, is_transformer_model, is_unet_like
 from .levels import finest_attention_level
 
 
-def temporal_modules(fw: Framework, model: Any, table: Callable[[type], Any] = temporal) -> set:
+def temporal_modules(fw: Framework, model: Any) -> set:
     """The ids of the modules inside ``model`` that attend across frames (:data:`~tome_core.families.TEMPORAL`):
-    those containers' blocks (or the blocks under their listed children) and everything inside them; with
-    ``table=text_only``, those that run on the text alone (:data:`~tome_core.families.TEXT_ONLY`)."""
+    those containers' blocks (or the blocks under their listed children) and everything inside them."""
+    return _held(fw, model, lambda module: (
+        None if temporal(type(module)) is None else temporal(type(module)).children or ("",)
+    ))
+
+
+def text_only_modules(fw: Framework, model: Any) -> set:
+    """The ids of the modules inside ``model`` under a model's ``text_only`` children
+    (:class:`~tome_core.families.ModelLayout`): blocks that never merge through this model."""
+    return _held(fw, model, lambda module: model_layout(type(module)).text_only or None)
+
+
+def _held(fw: Framework, model: Any, paths: Callable[[Any], Optional[Tuple[str, ...]]]) -> set:
+    """The ids of everything under the children ``paths(module)`` names (``""``: the module itself) of each module
+    inside ``model`` for which it names any."""
     inside: set = set()
     for module in fw.submodules(model):
-        if id(module) in inside:
-            continue
-        entry = table(type(module))
-        if entry is None:
-            continue
-        roots = [child_at(module, child) for child in entry.children] if entry.children else [module]
-        for root in roots:
+        named = None if id(module) in inside else paths(module)
+        for root in (child_at(module, path) for path in named or ()):
             if root is not None and fw.is_module(root):
                 inside.update(id(sub) for sub in fw.submodules(root))
     return inside
@@ -38,7 +45,7 @@ def blocks_of(fw: Framework, model: Any) -> List[Tuple[Any, BlockFamily]]:
     Temporal blocks (tokens = frames: video UNets' motion modules and temporal transformers) are left out:
     they are never merged, get no hook, and count in no block index, level or statistic."""
     found = []
-    skip = temporal_modules(fw, model) | temporal_modules(fw, model, text_only)
+    skip = temporal_modules(fw, model) | text_only_modules(fw, model)
     for module in fw.submodules(model):
         family = block_family(type(module), type(model))
         if family is not None and id(module) not in skip:
@@ -81,7 +88,7 @@ def block_levels(
     fw: Framework, model: Any, blocks: Optional[Sequence[Tuple[Any, BlockFamily]]] = None
 ) -> List[Optional[int]]:
     """The level (downsample factor) of each block of :func:`blocks_of`: 1 in a diffusion transformer (and after a
-    model's :data:`~tome_core.families.GRID_SOURCES` child, whose grid its blocks' tokens are); in a
+    model's ``grid_source`` child (:class:`~tome_core.families.ModelLayout`), whose grid its blocks' tokens are); in a
     UNet-like model, doubled after each down block that downsamples and halved after each up block that
     upsamples (the middle block at the deepest level); ``None`` where the model does not tell: blocks on a
     feature map outside a UNet (Stable Cascade's levels), and UNets whose down blocks resample inside their
@@ -89,7 +96,7 @@ def block_levels(
     ``blocks``: :func:`blocks_of`'s, where already read."""
     blocks = blocks_of(fw, model) if blocks is None else blocks
     if not is_unet_like(model):
-        one = is_transformer_model(model) or grid_source(type(model)) is not None  # one grid: the model's tokens
+        one = is_transformer_model(model) or model_layout(type(model)).grid_source is not None  # one grid: the model's tokens
         return [1 if one and not family.feature_map else None for _, family in blocks]
     if not any(hasattr(down, "downsamplers") for down in model.down_blocks):
         return [None for _ in blocks]
@@ -119,8 +126,8 @@ def grid_modules(fw: Framework, model: Any) -> List[Any]:
 def check_grids(fw: Framework, model: Any, blocks: Optional[Sequence[Tuple[Any, BlockFamily]]] = None) -> None:
     """Refuse a model whose blocks cannot know their grid: neither a UNet, a ControlNet or a diffusion
     transformer, nor inside a 2-D container (``Transformer2DModel``, ``TransformerSpatioTemporalModel``), nor after
-    a child whose output gives it (:data:`~tome_core.families.GRID_SOURCES`)."""
-    if is_unet_like(model) or is_transformer_model(model) or grid_source(type(model)) is not None:
+    a child whose output gives it (``grid_source``, :class:`~tome_core.families.ModelLayout`)."""
+    if is_unet_like(model) or is_transformer_model(model) or model_layout(type(model)).grid_source is not None:
         return
     inside = {id(sub) for grid in grid_modules(fw, model) for sub in fw.submodules(grid)}
     lost = [type(block).__name__ for block, _ in (blocks_of(fw, model) if blocks is None else blocks) if id(block) not in inside]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, FrozenSet, NamedTuple, Optional, Tuple
 
 from .config import ToMeConfig
-from .families import BlockFamily, Sublayer, child_at, lent_children
+from .families import BlockFamily, Sublayer, child_at, model_layout
 from .framework import Framework, is_unet_like
 from .model_tree import block_levels, blocks_of, finest_level
 from .selection import ModelFacts, block_ratios, selected_blocks
@@ -42,7 +42,7 @@ class ModelPlan:
     finest: int  # the downsample factor of the finest level with attention (1 in a transformer)
     merged: Tuple[MergedSublayer, ...]  # every sub-layer that merges under config, block by block
     choices: Tuple[Tuple[int, ToMeConfig], ...]  # what mode="auto" runs (ToMeConfig.auto_choices)
-    lent: FrozenSet[int]  # ids of the modules inside the children the model lends (families.LENT)
+    lent: FrozenSet[int]  # ids of the modules inside the children the model lends (ModelLayout.lent)
 
     @property
     def where(self) -> str:
@@ -100,7 +100,7 @@ def plan_model(fw: Framework, model: Any, config: ToMeConfig) -> ModelPlan:
     # keys and values in cells only where every merged self-attention takes them apart from its queries
     kv_input = all(m.sublayer.kv_input is not None or m.sublayer.projections for m in merged if m.sublayer.kind == "attn")
     lent = frozenset(
-        id(m) for path in lent_children(type(model)) if fw.is_module(child_at(model, path))
+        id(m) for path in model_layout(type(model)).lent if fw.is_module(child_at(model, path))
         for m in fw.submodules(child_at(model, path))
     )
     return ModelPlan(

@@ -69,7 +69,7 @@ class ToMeState:
     shards: Optional[Shards] = None  # how context parallelism splits this call's tokens (None: it does not)
     where: str = "the model"  # the patched model's class, for warnings
     said: set = field(default_factory=set)  # warnings given (each once per patch)
-    # a call of the model is in flight (from begin_call to the model's return): the blocks it lends (families.LENT)
+    # a call of the model is in flight (from begin_call to the model's return): the blocks it lends (ModelLayout.lent)
     # run unmerged outside one, when another model that borrowed them runs them (the Z-Image ControlNet runs its
     # transformer's noise refiner); every other block, recomputed in backward after the call, merges as it did
     in_call: bool = False

@@ -1921,7 +1921,7 @@ def test_z_image_controlnet_runs_its_transformers_refiner_unmerged_and_its_hints
 
 def test_uvit_merges_its_transformer_layers_on_the_grid_its_down_block_gives():
     """aMUSEd's UVit flattens its down block's (B, C, 8, 6) output (VQ codes 16x12, downsampled) into the tokens
-    of its transformer layers: the down block's output gives their grid (families.GRID_SOURCES), so a layer's
+    of its transformer layers: the down block's output gives their grid (its ModelLayout.grid_source), so a layer's
     self-attention gets the tokens merged on that 8x6 grid (a 6x8 grid merges others); the cross-attention-only
     blocks inside the down and up blocks (SkipFFTransformerBlock) see every token."""
     model, inputs = _uvit()
