@@ -1,5 +1,6 @@
 """The installed wheel holds only the library (issue #36): built from a copy of the project's build inputs, its
-file list is ``tome_core`` (core, backends, framework integrations) and metadata, nothing of the tools."""
+file list is ``tome_core`` (core, backends, framework integrations, their type stubs) and metadata, nothing of
+the tools."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ def test_the_wheel_holds_the_library_alone(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("tome_core-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     code = sorted(name for name in names if ".dist-info/" not in name)
-    expected = sorted(
-        path.relative_to(ROOT / "src").as_posix() for path in (ROOT / "src" / "tome_core").rglob("*.py")
+    expected = sorted(  # with the type stubs of the entry modules and the marker that the package is typed
+        path.relative_to(ROOT / "src").as_posix()
+        for pattern in ("*.py", "*.pyi", "py.typed") for path in (ROOT / "src" / "tome_core").rglob(pattern)
     )
     assert code == expected
     assert {name.split("/")[0].split("/")[0] for name in code} == {"tome_core"}
