@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import numbers
 import weakref
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -15,12 +16,11 @@ from .families import (
     CHANNELS_LAST_GRID_CONTAINERS, GridLayout, child_at, context_latents, grid_last, grid_layout, grid_source,
     token_roles,
 )
-from .framework import (
-    Framework, SHAPE_LISTS, TIMESTEPS, TOKEN_IDS, config_value, host_timesteps, spatial_size, partition_step,
-    argument, argument_positions, forward_of, is_transformer_model, is_unet_like,
+from .framework import Framework, SHAPE_LISTS, TIMESTEPS, TOKEN_IDS, argument, argument_positions, forward_of
+from .levels import indicated_run, leading_raster, spatial_size, trailing_frames, trailing_raster
+from .model_tree import (
+    blocks_of, config_value, grid_modules, is_transformer_model, is_unet_like, size_aware_somewhere,
 )
-from .levels import indicated_run, leading_raster, trailing_frames, trailing_raster
-from .model_tree import grid_modules, blocks_of, size_aware_somewhere
 from .shards import check_shard_cells, check_shards, shard_grid
 from .state import ToMeState
 
@@ -293,6 +293,32 @@ class CallStart:
             return None if trailing is None else (*trailing[:2], 0, True)
 
         return self._read_once(img_ids, read)
+
+
+def _on_host(timestep: Any) -> bool:
+    """Whether a timestep is already on the host: a Python or numpy number, or a numpy array."""
+    return isinstance(timestep, numbers.Number) or type(timestep).__module__ == "numpy"
+
+
+def partition_step(timestep: Any) -> Any:
+    """The timestep as the partition hash takes it: a Python number (from a Python or numpy number or array)
+    or the first element of a framework array (no host sync)."""
+    if timestep is None:
+        return 0
+    if _on_host(timestep):
+        return host_timesteps(None, timestep)[0]
+    ops = get_ops(timestep)
+    return ops.reshape(timestep, (-1,))[0]
+
+
+def host_timesteps(fw: Optional["Framework"], timestep: Any) -> List[float]:
+    """Every timestep of a call as Python numbers (0-d and 1-d, Python, numpy or framework arrays; the last
+    read on the host through ``fw``)."""
+    if isinstance(timestep, numbers.Number):
+        return [timestep.item() if hasattr(timestep, "item") else timestep]
+    if type(timestep).__module__ == "numpy":
+        return timestep.reshape(-1).tolist()
+    return fw.host_values(timestep)
 
 
 def mixed_sizes(what: str, where: str) -> str:

@@ -29,6 +29,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Callable, Dict, List, NamedTuple
 
+from .arrangement_rules import arrangement_error, arrangement_problem
+from .attention_bias import SizeBias, unbiased_processor
 from .block_hooks import (
     BlockRun, SublayerHooks, block_problem, family_argument_position, family_in_call, gatherable,
     merge_positions, rotary_arguments, same_logarithm,
@@ -36,13 +38,10 @@ from .block_hooks import (
 from .call_hooks import CallStart, PipelineWatch, call_ends, forget_generations, generations, grid_hooks
 from .config import ToMeConfig
 from .families import attends_text_only, child_at, lent_children
-from .framework import (
-    Framework, PostHook, PreHook, REUSED, SizeBias, argument, argument_positions, arrangement_error,
-    arrangement_problem, is_transformer_model, is_unet_like, replace_argument, unbiased_processor,
-)
+from .framework import Framework, PostHook, PreHook, REUSED, argument, argument_positions, replace_argument
 from .model_tree import (
     merged_sublayers, auto_choices, block_levels, block_metric, blocks_of, check_grids, components, find_models, finest_level,
-    model_facts, size_aware_somewhere, temporal_modules,
+    is_transformer_model, is_unet_like, model_facts, size_aware_somewhere, temporal_modules,
 )
 from .model_zoo import AUXILIARY, refusal
 from .retyping import Patch, patched_class

@@ -1,17 +1,19 @@
 """What a model holds, read through a :class:`~tome_core.framework.Framework`: its blocks of a known family
 (temporal ones left out), their levels and grids, the sub-layers that merge under a config, the choices of
-``mode="auto"``, and the models inside a pipeline. Framework-free."""
+``mode="auto"``, the models inside a pipeline, and what kind of model one is (UNet-like, or a diffusion
+transformer). Framework-free."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .config import ToMeConfig
 from .families import (
-    BlockFamily, CHANNELS_LAST_GRID_CONTAINERS, GRID_CONTAINERS, block_family, child_at, grid_source, temporal,
-    text_only,
+    BlockFamily, CHANNELS_LAST_GRID_CONTAINERS, GRID_CONTAINERS, block_family, child_at, grid_layout, grid_source,
+    temporal, text_only,
 )
-from .framework import Framework, argument_positions, forward_of, is_transformer_model, is_unet_like
+from .framework import TOKEN_IDS, Framework, argument_positions, forward_of
 from .levels import finest_attention_level
 from .selection import ModelFacts, block_ratios, selected_blocks
 
@@ -202,3 +204,26 @@ def find_models(fw: Framework, obj: Any) -> List[Any]:
         elif blocks_of(fw, component):
             found.append(fw.submodules(component)[0])  # the component, or the module its wrapper compiles
     return found
+
+
+def config_value(module: Any, name: str) -> Any:
+    """The entry ``name`` of a model's ``config`` (a dict-like one, or one with attributes), or None."""
+    config = getattr(module, "config", None)
+    getter = getattr(config, "get", None)
+    return getter(name) if callable(getter) else getattr(config, name, None)
+
+
+def is_unet_like(module: Any) -> bool:
+    """UNet2DConditionModel, ControlNetModel and their kin: a ``sample`` latent in, down blocks inside."""
+    return hasattr(module, "down_blocks") and hasattr(module, "conv_in")
+
+
+def is_transformer_model(module: Any) -> bool:
+    """A diffusion transformer (SD3, Flux, PixArt, DiT, their ControlNets): a config with a patch size, a class
+    whose call :data:`~tome_core.families.GRID_LAYOUTS` describes, or one whose call takes its tokens' ids."""
+    if is_unet_like(module):
+        return False
+    if config_value(module, "patch_size") is not None or grid_layout(type(module)) is not None:
+        return True
+    forward = getattr(type(module), "forward", None)
+    return forward is not None and any(p in inspect.signature(forward).parameters for p in TOKEN_IDS)

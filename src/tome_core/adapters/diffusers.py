@@ -114,7 +114,7 @@ def drop_stale_modes() -> None:
 
 
 class _SizeBiasMode(TorchFunctionMode):
-    """Adds a :class:`~tome_core.framework.SizeBias` to every SDPA call made while it is active.
+    """Adds a :class:`~tome_core.attention_bias.SizeBias` to every SDPA call made while it is active.
 
     Under Ulysses context parallelism (``group``: the processes that exchange heads) each SDPA call attends to
     the keys of every process in turn, its own among them: each process's bias over its own keys is gathered in

@@ -6,7 +6,7 @@ under the shared driver (:mod:`tome_core.driver`), as the torch and paddle adapt
 hooks and exist, bound with their submodules, only inside a call: so each patched call attaches the driver's
 hooks to its bound module tree (:class:`_CallHooks`) and runs them from :func:`flax.linen.intercept_methods`.
 The block family table (:mod:`tome_core.families`: ``FlaxBasicTransformerBlock``'s ``attn1`` takes its keys
-and values from ``context``), the arrangements and size-aware attention's bias (:class:`~tome_core.framework.SizeBias`)
+and values from ``context``), the arrangements and size-aware attention's bias (:class:`~tome_core.attention_bias.SizeBias`)
 are the driver's; ``FlaxAttention`` takes no bias, so an armed ``attn1`` runs :func:`_size_aware_attention`
 over its own layers instead of its ``__call__``.
 
