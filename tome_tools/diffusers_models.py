@@ -20,7 +20,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProject
 
 import diffusers
 
-from tome_core import driver
+from tome_core.model_tree import model_facts
 from tome_core.adapters.diffusers import FRAMEWORK
 from tome_tools.presets import (
     SD_PIPELINES,
@@ -111,7 +111,7 @@ def _packed_inputs(model: torch.nn.Module, h: int, w: int, batch: int, text: int
     prompt = torch.ones(batch, text, dtype=torch.bool)
     prompt[1:, 5:] = False
     image = torch.ones(batch, tokens, dtype=torch.bool)
-    scale = driver.model_facts(FRAMEWORK, model).timesteps or 1000.0
+    scale = model_facts(FRAMEWORK, model).timesteps or 1000.0
     inputs: Dict[str, Any] = dict(
         hidden_states=randn(batch, tokens, config.in_channels),
         encoder_hidden_states=randn(batch, text, config.joint_attention_dim),

@@ -40,8 +40,9 @@ from diffusers.models.unets.unet_2d_condition_flax import FlaxUNet2DConditionMod
 from diffusers.pipelines.pipeline_flax_utils import FlaxDiffusionPipeline
 
 from tome_core import driver
+from tome_core.attention_bias import SizeBias
 from tome_core.config import ToMeConfig, document
-from tome_core.driver import SizeBias, argument
+from tome_core.framework import PostHook, PreHook, argument
 from tome_core.levels import finest_attention_level
 from tome_core.selection import ModelFacts, check_model
 from tome_core.state import ToMeState
@@ -152,8 +153,8 @@ class _CallHooks:
     accepted = ACCEPTED
 
     def __init__(self) -> None:
-        self.pre: Dict[int, List[driver.PreHook]] = {}
-        self.post: Dict[int, List[driver.PostHook]] = {}
+        self.pre: Dict[int, List[PreHook]] = {}
+        self.post: Dict[int, List[PostHook]] = {}
         self.hooked: Dict[int, nn.Module] = {}  # keeps each hooked module alive, so that its id stays its own
         self.biases: Dict[int, SizeBias] = {}  # attentions armed by size_aware, for their call now
         self.walked: Dict[int, List[nn.Module]] = {}
@@ -167,10 +168,10 @@ class _CallHooks:
             found = self.walked[id(module)] = [module, *(sub for child in _children(module) for sub in self.submodules(child))]
         return found
 
-    def add_pre_hook(self, module: nn.Module, hook: driver.PreHook) -> Any:
+    def add_pre_hook(self, module: nn.Module, hook: PreHook) -> Any:
         return self._add(self.pre, module, hook)
 
-    def add_post_hook(self, module: nn.Module, hook: driver.PostHook) -> Any:
+    def add_post_hook(self, module: nn.Module, hook: PostHook) -> Any:
         return self._add(self.post, module, hook)
 
     def _add(self, table: Dict[int, List[Any]], module: nn.Module, hook: Any) -> Any:
