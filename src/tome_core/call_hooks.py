@@ -311,7 +311,7 @@ def partition_step(timestep: Any) -> Any:
     return ops.reshape(timestep, (-1,))[0]
 
 
-def host_timesteps(fw: Optional["Framework"], timestep: Any) -> List[float]:
+def host_timesteps(fw: Optional[Framework], timestep: Any) -> List[float]:
     """Every timestep of a call as Python numbers (0-d and 1-d, Python, numpy or framework arrays; the last
     read on the host through ``fw``)."""
     if isinstance(timestep, numbers.Number):

@@ -1,5 +1,5 @@
 """Levels: which blocks of a UNet merge, judged by how far their token grid is downsampled from the latent, and the
-grids they are judged by (:func:`spatial_size` of a feature map, token grids read from ids and shapes)."""
+grids they are judged by (:func:`spatial_size` of a feature map, token grids read from packed ids and coordinates)."""
 
 from __future__ import annotations
 
