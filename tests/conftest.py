@@ -266,7 +266,7 @@ class VideoChecks:
     ``tome``: the backend's module (``patch``, ``remove``, ``patched_models``). ``call(model, frames, height,
     width, batch)``: one seeded call of a video UNet. ``modules(model)``: its ``(name, module)`` pairs.
     ``hooked(module)``: whether the module carries any forward hook. ``framework``: the adapter's
-    :class:`tome_core.driver.Framework` (``FRAMEWORK``).
+    :class:`tome_core.framework.Framework` (``FRAMEWORK``).
     """
 
     # Where the temporal layers of these UNets live (module names): motion modules (AnimateDiff), temporal
@@ -324,25 +324,25 @@ class VideoChecks:
     def check_blocks_found(self, model):
         """The driver finds exactly the spatial BasicTransformerBlocks (down, mid, two up at the attention
         levels), none inside temporal layers; the model is the one to patch; its finest attention level is 1."""
-        from tome_core import driver
+        from tome_core.model_tree import blocks_of, find_models, finest_level
 
         names = {id(m): n for n, m in self.modules(model)}
-        found = [names[id(block)] for block, _ in driver.blocks_of(self.framework, model)]
+        found = [names[id(block)] for block, _ in blocks_of(self.framework, model)]
         spatial = [n for n, m in self.modules(model) if type(m).__name__ == "BasicTransformerBlock" and not self.is_temporal(n)]
         assert found == spatial and len(spatial) == 4
         temporal = [n for n, m in self.modules(model) if n.endswith("attn1") and self.is_temporal(n)]
         assert temporal  # the model has temporal attention, and none of it is in a found block
         assert not any(t.startswith(f + ".") for t in temporal for f in found)
-        assert driver.finest_level(self.framework, model) == 1
-        assert driver.find_models(self.framework, model) == [model]
+        assert finest_level(self.framework, model) == 1
+        assert find_models(self.framework, model) == [model]
 
     def check_finest_level_two(self, model):
         """AnimateDiff on an SDXL-like UNet (no spatial attention at full resolution, motion modules everywhere):
         the finest attention level is 2, so max_downsample=None merges there, 16 frames being 16 tokens there;
         motion modules do not count."""
-        from tome_core import driver
+        from tome_core.model_tree import finest_level
 
-        assert driver.finest_level(self.framework, model) == 2
+        assert finest_level(self.framework, model) == 2
         plain, patched, stats = self.observe(model, 0.5, 16, 8, max_downsample=None)
         assert {level: (s.blocks, s.tokens, s.kept) for level, s in stats.items()} == {2: (4, 16, 8)}
         assert all(plain[name] == patched[name] for name in plain if self.is_temporal(name))

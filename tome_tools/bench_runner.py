@@ -27,6 +27,7 @@ from tome_core.backend import get_ops
 from tome_tools.bench_core import image_like_latents, noised, peak_memory_in_fresh_process, video_latents
 from tome_core.config import ToMeConfig
 from tome_core.families import TEXT_NONE, TEXT_PREFIX, BlockFamily
+from tome_core.framework import Framework
 from tome_core.state import ToMeState
 
 MID_TIMESTEP = 500
@@ -216,7 +217,7 @@ def image_part(x: Any, family: BlockFamily, grid: Tuple[int, int], tail: int = 0
 
 
 def hook_oracle(
-    fw: "driver.Framework", model: Any, config: ToMeConfig, call: Optional[Tuple[Tuple[int, int], int, bool]] = None,
+    fw: Framework, model: Any, config: ToMeConfig, call: Optional[Tuple[Tuple[int, int], int, bool]] = None,
 ) -> Undo:
     """Hook the oracle of ``config`` into ``model`` (:func:`tome_core.driver.attach_oracle`: the patch's own
     hooks, each match keeping the first tokens); returns what removes it. The call's grid and tail are read from
@@ -486,8 +487,8 @@ class BenchRunner:
         """The framework's scheduler class ``name`` (diffusers' names) built with ``config``."""
         raise NotImplementedError
 
-    def framework(self) -> "driver.Framework":
-        """The patch driver's :class:`~tome_core.driver.Framework` of this framework (the transformer oracle's
+    def framework(self) -> Framework:
+        """The patch driver's :class:`~tome_core.framework.Framework` of this framework (the transformer oracle's
         hooks go through it)."""
         raise NotImplementedError
 

@@ -26,7 +26,10 @@ import tome_core.torch as tome
 from tome_core.adapters.diffusers import FRAMEWORK
 from tome_tools import diffusers_trained as trained_models
 from tome_tools.diffusers_models import build_transformer, build_unet
-from tome_core import driver
+from tome_core import model_tree
+from tome_core.block_hooks import family_argument_position, family_in_call
+from tome_core.call_hooks import CallStart
+from tome_core.framework import argument
 from tome_tools import bench_train
 from tome_tools.bench_core import serve_peak_request
 from tome_tools.bench_runner import DDIM_CONFIG, MID_TIMESTEP, BenchRunner, Undo, hook_oracle, median_ms
@@ -187,7 +190,7 @@ class Runner(BenchRunner):
             return UNet2DConditionModel.from_pretrained(model, local_files_only=True).eval()
 
     def finest_level(self) -> int:
-        return driver.finest_level(FRAMEWORK, self.unet)
+        return model_tree.finest_level(FRAMEWORK, self.unet)
 
     def to_tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array)
@@ -493,11 +496,11 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
     base = {k: v for k, v in runner.options.items() if k not in ("blocks", "reuse_blocks", "reuse_steps")}
     options = {**base, "ratio": ratio}
     config = ToMeConfig.from_options(options)
-    blocks = driver.blocks_of(FRAMEWORK, model)
+    blocks = model_tree.blocks_of(FRAMEWORK, model)
     firsts = _block_kinds(model, blocks)
     captured: Dict[str, Tuple[tuple, dict]] = {}
     seen = ToMeState(config=config)
-    model_hook = model.register_forward_pre_hook(driver.CallStart(FRAMEWORK, plan_model(FRAMEWORK, model, config), seen), with_kwargs=True)
+    model_hook = model.register_forward_pre_hook(CallStart(FRAMEWORK, plan_model(FRAMEWORK, model, config), seen), with_kwargs=True)
 
     def capture(name):
         def hook(module, hook_args, hook_kwargs):
@@ -522,8 +525,8 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
     results = []
     for name, (stream, block, family) in firsts.items():
         block_args, block_kwargs = captured[name]
-        family = driver.family_in_call(family, driver.family_argument_position(family, block), block_args, block_kwargs)
-        hidden = image_part(driver.argument(block_args, block_kwargs, "hidden_states", 0), family, grid, tail, grid_last)
+        family = family_in_call(family, family_argument_position(family, block), block_args, block_kwargs)
+        hidden = image_part(argument(block_args, block_kwargs, "hidden_states", 0), family, grid, tail, grid_last)
         shared = family.rotary is not None or any(s.masks for s in family.sublayers)
         sublayers = [s for s in family.sublayers if child_at(block, s.child) is not None and config.sublayers[s.kind]]
 
@@ -579,7 +582,7 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
             "kind": name,
             "index": stream,
             "image_tokens": [args.batch, match.tokens, int(hidden.shape[-1])],
-            "stream_tokens": int(driver.argument(block_args, block_kwargs, "hidden_states", 0).shape[1]),
+            "stream_tokens": int(argument(block_args, block_kwargs, "hidden_states", 0).shape[1]),
             "kept": match.kept,
             "merged_sublayers": [s.child for s in sublayers],
             "median_ms": medians,

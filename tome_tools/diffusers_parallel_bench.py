@@ -71,12 +71,12 @@ def build(name: str, size: int):
 
 def _block_timer(model: torch.nn.Module) -> Callable[[], float]:
     """Hooks that add up the time spent inside the model's transformer blocks; returns a reader that resets."""
-    from tome_core import driver
+    from tome_core.model_tree import blocks_of
     from tome_core.adapters.diffusers import FRAMEWORK
 
     spent = [0.0]
     started: Dict[int, float] = {}
-    for block, _ in driver.blocks_of(FRAMEWORK, model):
+    for block, _ in blocks_of(FRAMEWORK, model):
         block.register_forward_pre_hook(lambda m, a: started.__setitem__(id(m), time.perf_counter()))
         block.register_forward_hook(lambda m, a, o: spent.__setitem__(0, spent[0] + time.perf_counter() - started[id(m)]))
 

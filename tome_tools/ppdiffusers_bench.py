@@ -14,7 +14,7 @@ from ppdiffusers import DDIMScheduler, UNet2DConditionModel
 from ppdiffusers.patches import tomesd_patch_utils
 
 import tome_core.paddle as tome
-from tome_core import driver
+from tome_core import model_tree
 from tome_core.adapters.ppdiffusers import FRAMEWORK
 from tome_tools.ppdiffusers_models import build_unet
 from tome_tools.bench_core import serve_peak_request
@@ -50,7 +50,7 @@ class Runner(BenchRunner):
         return unet
 
     def finest_level(self) -> int:
-        return driver.finest_level(FRAMEWORK, self.unet)
+        return model_tree.finest_level(FRAMEWORK, self.unet)
 
     def to_tensor(self, array: np.ndarray) -> paddle.Tensor:
         return paddle.to_tensor(array)

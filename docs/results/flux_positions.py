@@ -21,13 +21,13 @@ quiet_known_notices()  # before diffusers is imported
 
 import torch
 
-import tome_core.driver as driver
+from tome_core import block_hooks
 import tome_core.torch as tome
 from tome_tools.diffusers_models import build_transformer, transformer_inputs
 from tome_core.merge import merge
 
 
-def _mean(rotary, match):
+def _mean(rotary, match, *layout):  # Flux: text first, no head or tail (the layout merge_positions takes)
     moved = []
     for table in rotary:
         text = table.shape[0] - match.tokens
@@ -36,11 +36,11 @@ def _mean(rotary, match):
     return tuple(moved)
 
 
-def _truncated(rotary, match):
+def _truncated(rotary, match, *layout):
     return tuple(table[: table.shape[0] - match.merged] for table in rotary)
 
 
-CHOICES = {"destination": driver.merge_positions, "mean": _mean, "truncated": _truncated}
+CHOICES = {"destination": block_hooks.merge_positions, "mean": _mean, "truncated": _truncated}
 
 
 def main() -> None:
@@ -56,19 +56,19 @@ def main() -> None:
         reference = model(**inputs).sample
         print(f"{args.preset} {args.resolution}px: relative L2 to unpatched")
         print("ratio  " + "  ".join(f"{name:>11}" for name in CHOICES))
-        original = driver.merge_positions
+        original = block_hooks.merge_positions
         try:
             for ratio in args.ratio:
                 row = []
                 for choice in CHOICES.values():
-                    driver.merge_positions = choice
+                    block_hooks.merge_positions = choice  # where the sub-layer hooks look it up
                     tome.patch(model, ratio=ratio)
                     out = model(**inputs).sample
                     tome.remove(model)
                     row.append(float((out - reference).norm() / reference.norm()))
                 print(f"{ratio:<5}  " + "  ".join(f"{value:11.4f}" for value in row))
         finally:
-            driver.merge_positions = original
+            block_hooks.merge_positions = original
 
 
 if __name__ == "__main__":

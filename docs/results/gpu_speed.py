@@ -95,7 +95,10 @@ import torch
 import gpu_timing as gt
 import tomesd
 import tome_core.torch as tome
-from tome_core import driver, merge, unmerge
+from tome_core import merge, unmerge
+from tome_core.block_hooks import family_argument_position, family_in_call
+from tome_core.framework import argument
+from tome_core.model_tree import block_metric, blocks_of, finest_level
 from tome_core.adapters.diffusers import FRAMEWORK
 from tome_core.families import child_at
 from tome_core.levels import downsample_factor, level_grid
@@ -317,7 +320,7 @@ class Turns:
 
     def __init__(self, case: Case, model: torch.nn.Module, latent_hw: Tuple[int, int]):
         self.case, self.model, self.latent_hw = case, model, latent_hw
-        self.finest = driver.finest_level(FRAMEWORK, model)
+        self.finest = finest_level(FRAMEWORK, model)
         self.undo: Callable[[], None] = lambda: None
         self.did: Dict[str, Did] = {}
 
@@ -443,7 +446,7 @@ def measure_block(case: Case, turns: Turns, call: Callable[[], torch.Tensor], de
     in CUDA graphs."""
     model = turns.model
     stream = 0
-    block, family = driver.blocks_of(FRAMEWORK, model)[stream]
+    block, family = blocks_of(FRAMEWORK, model)[stream]
     tome.patch(model, **METHODS[FORCED])
     (_, state), = tome.patched_models(model)
     seen: Dict[str, Any] = {}
@@ -473,9 +476,9 @@ def measure_block(case: Case, turns: Turns, call: Callable[[], torch.Tensor], de
     resume(state)
     config = state.active
     call_grid = (grid, seen["call"]["tail"], seen["call"]["grid_last"])
-    family = driver.family_in_call(family, driver.family_argument_position(family, block), args, kwargs)
-    metric, at = driver.block_metric(family, block)
-    image = image_part(driver.argument(args, kwargs, metric, at), family, *call_grid)
+    family = family_in_call(family, family_argument_position(family, block), args, kwargs)
+    metric, at = block_metric(family, block)
+    image = image_part(argument(args, kwargs, metric, at), family, *call_grid)
     shared = family.rotary is not None or any(s.masks for s in family.sublayers)
     match = state.block_matches(image, stream, shared)
     match = match.get("attn") or next(iter(match.values()))
@@ -586,7 +589,7 @@ def run_case(
     size = case.dry_size if dry else case.size
     latent_hw = size[-2:]
     base = {"part": case.part, "case": case.name}
-    tokens = case.tokens(size, driver.finest_level(FRAMEWORK, model))
+    tokens = case.tokens(size, finest_level(FRAMEWORK, model))
     record(**base, row="case", size=list(size), batch=case.batch, tokens=tokens, dtype=str(dtype),
            preset=case.tiny if dry else case.preset, note=case.note, estimate_s=round(estimate_s(case)))
     note = f"; {case.note}" if case.note else ""

@@ -1,6 +1,6 @@
 """The hooks on each transformer block and its sub-layers: the block decides its :class:`BlockPlan` as it
 starts; each merged sub-layer merges its input (and moves rotary positions and masks, and arms size-aware
-attention with a :class:`~tome_core.framework.SizeBias`) and unmerges its output. Framework-free."""
+attention with a :class:`~tome_core.attention_bias.SizeBias`) and unmerges its output. Framework-free."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from .arrangement_rules import arrangement_error, arrangement_problem
+from .attention_bias import SizeBias
 from .backend import get_ops
 from .config import ToMeConfig
 from .families import (
     BlockFamily, Sublayer, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, attends_text_only, child_at, text_follows,
     with_text_after,
 )
-from .framework import (
-    Framework, REUSED, SizeBias, spatial_size, argument, argument_positions, arrangement_error,
-    arrangement_problem, forward_of, replace_argument,
-)
+from .framework import Framework, REUSED, argument, argument_positions, forward_of, replace_argument
+from .levels import spatial_size
 from .match import Match
 from .merge import merge, unmerge
 from .model_tree import block_metric

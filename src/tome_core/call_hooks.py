@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import numbers
 import weakref
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from .backend import get_ops
 from .families import CHANNELS_LAST_GRID_CONTAINERS, child_at, model_layout
-from .framework import (
-    Framework, TIMESTEPS, host_timesteps, spatial_size, partition_step, argument, argument_positions, forward_of,
-    is_transformer_model, is_unet_like,
-)
+from .framework import Framework, TIMESTEPS, argument, argument_positions, forward_of
 from .grid_readers import Call, grid_reader, mixed_sizes
-from .model_tree import grid_modules
+from .levels import spatial_size
+from .model_tree import grid_modules, is_transformer_model, is_unet_like
 from .plan import ModelPlan
 from .shards import check_shard_cells, check_shards, shard_grid
 from .state import ToMeState
@@ -113,6 +112,32 @@ class CallStart:
         if timesteps is None:
             raise ValueError(f"timestep_range={self.state.config.timestep_range} needs the model's timestep, and this call gave none")
         return self.state.config.merges_at(timesteps)
+
+
+def _on_host(timestep: Any) -> bool:
+    """Whether a timestep is already on the host: a Python or numpy number, or a numpy array."""
+    return isinstance(timestep, numbers.Number) or type(timestep).__module__ == "numpy"
+
+
+def partition_step(timestep: Any) -> Any:
+    """The timestep as the partition hash takes it: a Python number (from a Python or numpy number or array)
+    or the first element of a framework array (no host sync)."""
+    if timestep is None:
+        return 0
+    if _on_host(timestep):
+        return host_timesteps(None, timestep)[0]
+    ops = get_ops(timestep)
+    return ops.reshape(timestep, (-1,))[0]
+
+
+def host_timesteps(fw: Optional[Framework], timestep: Any) -> List[float]:
+    """Every timestep of a call as Python numbers (0-d and 1-d, Python, numpy or framework arrays; the last
+    read on the host through ``fw``)."""
+    if isinstance(timestep, numbers.Number):
+        return [timestep.item() if hasattr(timestep, "item") else timestep]
+    if type(timestep).__module__ == "numpy":
+        return timestep.reshape(-1).tolist()
+    return fw.host_values(timestep)
 
 
 def call_ends(state: ToMeState, module: Any, args: Any, kwargs: Any, output: Any) -> None:

@@ -1,61 +1,38 @@
-"""The patch driver: find the models in an object, attach ToMe hooks, run them, remove them. Framework-free.
-Its pieces are modules by job (:mod:`~tome_core.framework`, :mod:`~tome_core.model_tree`,
-:mod:`~tome_core.call_hooks`, :mod:`~tome_core.block_hooks`, :mod:`~tome_core.retyping`); this one puts them
-together and checks options against a model before anything is attached.
+"""The patch driver: :func:`patch` finds the models in an object, checks the options against each of them before
+anything is attached (:func:`check`), attaches ToMe's hooks to each (:func:`attach_hooks`, sharing one
+:class:`~tome_core.state.ToMeState` per model) and :func:`remove` takes them off again; :func:`attach_oracle`
+attaches the same hooks as the benchmark's oracle. Framework-free: every adapter (diffusers/torch,
+ppdiffusers/paddle, Flax diffusers/jax) hands it a :class:`~tome_core.framework.Framework`.
 
-Every adapter (diffusers/torch, ppdiffusers/paddle, Flax diffusers/jax) gives the driver a :class:`Framework`:
-how to list a module's submodules, register a pre-hook and a post-hook (both with keyword arguments), and
-deliver an attention bias. Everything else happens here, once, read from :mod:`tome_core.families`:
-
-* a pre-hook on each patched model starts a call: its timestep (the partition's ``step``) and, from its
-  ``sample``/``hidden_states``, the latent size (UNets) or the token grid (transformers: the latent over the
-  patch size, or, for packed tokens, the grid of ``img_ids``);
-* a pre-hook on each UNet ``Transformer2DModel`` (and SVD's ``TransformerSpatioTemporalModel``) reads the real
-  grid of the blocks inside; in video UNets that is one frame's grid (their input is ``(batch * frames, C, H,
-  W)``), so spatial blocks merge per frame;
-* temporal blocks (:data:`~tome_core.families.TEMPORAL`: motion modules, temporal transformers, whose tokens
-  are frames) get no hook at all;
-* a pre-hook on each transformer block computes its matches from its image stream, a post-hook drops them;
-* on each selected sub-layer a pre-hook merges the image tokens of its input (text tokens beside them are
-  kept exactly), moves rotary positions to the merged tokens and arms size-aware attention; a post-hook
-  unmerges the image stream of its output, before the block adds its residual.
-
-Models (what gets its own :class:`~tome_core.state.ToMeState`) are UNet-like modules (``down_blocks`` and
-``conv_in``: UNets, ControlNets, video UNets) and diffusion transformers (a config with a ``patch_size``: SD3,
-Flux, PixArt, DiT and their ControlNets) that hold (spatial) blocks of a known family."""
+What it attaches lives beside it: the hooks that begin each call of a model (its timestep and grid) in
+:mod:`~tome_core.call_hooks`, those on each transformer block and its merged sub-layers (merge, unmerge,
+size-aware attention) in :mod:`~tome_core.block_hooks`, the patched classes in :mod:`~tome_core.retyping`.
+Which models, blocks and sub-layers there are is read once per model into a :class:`~tome_core.plan.ModelPlan`
+(:mod:`~tome_core.plan`, through :mod:`~tome_core.model_tree` and the family tables of :mod:`~tome_core.families`),
+which checking and attaching read."""
 
 from __future__ import annotations
 
 from functools import partial
 from typing import Any, Callable, Dict, List, NamedTuple
 
-from .block_hooks import (
-    BlockRun, SublayerHooks, block_problem, family_argument_position, family_in_call, gatherable,
-    merge_positions, rotary_arguments, same_logarithm,
-)
+from .arrangement_rules import arrangement_error, arrangement_problem
+from .block_hooks import BlockRun, SublayerHooks, block_problem
 from .call_hooks import CallStart, PipelineWatch, call_ends, forget_generations, generations, grid_hooks
 from .config import ToMeConfig
 from .families import attends_text_only
-from .framework import (
-    Framework, PostHook, PreHook, REUSED, SizeBias, argument, argument_positions, arrangement_error,
-    arrangement_problem, is_transformer_model, is_unet_like, replace_argument, unbiased_processor,
-)
-from .model_tree import block_metric, blocks_of, check_grids, components, find_models, finest_level, temporal_modules
+from .framework import Framework
+from .model_tree import check_grids, components, find_models, temporal_modules
 from .model_zoo import AUXILIARY, refusal
 from .plan import ModelPlan, plan_model
-from .retyping import Patch, patched_class
+from .retyping import Patch
 from .selection import check_model
 from .shards import check_shards
 from .state import ToMeState
 
-# Its own names, and those of the modules it drives that adapters, tools and tests reach through it.
 __all__ = [
-    "CallStart", "Framework", "Patched", "PostHook", "PreHook", "REUSED", "SizeBias", "argument",
-    "argument_positions", "attach", "attach_hooks", "attach_oracle", "block_metric", "blocks_of", "check_sublayers",
-    "components", "detach", "family_argument_position", "family_in_call", "find_models", "finest_level",
-    "gatherable", "grid_hooks", "is_transformer_model", "is_unet_like", "merge_positions",
-    "model_state", "patch", "patched_class", "patched_models", "refuse_listed", "remove", "replace_argument",
-    "rotary_arguments", "same_logarithm", "unbiased_processor", "undo_tomesd",
+    "Patched", "attach", "attach_hooks", "attach_oracle", "check", "check_sublayers", "detach", "model_state",
+    "patch", "patched_models", "refuse_listed", "remove", "undo_tomesd",
 ]
 
 

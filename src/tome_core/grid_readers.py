@@ -19,8 +19,9 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 from .backend import get_ops
 from .families import GridLayout, TokenRoles, model_layout
-from .framework import SHAPE_LISTS, TOKEN_IDS, Framework, argument, argument_positions, config_value, forward_of, spatial_size
-from .levels import indicated_run, leading_raster, trailing_frames, trailing_raster
+from .framework import SHAPE_LISTS, TOKEN_IDS, Framework, argument, argument_positions, forward_of
+from .levels import indicated_run, leading_raster, spatial_size, trailing_frames, trailing_raster
+from .model_tree import config_value
 
 
 class Placed(NamedTuple):

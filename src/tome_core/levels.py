@@ -1,10 +1,12 @@
-"""Levels: which blocks of a UNet merge, judged by how far their token grid is downsampled from the latent."""
+"""Levels: which blocks of a UNet merge, judged by how far their token grid is downsampled from the latent, and the
+grids they are judged by (:func:`spatial_size` of a feature map, token grids read from packed ids and coordinates)."""
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
+from .backend import get_ops
 
 
 def downsample_factor(latent_hw: Tuple[int, int], tokens: int, seen_hw: Optional[Tuple[int, int]] = None) -> int:
@@ -165,3 +167,10 @@ def finest_attention_level(down_blocks_with_attention: Sequence[bool]) -> int:
         if has_attention:
             return 2**index
     return 2 ** max(len(down_blocks_with_attention) - 1, 0)
+
+
+def spatial_size(x: Any, data_format: str) -> Tuple[int, int]:
+    """The ``(h, w)`` of a feature map ``x`` laid out as ``data_format`` (``"NCHW"``, or Flax's ``"NHWC"``): a
+    latent's size, or the grid of a block's tokens where its input is a feature map."""
+    shape = get_ops(x).shape(x)
+    return (shape[1], shape[2]) if data_format == "NHWC" else (shape[-2], shape[-1])

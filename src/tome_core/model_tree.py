@@ -1,15 +1,17 @@
 """What a model holds, read through a :class:`~tome_core.framework.Framework`: its blocks of a known family
-(temporal ones left out), their levels and grids, and the models inside a pipeline. :func:`~tome_core.plan.plan_model`
-reads a model through these once per ``patch``. Framework-free."""
+(temporal ones left out), their levels and grids, the models inside a pipeline, and what kind of model one is
+(UNet-like, or a diffusion transformer). :func:`~tome_core.plan.plan_model` reads a model through these once per
+``patch``. Framework-free."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .families import (
     BlockFamily, CHANNELS_LAST_GRID_CONTAINERS, GRID_CONTAINERS, block_family, child_at, model_layout, temporal,
 )
-from .framework import Framework, argument_positions, forward_of, is_transformer_model, is_unet_like
+from .framework import TOKEN_IDS, Framework, argument_positions, forward_of
 from .levels import finest_attention_level
 
 
@@ -180,3 +182,26 @@ def find_models(fw: Framework, obj: Any) -> List[Any]:
         elif blocks_of(fw, component):
             found.append(fw.submodules(component)[0])  # the component, or the module its wrapper compiles
     return found
+
+
+def config_value(module: Any, name: str) -> Any:
+    """The entry ``name`` of a model's ``config`` (a dict-like one, or one with attributes), or None."""
+    config = getattr(module, "config", None)
+    getter = getattr(config, "get", None)
+    return getter(name) if callable(getter) else getattr(config, name, None)
+
+
+def is_unet_like(module: Any) -> bool:
+    """UNet2DConditionModel, ControlNetModel and their kin: a ``sample`` latent in, down blocks inside."""
+    return hasattr(module, "down_blocks") and hasattr(module, "conv_in")
+
+
+def is_transformer_model(module: Any) -> bool:
+    """A diffusion transformer (SD3, Flux, PixArt, DiT, their ControlNets): a config with a patch size, a class
+    whose call a video :class:`~tome_core.families.GridLayout` describes, or one whose call takes its tokens' ids."""
+    if is_unet_like(module):
+        return False
+    if config_value(module, "patch_size") is not None or model_layout(type(module)).video is not None:
+        return True
+    forward = getattr(type(module), "forward", None)
+    return forward is not None and any(p in inspect.signature(forward).parameters for p in TOKEN_IDS)

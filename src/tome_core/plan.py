@@ -13,8 +13,8 @@ from typing import Any, FrozenSet, NamedTuple, Optional, Tuple
 
 from .config import ToMeConfig
 from .families import BlockFamily, Sublayer, child_at, model_layout
-from .framework import Framework, is_unet_like
-from .model_tree import block_levels, blocks_of, finest_level
+from .framework import Framework
+from .model_tree import block_levels, blocks_of, finest_level, is_unet_like
 from .selection import ModelFacts, block_ratios, selected_blocks
 
 

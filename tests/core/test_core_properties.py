@@ -347,7 +347,7 @@ def test_same_logarithm_keeps_the_logarithm_of_the_whole_count(base, whole, shor
     gives the logarithm ``whole`` queries had (where any base can: two tokens or more)."""
     import math
 
-    from tome_core.driver import same_logarithm
+    from tome_core.block_hooks import same_logarithm
 
     given = same_logarithm(base, whole, short)
     if short < 2:

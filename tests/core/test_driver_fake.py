@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tome_core import driver
+from tome_core.attention_bias import SizeBias
 
 CHANNELS, TEXT = 8, 3
 
@@ -69,7 +70,7 @@ class Attention(Module):
     def __init__(self, keys_seen: List[int]):
         super().__init__()
         self.keys_seen = keys_seen
-        self.bias: Optional[driver.SizeBias] = None
+        self.bias: Optional[SizeBias] = None
         self.biases_seen: List[np.ndarray] = []
 
     def forward(self, hidden_states, encoder_hidden_states=None, attention_mask=None):
@@ -128,7 +129,7 @@ class Transformer(Module):
 
 
 class FakeFramework:
-    """:class:`tome_core.driver.Framework` for :class:`Module`."""
+    """:class:`tome_core.framework.Framework` for :class:`Module`."""
 
     accepted = "a fake Module"
 
@@ -149,7 +150,7 @@ class FakeFramework:
     def host_values(self, x: Any) -> List[float]:
         return np.asarray(x).reshape(-1).tolist()
 
-    def size_aware(self, module: Attention, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: driver.SizeBias):
+    def size_aware(self, module: Attention, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: SizeBias):
         module.bias, module.bias_calls = bias, 0
         return args, kwargs
 

@@ -1,6 +1,7 @@
-"""The import graph of the library and the tools beside it has no cycles, and the library imports no tool
-(issue #36): read from the source with ``ast``, every import of a ``tome_core`` or ``tome_tools`` module, at
-the top of a file or inside a function, is an edge."""
+"""The import graph of the library and the tools beside it has no cycles, the library imports no tool
+(issue #36), and the framework protocol stands near its bottom (#44): read from the source with ``ast``, every
+import of a ``tome_core`` or ``tome_tools`` module (relative ones resolved), at the top of a file or inside a
+function, is an edge."""
 
 from __future__ import annotations
 
@@ -26,8 +27,13 @@ def import_graph() -> Dict[str, Set[str]]:
     graph = {}
     for module, path in files.items():
         names: Set[str] = set()
+        package = module if path.stem == "__init__" else module.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PACKAGES):
+            if isinstance(node, ast.ImportFrom) and node.level:  # from .x import y, from . import x
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                source = f"{base}.{node.module}" if node.module else base
+                names |= {source} | {f"{source}.{alias.name}" for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PACKAGES):
                 names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
             elif isinstance(node, ast.Import):
                 names |= {alias.name for alias in node.names if alias.name.startswith(PACKAGES)}
@@ -66,15 +72,34 @@ def test_the_package_imports_no_cycle():
     assert cycles(graph) == []
 
 
+def reach(graph: Dict[str, Set[str]]) -> Dict[str, Set[str]]:
+    """``module -> every module it imports, directly or through others`` (the transitive closure)."""
+    found = {module: set(targets) for module, targets in graph.items()}
+    for _ in graph:
+        found = {module: targets.union(*(found[t] for t in targets)) for module, targets in found.items()}
+    return found
+
+
+def test_relative_imports_are_edges():
+    graph = import_graph()
+    assert {"tome_core.framework", "tome_core.families"} <= graph["tome_core.model_tree"]
+    assert "tome_core.ops" in graph["tome_core.backend"]
+
+
 def test_the_library_imports_no_tool():
     graph = import_graph()
     assert {"tome_tools.bench", "tome_tools.diffusers_models"} <= set(graph)
-    reach = {module: set(targets) for module, targets in graph.items()}
-    for _ in graph:  # transitive closure
-        reach = {module: targets.union(*(reach[t] for t in targets)) for module, targets in reach.items()}
+    reach_of = reach(graph)
     assert {module: sorted(t for t in targets if t.startswith("tome_tools"))
-            for module, targets in reach.items()
+            for module, targets in reach_of.items()
             if module.startswith("tome_core") and any(t.startswith("tome_tools") for t in targets)} == {}
+
+
+def test_the_framework_protocol_imports_nothing_that_uses_it():
+    """``framework.py`` (what the driver asks of a framework, and how a module's call is read) stands near the
+    bottom of the library: everything it imports, all the way down, is the context parallelism description its
+    protocol returns and the options that module reads; no family, match, model tree, hook or adapter."""
+    assert reach(import_graph())["tome_core.framework"] <= {"tome_core.shards", "tome_core.config"}
 
 
 def private_names_used(folder: pathlib.Path) -> List[str]:

@@ -24,7 +24,7 @@ from diffusers.models.attention_flax import FlaxAttention, FlaxBasicTransformerB
 import tome_core.jax as tome
 from tome_core import bipartite_match, get_ops, merge, unmerge
 from tome_core.adapters.flax import _size_aware_attention, config_key
-from tome_core.driver import SizeBias
+from tome_core.attention_bias import SizeBias
 from tome_core.families import TEXT_NONE
 from tome_tools.flax_models import TWO_LEVELS, build_pipeline, build_unet, random_params
 

@@ -15,7 +15,7 @@ import pytest
 from ppdiffusers.models import attention_processor
 
 import tome_core.paddle as tome
-from tome_core import driver
+from tome_core.model_tree import blocks_of, is_transformer_model, is_unet_like
 from tome_core.adapters.ppdiffusers import FRAMEWORK
 from tome_tools.ppdiffusers_models import (
     TRANSFORMER_PIPELINES,
@@ -24,7 +24,7 @@ from tome_tools.ppdiffusers_models import (
     transformer_inputs,
 )
 from tome_core.backend import get_ops
-from tome_core.driver import SizeBias
+from tome_core.attention_bias import SizeBias
 from tome_core.families import TEXT_AFTER, TEXT_NONE, block_family
 from tome_core.match import bipartite_matches
 from tome_core.merge import merge, unmerge
@@ -66,8 +66,8 @@ def call(model, inputs) -> np.ndarray:
 
 def test_models_and_blocks_are_found_by_the_driver(model_and_inputs):
     model, _ = model_and_inputs
-    assert driver.is_transformer_model(model) and not driver.is_unet_like(model)
-    families = {block_family(type(block)).name for block, _ in driver.blocks_of(FRAMEWORK, model)}
+    assert is_transformer_model(model) and not is_unet_like(model)
+    families = {block_family(type(block)).name for block, _ in blocks_of(FRAMEWORK, model)}
     assert families == ({"mmdit"} if type(model).__name__.startswith("SD3") else {"basic"})
     tome.patch(model, ratio=0.5)
     assert [type(m).__name__ for m, _ in tome.patched_models(model)] == [type(model).__name__]
@@ -95,7 +95,7 @@ def test_ratio_zero_remove_and_reproducibility(model_and_inputs, sdpa_shim):
 def _record_attention(model, seen):
     """Pre-hooks recording the image and text inputs of every block's first attention layer."""
     handles = []
-    for block, _ in driver.blocks_of(FRAMEWORK, model):
+    for block, _ in blocks_of(FRAMEWORK, model):
         attention = block.attn if hasattr(block, "attn") else block.attn1
 
         def record(layer, args, kwargs):

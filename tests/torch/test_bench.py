@@ -155,12 +155,12 @@ def transformer_runner(request):
 
 def _attention_modules(runner):
     """Every merged self-attention sub-layer of the runner's model, as ``(child name, module)``."""
-    from tome_core import driver
+    from tome_core.model_tree import blocks_of
     from tome_core.adapters.diffusers import FRAMEWORK
 
     return [
         (sublayer.child, child_at(block, sublayer.child))
-        for block, family in driver.blocks_of(FRAMEWORK, runner.unet)
+        for block, family in blocks_of(FRAMEWORK, runner.unet)
         for sublayer in family.sublayers
         if sublayer.kind == "attn" and child_at(block, sublayer.child) is not None
     ]
@@ -274,13 +274,13 @@ def new_family_runner(request):
 
 def _merged_sublayers(runner, options):
     """Every sub-layer ``options`` merge in the runner's model, as ``(block index/child, module)``."""
-    from tome_core import driver
+    from tome_core.model_tree import blocks_of
     from tome_core.adapters.diffusers import FRAMEWORK
 
     config = ToMeConfig.from_options({"ratio": 0.5, **options})
     return [
         (f"{index}/{sublayer.child}", child_at(block, sublayer.child))
-        for index, (block, family) in enumerate(driver.blocks_of(FRAMEWORK, runner.unet))
+        for index, (block, family) in enumerate(blocks_of(FRAMEWORK, runner.unet))
         for sublayer in family.sublayers
         if config.sublayers[sublayer.kind] and child_at(block, sublayer.child) is not None
     ]
@@ -381,7 +381,7 @@ def test_the_oracle_gives_every_merged_sublayer_of_the_zoo_the_shapes_of_ours(na
     the patch does): every sub-layer call gets inputs of the shapes ours gives it (tokens, rotary tables, masks),
     attention alone and with the MLPs."""
     import tome_core.torch as tome
-    from tome_core import driver
+    from tome_core.model_tree import blocks_of
     from tome_core.adapters.diffusers import FRAMEWORK
     from tome_tools.bench_runner import hook_oracle
 
@@ -396,7 +396,7 @@ def test_the_oracle_gives_every_merged_sublayer_of_the_zoo_the_shapes_of_ours(na
             child_at(block, sublayer.child).register_forward_pre_hook(
                 lambda m, a, k, where=f"{index}/{sublayer.child}": seen.append(_shapes(where, a, k)), with_kwargs=True
             )
-            for index, (block, family) in enumerate(driver.blocks_of(FRAMEWORK, model))
+            for index, (block, family) in enumerate(blocks_of(FRAMEWORK, model))
             for sublayer in family.sublayers
             if isinstance(child_at(block, sublayer.child), torch.nn.Module)
         ]

@@ -30,7 +30,7 @@ import tome_core.torch as tome
 from tome_core import bipartite_match, get_ops, merge, unmerge
 from tome_core.adapters.diffusers import FRAMEWORK, MASK_PROCESSORS
 from tome_tools.diffusers_models import build_pipeline
-from tome_core.driver import SizeBias
+from tome_core.attention_bias import SizeBias
 from tome_core.families import TEXT_NONE
 
 SIZE = 32  # image pixels: the tiny VAE downsamples 2x, so 16x16 latents

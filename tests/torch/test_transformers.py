@@ -17,7 +17,8 @@ from tome_tools.diffusers_models import (
     build_transformer_pipeline,
     transformer_inputs,
 )
-from tome_core.driver import SizeBias, merge_positions
+from tome_core.attention_bias import SizeBias
+from tome_core.block_hooks import merge_positions
 from tome_core.families import TEXT_AFTER, TEXT_BEFORE, TEXT_NONE, TEXT_PREFIX
 from tome_core.backend import get_ops
 from tome_core.merge import merge, unmerge

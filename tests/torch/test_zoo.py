@@ -25,7 +25,8 @@ from diffusers.models.attention_processor import Attention
 import tome_core.torch as tome
 from tome_core.adapters.diffusers import FRAMEWORK
 from tome_core.backend import get_ops
-from tome_core.driver import SizeBias, blocks_of
+from tome_core.attention_bias import SizeBias
+from tome_core.model_tree import blocks_of
 from tome_core.families import TEXT_SUFFIX
 from tome_core.match import bipartite_matches
 from tome_core.merge import merge, unmerge

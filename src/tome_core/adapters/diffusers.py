@@ -31,8 +31,11 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch.overrides import TorchFunctionMode
 
 from tome_core import driver
-from tome_core.config import document
+from tome_core.attention_bias import SizeBias, unbiased_processor
 from tome_core.backend import get_ops
+from tome_core.config import document
+from tome_core.framework import PostHook, PreHook, REUSED
+from tome_core.model_tree import blocks_of, find_models
 from tome_core.shards import Shards
 from tome_core.state import ToMeState
 
@@ -114,13 +117,13 @@ def drop_stale_modes() -> None:
 
 
 class _SizeBiasMode(TorchFunctionMode):
-    """Adds a :class:`~tome_core.framework.SizeBias` to every SDPA call made while it is active.
+    """Adds a :class:`~tome_core.attention_bias.SizeBias` to every SDPA call made while it is active.
 
     Under Ulysses context parallelism (``group``: the processes that exchange heads) each SDPA call attends to
     the keys of every process in turn, its own among them: each process's bias over its own keys is gathered in
     that order, as diffusers gathers the keys."""
 
-    def __init__(self, bias: driver.SizeBias, group: Any = None, owner: Any = None):
+    def __init__(self, bias: SizeBias, group: Any = None, owner: Any = None):
         super().__init__()
         self.bias = bias
         self.group = group
@@ -220,10 +223,10 @@ class TorchFramework:
         guards on."""
         return [m for m in module.modules() if not isinstance(m, OptimizedModule)]
 
-    def add_pre_hook(self, module: torch.nn.Module, hook: driver.PreHook) -> Any:
+    def add_pre_hook(self, module: torch.nn.Module, hook: PreHook) -> Any:
         return module.register_forward_pre_hook(hook, with_kwargs=True)
 
-    def add_post_hook(self, module: torch.nn.Module, hook: driver.PostHook) -> Any:
+    def add_post_hook(self, module: torch.nn.Module, hook: PostHook) -> Any:
         return module.register_forward_hook(hook, with_kwargs=True, always_call=True)
 
     def host_values(self, x: torch.Tensor) -> List[float]:
@@ -245,7 +248,7 @@ class TorchFramework:
         # not inference, and not compiled code, which traces a checkpointed block once (no hooks in its backward)
         return (torch.is_grad_enabled() or x.requires_grad) and not torch.compiler.is_compiling()
 
-    def size_aware(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: driver.SizeBias):
+    def size_aware(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: SizeBias):
         processor = getattr(module, "processor", None)
         if type(processor).__name__ in MASK_PROCESSORS and bias.whole_mask:
             return args, {**kwargs, "attention_mask": bias.for_merged_tokens()}
@@ -267,7 +270,7 @@ class TorchFramework:
 
     def bias_problem(self, module: torch.nn.Module) -> Optional[str]:
         processor = getattr(module, "processor", None)
-        return driver.unbiased_processor(
+        return unbiased_processor(
             processor, MASK_PROCESSORS, "diffusers", ("scaled_dot_product_attention", "dispatch_attention_fn")
         )
 
@@ -290,7 +293,7 @@ class TorchFramework:
                 "which that step's match merged; run T-GATE with sp_interval=1 (and merge_crossattn=False), or "
                 "disable T-GATE"
             )
-        return driver.REUSED if names & REUSING_CACHES else None
+        return REUSED if names & REUSING_CACHES else None
 
     def same_data(self, a: Optional[torch.Tensor], b: Any) -> bool:
         return (
@@ -355,10 +358,10 @@ def _check_compiled_regions(obj: Any) -> None:
     (``compile_repeated_blocks``, ``block.compile()``) share one compiled code object, and once patched each
     block compiles on its own (its merges differ), so more of them than ``recompile_limit`` cannot all compile."""
     limit = torch._dynamo.config.recompile_limit
-    for model in driver.find_models(FRAMEWORK, obj):
+    for model in find_models(FRAMEWORK, obj):
         regions = [
             m for m in model.modules()
-            if m is not model and getattr(m, "_compiled_call_impl", None) is not None and driver.blocks_of(FRAMEWORK, m)
+            if m is not model and getattr(m, "_compiled_call_impl", None) is not None and blocks_of(FRAMEWORK, m)
         ]
         if len(regions) >= limit:
             raise ValueError(

@@ -6,7 +6,7 @@ under the shared driver (:mod:`tome_core.driver`), as the torch and paddle adapt
 hooks and exist, bound with their submodules, only inside a call: so each patched call attaches the driver's
 hooks to its bound module tree (:class:`_CallHooks`) and runs them from :func:`flax.linen.intercept_methods`.
 The block family table (:mod:`tome_core.families`: ``FlaxBasicTransformerBlock``'s ``attn1`` takes its keys
-and values from ``context``), the arrangements and size-aware attention's bias (:class:`~tome_core.framework.SizeBias`)
+and values from ``context``), the arrangements and size-aware attention's bias (:class:`~tome_core.attention_bias.SizeBias`)
 are the driver's; ``FlaxAttention`` takes no bias, so an armed ``attn1`` runs :func:`_size_aware_attention`
 over its own layers instead of its ``__call__``.
 
@@ -40,8 +40,9 @@ from diffusers.models.unets.unet_2d_condition_flax import FlaxUNet2DConditionMod
 from diffusers.pipelines.pipeline_flax_utils import FlaxDiffusionPipeline
 
 from tome_core import driver
+from tome_core.attention_bias import SizeBias
 from tome_core.config import ToMeConfig, document
-from tome_core.driver import SizeBias, argument
+from tome_core.framework import PostHook, PreHook, argument
 from tome_core.levels import finest_attention_level
 from tome_core.plan import plan_model
 from tome_core.selection import ModelFacts, check_model
@@ -153,8 +154,8 @@ class _CallHooks:
     accepted = ACCEPTED
 
     def __init__(self) -> None:
-        self.pre: Dict[int, List[driver.PreHook]] = {}
-        self.post: Dict[int, List[driver.PostHook]] = {}
+        self.pre: Dict[int, List[PreHook]] = {}
+        self.post: Dict[int, List[PostHook]] = {}
         self.hooked: Dict[int, nn.Module] = {}  # keeps each hooked module alive, so that its id stays its own
         self.biases: Dict[int, SizeBias] = {}  # attentions armed by size_aware, for their call now
         self.walked: Dict[int, List[nn.Module]] = {}
@@ -168,10 +169,10 @@ class _CallHooks:
             found = self.walked[id(module)] = [module, *(sub for child in _children(module) for sub in self.submodules(child))]
         return found
 
-    def add_pre_hook(self, module: nn.Module, hook: driver.PreHook) -> Any:
+    def add_pre_hook(self, module: nn.Module, hook: PreHook) -> Any:
         return self._add(self.pre, module, hook)
 
-    def add_post_hook(self, module: nn.Module, hook: driver.PostHook) -> Any:
+    def add_post_hook(self, module: nn.Module, hook: PostHook) -> Any:
         return self._add(self.post, module, hook)
 
     def _add(self, table: Dict[int, List[Any]], module: nn.Module, hook: Any) -> Any:

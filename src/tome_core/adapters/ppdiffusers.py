@@ -56,7 +56,10 @@ except ImportError:  # pragma: no cover - older paddle
     _ASTStaticFunction = None
 
 from tome_core import driver
+from tome_core.attention_bias import SizeBias, unbiased_processor
 from tome_core.config import document
+from tome_core.framework import PostHook, PreHook
+from tome_core.model_tree import components
 from tome_core.state import ToMeState
 
 Layer = paddle.nn.Layer
@@ -112,7 +115,7 @@ _PPDIFFUSERS_SKIPS = ("vae", "vqvae")
 class _Armed:
     """One merged attention call whose ``scaled_dot_product_attention_`` calls get a size bias."""
 
-    def __init__(self, module: Layer, bias: driver.SizeBias):
+    def __init__(self, module: Layer, bias: SizeBias):
         self.module = module
         self.bias = bias
         self.calls = 0
@@ -248,14 +251,14 @@ class PaddleFramework:
     def submodules(self, module: Layer) -> List[Layer]:
         return module.sublayers(include_self=True)
 
-    def add_pre_hook(self, module: Layer, hook: driver.PreHook) -> _Handle:
+    def add_pre_hook(self, module: Layer, hook: PreHook) -> _Handle:
         try:
             helper = module.register_forward_pre_hook(_Eager(hook), with_kwargs=True)
         except TypeError as error:  # paddle before 3.0
             raise _needs_paddle_3(error) from error
         return _Handle(module, "_forward_pre_hooks", helper)
 
-    def add_post_hook(self, module: Layer, hook: driver.PostHook) -> _Handle:
+    def add_post_hook(self, module: Layer, hook: PostHook) -> _Handle:
         try:
             helper = module.register_forward_post_hook(_Eager(hook), with_kwargs=True, always_call=True)
         except TypeError as error:
@@ -268,7 +271,7 @@ class PaddleFramework:
     def may_run_again(self, x: paddle.Tensor) -> bool:
         return paddle.in_dynamic_mode()  # as on torch: a frozen input or a forward without gradients recomputes too
 
-    def size_aware(self, module: Layer, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: driver.SizeBias):
+    def size_aware(self, module: Layer, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: SizeBias):
         processor = getattr(module, "processor", None)
         if type(processor).__name__ in MASK_PROCESSORS:
             return args, {**kwargs, "attention_mask": bias.for_merged_tokens()}
@@ -284,7 +287,7 @@ class PaddleFramework:
         _SDPA_WRAPPER.clear()
 
     def bias_problem(self, module: Layer) -> Optional[str]:
-        return driver.unbiased_processor(getattr(module, "processor", None), MASK_PROCESSORS, "ppdiffusers", (SDPA,))
+        return unbiased_processor(getattr(module, "processor", None), MASK_PROCESSORS, "ppdiffusers", (SDPA,))
 
     def separate_kv(self, module: Layer) -> bool:
         if type(getattr(module, "processor", None)).__name__ not in SEPARATE_KV_PROCESSORS:
@@ -354,7 +357,7 @@ def ppdiffusers_targets(obj: Any) -> List[Layer]:
 def _refuse_fused_models(obj: Any) -> None:
     """Models built with ppdiffusers' ``INFERENCE_OPTIMIZE=True`` run one fused layer (``SimplifiedSD3``,
     ``SimplifiedFacebookDIT``) in place of their transformer blocks: hooks on the blocks would never run."""
-    for component in driver.components(FRAMEWORK, obj):
+    for component in components(FRAMEWORK, obj):
         for layer in FRAMEWORK.submodules(component):
             if getattr(layer, "inference_optimize", False) is True:
                 raise ValueError(
@@ -383,7 +386,7 @@ NOT_ON_PADDLE: Dict[str, str] = {
 def _refuse_unsupported_models(obj: Any) -> None:
     """Refuse a model (or a pipeline holding one) of a class listed in :data:`NOT_ON_PADDLE`, with its reason;
     by exact class name or that of its nearest listed base class."""
-    for component in driver.components(FRAMEWORK, obj):
+    for component in components(FRAMEWORK, obj):
         listed = next((NOT_ON_PADDLE[c.__name__] for c in type(component).__mro__ if c.__name__ in NOT_ON_PADDLE), None)
         if listed is not None:
             raise ValueError(f"ToMe cannot patch {type(component).__qualname__}: {listed}")
@@ -405,7 +408,7 @@ def _drop_static_programs(obj: Any) -> int:
     traced these layers keep their programs."""
     if _ASTStaticFunction is None:
         return 0
-    ours = {id(t) for layer in driver.components(FRAMEWORK, obj) for t in (*layer.parameters(), *layer.buffers())}
+    ours = {id(t) for layer in components(FRAMEWORK, obj) for t in (*layer.parameters(), *layer.buffers())}
     if not ours:
         return 0
     cleared = 0

@@ -1,0 +1,46 @@
+"""Where the ``kv`` and ``queries`` arrangements can run: they hand a self-attention keys and values apart from
+its queries, which only some attentions (and processors) take. Read at ``patch`` (the driver's checks) and as
+each block starts (its fallback to ToMe for SD's arrangement under ``mode="auto"``). Framework-free."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .families import Sublayer, TEXT_NONE, attends_text_only
+from .framework import Framework
+
+
+def arrangement_problem(fw: Framework, block: Any, sublayer: Sublayer, module: Any) -> Optional[str]:
+    """Why a self-attention cannot run the ``kv`` or ``queries`` arrangement now (None: it can): they hand it
+    keys and values apart from its queries, through its ``kv_input``."""
+    where = lambda: f"{type(block).__name__}.{sublayer.child}"  # noqa: E731 (formatted only for a problem)
+    if sublayer.projections:
+        if fw.separate_kv(module):
+            return None
+        return (
+            f"{where()}'s processor {type(getattr(module, 'processor', None)).__name__} does not run its query, key "
+            f"and value projections ({', '.join(sublayer.projections[:3])}) apart, where ToMe merges"
+        )
+    if sublayer.kv_input is None:
+        if sublayer.text != TEXT_NONE:
+            return f"{where()} runs joint attention over text and image tokens"
+        return f"{where()} takes no keys and values apart from its queries"
+    if attends_text_only(block, sublayer):
+        return f"{where()} attends to the text ({sublayer.text_if or sublayer.text_unless}={bool(sublayer.text_if)}), not to its own tokens"
+    if not fw.separate_kv(module):
+        processor = type(getattr(module, "processor", None)).__name__
+        return (
+            f"{where()}'s processor {processor} does not compute keys and values from {sublayer.kv_input} "
+            "(fused projections, perturbed-attention guidance, or a processor of its own)"
+        )
+    return None
+
+
+def arrangement_error(mode: str, where: str, problem: str) -> ValueError:
+    """The error for an explicit ``kv`` or ``queries`` ``mode`` where a self-attention (in ``where``) cannot run
+    it, for the ``problem`` :func:`arrangement_problem` found."""
+    return ValueError(
+        f"mode={mode!r} needs self-attention that takes keys and values apart from its queries, and in {where} "
+        f"{problem}; pass mode='tokens' there, or leave mode out (the default runs ToMe for SD's arrangement where "
+        "kv cannot run)"
+    )

@@ -1,0 +1,72 @@
+"""Size-aware attention's bias: what an adapter adds to the logits of an attention over merged keys
+(:class:`SizeBias`, built from a match's sizes by :func:`~tome_core.merge.size_bias`), and whether an
+attention processor can take it at all (:func:`unbiased_processor`, read from its code). Framework-free."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional, Sequence
+
+from .backend import get_ops
+from .families import TEXT_NONE, text_follows
+from .match import Match
+from .merge import size_bias
+
+
+class SizeBias:
+    """Log sizes of one sub-layer's keys: merged image keys get ``log(size)``, text keys 0.
+
+    ``text`` says where the text keys sit (``TEXT_*``); :meth:`for_keys` builds the ``[B, 1, K]`` bias for an
+    attention over ``K`` keys, or raises if ``K`` does not fit.
+    """
+
+    def __init__(self, match: Match, text: str, like: Any, tail: int = 0, head: int = 0, whole_mask: bool = True):
+        self.match = match
+        # whether an attention_mask over the merged tokens can carry it: not where the attention merges inside
+        # itself (Sublayer.projections), since it sizes its masks from its unmerged input
+        self.whole_mask = whole_mask
+        self.text = text
+        self.like = like  # the merged tokens: the dtype of the mask
+        self.tail = tail  # unmerged tokens of other images right after the merged ones (size 1, bias 0)
+        self.head = head  # and right before them (FramePack's history)
+
+    def for_merged_tokens(self) -> Any:
+        """The bias as a whole-batch additive ``attention_mask`` over the merged tokens (self-attention)."""
+        return self.for_keys(self.head + self.match.kept + self.tail, self.like)
+
+    def for_keys(self, keys: int, like: Any) -> Any:
+        """``[B, 1, keys]``: the log sizes where the merged image keys sit, 0 for text, head and tail keys."""
+        ops = get_ops(like)
+        match = self.match
+        sizes = size_bias(match, like)
+        if self.head and keys <= self.head:  # an attention over (leading) head tokens alone (Flux.2 Klein KV's extract
+            return ops.zeros((match.batch, 1, keys), like)  # step, Qwen-Image 2.1's prefix segments): each of size 1
+        text = keys - self.head - match.kept - self.tail
+        if text < 0 or (text and self.text == TEXT_NONE):
+            raise RuntimeError(
+                f"size-aware attention: the attention has {keys} keys but the merged sequence has "
+                f"{self.head + match.kept + self.tail} tokens; pass proportional_attn=False"
+            )
+        zeros = lambda count: [ops.zeros((match.batch, 1, count), like)] if count else []  # noqa: E731
+        if text_follows(self.text):  # [head; image; tail; text]
+            parts = [*zeros(self.head), sizes, *zeros(self.tail + text)]
+        else:  # [text; head; image; tail]
+            parts = [*zeros(text + self.head), sizes, *zeros(self.tail)]
+        return parts[0] if len(parts) == 1 else ops.concat(parts, axis=2)
+
+
+def unbiased_processor(processor: Any, trusted: Sequence[str], library: str, functions: Sequence[str]) -> Optional[str]:
+    """Why an attention ``processor`` cannot take a size bias, judged from its classes' code: when none of its
+    classes is ``trusted`` by name or comes from the ``library`` (whose processors take it through an
+    attention mask or the attention ``functions`` the adapter biases) and none of their code names one of
+    ``functions``. None when it can, or when its code cannot be read."""
+    classes = [cls for cls in type(processor).__mro__ if cls is not object]
+    if not classes or any(cls.__name__ in trusted or cls.__module__.split(".")[0] == library for cls in classes):
+        return None
+    try:
+        sources = [inspect.getsource(cls) for cls in classes]
+    except (OSError, TypeError):
+        return None
+    if any(name in source for source in sources for name in functions):
+        return None
+    return f"processor {type(processor).__name__} computes attention without {' or '.join(functions)} (read from its code)"
