@@ -99,6 +99,11 @@ def _int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
+def _optional_int(name: str, value: Any, minimum: int) -> Optional[int]:
+    """None, or ``value`` as :func:`_int` takes it."""
+    return None if value is None else _int(name, value, minimum)
+
+
 def _cell_ratio(sx: int, sy: int) -> float:
     """The share of tokens an ``sx x sy`` cell removes when it keeps one: ``1 - 1/(sx*sy)``."""
     return 1 - 1 / (sx * sy)
@@ -284,8 +289,8 @@ class ToMeConfig:
     )
 
     def __init__(self, **options: Any) -> None:
-        """Set each option once, to its acting value (:func:`resolve`); unknown names raise TypeError listing
-        the valid ones."""
+        """Set each option once, to its acting value (:func:`resolve`: unknown names raise TypeError listing
+        the valid ones), then check the ratios against ``level_cells`` level by level, with :meth:`ratio_for`."""
         for name, value in resolve(options).items():
             object.__setattr__(self, name, value)
         self._check_level_cells()
@@ -414,48 +419,48 @@ def resolve(options: Mapping[str, Any]) -> Dict[str, Any]:
     this order is named. ``None`` stays where what it means is known only with the model (``max_downsample``,
     ``min_tokens``) or is read through a property (``prefer``: :attr:`~ToMeConfig.preference`,
     ``frames_per_chunk``: :attr:`~ToMeConfig.frames`, ``frame_ratio``: :attr:`~ToMeConfig.across_frames`)."""
-    o = _given(options)
-    a = SimpleNamespace()  # the acting values, each set once
+    given = _given(options)
+    acting = SimpleNamespace()  # each set once
     # The knob, and the mode: "auto" unless an option says how to merge
-    a.prefer = _choice("prefer", o.prefer, (*PREFERENCES, None))
-    a.mode = _mode(o)
+    acting.prefer = _choice("prefer", given.prefer, (*PREFERENCES, None))
+    acting.mode = _mode(given)
     # Where it merges
-    a.blocks = _blocks(o.blocks)
-    a.merge_attn = _bool("merge_attn", o.merge_attn)
-    a.merge_crossattn = _bool("merge_crossattn", o.merge_crossattn)
-    a.merge_mlp = _bool("merge_mlp", o.merge_mlp)
-    a.min_tokens = None if o.min_tokens is None else _int("min_tokens", o.min_tokens, 0)
-    a.max_downsample = _max_downsample(o.max_downsample)
+    acting.blocks = _blocks(given.blocks)
+    acting.merge_attn = _bool("merge_attn", given.merge_attn)
+    acting.merge_crossattn = _bool("merge_crossattn", given.merge_crossattn)
+    acting.merge_mlp = _bool("merge_mlp", given.merge_mlp)
+    acting.min_tokens = _optional_int("min_tokens", given.min_tokens, 0)
+    acting.max_downsample = _max_downsample(given.max_downsample)
     # Reusing matches
-    a.reuse_level = _bool("reuse_level", o.reuse_level)
-    a.reuse_steps = _int("reuse_steps", o.reuse_steps, 1)
-    a.reuse_blocks = _int("reuse_blocks", o.reuse_blocks, 1)
+    acting.reuse_level = _bool("reuse_level", given.reuse_level)
+    acting.reuse_steps = _int("reuse_steps", given.reuse_steps, 1)
+    acting.reuse_blocks = _int("reuse_blocks", given.reuse_blocks, 1)
     # The arrangement
-    a.sx = _int("sx", 2 if o.sx is None else o.sx, 1)
-    a.sy = _int("sy", 2 if o.sy is None else o.sy, 1)
-    a.use_rand = _bool("use_rand", o.use_rand)
-    a.proportional_attn = _bool("proportional_attn", o.proportional_attn)
-    a.seed = _int("seed", o.seed, 0)
-    a.local_window = _int("local_window", o.local_window, 0)
-    a.matching = _choice("matching", "similarity" if o.matching is None else o.matching, MATCHINGS)
-    _check_mode_merges_attn(a)
-    a.level_cells = _level_cells(o.level_cells)
-    a.cell_pool = _cell_pool(o.cell_pool, a)
-    _check_cell_matching(o, a)
+    acting.sx = _int("sx", 2 if given.sx is None else given.sx, 1)
+    acting.sy = _int("sy", 2 if given.sy is None else given.sy, 1)
+    acting.use_rand = _bool("use_rand", given.use_rand)
+    acting.proportional_attn = _bool("proportional_attn", given.proportional_attn)
+    acting.seed = _int("seed", given.seed, 0)
+    acting.local_window = _int("local_window", given.local_window, 0)
+    acting.matching = _choice("matching", "similarity" if given.matching is None else given.matching, MATCHINGS)
+    _check_mode_merges_attn(acting)
+    acting.level_cells = _level_cells(given.level_cells)
+    acting.cell_pool = _cell_pool(given.cell_pool, acting)
+    _check_cell_matching(given, acting)
     # Video
-    a.frames_per_chunk = None if o.frames_per_chunk is None else _int("frames_per_chunk", o.frames_per_chunk, 1)
-    a.frame_ratio = _frame_ratio(o.frame_ratio, a)
-    _check_frames(a)
+    acting.frames_per_chunk = _optional_int("frames_per_chunk", given.frames_per_chunk, 1)
+    acting.frame_ratio = _frame_ratio(given.frame_ratio, acting)
+    _check_frames(acting)
     # When it merges
-    a.timestep_range = _timestep_range(o.timestep_range)
+    acting.timestep_range = _timestep_range(given.timestep_range)
     # How many tokens
-    a.ratio = _ratio(o.ratio, a)
-    a.attn_ratio = _sublayer_ratio("attn_ratio", o.attn_ratio, a)
-    a.crossattn_ratio = _sublayer_ratio("crossattn_ratio", o.crossattn_ratio, a)
-    a.mlp_ratio = _sublayer_ratio("mlp_ratio", o.mlp_ratio, a)
-    a.level_ratios = _level_ratios(o.level_ratios, a)
-    a.block_ratios = _block_ratios(o.block_ratios, a)
-    return vars(a)
+    acting.ratio = _ratio(given.ratio, acting)
+    acting.attn_ratio = _sublayer_ratio("attn_ratio", given.attn_ratio, acting)
+    acting.crossattn_ratio = _sublayer_ratio("crossattn_ratio", given.crossattn_ratio, acting)
+    acting.mlp_ratio = _sublayer_ratio("mlp_ratio", given.mlp_ratio, acting)
+    acting.level_ratios = _level_ratios(given.level_ratios, acting)
+    acting.block_ratios = _block_ratios(given.block_ratios, acting)
+    return vars(acting)
 
 
 def _given(options: Mapping[str, Any]) -> SimpleNamespace:
@@ -473,24 +478,27 @@ def _given(options: Mapping[str, Any]) -> SimpleNamespace:
     return SimpleNamespace(**{**defaults, **options})
 
 
-def _mode(o: SimpleNamespace) -> str:
+def _mode(given: SimpleNamespace) -> str:
     """``mode`` as given, else "auto" when no option says how many tokens merge or how they are matched
     (:data:`_ARRANGING`; ``frames_per_chunk=1`` says nothing), else "tokens"; ``prefer`` only with "auto"."""
-    one_frame = isinstance(o.frames_per_chunk, numbers.Integral) and o.frames_per_chunk == 1  # (an array is checked later)
-    given = [name for name in _ARRANGING if getattr(o, name) is not None and not (name == "frames_per_chunk" and one_frame)]
-    if o.mode is None:
-        mode = "tokens" if given else "auto"
+    one_frame = isinstance(given.frames_per_chunk, numbers.Integral) and given.frames_per_chunk == 1  # (arrays: later)
+    arranging = [
+        name for name in _ARRANGING
+        if getattr(given, name) is not None and not (name == "frames_per_chunk" and one_frame)
+    ]
+    if given.mode is None:
+        mode = "tokens" if arranging else "auto"
     else:
-        mode = _choice("mode", o.mode, MODES)
-        if mode == "auto" and given:
+        mode = _choice("mode", given.mode, MODES)
+        if mode == "auto" and arranging:
             raise ValueError(
                 f"mode='auto' chooses the arrangement, ratio and cells by the latent size; leave out "
-                f"{', '.join(given)}, or pass mode='tokens', 'kv' or 'queries'"
+                f"{', '.join(arranging)}, or pass mode='tokens', 'kv' or 'queries'"
             )
-    if o.prefer is not None and mode != "auto":
-        chosen = ", ".join(given) if given else f"mode={mode!r}"
+    if given.prefer is not None and mode != "auto":
+        chosen = ", ".join(arranging) if arranging else f"mode={mode!r}"
         raise ValueError(
-            f"prefer={o.prefer!r} chooses among the default's settings (mode='auto'), but {chosen} "
+            f"prefer={given.prefer!r} chooses among the default's settings (mode='auto'), but {chosen} "
             "chooses the arrangement itself; pass one or the other"
         )
     return mode
@@ -516,10 +524,10 @@ def _max_downsample(value: Any) -> Optional[int]:
     return int(value)
 
 
-def _check_mode_merges_attn(a: SimpleNamespace) -> None:
-    if a.mode in ("kv", "queries") and not a.merge_attn:
+def _check_mode_merges_attn(acting: SimpleNamespace) -> None:
+    if acting.mode in ("kv", "queries") and not acting.merge_attn:
         raise ValueError(
-            f"mode={a.mode!r} arranges self-attention, but merge_attn=False leaves it alone; pass "
+            f"mode={acting.mode!r} arranges self-attention, but merge_attn=False leaves it alone; pass "
             "merge_attn=True or mode='tokens'"
         )
 
@@ -541,35 +549,37 @@ def _level_cells(level_cells: Any) -> Optional[Dict[int, Tuple[int, int]]]:
     return cells
 
 
-def _cell_pool(cell_pool: Any, a: SimpleNamespace) -> Optional[str]:
+def _cell_pool(cell_pool: Any, acting: SimpleNamespace) -> Optional[str]:
     """``cell_pool`` as given, "mean" when left out with ``matching="cell"``; outside cell matching only the
     default's cells (``mode="auto"``) take one."""
     if cell_pool is not None:
         _choice("cell_pool", cell_pool, CELL_POOLS)
-    if a.matching == "cell":
+    if acting.matching == "cell":
         return "mean" if cell_pool is None else cell_pool
-    if cell_pool not in (None, "mean") and a.mode != "auto":
+    if cell_pool not in (None, "mean") and acting.mode != "auto":
         raise ValueError(
             f"cell_pool={cell_pool!r} says what stands for a cell of matching='cell', but matching is "
-            f"{a.matching!r}; pass matching='cell' (and mode='kv', 'tokens' or 'queries'), or leave mode "
+            f"{acting.matching!r}; pass matching='cell' (and mode='kv', 'tokens' or 'queries'), or leave mode "
             "out (the default's cells then use it)"
         )
     return cell_pool
 
 
-def _check_cell_matching(o: SimpleNamespace, a: SimpleNamespace) -> None:
+def _check_cell_matching(given: SimpleNamespace, acting: SimpleNamespace) -> None:
     """``matching="cell"`` fixes the ratios and computes no similarity: no option may set either."""
-    if a.matching != "cell":
+    if acting.matching != "cell":
         return
     for name in ("level_ratios", "block_ratios", "attn_ratio", "crossattn_ratio", "mlp_ratio"):
-        if getattr(o, name) is not None:
+        if getattr(given, name) is not None:
             raise ValueError(
                 f"{name} cannot be combined with matching='cell': the cell fixes each level's reduction "
                 "(1 - 1/(sx*sy)); choose cells with sx, sy or level_cells instead"
             )
-    if a.local_window:
+    if acting.local_window:
         raise ValueError("local_window limits a similarity search; matching='cell' has none (pass local_window=0)")
-    for name, unused in (("reuse_level", a.reuse_level), ("reuse_steps", a.reuse_steps > 1), ("reuse_blocks", a.reuse_blocks > 1)):
+    reusing = (("reuse_level", acting.reuse_level), ("reuse_steps", acting.reuse_steps > 1),
+               ("reuse_blocks", acting.reuse_blocks > 1))
+    for name, unused in reusing:
         if unused:
             raise ValueError(
                 f"{name} reuses a similarity match; matching='cell' computes none (its match depends on the "
@@ -577,14 +587,14 @@ def _check_cell_matching(o: SimpleNamespace, a: SimpleNamespace) -> None:
             )
 
 
-def _frame_ratio(frame_ratio: Any, a: SimpleNamespace) -> Optional[float]:
+def _frame_ratio(frame_ratio: Any, acting: SimpleNamespace) -> Optional[float]:
     if frame_ratio is None:
         return None
     if isinstance(frame_ratio, bool) or not isinstance(frame_ratio, numbers.Real):
         raise TypeError(f"frame_ratio must be a float in [0, 1], got {frame_ratio!r} ({type(frame_ratio).__name__})")
     if not (math.isfinite(frame_ratio) and 0 <= frame_ratio <= 1):
         raise ValueError(f"frame_ratio must be in [0, 1], got {frame_ratio!r}")
-    if (a.frames_per_chunk or 1) == 1:
+    if (acting.frames_per_chunk or 1) == 1:
         raise ValueError(
             f"frame_ratio={frame_ratio!r} merges across frames, which needs frames_per_chunk > 1 "
             "(frames_per_chunk=1 merges each frame on its own)"
@@ -592,18 +602,20 @@ def _frame_ratio(frame_ratio: Any, a: SimpleNamespace) -> Optional[float]:
     return float(frame_ratio)
 
 
-def _check_frames(a: SimpleNamespace) -> None:
+def _check_frames(acting: SimpleNamespace) -> None:
     """What merging across frames (``frames_per_chunk > 1``) combines with."""
-    if (a.frames_per_chunk or 1) == 1:
+    if (acting.frames_per_chunk or 1) == 1:
         return
     conflicts = (
-        (a.mode != "tokens", f"mode={a.mode!r}", "mode='tokens' (one attention over the merged chunk)"),
-        (a.matching != "similarity", f"matching={a.matching!r}", "matching='similarity'"),
-        (a.merge_crossattn, "merge_crossattn=True", "merge_crossattn=False (each frame has its own text)"),
+        (acting.mode != "tokens", f"mode={acting.mode!r}", "mode='tokens' (one attention over the merged chunk)"),
+        (acting.matching != "similarity", f"matching={acting.matching!r}", "matching='similarity'"),
+        (acting.merge_crossattn, "merge_crossattn=True", "merge_crossattn=False (each frame has its own text)"),
     )
-    for bad, given, needed in conflicts:
+    for bad, option, needed in conflicts:
         if bad:
-            raise ValueError(f"frames_per_chunk={a.frames_per_chunk} cannot be combined with {given}; it needs {needed}")
+            raise ValueError(
+                f"frames_per_chunk={acting.frames_per_chunk} cannot be combined with {option}; it needs {needed}"
+            )
 
 
 def _timestep_range(value: Any) -> Optional[Tuple[float, float]]:
@@ -620,29 +632,29 @@ def _timestep_range(value: Any) -> Optional[Tuple[float, float]]:
     return float(value[0]), float(value[1])
 
 
-def _ratio(ratio: Any, a: SimpleNamespace) -> float:
+def _ratio(ratio: Any, acting: SimpleNamespace) -> float:
     """``ratio``: ``prefer``'s under ``mode="auto"``; left out, the cell's with ``matching="cell"``, else
     :data:`DEFAULT_RATIO`; each within reach of the cells."""
-    if a.mode == "auto":  # ToMe for SD's ratio where cells cannot run
-        ratio = PREFERENCES[a.prefer or DEFAULT_PREFERENCE][2]
+    if acting.mode == "auto":  # ToMe for SD's ratio where cells cannot run
+        ratio = PREFERENCES[acting.prefer or DEFAULT_PREFERENCE][2]
     elif ratio is None:
-        ratio = _cell_ratio(a.sx, a.sy) if a.matching == "cell" else DEFAULT_RATIO
+        ratio = _cell_ratio(acting.sx, acting.sy) if acting.matching == "cell" else DEFAULT_RATIO
     else:
         _check_ratio_type("ratio", ratio)
-        if a.matching == "cell":
-            _check_cell_ratio(ratio, a)
-    _check_ratio("ratio", ratio, a, _cells_of_ratio(a))
+        if acting.matching == "cell":
+            _check_cell_ratio(ratio, acting)
+    _check_ratio("ratio", ratio, acting, _cells_of_ratio(acting))
     return float(ratio)
 
 
-def _sublayer_ratio(name: str, ratio: Any, a: SimpleNamespace) -> Optional[float]:
+def _sublayer_ratio(name: str, ratio: Any, acting: SimpleNamespace) -> Optional[float]:
     if ratio is None:
         return None
-    _check_ratio(name, ratio, a)
+    _check_ratio(name, ratio, acting)
     return float(ratio)
 
 
-def _level_ratios(level_ratios: Any, a: SimpleNamespace) -> Optional[Dict[int, float]]:
+def _level_ratios(level_ratios: Any, acting: SimpleNamespace) -> Optional[Dict[int, float]]:
     if level_ratios is None:
         return None
     if not isinstance(level_ratios, Mapping):
@@ -650,11 +662,11 @@ def _level_ratios(level_ratios: Any, a: SimpleNamespace) -> Optional[Dict[int, f
     for level, value in level_ratios.items():
         if level not in LEVELS or isinstance(level, bool):
             raise ValueError(f"level_ratios keys must be levels 1, 2, 4 or 8, got {level!r}")
-        _check_ratio(f"level_ratios[{level}]", value, a)
+        _check_ratio(f"level_ratios[{level}]", value, acting)
     return {int(k): float(v) for k, v in level_ratios.items()}
 
 
-def _block_ratios(block_ratios: Any, a: SimpleNamespace) -> Optional[Dict[int, float]]:
+def _block_ratios(block_ratios: Any, acting: SimpleNamespace) -> Optional[Dict[int, float]]:
     if block_ratios is None:
         return None
     if not isinstance(block_ratios, Mapping):
@@ -662,7 +674,7 @@ def _block_ratios(block_ratios: Any, a: SimpleNamespace) -> Optional[Dict[int, f
     for index, value in block_ratios.items():
         if isinstance(index, bool) or not isinstance(index, numbers.Integral):
             raise TypeError(f"block_ratios keys must be block indices (ints), got {index!r}")
-        _check_ratio(f"block_ratios[{index}]", value, a)
+        _check_ratio(f"block_ratios[{index}]", value, acting)
     return {int(k): float(v) for k, v in block_ratios.items()}
 
 
@@ -671,22 +683,22 @@ def _check_ratio_type(name: str, ratio: Any) -> None:
         raise TypeError(f"{name} must be a float in [0, 1 - 1/(sx*sy)], got {ratio!r} ({type(ratio).__name__})")
 
 
-def _cells_of_ratio(a: SimpleNamespace) -> Optional[Tuple[int, int]]:
+def _cells_of_ratio(acting: SimpleNamespace) -> Optional[Tuple[int, int]]:
     """The cell that bounds ``ratio`` when the options alone tell it: ``(sx, sy)``, or None when
     ``level_cells`` gives some levels other cells (then each merged level's cell bounds it, checked at
     ``patch``, which knows the levels: :func:`tome_core.selection.check_model`)."""
-    if a.level_cells and any(cell != (a.sx, a.sy) for cell in a.level_cells.values()):
+    if acting.level_cells and any(cell != (acting.sx, acting.sy) for cell in acting.level_cells.values()):
         return None
-    return a.sx, a.sy
+    return acting.sx, acting.sy
 
 
-def _check_ratio(name: str, ratio: Any, a: SimpleNamespace, cell: Optional[Tuple[int, int]] = None) -> None:
+def _check_ratio(name: str, ratio: Any, acting: SimpleNamespace, cell: Optional[Tuple[int, int]] = None) -> None:
     """A ratio's type and range, and that keeping one token per ``cell`` leaves room for it (None: the
     largest cell of the options, ``(sx, sy)`` without ``level_cells``; each merged level's own cell is
     checked at ``patch``)."""
     _check_ratio_type(name, ratio)
     if cell is None:
-        cell = max([(a.sx, a.sy), *(a.level_cells or {}).values()], key=lambda c: c[0] * c[1])
+        cell = max([(acting.sx, acting.sy), *(acting.level_cells or {}).values()], key=lambda c: c[0] * c[1])
     sx, sy = cell
     reachable = _cell_ratio(sx, sy)
     if not (math.isfinite(ratio) and 0 <= ratio < 1):
@@ -695,24 +707,25 @@ def _check_ratio(name: str, ratio: Any, a: SimpleNamespace, cell: Optional[Tuple
             f"got {ratio!r}"
         )
     if ratio > reachable:
-        where = "" if cell == (a.sx, a.sy) else f" (the largest cell of level_cells={a.level_cells})"
+        where = "" if cell == (acting.sx, acting.sy) else f" (the largest cell of level_cells={acting.level_cells})"
         raise ValueError(
             f"{name}={ratio!r} cannot be reached with sx={sx}, sy={sy}{where}: one token per "
             f"{sx}x{sy} cell is kept, so {name} must be at most 1 - 1/(sx*sy) = {reachable:g}"
         )
 
 
-def _check_cell_ratio(ratio: Any, a: SimpleNamespace) -> None:
+def _check_cell_ratio(ratio: Any, acting: SimpleNamespace) -> None:
     """A ratio given with ``matching="cell"`` is the one its cells remove."""
-    if a.level_cells and len({_cell_ratio(a.sx, a.sy), *(_cell_ratio(*cell) for cell in a.level_cells.values())}) > 1:
+    cells = {(acting.sx, acting.sy), *(acting.level_cells or {}).values()}
+    if len({_cell_ratio(*cell) for cell in cells}) > 1:
         raise ValueError(
             f"ratio={ratio!r} cannot be combined with matching='cell' and level_cells of other sizes: each "
             "cell fixes its level's reduction; leave ratio out"
         )
-    if not math.isclose(ratio, _cell_ratio(a.sx, a.sy)):
+    if not math.isclose(ratio, _cell_ratio(acting.sx, acting.sy)):
         raise ValueError(
-            f"ratio={ratio!r} contradicts matching='cell' with {a.sx}x{a.sy} cells, which remove "
-            f"1 - 1/(sx*sy) = {_cell_ratio(a.sx, a.sy):g} of the tokens; leave ratio out, or change sx and sy"
+            f"ratio={ratio!r} contradicts matching='cell' with {acting.sx}x{acting.sy} cells, which remove "
+            f"1 - 1/(sx*sy) = {_cell_ratio(acting.sx, acting.sy):g} of the tokens; leave ratio out, or change sx and sy"
         )
 
 
