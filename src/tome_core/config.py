@@ -1,4 +1,13 @@
-"""The ToMe options, their defaults and their validation (shared by every framework's entry point)."""
+"""The ToMe options, their defaults and their validation (shared by every framework's entry point).
+
+Each option is a field of :class:`ToMeConfig` whose default is what leaving the option out means, as the user
+reads it (``ratio=None``: the default's ratio). :func:`resolve` is where each option's acting value is computed,
+from all the options as given, and checked: a bad value raises naming the option, the value and what is allowed.
+``ToMeConfig`` has its own ``__init__``, which sets every field once, to that value: a frozen dataclass's
+generated ``__init__`` stores the options as given, and resolving them in ``__post_init__`` would rewrite them.
+The fields keep their defaults and help, so ``fields()``, ``dataclasses.replace()`` (which passes acting values
+back in: each resolves to itself), equality and hashing work as for any dataclass.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +17,7 @@ import math
 import numbers
 import textwrap
 from dataclasses import dataclass, field, fields, replace
+from types import SimpleNamespace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, get_type_hints
 
 MAX_DOWNSAMPLE_CHOICES = (None, 1, 2, 4, 8)
@@ -58,32 +68,48 @@ def option(default: Any, group: str, help: str) -> Any:
     return field(default=default, metadata={"group": group, "help": help})
 
 
-def _check_bool(name: str, value: Any) -> None:
+
+def _bool(name: str, value: Any) -> bool:
+    """``value``, refused unless it is True or False."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return value
 
 
-def _check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
-    """Refuse ``value`` unless it is one of ``choices`` (strings, or None), naming ``name``, the value and the
+def _choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
+    """``value``, refused unless it is one of ``choices`` (strings, or None), naming ``name``, the value and the
     choices: a value of another type (a list, a set, an array, a number) is refused by its type before any
     comparison, which would fail on it with a message of its own (``unhashable type``, an array's truth value)."""
     allowed = ", ".join(repr(c) for c in choices if c is not None) + (" or None" if None in choices else "")
     if value is None and None in choices:
-        return
+        return value
     if not isinstance(value, str):
         raise TypeError(f"{name} must be one of {allowed}, got {value!r} ({type(value).__name__})")
     if value not in choices:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return value
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
+def _int(name: str, value: Any, minimum: int) -> int:
+    """``value`` as a Python int (a numpy integer becomes one), refused unless it is an int >= ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
     if value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value}")
+    return int(value)
 
 
-@dataclass(frozen=True)
+def _optional_int(name: str, value: Any, minimum: int) -> Optional[int]:
+    """None, or ``value`` as :func:`_int` takes it."""
+    return None if value is None else _int(name, value, minimum)
+
+
+def _cell_ratio(sx: int, sy: int) -> float:
+    """The share of tokens an ``sx x sy`` cell removes when it keeps one: ``1 - 1/(sx*sy)``."""
+    return 1 - 1 / (sx * sy)
+
+
+@dataclass(frozen=True, init=False)
 class ToMeConfig:
     """Token Merging options, validated on construction (bad values raise naming the option, the value and
     what is allowed). Each field carries its own help and group (:data:`OPTION_GROUPS`): ``help()`` of every
@@ -262,6 +288,13 @@ class ToMeConfig:
         "``\"balance\"``. Options that choose the arrangement themselves (``ratio``, ``mode``...) leave it out.",
     )
 
+    def __init__(self, **options: Any) -> None:
+        """Set each option once, to its acting value (:func:`resolve`: unknown names raise TypeError listing
+        the valid ones), then check the ratios against ``level_cells`` level by level, with :meth:`ratio_for`."""
+        for name, value in resolve(options).items():
+            object.__setattr__(self, name, value)
+        self._check_level_cells()
+
     def __repr__(self) -> str:
         """The options that differ from the defaults (``ToMeConfig()``), as the call that makes them (a cell's
         ratio is left out: the cell sets it)."""
@@ -274,74 +307,8 @@ class ToMeConfig:
         ]
         return f"ToMeConfig({', '.join(changed)})"
 
-    def __post_init__(self) -> None:
-        """Validate group by group (:data:`OPTION_GROUPS`), normalising numbers (numpy scalars become Python's)."""
-        self._resolve_mode()
-        for name in ("sx", "sy", "seed", "reuse_steps", "local_window", "reuse_blocks"):
-            value = getattr(self, name)
-            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-                object.__setattr__(self, name, int(value))
-        self._check_where()
-        self._check_reuse()
-        self._check_arrangement()
-        self._check_frames()
-        self._check_timestep_range()
-        self._check_amount()
-
-    def _check_where(self) -> None:
-        if self.blocks is not None:
-            if isinstance(self.blocks, (str, bytes)) or not hasattr(self.blocks, "__iter__"):
-                raise TypeError(f"blocks must be a list of block indices (ints) or None, got {self.blocks!r}")
-            blocks = tuple(self.blocks)
-            for index in blocks:
-                if isinstance(index, bool) or not isinstance(index, numbers.Integral):
-                    raise TypeError(f"blocks must hold block indices (ints), got {index!r} in {self.blocks!r}")
-            object.__setattr__(self, "blocks", tuple(int(i) for i in blocks))
-        for flag in ("merge_attn", "merge_crossattn", "merge_mlp"):
-            _check_bool(flag, getattr(self, flag))
-        if self.min_tokens is not None:
-            _check_int("min_tokens", self.min_tokens, 0)
-            object.__setattr__(self, "min_tokens", int(self.min_tokens))
-        value = self.max_downsample
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value not in MAX_DOWNSAMPLE_CHOICES):
-            raise ValueError(f"max_downsample must be one of None, 1, 2, 4, 8, got {self.max_downsample!r}")
-        if value is not None:
-            object.__setattr__(self, "max_downsample", int(value))  # a numpy integer becomes Python's
-
-    def _check_reuse(self) -> None:
-        _check_bool("reuse_level", self.reuse_level)
-        _check_int("reuse_steps", self.reuse_steps, 1)
-        _check_int("reuse_blocks", self.reuse_blocks, 1)
-
-    def _check_amount(self) -> None:
-        if self.ratio is None:
-            object.__setattr__(self, "ratio", self.max_ratio if self.matching == "cell" else DEFAULT_RATIO)
-        else:
-            self._check_ratio_type("ratio", self.ratio)
-            if self.matching == "cell":
-                self._check_cell_ratio()
-        self._check_ratio("ratio", self.ratio, self._cells_of_ratio())
-        object.__setattr__(self, "ratio", float(self.ratio))
-        for sublayer in SUBLAYERS:
-            if getattr(self, f"{sublayer}_ratio") is not None:
-                self._check_ratio(f"{sublayer}_ratio", getattr(self, f"{sublayer}_ratio"))
-                object.__setattr__(self, f"{sublayer}_ratio", float(getattr(self, f"{sublayer}_ratio")))
-        if self.level_ratios is not None:
-            if not isinstance(self.level_ratios, Mapping):
-                raise TypeError(f"level_ratios must be a dict {{level: ratio}}, got {self.level_ratios!r}")
-            for level, value in self.level_ratios.items():
-                if level not in LEVELS or isinstance(level, bool):
-                    raise ValueError(f"level_ratios keys must be levels 1, 2, 4 or 8, got {level!r}")
-                self._check_ratio(f"level_ratios[{level}]", value)
-            object.__setattr__(self, "level_ratios", {int(k): float(v) for k, v in self.level_ratios.items()})
-        if self.block_ratios is not None:
-            if not isinstance(self.block_ratios, Mapping):
-                raise TypeError(f"block_ratios must be a dict {{block index: ratio}}, got {self.block_ratios!r}")
-            for index, value in self.block_ratios.items():
-                if isinstance(index, bool) or not isinstance(index, numbers.Integral):
-                    raise TypeError(f"block_ratios keys must be block indices (ints), got {index!r}")
-                self._check_ratio(f"block_ratios[{index}]", value)
-            object.__setattr__(self, "block_ratios", {int(k): float(v) for k, v in self.block_ratios.items()})
+    def _check_level_cells(self) -> None:
+        """Each merged sub-layer's ratio at a level of ``level_cells`` leaves one token per cell of that level."""
         for level in self.level_cells or {}:
             for sublayer, on in self.sublayers.items():
                 ratio = self.ratio_for(sublayer, level)
@@ -351,32 +318,6 @@ class ToMeConfig:
                         f"the {sublayer} ratio {ratio:g} at level {level} cannot be reached with level_cells[{level}] = "
                         f"{sx}x{sy}: one token per cell is kept, so at most {self.max_ratio_at(level):g}"
                     )
-
-    def _resolve_mode(self) -> None:
-        """``mode=None``: "auto" when no option says how to merge, else "tokens"; defaults of the rest."""
-        one_frame = isinstance(self.frames_per_chunk, numbers.Integral) and self.frames_per_chunk == 1  # (an array is checked later)
-        given = [name for name in _ARRANGING if getattr(self, name) is not None and not (name == "frames_per_chunk" and one_frame)]
-        _check_choice("prefer", self.prefer, (*PREFERENCES, None))
-        if self.mode is not None:
-            _check_choice("mode", self.mode, MODES)
-        if self.mode is None:
-            object.__setattr__(self, "mode", "tokens" if given else "auto")
-        elif self.mode == "auto" and given:
-            raise ValueError(
-                f"mode='auto' chooses the arrangement, ratio and cells by the latent size; leave out "
-                f"{', '.join(given)}, or pass mode='tokens', 'kv' or 'queries'"
-            )
-        if self.prefer is not None and self.mode != "auto":
-            chosen = ", ".join(given) if given else f"mode={self.mode!r}"
-            raise ValueError(
-                f"prefer={self.prefer!r} chooses among the default's settings (mode='auto'), but {chosen} "
-                "chooses the arrangement itself; pass one or the other"
-            )
-        if self.mode == "auto":  # ToMe for SD's ratio where cells cannot run
-            object.__setattr__(self, "ratio", PREFERENCES[self.preference][2])
-        for name, default in (("sx", 2), ("sy", 2), ("matching", "similarity")):
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, default)
 
     def auto_choices(self, kv_input: bool, unet: bool = True) -> Tuple[Tuple[int, "ToMeConfig"], ...]:
         """What ``mode="auto"`` runs: ``((fewest tokens at the finest merged level, options), ...)``, most
@@ -391,7 +332,9 @@ class ToMeConfig:
             return ((0, self.tokens()),)
         pool = self.cell_pool or AUTO_POOL
         return tuple(
-            (tokens, replace(self, mode="kv", matching="cell", ratio=None, sx=sx, sy=sy, cell_pool=pool, prefer=None))
+            (tokens, replace(
+                self, mode="kv", matching="cell", ratio=_cell_ratio(sx, sy), sx=sx, sy=sy, cell_pool=pool, prefer=None,
+            ))
             for tokens, (sx, sy) in PREFERENCES[self.preference][0 if unet else 1]
         )
 
@@ -405,120 +348,12 @@ class ToMeConfig:
         ``mode="auto"`` runs where keys and values cannot be pooled."""
         return replace(self, mode="tokens", cell_pool=None, prefer=None, **changes)
 
-    def _check_arrangement(self) -> None:
-        _check_int("sx", self.sx, 1)
-        _check_int("sy", self.sy, 1)
-        _check_bool("use_rand", self.use_rand)
-        _check_bool("proportional_attn", self.proportional_attn)
-        _check_int("seed", self.seed, 0)
-        _check_int("local_window", self.local_window, 0)
-        _check_choice("mode", self.mode, MODES)
-        _check_choice("matching", self.matching, MATCHINGS)
-        if self.mode in ("kv", "queries") and self.merge_attn is False:
-            raise ValueError(
-                f"mode={self.mode!r} arranges self-attention, but merge_attn=False leaves it alone; pass "
-                "merge_attn=True or mode='tokens'"
-            )
-        if self.level_cells is not None:
-            if not isinstance(self.level_cells, Mapping):
-                raise TypeError(f"level_cells must be a dict {{level: n or (sx, sy)}}, got {self.level_cells!r}")
-            cells = {}
-            for level, cell in self.level_cells.items():
-                if level not in LEVELS or isinstance(level, bool):
-                    raise ValueError(f"level_cells keys must be levels 1, 2, 4 or 8, got {level!r}")
-                pair = (cell, cell) if isinstance(cell, numbers.Integral) and not isinstance(cell, bool) else cell
-                if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                    raise TypeError(f"level_cells[{level}] must be an int n (an n x n cell) or a pair (sx, sy), got {cell!r}")
-                for value in pair:
-                    _check_int(f"level_cells[{level}]", value, 1)
-                cells[int(level)] = (int(pair[0]), int(pair[1]))
-            object.__setattr__(self, "level_cells", cells)
-        if self.cell_pool is not None:
-            _check_choice("cell_pool", self.cell_pool, CELL_POOLS)
-        if self.matching != "cell":
-            if self.cell_pool not in (None, "mean") and self.mode != "auto":
-                raise ValueError(
-                    f"cell_pool={self.cell_pool!r} says what stands for a cell of matching='cell', but matching is "
-                    f"{self.matching!r}; pass matching='cell' (and mode='kv', 'tokens' or 'queries'), or leave mode "
-                    "out (the default's cells then use it)"
-                )
-            return
-        if self.cell_pool is None:
-            object.__setattr__(self, "cell_pool", "mean")
-        for name in ("level_ratios", "block_ratios", "attn_ratio", "crossattn_ratio", "mlp_ratio"):
-            if getattr(self, name) is not None:
-                raise ValueError(
-                    f"{name} cannot be combined with matching='cell': the cell fixes each level's reduction "
-                    "(1 - 1/(sx*sy)); choose cells with sx, sy or level_cells instead"
-                )
-        if self.local_window:
-            raise ValueError("local_window limits a similarity search; matching='cell' has none (pass local_window=0)")
-        for name, unused in (("reuse_level", self.reuse_level), ("reuse_steps", self.reuse_steps > 1), ("reuse_blocks", self.reuse_blocks > 1)):
-            if unused:
-                raise ValueError(
-                    f"{name} reuses a similarity match; matching='cell' computes none (its match depends on the "
-                    "shape only and is built once per shape), so it has nothing to reuse"
-                )
-
-    def _check_frames(self) -> None:
-        """``frames_per_chunk`` and ``frame_ratio``: their values and what cross-frame merging combines with."""
-        if self.frames_per_chunk is not None:
-            _check_int("frames_per_chunk", self.frames_per_chunk, 1)
-            object.__setattr__(self, "frames_per_chunk", int(self.frames_per_chunk))
-        if self.frame_ratio is not None:
-            if isinstance(self.frame_ratio, bool) or not isinstance(self.frame_ratio, numbers.Real):
-                raise TypeError(f"frame_ratio must be a float in [0, 1], got {self.frame_ratio!r} ({type(self.frame_ratio).__name__})")
-            if not (math.isfinite(self.frame_ratio) and 0 <= self.frame_ratio <= 1):
-                raise ValueError(f"frame_ratio must be in [0, 1], got {self.frame_ratio!r}")
-            if self.frames == 1:
-                raise ValueError(
-                    f"frame_ratio={self.frame_ratio!r} merges across frames, which needs frames_per_chunk > 1 "
-                    "(frames_per_chunk=1 merges each frame on its own)"
-                )
-            object.__setattr__(self, "frame_ratio", float(self.frame_ratio))
-        if self.frames == 1:
-            return
-        conflicts = (
-            (self.mode != "tokens", f"mode={self.mode!r}", "mode='tokens' (one attention over the merged chunk)"),
-            (self.matching != "similarity", f"matching={self.matching!r}", "matching='similarity'"),
-            (self.merge_crossattn, "merge_crossattn=True", "merge_crossattn=False (each frame has its own text)"),
-        )
-        for bad, given, needed in conflicts:
-            if bad:
-                raise ValueError(f"frames_per_chunk={self.frames_per_chunk} cannot be combined with {given}; it needs {needed}")
-
-    def _check_timestep_range(self) -> None:
-        value = self.timestep_range
-        if value is None:
-            return
-        allowed = "a pair (low, high) of numbers with low <= high, or None"
-        if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) or len(value) != 2:
-            raise TypeError(f"timestep_range must be {allowed}, got {value!r}")
-        for bound in value:
-            if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or math.isnan(bound):
-                raise TypeError(f"timestep_range must be {allowed}, got {value!r} (bound {bound!r})")
-        if value[0] > value[1]:
-            raise ValueError(f"timestep_range must be {allowed}, got {value!r} (low > high)")
-        object.__setattr__(self, "timestep_range", (float(value[0]), float(value[1])))
-
     def merges_at(self, timesteps: Sequence[float]) -> bool:
         """Whether a model call at ``timesteps`` (its batch's, on the host) merges under ``timestep_range``."""
         if self.timestep_range is None:
             return True
         low, high = self.timestep_range
         return all(low <= t <= high for t in timesteps)
-
-    def _check_cell_ratio(self) -> None:
-        if self.level_cells and len({self.max_ratio, *(self.max_ratio_at(level) for level in self.level_cells)}) > 1:
-            raise ValueError(
-                f"ratio={self.ratio!r} cannot be combined with matching='cell' and level_cells of other sizes: each "
-                "cell fixes its level's reduction; leave ratio out"
-            )
-        if not math.isclose(self.ratio, self.max_ratio):
-            raise ValueError(
-                f"ratio={self.ratio!r} contradicts matching='cell' with {self.sx}x{self.sy} cells, which remove "
-                f"1 - 1/(sx*sy) = {self.max_ratio:g} of the tokens; leave ratio out, or change sx and sy"
-            )
 
     def arrangement(self, kind: str, self_attention: bool) -> Tuple[str, bool]:
         """How a sub-layer of ``kind`` ("attn", "crossattn", "mlp") runs: its mode (cross-attention and MLP
@@ -535,43 +370,7 @@ class ToMeConfig:
         return self.sx, self.sy
 
     def max_ratio_at(self, level: int) -> float:
-        sx, sy = self.cell_at(level)
-        return 1 - 1 / (sx * sy)
-
-    @staticmethod
-    def _check_ratio_type(name: str, ratio: Any) -> None:
-        if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real):
-            raise TypeError(f"{name} must be a float in [0, 1 - 1/(sx*sy)], got {ratio!r} ({type(ratio).__name__})")
-
-    def _cells_of_ratio(self) -> Optional[Tuple[int, int]]:
-        """The cell that bounds ``ratio`` when the config alone tells it: ``(sx, sy)``, or None when
-        ``level_cells`` gives some levels other cells (then each merged level's cell bounds it, checked at
-        ``patch``, which knows the levels: :func:`tome_core.selection.check_model`)."""
-        if self.level_cells and any(cell != (self.sx, self.sy) for cell in self.level_cells.values()):
-            return None
-        return self.sx, self.sy
-
-    def _check_ratio(self, name: str, ratio: Any, cell: Optional[Tuple[int, int]] = None) -> None:
-        """A ratio's type and range, and that keeping one token per ``cell`` leaves room for it (None: the
-        largest cell of this config, ``(sx, sy)`` without ``level_cells``; each merged level's own cell is
-        checked at ``patch``)."""
-        self._check_ratio_type(name, ratio)
-        if cell is None:
-            cells = [(self.sx, self.sy), *(self.level_cells or {}).values()]
-            cell = max(cells, key=lambda c: c[0] * c[1])
-        sx, sy = cell
-        reachable = 1 - 1 / (sx * sy)
-        if not (math.isfinite(ratio) and 0 <= ratio < 1):
-            raise ValueError(
-                f"{name} must be in [0, {reachable:g}] (one token per {sx}x{sy} cell is kept: at most 1 - 1/(sx*sy)), "
-                f"got {ratio!r}"
-            )
-        if ratio > reachable:
-            where = "" if cell == (self.sx, self.sy) else f" (the largest cell of level_cells={self.level_cells})"
-            raise ValueError(
-                f"{name}={ratio!r} cannot be reached with sx={sx}, sy={sy}{where}: one token per "
-                f"{sx}x{sy} cell is kept, so {name} must be at most 1 - 1/(sx*sy) = {reachable:g}"
-            )
+        return _cell_ratio(*self.cell_at(level))
 
     def ratio_for(self, sublayer: str, level: int, block_ratio: Optional[float] = None) -> float:
         """The ratio of ``sublayer`` ("attn", "crossattn", "mlp") at downsample ``level``, in a block whose
@@ -605,21 +404,329 @@ class ToMeConfig:
     @property
     def max_ratio(self) -> float:
         """The largest ratio the cell size allows: every source merged, one destination per cell kept."""
-        return 1 - 1 / (self.sx * self.sy)
+        return _cell_ratio(self.sx, self.sy)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> "ToMeConfig":
         """Build from keyword options; unknown names raise TypeError listing the valid ones."""
-        names = [f.name for f in fields(cls)]
-        unknown = sorted(set(options) - set(names))
-        if unknown:
-            guesses = [(name, difflib.get_close_matches(name, names, n=1)) for name in unknown]
-            meant = ", ".join(f"{guess[0]} for {name}" for name, guess in guesses if guess)
-            raise TypeError(
-                f"unknown ToMe option(s) {', '.join(unknown)}{f' (did you mean {meant}?)' if meant else ''}; "
-                f"valid options are {', '.join(names)}"
-            )
         return cls(**options)
+
+
+def resolve(options: Mapping[str, Any]) -> Dict[str, Any]:
+    """Every option's acting value (what each field of :class:`ToMeConfig` holds), from ``options`` as given
+    (an option left out: its field's default), each checked as it is computed. Group by group, as
+    :data:`OPTION_GROUPS` (the amounts last: the cells bound them), so that of several bad options the first in
+    this order is named. ``None`` stays where what it means is known only with the model (``max_downsample``,
+    ``min_tokens``) or is read through a property (``prefer``: :attr:`~ToMeConfig.preference`,
+    ``frames_per_chunk``: :attr:`~ToMeConfig.frames`, ``frame_ratio``: :attr:`~ToMeConfig.across_frames`)."""
+    given = _given(options)
+    acting = SimpleNamespace()  # each set once
+    # The knob, and the mode: "auto" unless an option says how to merge
+    acting.prefer = _choice("prefer", given.prefer, (*PREFERENCES, None))
+    acting.mode = _mode(given)
+    # Where it merges
+    acting.blocks = _blocks(given.blocks)
+    acting.merge_attn = _bool("merge_attn", given.merge_attn)
+    acting.merge_crossattn = _bool("merge_crossattn", given.merge_crossattn)
+    acting.merge_mlp = _bool("merge_mlp", given.merge_mlp)
+    acting.min_tokens = _optional_int("min_tokens", given.min_tokens, 0)
+    acting.max_downsample = _max_downsample(given.max_downsample)
+    # Reusing matches
+    acting.reuse_level = _bool("reuse_level", given.reuse_level)
+    acting.reuse_steps = _int("reuse_steps", given.reuse_steps, 1)
+    acting.reuse_blocks = _int("reuse_blocks", given.reuse_blocks, 1)
+    # The arrangement
+    acting.sx = _int("sx", 2 if given.sx is None else given.sx, 1)
+    acting.sy = _int("sy", 2 if given.sy is None else given.sy, 1)
+    acting.use_rand = _bool("use_rand", given.use_rand)
+    acting.proportional_attn = _bool("proportional_attn", given.proportional_attn)
+    acting.seed = _int("seed", given.seed, 0)
+    acting.local_window = _int("local_window", given.local_window, 0)
+    acting.matching = _choice("matching", "similarity" if given.matching is None else given.matching, MATCHINGS)
+    _check_mode_merges_attn(acting)
+    acting.level_cells = _level_cells(given.level_cells)
+    acting.cell_pool = _cell_pool(given.cell_pool, acting)
+    _check_cell_matching(given, acting)
+    # Video
+    acting.frames_per_chunk = _optional_int("frames_per_chunk", given.frames_per_chunk, 1)
+    acting.frame_ratio = _frame_ratio(given.frame_ratio, acting)
+    _check_frames(acting)
+    # When it merges
+    acting.timestep_range = _timestep_range(given.timestep_range)
+    # How many tokens
+    acting.ratio = _ratio(given.ratio, acting)
+    acting.attn_ratio = _sublayer_ratio("attn_ratio", given.attn_ratio, acting)
+    acting.crossattn_ratio = _sublayer_ratio("crossattn_ratio", given.crossattn_ratio, acting)
+    acting.mlp_ratio = _sublayer_ratio("mlp_ratio", given.mlp_ratio, acting)
+    acting.level_ratios = _level_ratios(given.level_ratios, acting)
+    acting.block_ratios = _block_ratios(given.block_ratios, acting)
+    return vars(acting)
+
+
+def _given(options: Mapping[str, Any]) -> SimpleNamespace:
+    """The options as given, one left out as its field's default; unknown names raise TypeError listing the
+    valid ones."""
+    defaults = {f.name: f.default for f in fields(ToMeConfig)}
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        guesses = [(name, difflib.get_close_matches(name, list(defaults), n=1)) for name in unknown]
+        meant = ", ".join(f"{guess[0]} for {name}" for name, guess in guesses if guess)
+        raise TypeError(
+            f"unknown ToMe option(s) {', '.join(unknown)}{f' (did you mean {meant}?)' if meant else ''}; "
+            f"valid options are {', '.join(defaults)}"
+        )
+    return SimpleNamespace(**{**defaults, **options})
+
+
+def _mode(given: SimpleNamespace) -> str:
+    """``mode`` as given, else "auto" when no option says how many tokens merge or how they are matched
+    (:data:`_ARRANGING`; ``frames_per_chunk=1`` says nothing), else "tokens"; ``prefer`` only with "auto"."""
+    one_frame = isinstance(given.frames_per_chunk, numbers.Integral) and given.frames_per_chunk == 1  # (arrays: later)
+    arranging = [
+        name for name in _ARRANGING
+        if getattr(given, name) is not None and not (name == "frames_per_chunk" and one_frame)
+    ]
+    if given.mode is None:
+        mode = "tokens" if arranging else "auto"
+    else:
+        mode = _choice("mode", given.mode, MODES)
+        if mode == "auto" and arranging:
+            raise ValueError(
+                f"mode='auto' chooses the arrangement, ratio and cells by the latent size; leave out "
+                f"{', '.join(arranging)}, or pass mode='tokens', 'kv' or 'queries'"
+            )
+    if given.prefer is not None and mode != "auto":
+        chosen = ", ".join(arranging) if arranging else f"mode={mode!r}"
+        raise ValueError(
+            f"prefer={given.prefer!r} chooses among the default's settings (mode='auto'), but {chosen} "
+            "chooses the arrangement itself; pass one or the other"
+        )
+    return mode
+
+
+def _blocks(blocks: Any) -> Optional[Tuple[int, ...]]:
+    if blocks is None:
+        return None
+    if isinstance(blocks, (str, bytes)) or not hasattr(blocks, "__iter__"):
+        raise TypeError(f"blocks must be a list of block indices (ints) or None, got {blocks!r}")
+    indices = tuple(blocks)
+    for index in indices:
+        if isinstance(index, bool) or not isinstance(index, numbers.Integral):
+            raise TypeError(f"blocks must hold block indices (ints), got {index!r} in {blocks!r}")
+    return tuple(int(i) for i in indices)
+
+
+def _max_downsample(value: Any) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value not in MAX_DOWNSAMPLE_CHOICES:
+        raise ValueError(f"max_downsample must be one of None, 1, 2, 4, 8, got {value!r}")
+    return int(value)
+
+
+def _check_mode_merges_attn(acting: SimpleNamespace) -> None:
+    if acting.mode in ("kv", "queries") and not acting.merge_attn:
+        raise ValueError(
+            f"mode={acting.mode!r} arranges self-attention, but merge_attn=False leaves it alone; pass "
+            "merge_attn=True or mode='tokens'"
+        )
+
+
+def _level_cells(level_cells: Any) -> Optional[Dict[int, Tuple[int, int]]]:
+    """``{level: (sx, sy)}``, an ``n`` standing for ``(n, n)``."""
+    if level_cells is None:
+        return None
+    if not isinstance(level_cells, Mapping):
+        raise TypeError(f"level_cells must be a dict {{level: n or (sx, sy)}}, got {level_cells!r}")
+    cells = {}
+    for level, cell in level_cells.items():
+        if level not in LEVELS or isinstance(level, bool):
+            raise ValueError(f"level_cells keys must be levels 1, 2, 4 or 8, got {level!r}")
+        pair = (cell, cell) if isinstance(cell, numbers.Integral) and not isinstance(cell, bool) else cell
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TypeError(f"level_cells[{level}] must be an int n (an n x n cell) or a pair (sx, sy), got {cell!r}")
+        cells[int(level)] = (_int(f"level_cells[{level}]", pair[0], 1), _int(f"level_cells[{level}]", pair[1], 1))
+    return cells
+
+
+def _cell_pool(cell_pool: Any, acting: SimpleNamespace) -> Optional[str]:
+    """``cell_pool`` as given, "mean" when left out with ``matching="cell"``; outside cell matching only the
+    default's cells (``mode="auto"``) take one."""
+    if cell_pool is not None:
+        _choice("cell_pool", cell_pool, CELL_POOLS)
+    if acting.matching == "cell":
+        return "mean" if cell_pool is None else cell_pool
+    if cell_pool not in (None, "mean") and acting.mode != "auto":
+        raise ValueError(
+            f"cell_pool={cell_pool!r} says what stands for a cell of matching='cell', but matching is "
+            f"{acting.matching!r}; pass matching='cell' (and mode='kv', 'tokens' or 'queries'), or leave mode "
+            "out (the default's cells then use it)"
+        )
+    return cell_pool
+
+
+def _check_cell_matching(given: SimpleNamespace, acting: SimpleNamespace) -> None:
+    """``matching="cell"`` fixes the ratios and computes no similarity: no option may set either."""
+    if acting.matching != "cell":
+        return
+    for name in ("level_ratios", "block_ratios", "attn_ratio", "crossattn_ratio", "mlp_ratio"):
+        if getattr(given, name) is not None:
+            raise ValueError(
+                f"{name} cannot be combined with matching='cell': the cell fixes each level's reduction "
+                "(1 - 1/(sx*sy)); choose cells with sx, sy or level_cells instead"
+            )
+    if acting.local_window:
+        raise ValueError("local_window limits a similarity search; matching='cell' has none (pass local_window=0)")
+    reusing = (("reuse_level", acting.reuse_level), ("reuse_steps", acting.reuse_steps > 1),
+               ("reuse_blocks", acting.reuse_blocks > 1))
+    for name, unused in reusing:
+        if unused:
+            raise ValueError(
+                f"{name} reuses a similarity match; matching='cell' computes none (its match depends on the "
+                "shape only and is built once per shape), so it has nothing to reuse"
+            )
+
+
+def _frame_ratio(frame_ratio: Any, acting: SimpleNamespace) -> Optional[float]:
+    if frame_ratio is None:
+        return None
+    if isinstance(frame_ratio, bool) or not isinstance(frame_ratio, numbers.Real):
+        raise TypeError(f"frame_ratio must be a float in [0, 1], got {frame_ratio!r} ({type(frame_ratio).__name__})")
+    if not (math.isfinite(frame_ratio) and 0 <= frame_ratio <= 1):
+        raise ValueError(f"frame_ratio must be in [0, 1], got {frame_ratio!r}")
+    if (acting.frames_per_chunk or 1) == 1:
+        raise ValueError(
+            f"frame_ratio={frame_ratio!r} merges across frames, which needs frames_per_chunk > 1 "
+            "(frames_per_chunk=1 merges each frame on its own)"
+        )
+    return float(frame_ratio)
+
+
+def _check_frames(acting: SimpleNamespace) -> None:
+    """What merging across frames (``frames_per_chunk > 1``) combines with."""
+    if (acting.frames_per_chunk or 1) == 1:
+        return
+    conflicts = (
+        (acting.mode != "tokens", f"mode={acting.mode!r}", "mode='tokens' (one attention over the merged chunk)"),
+        (acting.matching != "similarity", f"matching={acting.matching!r}", "matching='similarity'"),
+        (acting.merge_crossattn, "merge_crossattn=True", "merge_crossattn=False (each frame has its own text)"),
+    )
+    for bad, option, needed in conflicts:
+        if bad:
+            raise ValueError(
+                f"frames_per_chunk={acting.frames_per_chunk} cannot be combined with {option}; it needs {needed}"
+            )
+
+
+def _timestep_range(value: Any) -> Optional[Tuple[float, float]]:
+    if value is None:
+        return None
+    allowed = "a pair (low, high) of numbers with low <= high, or None"
+    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise TypeError(f"timestep_range must be {allowed}, got {value!r}")
+    for bound in value:
+        if isinstance(bound, bool) or not isinstance(bound, numbers.Real) or math.isnan(bound):
+            raise TypeError(f"timestep_range must be {allowed}, got {value!r} (bound {bound!r})")
+    if value[0] > value[1]:
+        raise ValueError(f"timestep_range must be {allowed}, got {value!r} (low > high)")
+    return float(value[0]), float(value[1])
+
+
+def _ratio(ratio: Any, acting: SimpleNamespace) -> float:
+    """``ratio``: ``prefer``'s under ``mode="auto"``; left out, the cell's with ``matching="cell"``, else
+    :data:`DEFAULT_RATIO`; each within reach of the cells."""
+    if acting.mode == "auto":  # ToMe for SD's ratio where cells cannot run
+        ratio = PREFERENCES[acting.prefer or DEFAULT_PREFERENCE][2]
+    elif ratio is None:
+        ratio = _cell_ratio(acting.sx, acting.sy) if acting.matching == "cell" else DEFAULT_RATIO
+    else:
+        _check_ratio_type("ratio", ratio)
+        if acting.matching == "cell":
+            _check_cell_ratio(ratio, acting)
+    _check_ratio("ratio", ratio, acting, _cells_of_ratio(acting))
+    return float(ratio)
+
+
+def _sublayer_ratio(name: str, ratio: Any, acting: SimpleNamespace) -> Optional[float]:
+    if ratio is None:
+        return None
+    _check_ratio(name, ratio, acting)
+    return float(ratio)
+
+
+def _level_ratios(level_ratios: Any, acting: SimpleNamespace) -> Optional[Dict[int, float]]:
+    if level_ratios is None:
+        return None
+    if not isinstance(level_ratios, Mapping):
+        raise TypeError(f"level_ratios must be a dict {{level: ratio}}, got {level_ratios!r}")
+    for level, value in level_ratios.items():
+        if level not in LEVELS or isinstance(level, bool):
+            raise ValueError(f"level_ratios keys must be levels 1, 2, 4 or 8, got {level!r}")
+        _check_ratio(f"level_ratios[{level}]", value, acting)
+    return {int(k): float(v) for k, v in level_ratios.items()}
+
+
+def _block_ratios(block_ratios: Any, acting: SimpleNamespace) -> Optional[Dict[int, float]]:
+    if block_ratios is None:
+        return None
+    if not isinstance(block_ratios, Mapping):
+        raise TypeError(f"block_ratios must be a dict {{block index: ratio}}, got {block_ratios!r}")
+    for index, value in block_ratios.items():
+        if isinstance(index, bool) or not isinstance(index, numbers.Integral):
+            raise TypeError(f"block_ratios keys must be block indices (ints), got {index!r}")
+        _check_ratio(f"block_ratios[{index}]", value, acting)
+    return {int(k): float(v) for k, v in block_ratios.items()}
+
+
+def _check_ratio_type(name: str, ratio: Any) -> None:
+    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real):
+        raise TypeError(f"{name} must be a float in [0, 1 - 1/(sx*sy)], got {ratio!r} ({type(ratio).__name__})")
+
+
+def _cells_of_ratio(acting: SimpleNamespace) -> Optional[Tuple[int, int]]:
+    """The cell that bounds ``ratio`` when the options alone tell it: ``(sx, sy)``, or None when
+    ``level_cells`` gives some levels other cells (then each merged level's cell bounds it, checked at
+    ``patch``, which knows the levels: :func:`tome_core.selection.check_model`)."""
+    if acting.level_cells and any(cell != (acting.sx, acting.sy) for cell in acting.level_cells.values()):
+        return None
+    return acting.sx, acting.sy
+
+
+def _check_ratio(name: str, ratio: Any, acting: SimpleNamespace, cell: Optional[Tuple[int, int]] = None) -> None:
+    """A ratio's type and range, and that keeping one token per ``cell`` leaves room for it (None: the
+    largest cell of the options, ``(sx, sy)`` without ``level_cells``; each merged level's own cell is
+    checked at ``patch``)."""
+    _check_ratio_type(name, ratio)
+    if cell is None:
+        cell = max([(acting.sx, acting.sy), *(acting.level_cells or {}).values()], key=lambda c: c[0] * c[1])
+    sx, sy = cell
+    reachable = _cell_ratio(sx, sy)
+    if not (math.isfinite(ratio) and 0 <= ratio < 1):
+        raise ValueError(
+            f"{name} must be in [0, {reachable:g}] (one token per {sx}x{sy} cell is kept: at most 1 - 1/(sx*sy)), "
+            f"got {ratio!r}"
+        )
+    if ratio > reachable:
+        where = "" if cell == (acting.sx, acting.sy) else f" (the largest cell of level_cells={acting.level_cells})"
+        raise ValueError(
+            f"{name}={ratio!r} cannot be reached with sx={sx}, sy={sy}{where}: one token per "
+            f"{sx}x{sy} cell is kept, so {name} must be at most 1 - 1/(sx*sy) = {reachable:g}"
+        )
+
+
+def _check_cell_ratio(ratio: Any, acting: SimpleNamespace) -> None:
+    """A ratio given with ``matching="cell"`` is the one its cells remove."""
+    cells = {(acting.sx, acting.sy), *(acting.level_cells or {}).values()}
+    if len({_cell_ratio(*cell) for cell in cells}) > 1:
+        raise ValueError(
+            f"ratio={ratio!r} cannot be combined with matching='cell' and level_cells of other sizes: each "
+            "cell fixes its level's reduction; leave ratio out"
+        )
+    if not math.isclose(ratio, _cell_ratio(acting.sx, acting.sy)):
+        raise ValueError(
+            f"ratio={ratio!r} contradicts matching='cell' with {acting.sx}x{acting.sy} cells, which remove "
+            f"1 - 1/(sx*sy) = {_cell_ratio(acting.sx, acting.sy):g} of the tokens; leave ratio out, or change sx and sy"
+        )
 
 
 def option_parameters() -> List[inspect.Parameter]:
@@ -630,6 +737,9 @@ def option_parameters() -> List[inspect.Parameter]:
         inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=types[f.name])
         for f in fields(ToMeConfig)
     ]
+
+
+ToMeConfig.__signature__ = inspect.Signature(option_parameters())  # what help() and inspect show of its **options
 
 
 def option_meanings() -> Dict[str, str]:
