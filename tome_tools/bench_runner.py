@@ -24,9 +24,10 @@ import numpy as np
 
 from tome_core import driver
 from tome_core.backend import get_ops
+from tome_core.block_hooks import around_grid, image_tokens
 from tome_tools.bench_core import image_like_latents, noised, peak_memory_in_fresh_process, video_latents
 from tome_core.config import ToMeConfig
-from tome_core.families import TEXT_NONE, TEXT_PREFIX, BlockFamily
+from tome_core.families import BlockFamily
 from tome_core.framework import Framework
 from tome_core.state import ToMeState
 
@@ -194,26 +195,11 @@ def draw_latents(args: Any, shape: Tuple[int, ...], image_like: Callable[..., np
     return clean, np.random.default_rng(1).standard_normal(shape).astype("float32")
 
 
-def around_grid(x: Any, family: BlockFamily, grid: Tuple[int, int], tail: int = 0, grid_last: bool = False) -> Tuple[int, int]:
-    """``(head, tail)``: the tokens before and after the grid's in a block's input ``x``, as the patch counts them:
-    the call's ``tail``, or in a stream of image tokens alone every token past the grid's (the head where the
-    call's grid comes last, ``grid_last``)."""
-    if family.stream != TEXT_NONE:
-        return 0, tail
-    extra = max(get_ops(x).shape(x)[1] - grid[0] * grid[1] - tail, 0)
-    return (extra, tail) if grid_last else (0, tail + extra)
-
-
 def image_part(x: Any, family: BlockFamily, grid: Tuple[int, int], tail: int = 0, grid_last: bool = False) -> Any:
-    """The image tokens of a block's input ``x`` ``[B, L, C]`` (what the patch matches on): without the head and
-    tail tokens around the grid's (:func:`around_grid`), and without the text its family's ``stream`` puts in
-    front or behind."""
-    tokens = grid[0] * grid[1]
-    head, tail = around_grid(x, family, grid, tail, grid_last)
-    length = get_ops(x).shape(x)[1]
-    if family.stream == TEXT_PREFIX:
-        return x[:, length - tail - tokens : length - tail]
-    return x[:, head : head + tokens]
+    """The image tokens of a block's input ``x`` ``[B, L, C]``, what the patch matches on, for a call whose grid,
+    tail and ``grid_last`` are given (:func:`tome_core.block_hooks.image_tokens`)."""
+    head, tail = around_grid(get_ops(x).shape(x)[1], family.stream, grid, tail, grid_last)
+    return image_tokens(x, family.stream, grid, head, tail)
 
 
 def hook_oracle(

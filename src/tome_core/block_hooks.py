@@ -42,6 +42,34 @@ class BlockPlan:
     level: Optional[Level] = None
 
 
+def around_grid(
+    length: int, stream: str, grid: Optional[Tuple[int, int]], tail: int, grid_last: bool
+) -> Tuple[int, int]:
+    """``(head, tail)``: the tokens before and after the grid's in a block's image stream of ``length`` tokens. The
+    tail: the call's (reference tokens its model put in the stream), or, in a stream of image tokens alone
+    (``stream`` :data:`~tome_core.families.TEXT_NONE`), every token past the grid (FLUX.3's joint blocks get the
+    reference images' tokens after the output's, which its earlier blocks ran apart). Where the call's grid comes
+    last (``grid_last``: FramePack), those tokens are the head."""
+    if stream != TEXT_NONE or grid is None:
+        return 0, tail
+    extra = max(length - grid[0] * grid[1] - tail, 0)
+    return (extra, tail) if grid_last else (0, tail + extra)
+
+
+def image_tokens(x: Any, stream: str, grid: Optional[Tuple[int, int]], head: int, tail: int) -> Any:
+    """The image tokens of a block's input ``x`` ``[B, L, C]``, what its match is computed from: without the ``head``
+    and ``tail`` around the grid (:func:`around_grid`), and without the text its family's ``stream`` puts in front
+    (``[text; image; tail]``, their count the ``grid``'s) or behind (``[image; text]``)."""
+    if stream == TEXT_NONE and not tail and not head:
+        return x
+    length = get_ops(x).shape(x)[1]
+    if stream == TEXT_NONE:
+        return x[:, head : length - tail]
+    if stream == TEXT_SUFFIX:
+        return x[:, : grid[0] * grid[1]]
+    return x[:, length - tail - grid[0] * grid[1] : length - tail]
+
+
 class BlockRun:
     """The matches of one transformer block while it runs, shared by the hooks of its sub-layers.
 
@@ -190,38 +218,23 @@ class BlockRun:
         return True
 
     def _around(self, x: Any) -> Tuple[int, int]:
-        """``(head, tail)``: the tokens before and after the grid's in this block's image stream. The tail: the
-        call's (reference tokens its model put in the stream), or, in a stream of image tokens alone, every token
-        past the grid (FLUX.3's joint blocks get the reference images' tokens after the output's, which its
-        earlier blocks ran apart). Where the call's grid comes last (FramePack), those tokens are the head."""
-        grid = self.state.grid_hw
-        if self.family.stream != TEXT_NONE or grid is None:
-            return 0, self.state.tail
-        extra = get_ops(x).shape(x)[1] - grid[0] * grid[1] - self.state.tail
-        if extra > 0 and self.state.shards is not None:
+        """``(head, tail)`` of this block's image stream (:func:`around_grid`), refused under context parallelism
+        where tokens of other images sit beside the grid."""
+        state = self.state
+        head, tail = around_grid(get_ops(x).shape(x)[1], self.family.stream, state.grid_hw, state.tail, state.grid_last)
+        if head + tail > state.tail and state.shards is not None:
             raise ValueError(
-                f"ToMe cannot merge {self.where} {CONTEXT_PARALLEL}: its {type(self.block).__name__}s get {extra} "
-                "tokens of other images beside the output's grid, which the split divides together with it"
+                f"ToMe cannot merge {self.where} {CONTEXT_PARALLEL}: its {type(self.block).__name__}s get "
+                f"{head + tail - state.tail} tokens of other images beside the output's grid, which the split divides "
+                "together with it"
             )
-        if self.state.grid_last:
-            return max(extra, 0), self.state.tail
-        return 0, self.state.tail + max(extra, 0)
+        return head, tail
 
     def _image(self, x: Any, head: int, tail: int) -> Any:
-        """The image tokens of the block's input: without the tail, and without the text in front where the
-        block's input is ``[text; image; tail]`` (their count: the call's grid)."""
-        stream = self.family.stream
-        if stream == TEXT_NONE and not tail and not head:
-            return x
-        length = get_ops(x).shape(x)[1]
-        if stream == TEXT_NONE:
-            return x[:, head : length - tail]
-        grid = self.state.grid_hw
-        if grid is None:
+        """The image tokens of the block's input (:func:`image_tokens`)."""
+        if self.family.stream != TEXT_NONE and self.state.grid_hw is None:
             raise ValueError(f"ToMe on {self.where}: a {type(self.block).__name__} got no token grid from its model's call")
-        if stream == TEXT_SUFFIX:
-            return x[:, : grid[0] * grid[1]]
-        return x[:, length - tail - grid[0] * grid[1] : length - tail]
+        return image_tokens(x, self.family.stream, self.state.grid_hw, head, tail)
 
     def _arrangement(self, config: ToMeConfig) -> Tuple[ToMeConfig, Optional[str]]:
         """The options this block runs with now, and why they are a fallback (None: they are not):
