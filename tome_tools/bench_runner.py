@@ -198,7 +198,7 @@ def draw_latents(args: Any, shape: Tuple[int, ...], image_like: Callable[..., np
 def image_part(x: Any, family: BlockFamily, grid: Tuple[int, int], tail: int = 0, grid_last: bool = False) -> Any:
     """The image tokens of a block's input ``x`` ``[B, L, C]``, what the patch matches on, for a call whose grid,
     tail and ``grid_last`` are given (:func:`tome_core.block_hooks.image_tokens`)."""
-    head, tail = around_grid(get_ops(x).shape(x)[1], family.stream, grid, tail, grid_last)
+    head, tail = around_grid(x, family.stream, grid, tail, grid_last)
     return image_tokens(x, family.stream, grid, head, tail)
 
 

@@ -42,17 +42,15 @@ class BlockPlan:
     level: Optional[Level] = None
 
 
-def around_grid(
-    length: int, stream: str, grid: Optional[Tuple[int, int]], tail: int, grid_last: bool
-) -> Tuple[int, int]:
-    """``(head, tail)``: the tokens before and after the grid's in a block's image stream of ``length`` tokens. The
+def around_grid(x: Any, stream: str, grid: Optional[Tuple[int, int]], tail: int, grid_last: bool) -> Tuple[int, int]:
+    """``(head, tail)``: the tokens before and after the grid's in a block's image stream ``x`` ``[B, L, C]``. The
     tail: the call's (reference tokens its model put in the stream), or, in a stream of image tokens alone
     (``stream`` :data:`~tome_core.families.TEXT_NONE`), every token past the grid (FLUX.3's joint blocks get the
     reference images' tokens after the output's, which its earlier blocks ran apart). Where the call's grid comes
     last (``grid_last``: FramePack), those tokens are the head."""
     if stream != TEXT_NONE or grid is None:
         return 0, tail
-    extra = max(length - grid[0] * grid[1] - tail, 0)
+    extra = max(get_ops(x).shape(x)[1] - grid[0] * grid[1] - tail, 0)
     return (extra, tail) if grid_last else (0, tail + extra)
 
 
@@ -221,7 +219,7 @@ class BlockRun:
         """``(head, tail)`` of this block's image stream (:func:`around_grid`), refused under context parallelism
         where tokens of other images sit beside the grid."""
         state = self.state
-        head, tail = around_grid(get_ops(x).shape(x)[1], self.family.stream, state.grid_hw, state.tail, state.grid_last)
+        head, tail = around_grid(x, self.family.stream, state.grid_hw, state.tail, state.grid_last)
         if head + tail > state.tail and state.shards is not None:
             raise ValueError(
                 f"ToMe cannot merge {self.where} {CONTEXT_PARALLEL}: its {type(self.block).__name__}s get "

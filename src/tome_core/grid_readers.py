@@ -49,17 +49,14 @@ class Call(NamedTuple):
 
 
 class Reader:
-    """What every reader shares: the model's ``forward`` (where its arguments sit, their defaults), its config's
-    ``patch_size`` and data format, and host reads of small arrays made once per array object (pipelines build
-    ids and coordinates once per generation)."""
+    """What every reader shares: where the arguments it reads (``names``) sit in the model's ``forward``, its
+    config's ``patch_size``, and host reads of small arrays made once per array object (pipelines build ids and
+    coordinates once per generation)."""
 
     def __init__(self, fw: Framework, model: Any, *names: str):
         self.fw = fw
-        forward = forward_of(type(model))
-        self.where = argument_positions(forward, *names)
-        self.defaults = {p.name: p.default for p in list(inspect.signature(forward).parameters.values())[1:]}
+        self.where = argument_positions(forward_of(type(model)), *names)
         self.patch_size = config_value(model, "patch_size")
-        self.data_format = getattr(model, "data_format", "NCHW")
         self.grid_last = model_layout(type(model)).grid_last  # the latent's tokens end each block's image stream
         self._read: Dict[str, Tuple[Any, Any]] = {}
 
@@ -122,6 +119,7 @@ class LatentGrid(Reader):
     def __init__(self, fw: Framework, model: Any):
         self.context = model_layout(type(model)).context_latents  # images' latents after the grid
         super().__init__(fw, model, *((self.context,) if self.context else ()))
+        self.data_format = getattr(model, "data_format", "NCHW")
         self.packed = PackedIds(fw, model)
 
     def __call__(self, call: Call) -> Reading:
@@ -176,6 +174,8 @@ class VideoGrid(Reader):
         named = tuple(name for name in (layout.coords, layout.frame_types) if name)
         super().__init__(fw, model, *layout.sizes, *layout.patch_arguments, *named)
         self.layout = layout
+        forward = inspect.signature(forward_of(type(model)))
+        self.defaults = {name: forward.parameters[name].default for name in layout.patch_arguments}
         self.temporal_patch = (layout.temporal_patch and config_value(model, layout.temporal_patch)) or 1
 
     def __call__(self, call: Call) -> Reading:
@@ -290,15 +290,13 @@ class RolesGrid(Reader):
 
 def grid_reader(fw: Framework, model: Any) -> Reader:
     """The reader of a diffusion transformer's calls, by its :class:`~tome_core.families.ModelLayout`: its token
-    roles or video layout, else its latent's shape, first from a shape list where its ``forward`` takes one."""
+    roles or video layout, else its latent's shape, first from a shape list where a call gives one."""
     layout = model_layout(type(model))
     if layout.roles is not None:
         return RolesGrid(fw, model, layout.roles)
     if layout.video is not None:
         return VideoGrid(fw, model, layout.video)
-    latent = LatentGrid(fw, model)
-    takes_shapes = any(position is not None for position in argument_positions(forward_of(type(model)), *SHAPE_LISTS).values())
-    return ShapeListGrid(fw, model, latent) if takes_shapes else latent
+    return ShapeListGrid(fw, model, LatentGrid(fw, model))
 
 
 def mixed_sizes(what: str, where: str) -> str:
