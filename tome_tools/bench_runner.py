@@ -198,8 +198,9 @@ def draw_latents(args: Any, shape: Tuple[int, ...], image_like: Callable[..., np
 def image_part(x: Any, family: BlockFamily, grid: Tuple[int, int], tail: int = 0, grid_last: bool = False) -> Any:
     """The image tokens of a block's input ``x`` ``[B, L, C]``, what the patch matches on, for a call whose grid,
     tail and ``grid_last`` are given (:func:`tome_core.block_hooks.image_tokens`)."""
-    head, tail = around_grid(x, family.stream, grid, tail, grid_last)
-    return image_tokens(x, family.stream, grid, head, tail)
+    ops = get_ops(x)
+    head, tail = around_grid(ops, x, family.stream, grid, tail, grid_last)
+    return image_tokens(ops, x, family.stream, grid, head, tail)
 
 
 def hook_oracle(

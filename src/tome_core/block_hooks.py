@@ -17,11 +17,11 @@ from .families import (
     BlockFamily, Sublayer, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, attends_text_only, child_at, text_follows,
     with_text_after,
 )
-from .framework import Framework, REUSED, argument, argument_positions, forward_of, replace_argument
-from .levels import spatial_size
+from .framework import Framework, REUSED, argument, argument_positions, arguments, forward_of, replace_argument
 from .match import Match
 from .merge import merge, unmerge
 from .model_tree import block_metric
+from .ops import ArrayOps
 from .shards import CONTEXT_PARALLEL
 from .state import Level, ToMeState, shown_sublayer
 
@@ -42,7 +42,9 @@ class BlockPlan:
     level: Optional[Level] = None
 
 
-def around_grid(x: Any, stream: str, grid: Optional[Tuple[int, int]], tail: int, grid_last: bool) -> Tuple[int, int]:
+def around_grid(
+    ops: ArrayOps, x: Any, stream: str, grid: Optional[Tuple[int, int]], tail: int, grid_last: bool
+) -> Tuple[int, int]:
     """``(head, tail)``: the tokens before and after the grid's in a block's image stream ``x`` ``[B, L, C]``. The
     tail: the call's (reference tokens its model put in the stream), or, in a stream of image tokens alone
     (``stream`` :data:`~tome_core.families.TEXT_NONE`), every token past the grid (FLUX.3's joint blocks get the
@@ -50,17 +52,17 @@ def around_grid(x: Any, stream: str, grid: Optional[Tuple[int, int]], tail: int,
     last (``grid_last``: FramePack), those tokens are the head."""
     if stream != TEXT_NONE or grid is None:
         return 0, tail
-    extra = max(get_ops(x).shape(x)[1] - grid[0] * grid[1] - tail, 0)
+    extra = max(ops.shape(x)[1] - grid[0] * grid[1] - tail, 0)
     return (extra, tail) if grid_last else (0, tail + extra)
 
 
-def image_tokens(x: Any, stream: str, grid: Optional[Tuple[int, int]], head: int, tail: int) -> Any:
+def image_tokens(ops: ArrayOps, x: Any, stream: str, grid: Optional[Tuple[int, int]], head: int, tail: int) -> Any:
     """The image tokens of a block's input ``x`` ``[B, L, C]``, what its match is computed from: without the ``head``
     and ``tail`` around the grid (:func:`around_grid`), and without the text its family's ``stream`` puts in front
     (``[text; image; tail]``, their count the ``grid``'s) or behind (``[image; text]``)."""
     if stream == TEXT_NONE and not tail and not head:
         return x
-    length = get_ops(x).shape(x)[1]
+    length = ops.shape(x)[1]
     if stream == TEXT_NONE:
         return x[:, head : length - tail]
     if stream == TEXT_SUFFIX:
@@ -91,10 +93,13 @@ class BlockRun:
         self.merged: set = set()  # sub-layers (children) merged in this run of the block
         # token masks are gathered like rotary positions: one match for the whole batch
         self.masks = any(sublayer.masks for sublayer in family.sublayers)
-        name = family.unmerged_with[0] if family.unmerged_with else None
-        self.unmerged_at = argument_positions(forward_of(type(block)), name)[name] if name else None
-        self.text_after_at = family_argument_position(family, block)
-        self.metric, self.metric_at = block_metric(family, block)  # what the match is computed from
+        self.text_after = with_text_after(family) if family.text_after_with else None  # family_in_call's variant
+        # what begin reads of the block's call, in one pass: the tokens its match is computed from, the argument that
+        # puts its text after the image (text_after_with), and the one that runs it unmerged (unmerged_with)
+        self.reads = (
+            block_metric(family, block), _named_position(block, family.text_after_with),
+            _named_position(block, family.unmerged_with[0] if family.unmerged_with else None),
+        )
         self.lent = False  # another model may run this block in its own call (ModelLayout.lent)
         self.idle = BlockPlan(state.active)  # the plan of a run that merges nothing (its options are not read)
         self.plan = self.idle
@@ -110,8 +115,8 @@ class BlockRun:
         block_problem(self.block, self.state.config)
         if self.merged:  # what an interrupted call left (a BaseException skips post-hooks)
             self.merged.clear()
-        self.family = family_in_call(self.base, self.text_after_at, args, kwargs)
-        whole = argument(args, kwargs, self.metric, self.metric_at)
+        whole, text_after, unmerged_by = arguments(args, kwargs, self.reads)
+        self.family = self.base if text_after is None else self.text_after
         earlier = self._ran_on(whole) if self.ran else None
         if earlier is not None:  # a recomputation (checkpointing): as it ran then, counted then
             self.plan = replace(earlier[1], level=None)
@@ -119,53 +124,52 @@ class BlockRun:
         if self.lent and not self.state.in_call:  # another model runs this block (it borrowed it): unmerged
             self.plan = self.idle
             return None
-        self.plan = self._decide(args, kwargs, whole)
+        self.plan = self._decide(get_ops(whole), whole, unmerged_by)
         if self.fw.may_run_again(whole):
             self.ran = {key: entry for key, entry in self.ran.items() if entry[0]() is not None}
             self.ran[id(whole)] = (weakref.ref(whole), self.plan)
         return None
 
-    def _decide(self, args, kwargs, whole: Any) -> BlockPlan:
+    def _decide(self, ops: ArrayOps, whole: Any, unmerged_by: Any) -> BlockPlan:
+        """The plan of this call: the block's image tokens read off its input ``whole`` here, then what
+        :meth:`ToMeState.decide` makes of them. ``unmerged_by``: its call's ``unmerged_with`` argument."""
         state = self.state
-        deciding = state.merging and not self._unmerged(args, kwargs)  # else a call that runs unmerged, said there
+        deciding = state.merging and not self._unmerged(unmerged_by)  # else a call that runs unmerged, said there
         config, fallback = self._arrangement(state.active) if deciding else (None, None)
-        if deciding and self._repeats(whole, config):
+        if deciding and self._repeats(ops, whole, config):
             return self.idle
-        metric = whole
-        if self.family.feature_map:
-            state.enter_grid(spatial_size(metric, "NCHW"))
-            metric = pixels(metric)
-        metric = self._own_piece(_batch_first(metric) if self.family.sequence_first else metric)
-        head, tail = self._around(metric)
+        metric, grid, own_grid = whole, state.grid_hw, None
+        if self.family.feature_map:  # its grid is its input's (B, C, H, W), entered as the state decides
+            grid = own_grid = tuple(ops.shape(metric)[2:])
+            metric = pixels(ops, metric)
+        metric = self._own_piece(ops, _batch_first(ops, metric) if self.family.sequence_first else metric)
+        head, tail = self._around(ops, metric, grid)
         if not deciding:
             return self.idle
-        image = self._image(metric, head, tail)
-        tokens = get_ops(image).shape(image)[1]
-        if not state.merges_level(tokens):  # a level above max_downsample: its blocks never merge
-            self._settle(whole, config, None)
-            return self.idle
-        unpaid = state.why_unmerged(tokens, self._execution(image), config)
-        if unpaid is not None:  # merging would not pay at this size (tome_core.cost), said in summary()
-            self._settle(whole, config, (*unpaid, tokens))
+        image = self._image(ops, metric, grid, head, tail)
+        execution = self._execution(image)
+        shared = self.family.rotary is not None or self.masks
+        matches, level, unmerged = state.decide(image, execution, self.stream, shared, self.ratio, config, fallback, own_grid)
+        if matches is None:  # it runs unmerged for its size: a level above max_downsample, or merging would not pay
+            self._settle(ops, whole, config, unmerged)
             return self.idle
         self.settled = None
-        matches = state.block_matches(image, self.stream, self.family.rotary is not None or self.masks, self.ratio, config, fallback)
-        return BlockPlan(config, matches, head, tail, state.level(tokens, matches, self.ratio, config, fallback))
+        return BlockPlan(config, matches, head, tail, level)
 
-    def _repeats(self, whole: Any, config: ToMeConfig) -> bool:
+    def _repeats(self, ops: ArrayOps, whole: Any, config: ToMeConfig) -> bool:
         """Whether this call repeats the eager call in which this block last ran unmerged for its size (the same
         call key, input shape, family variant and options): then it runs unmerged again, counted as then, without
         reading its sizes again (an eager GPU call is bound by the hooks' host time)."""
         settled = self.settled
         if settled is None or settled[0] != self.state.call_key or settled[2] is not self.family or settled[3] is not config:
             return False
-        if settled[1] != get_ops(whole).shape(whole):
+        if settled[1] != ops.shape(whole):
             return False
         if settled[4] is not None:
             self.state.unpaid_block(*settled[4])
         return True
 
-    def _settle(self, whole: Any, config: ToMeConfig, unpaid: Optional[Tuple[int, str, int]]) -> None:
+    def _settle(self, ops: ArrayOps, whole: Any, config: ToMeConfig, unpaid: Optional[Tuple[int, str, int]]) -> None:
         """Remember that this block runs unmerged for its size in this call (``unpaid``: its count in
         :meth:`ToMeState.summary`), for :meth:`_repeats`: only in an eager call, not for a block whose grid it reads
         itself (``feature_map``) or that another model may run (``lent``)."""
@@ -173,7 +177,7 @@ class BlockRun:
         if key is None or self.family.feature_map or self.lent:
             self.settled = None
             return
-        self.settled = (key, get_ops(whole).shape(whole), self.family, config, unpaid)
+        self.settled = (key, ops.shape(whole), self.family, config, unpaid)
 
     def _execution(self, x: Any) -> Tuple[str, str]:
         """The device and execution of the call now running (``Framework.execution``), read once per call."""
@@ -190,7 +194,7 @@ class BlockRun:
             return earlier
         return next((entry for entry in self.ran.values() if self.fw.same_data(entry[0](), x)), None)
 
-    def _own_piece(self, x: Any) -> Any:
+    def _own_piece(self, ops: ArrayOps, x: Any) -> Any:
         """This process's piece of a block input that context parallelism splits inside the block's own call
         (:attr:`Shards.split_inside`); ``x`` itself otherwise."""
         shards = self.state.shards
@@ -201,25 +205,24 @@ class BlockRun:
                 f"ToMe cannot merge {self.where} {CONTEXT_PARALLEL}: its {type(self.block).__name__} splits its "
                 "input of text and image tokens together, so a process's piece mixes both"
             )
-        length = get_ops(x).shape(x)[1] // shards.count
+        length = ops.shape(x)[1] // shards.count
         return x[:, shards.rank * length : (shards.rank + 1) * length]
 
-    def _unmerged(self, args, kwargs) -> bool:
-        """Whether this call of the block runs unmerged (:attr:`BlockFamily.unmerged_with`), said once."""
-        if self.family.unmerged_with is None:
+    def _unmerged(self, given: Any) -> bool:
+        """Whether this call of the block runs unmerged: it was ``given`` its family's
+        :attr:`~BlockFamily.unmerged_with` argument (not None); said once."""
+        if given is None:
             return False
         name, why = self.family.unmerged_with
-        if argument(args, kwargs, name, self.unmerged_at) is None:
-            return False
         self.state.say_once(f"ToMe on {self.where}: calls whose blocks get {name} ({why}) run unmerged in those blocks")
         self.state.hold(f"they got {name} ({why})")
         return True
 
-    def _around(self, x: Any) -> Tuple[int, int]:
-        """``(head, tail)`` of this block's image stream (:func:`around_grid`), refused under context parallelism
-        where tokens of other images sit beside the grid."""
+    def _around(self, ops: ArrayOps, x: Any, grid: Optional[Tuple[int, int]]) -> Tuple[int, int]:
+        """``(head, tail)`` of this block's image stream around its ``grid`` (:func:`around_grid`), refused under
+        context parallelism where tokens of other images sit beside the grid."""
         state = self.state
-        head, tail = around_grid(x, self.family.stream, state.grid_hw, state.tail, state.grid_last)
+        head, tail = around_grid(ops, x, self.family.stream, grid, state.tail, state.grid_last)
         if head + tail > state.tail and state.shards is not None:
             raise ValueError(
                 f"ToMe cannot merge {self.where} {CONTEXT_PARALLEL}: its {type(self.block).__name__}s get "
@@ -228,11 +231,11 @@ class BlockRun:
             )
         return head, tail
 
-    def _image(self, x: Any, head: int, tail: int) -> Any:
-        """The image tokens of the block's input (:func:`image_tokens`)."""
-        if self.family.stream != TEXT_NONE and self.state.grid_hw is None:
+    def _image(self, ops: ArrayOps, x: Any, grid: Optional[Tuple[int, int]], head: int, tail: int) -> Any:
+        """The image tokens of the block's input on its ``grid`` (:func:`image_tokens`)."""
+        if self.family.stream != TEXT_NONE and grid is None:
             raise ValueError(f"ToMe on {self.where}: a {type(self.block).__name__} got no token grid from its model's call")
-        return image_tokens(x, self.family.stream, self.state.grid_hw, head, tail)
+        return image_tokens(ops, x, self.family.stream, grid, head, tail)
 
     def _arrangement(self, config: ToMeConfig) -> Tuple[ToMeConfig, Optional[str]]:
         """The options this block runs with now, and why they are a fallback (None: they are not):
@@ -281,8 +284,7 @@ class BlockRun:
 def family_argument_position(family: BlockFamily, block: Any) -> Optional[int]:
     """Where ``block``'s forward takes its family's ``text_after_with`` argument by position (None: by keyword
     only, or the family has none)."""
-    name = family.text_after_with
-    return argument_positions(forward_of(type(block)), name)[name] if name else None
+    return _named_position(block, family.text_after_with)[1]
 
 
 def family_in_call(family: BlockFamily, at: Optional[int], args, kwargs) -> BlockFamily:
@@ -293,16 +295,19 @@ def family_in_call(family: BlockFamily, at: Optional[int], args, kwargs) -> Bloc
     return with_text_after(family)
 
 
-def pixels(x: Any) -> Any:
+def _named_position(block: Any, name: Optional[str]) -> Tuple[Optional[str], Optional[int]]:
+    """``(name, its position in block's forward)``; ``(None, None)`` for no name (a call reads None there)."""
+    return (name, argument_positions(forward_of(type(block)), name)[name]) if name else (None, None)
+
+
+def pixels(ops: ArrayOps, x: Any) -> Any:
     """A feature map ``(B, C, H, W)`` as tokens ``[B, H * W, C]``, with the ops protocol's transpose."""
-    ops = get_ops(x)
     batch, channels, height, width = ops.shape(x)
     return ops.matrix_transpose(ops.reshape(x, (batch, channels, height * width)))
 
 
-def _batch_first(x: Any) -> Any:
+def _batch_first(ops: ArrayOps, x: Any) -> Any:
     """``[S, B, C]`` as ``[B, S, C]``, with the ops protocol's transpose of the last two axes."""
-    ops = get_ops(x)
     length, batch, channels = ops.shape(x)
     x = ops.matrix_transpose(ops.reshape(x, (length, batch * channels)))  # [B * C, S]
     return ops.matrix_transpose(ops.reshape(x, (batch, channels, length)))

@@ -386,6 +386,12 @@ class ToMeConfig:
             return self.level_ratios[level]
         return self.ratio
 
+    def at_level(self, level: int, block_ratio: Optional[float] = None) -> Tuple[Dict[str, float], Tuple[int, int]]:
+        """What a block at downsample ``level`` (its ``block_ratios`` entry ``block_ratio``) runs with, read at once:
+        the ratio of each merged sub-layer (:meth:`ratio_for`) and its ``(sx, sy)`` cell (:meth:`cell_at`)."""
+        ratios = {sublayer: self.ratio_for(sublayer, level, block_ratio) for sublayer, on in self.sublayers.items() if on}
+        return ratios, self.cell_at(level)
+
     @property
     def sublayers(self) -> Dict[str, bool]:
         """Which sub-layers are wrapped in merge/unmerge."""

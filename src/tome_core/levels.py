@@ -4,7 +4,7 @@ grids they are judged by (:func:`spatial_size` of a feature map, token grids rea
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 from .backend import get_ops
 
@@ -42,6 +42,26 @@ def block_grid(
             f"{factor} gives {grid[0]}x{grid[1]}"
         )
     return grid
+
+
+class Place(NamedTuple):
+    """Where a block of ``tokens`` image tokens sits (:func:`block_place`): its level and its grid, or why its tokens
+    lie on no grid of the latent (``grid`` None)."""
+
+    tokens: int
+    factor: int
+    grid: Optional[Tuple[int, int]]
+    problem: Optional[str] = None
+
+
+def block_place(latent_hw: Tuple[int, int], tokens: int, seen_hw: Optional[Tuple[int, int]]) -> Place:
+    """A block's :func:`downsample_factor` and :func:`block_grid` at once, read once per block call; the grid's
+    error is kept for where the grid is needed (a block at a level that merges nothing never needs it)."""
+    factor = downsample_factor(latent_hw, tokens, seen_hw)
+    try:
+        return Place(tokens, factor, block_grid(latent_hw, factor, seen_hw, tokens))
+    except ValueError as error:
+        return Place(tokens, factor, None, str(error))
 
 
 def leading_raster(ids: Sequence[Sequence[float]]) -> Optional[Tuple[int, int, int]]:

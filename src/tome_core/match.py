@@ -10,10 +10,10 @@ similar first, as tomesd orders them), then the destinations in grid order.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .ops import Array, ArrayOps
-from .partition import cached, cell_table, neighbour_table, split, window_table
+from .partition import Partition, cached, cell_table, partition_grid
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,12 @@ def first_tokens_match(ops: ArrayOps, like: Array, batch: int, tokens: int, kept
         return identity_match(ops, batch, tokens)
     if kept < 1:
         raise ValueError(f"a match keeps at least one of its {tokens} tokens, not {kept}")
-    build = lambda: _first_tokens(ops, like, batch, tokens, kept)  # noqa: E731
-    return cached(ops, like, ("first tokens", batch, tokens, kept), build)
+    return _built_once(ops, like, ("first tokens", batch, tokens, kept), lambda: _first_tokens(ops, like, batch, tokens, kept))
+
+
+def _built_once(ops: ArrayOps, like: Array, key: Tuple, build: Callable[[], Match]) -> Match:
+    """A match that depends on shapes only, built once per shape and device (:func:`~tome_core.partition.cached`)."""
+    return cached(ops, like, ("match",) + key, build)
 
 
 def _first_tokens(ops: ArrayOps, like: Array, batch: int, tokens: int, kept: int) -> Match:
@@ -229,17 +233,22 @@ def bipartite_matches(
     for the whole batch, as rotary position embeddings need). A count must not exceed the number of sources;
     a grid with no full cell merges nothing.
     """
+    part = partition_grid(ops, metric, h, w, sx, sy, offsets=offsets, window=window)
+    return partition_bipartite(ops, metric, part, merged, shared)
+
+
+def partition_bipartite(ops: ArrayOps, metric: Array, part: Partition, merged: Sequence[int], shared: bool = False) -> List[Match]:
+    """:func:`bipartite_matches` on a drawn :class:`~tome_core.partition.Partition`."""
     batch, tokens, _ = ops.shape(metric)
-    if h * w != tokens:
-        raise ValueError(f"grid {h}x{w} has {h * w} tokens but the metric has {tokens}")
-    if not any(merged) or (h // sy) * (w // sx) == 0:
+    if part.h * part.w != tokens:
+        raise ValueError(f"grid {part.h}x{part.w} has {part.h * part.w} tokens but the metric has {tokens}")
+    if not any(merged) or not part.full_cells:
         return [identity_match(ops, batch, tokens) for _ in merged]
-    dst, src = split(ops, metric, h, w, sx, sy, offsets)
+    dst, src = part.dst, part.src
     num_src = ops.shape(src)[0]
     if max(merged) > num_src:
         raise ValueError(f"cannot merge {max(merged)} of {num_src} source tokens")
-    neighbours = neighbour_table(ops, metric, h, w, sx, sy, window) if window else None
-    best, best_dst = best_destinations(ops, batch_as_channels(ops, metric) if shared else metric, src, dst, neighbours)
+    best, best_dst = best_destinations(ops, batch_as_channels(ops, metric) if shared else metric, src, dst, part.neighbours)
     order = rank_sources(ops, best)
     if shared and batch > 1:
         num_src = ops.shape(order)[1]
@@ -280,6 +289,13 @@ def chunk_matches(
     other-frame token merged (``across = (K - 1) * N``) therefore merges exactly as its one frame alone. A
     count that merges nothing at all gives the identity match of the frames (each attends on its own).
     """
+    part = partition_grid(ops, metric, h, w, sx, sy, offsets=offsets, window=window, frames=frames, reference=reference)
+    return partition_chunks(ops, metric, part, within, across)
+
+
+def partition_chunks(ops: ArrayOps, metric: Array, part: Partition, within: Sequence[int], across: int) -> List[Match]:
+    """:func:`chunk_matches` on a drawn :class:`~tome_core.partition.Partition` (its ``frames`` and ``reference``)."""
+    frames, reference = part.frames, part.reference
     batch_frames, tokens, channels = ops.shape(metric)
     if batch_frames % frames:
         raise ValueError(f"a batch of {batch_frames} frames does not split into chunks of {frames}")
@@ -292,12 +308,12 @@ def chunk_matches(
     other_frame = ops.arange(frames - 1, metric)
     other_frame = other_frame + ops.as_index(other_frame >= reference)
     src = ops.reshape(ops.reshape(other_frame * tokens, (frames - 1, 1)) + ops.reshape(position, (1, tokens)), ((frames - 1) * tokens,))
-    reference_matches = bipartite_matches(ops, ops.take(chunk, ref, axis=1), h, w, sx, sy, within, offsets, window)
+    reference_matches = partition_bipartite(ops, ops.take(chunk, ref, axis=1), part, within)
     num_src = (frames - 1) * tokens
     if across:
         near = None
-        if window:
-            table = window_table(ops, metric, h, w, window)
+        if part.window:
+            table = part.nearby
             width = ops.shape(table)[1]
             near = ops.reshape(ops.broadcast_to(ops.reshape(table, (1, tokens, width)), (frames - 1, tokens, width)), (num_src, width))
         best, best_dst = best_destinations(ops, chunk, src, ref, near)
@@ -316,15 +332,25 @@ def cell_match(ops: ArrayOps, like: Array, batch: int, h: int, w: int, sx: int, 
     """Every token of an ``h x w`` grid joins its own ``sx x sy`` cell (average pooling); tokens in leftover
     rows and columns stay as they are. Slots: the cells in row-major order, then the leftover tokens. A
     function of the shape only, built once per shape and device."""
-    tokens = h * w
-    if (h // sy) * (w // sx) == 0 or sx * sy == 1:
-        return identity_match(ops, batch, tokens)
-    return cached(ops, like, ("cell match", batch, h, w, sx, sy), lambda: build_cell_match(ops, like, batch, h, w, sx, sy))
+    return partition_pooled(ops, like, batch, partition_grid(ops, like, h, w, sx, sy, similarity=False, picks=False))
+
+
+def partition_pooled(ops: ArrayOps, like: Array, batch: int, part: Partition) -> Match:
+    """:func:`cell_match` on a drawn :class:`~tome_core.partition.Partition` (its cells)."""
+    if not part.full_cells or part.sx * part.sy == 1:
+        return identity_match(ops, batch, part.h * part.w)
+    return _built_once(ops, like, ("cell match", batch, part.h, part.w, part.sx, part.sy), lambda: _pooled(ops, like, batch, part))
 
 
 def build_cell_match(ops: ArrayOps, like: Array, batch: int, h: int, w: int, sx: int, sy: int) -> Match:
     """:func:`cell_match` without its cache: the match built anew (the benchmark times this one-off cost)."""
     cells, leftover = cell_table(ops, like, h, w, sx, sy)
+    return _pooled(ops, like, batch, Partition(h, w, sx, sy, cells, leftover))
+
+
+def _pooled(ops: ArrayOps, like: Array, batch: int, part: Partition) -> Match:
+    h, w, sx, sy = part.h, part.w, part.sx, part.sy
+    cells, leftover = part.cells, part.leftover
     num_cells, per_cell = ops.shape(cells)
     num_left = 0 if leftover is None else ops.shape(leftover)[0]
     kept = num_cells + num_left
@@ -359,12 +385,17 @@ def sampled_cell_match(
     the cell match's: every token of a cell takes the output of the token that stands for it. Drawn afresh
     per call, the picks are an unbiased sample of each cell's tokens, where the cell's mean is a fixed bias.
     """
-    pooled = cell_match(ops, like, batch, h, w, sx, sy)
+    return partition_sampled(ops, like, batch, partition_grid(ops, like, h, w, sx, sy, similarity=False, offsets=offsets))
+
+
+def partition_sampled(ops: ArrayOps, like: Array, batch: int, part: Partition) -> Match:
+    """:func:`sampled_cell_match` on a drawn :class:`~tome_core.partition.Partition`."""
+    pooled = partition_pooled(ops, like, batch, part)
     if pooled.merged == 0:
         return pooled
-    cells, leftover = cached(ops, like, ("cells", h, w, sx, sy), lambda: cell_table(ops, like, h, w, sx, sy))
+    cells, leftover = part.cells, part.leftover
     num_cells = ops.shape(cells)[0]
-    offsets = ops.zeros((num_cells, 1), cells) if offsets is None else ops.reshape(offsets, (num_cells, 1))
+    offsets = ops.zeros((num_cells, 1), cells) if part.offsets is None else ops.reshape(part.offsets, (num_cells, 1))
     tokens = ops.reshape(ops.take_along_axis(cells, offsets, axis=1), (num_cells,))
     if leftover is not None:
         tokens = ops.concat([tokens, leftover], axis=0)
@@ -386,3 +417,38 @@ def bipartite_match(
 ) -> Match:
     """:func:`bipartite_matches` for a single count ``merged``."""
     return bipartite_matches(ops, metric, h, w, sx, sy, [merged], offsets, window)[0]
+
+
+def match_block(
+    ops: ArrayOps, metric: Array, part: Optional[Partition], merged: Dict[str, int], *, matching: str = "similarity",
+    cell_pool: str = "mean", across: int = 0, shared: bool = False, oracle: bool = False,
+) -> Dict[str, Match]:
+    """One match per merged sub-layer of a block, ``merged`` telling how many of the image tokens ``metric``
+    ``[B, N, C]`` (``[B * K, N, C]`` in cross-frame chunks of ``K = part.frames``) each merges, on the block's
+    drawn partition ``part``: ``matching="cell"`` pools each cell (``cell_pool="mean"``: :func:`cell_match`;
+    ``"sample"``: :func:`sampled_cell_match`); ``"similarity"`` runs ToMe for SD's bipartite match
+    (:func:`bipartite_matches`, ``shared`` as there), across frames too where the partition has ``frames > 1``
+    (:func:`chunk_matches`, ``across`` other-frame tokens merged). ``oracle``: each keeps the first of its tokens,
+    as many as that match keeps (similarity: the counts; cells: one token per full cell and the leftovers; no full
+    cell: every token), free token removal (:func:`first_tokens_match`). A sub-layer that merges nothing gets the
+    identity match, and every one where there is no partition (``part`` None: nothing merges)."""
+    batch, tokens = ops.shape(metric)[:2]
+    if part is None:
+        identity = identity_match(ops, batch, tokens)
+        return {sublayer: identity for sublayer in merged}
+    cells = part.full_cells
+    if oracle:
+        pooled = tokens - cells * (part.sx * part.sy - 1)
+        return {
+            sublayer: first_tokens_match(
+                ops, metric, batch, tokens,
+                tokens if not count or not cells else pooled if matching == "cell" else tokens - count,
+            )
+            for sublayer, count in merged.items()
+        }
+    if matching == "cell":
+        found = (partition_sampled if cell_pool == "sample" else partition_pooled)(ops, metric, batch, part)
+        return {sublayer: found if count else identity_match(ops, batch, tokens) for sublayer, count in merged.items()}
+    if part.frames > 1:
+        return dict(zip(merged, partition_chunks(ops, metric, part, list(merged.values()), across)))
+    return dict(zip(merged, partition_bipartite(ops, metric, part, list(merged.values()), shared)))

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Any, Callable, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 from .ops import Array, ArrayOps
 
@@ -174,3 +175,80 @@ def _within(ops: ArrayOps, like: Array, row: Array, col: Array, rows: int, cols:
 
 def _clamp(ops: ArrayOps, x: Array, high: int) -> Array:
     return ops.where(x < 0, 0, ops.where(x > high, high, x))
+
+
+class Draw(NamedTuple):
+    """What places each cell's destination pseudo-randomly in one call (:func:`random_offsets`): the ``seed``, the
+    call's ``step``, the block's ``stream`` among the model's ``streams``, and ``drawn``, the call's tables by grid
+    and seed, drawn for every stream at once by the first block that needs them."""
+
+    seed: int
+    step: Union[int, Array]
+    stream: int
+    streams: int
+    drawn: Dict[Tuple[int, ...], Array]
+
+    def offsets(self, ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: int) -> Array:
+        """This stream's :func:`random_offsets` of an ``h x w`` grid of ``sx x sy`` cells under ``seed``."""
+        key = (h, w, sx, sy, seed)
+        table = self.drawn.get(key)
+        if table is None or ops.shape(table)[0] <= self.stream:
+            streams = ops.arange(max(self.streams, self.stream + 1), like)
+            table = self.drawn[key] = random_offsets(ops, like, h, w, sx, sy, seed, self.step, streams)
+        return table[self.stream]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One block's ``h x w`` grid split for one call: everything its match reads of the grid, built at once by
+    :func:`partition_grid`. ``cells`` and ``leftover``: :func:`cell_table`; ``offsets``: each cell's destination
+    position (None: its first token); ``dst`` and ``src``: :func:`split` (similarity matching); ``neighbours``:
+    each source's candidate destinations (:func:`neighbour_table`, local matching) and ``nearby`` each token's
+    neighbours (:func:`window_table`, local matching across frames); ``reference``: the reference frame of a
+    cross-frame chunk of ``frames`` frames (a Python int or a 1-element index array)."""
+
+    h: int
+    w: int
+    sx: int
+    sy: int
+    cells: Array
+    leftover: Optional[Array]
+    offsets: Optional[Array] = None
+    dst: Optional[Array] = None
+    src: Optional[Array] = None
+    window: int = 0
+    neighbours: Optional[Array] = None
+    nearby: Optional[Array] = None
+    frames: int = 1
+    reference: Any = None
+
+    @property
+    def full_cells(self) -> int:
+        """Destinations: one per full cell."""
+        return num_cells(self.h, self.w, self.sx, self.sy)
+
+
+def partition_grid(
+    ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, draw: Optional[Draw] = None, *,
+    similarity: bool = True, picks: bool = True, window: int = 0, frames: int = 1, offsets: Optional[Array] = None,
+    reference: Any = None,
+) -> Partition:
+    """The :class:`Partition` of an ``h x w`` grid of ``sx x sy`` cells. ``draw`` places the destinations (and a
+    chunk's reference frame) pseudo-randomly where the match ``picks`` a token per cell, else ``offsets`` places
+    them (None: each cell's first token) and ``reference`` is the chunk's (None: its middle frame). ``similarity``:
+    the match compares sources with destinations (``dst``, ``src``; within ``window`` cells when > 0); ``frames``:
+    it runs on chunks of that many frames."""
+    cells, leftover = cached(ops, like, ("cells", h, w, sx, sy), lambda: cell_table(ops, like, h, w, sx, sy))
+    full = num_cells(h, w, sx, sy) > 0
+    if draw is not None:
+        offsets = draw.offsets(ops, like, h, w, sx, sy, draw.seed) if picks and full else None
+        if frames > 1:  # the reference frame of every chunk: drawn like a destination in a 1 x K cell, from the next seed
+            reference = ops.reshape(draw.offsets(ops, like, 1, frames, frames, 1, draw.seed + 1), (1,))
+    if frames > 1 and reference is None:
+        reference = frames // 2
+    dst = src = neighbours = nearby = None
+    if similarity and full:
+        dst, src = split(ops, like, h, w, sx, sy, offsets)
+        neighbours = neighbour_table(ops, like, h, w, sx, sy, window) if window else None
+        nearby = window_table(ops, like, h, w, window) if window and frames > 1 else None
+    return Partition(h, w, sx, sy, cells, leftover, offsets, dst, src, window, neighbours, nearby, frames, reference)

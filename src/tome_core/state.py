@@ -9,11 +9,10 @@ from typing import Any, Dict, Optional, Tuple
 from .backend import get_ops
 from .config import ToMeConfig
 from .cost import arrangement_of, why_unpaid
-from .levels import block_grid, downsample_factor, level_grid
-from .match import (
-    Match, bipartite_matches, cell_match, chunk_matches, first_tokens_match, identity_match, sampled_cell_match,
-)
-from .partition import random_offsets
+from .levels import Place, block_place, level_grid
+from .match import Match, match_block
+from .ops import ArrayOps
+from .partition import Draw, partition_grid
 from .selection import scale
 from .shards import Shards
 
@@ -73,7 +72,7 @@ class ToMeState:
     # run unmerged outside one, when another model that borrowed them runs them (the Z-Image ControlNet runs its
     # transformer's noise refiner); every other block, recomputed in backward after the call, merges as it did
     in_call: bool = False
-    streams: int = 0  # the patched model's block streams (their partitions are drawn together, _offsets)
+    streams: int = 0  # the patched model's block streams (their partitions are drawn together, partition.Draw)
     hooked: int = 0  # the blocks that carry hooks (one at a level above max_downsample never merges, and has none)
     drawn: Dict[Tuple[int, ...], Any] = field(default_factory=dict)  # this call's partitions, by grid and seed
     execution: Optional[Tuple[str, str]] = None  # this call's (device, execution) (Framework.execution), once read
@@ -237,33 +236,39 @@ class ToMeState:
             self.latent_hw = grid_hw
             self.active = self.choose()
 
-    def merges_level(self, tokens: int) -> bool:
-        """Whether a block whose image stream holds ``tokens`` tokens is at a level this patch merges (not above
-        ``max_downsample``); a block at another level runs unmerged and is not counted."""
-        latent = self.latent_hw or self.grid_hw
-        if latent is None:
-            return True  # block_matches says what the block lacks
-        return downsample_factor(latent, tokens, self.grid_hw) <= self.max_downsample
+    def decide(
+        self, image: Any, execution: Tuple[str, str], stream: int, shared: bool, block_ratio: Optional[float],
+        config: ToMeConfig, fallback: Optional[str], grid: Optional[Tuple[int, int]] = None,
+    ) -> Tuple[Optional[Dict[str, Match]], Optional[Level], Optional[Tuple[int, str, int]]]:
+        """What a block does with its image tokens ``image`` ``[B, N, C]`` in this merging call, read in one pass:
+        ``(matches, level, None)`` where it merges (:meth:`block_matches`, counted at ``level``: :meth:`level`);
+        ``(None, None, unpaid)`` where it runs unmerged for its size: at a level above ``max_downsample`` (``unpaid``
+        None: not counted), or where merging would not pay (:mod:`tome_core.cost`; ``unpaid``: ``(level, why,
+        tokens)``, counted for :meth:`summary`). ``execution``: the call's device and execution
+        (``Framework.execution``); ``grid``: the block's own grid, entered first (:meth:`enter_grid`; a block whose
+        input is a feature map); the rest as :meth:`block_matches` takes them."""
+        if grid is not None:
+            self.enter_grid(grid)
+        ops, place = found = self._place(image)
+        if place.factor > self.max_downsample:
+            return None, None, None
+        why = self._unpaid(place, execution, config)
+        if why is not None:
+            self.unpaid_block(place.factor, why, place.tokens)
+            return None, None, (place.factor, why, place.tokens)
+        matches = self.block_matches(image, stream, shared, block_ratio, config, fallback, place=found)
+        return matches, self._level(place, matches, fallback), None
 
-    def why_unmerged(self, tokens: int, execution: Tuple[str, str], config: ToMeConfig) -> Optional[Tuple[int, str]]:
-        """``(level, why)`` a block whose image stream holds ``tokens`` tokens runs unmerged in this call because
-        merging would not pay there (:mod:`tome_core.cost`), counted for :meth:`summary`; None where it merges.
-        ``execution``: the device and execution of the call (``Framework.execution``); ``config``: the block's
-        options now. Asked only in a merging call, for a block at a level this patch merges (:meth:`merges_level`)."""
-        latent = self.latent_hw or self.grid_hw
-        if latent is None:
-            return None  # block_matches says what the block lacks
+    def _unpaid(self, place: Place, execution: Tuple[str, str], config: ToMeConfig) -> Optional[str]:
+        """Why a block at ``place`` runs unmerged because merging would not pay there (:mod:`tome_core.cost`), or
+        None where it merges: options that choose the arrangement by hand merge at every size unless
+        ``min_tokens`` says otherwise."""
         min_tokens = self.config.min_tokens
         if min_tokens is None and self.config.mode != "auto":
-            return None  # an arrangement chosen by hand merges at every size unless min_tokens says otherwise
-        factor = downsample_factor(latent, tokens, self.grid_hw)
+            return None
         pieces = self.shards.count if self.shards is not None else 1  # decided as for the whole sequence
         device, how = execution
-        why = why_unpaid(tokens * pieces, device, how, arrangement_of(config.mode, config.matching), min_tokens)
-        if why is None:
-            return None
-        self.unpaid_block(factor, why, tokens)
-        return factor, why
+        return why_unpaid(place.tokens * pieces, device, how, arrangement_of(config.mode, config.matching), min_tokens)
 
     def hold(self, why: str) -> None:
         """Count a block that this call's own arguments run unmerged, because of ``why``, for :meth:`summary`."""
@@ -281,6 +286,7 @@ class ToMeState:
     def block_matches(
         self, metric: Any, stream: int, shared: bool = False, block_ratio: Optional[float] = None,
         config: Optional[ToMeConfig] = None, fallback: Optional[str] = None,
+        place: Optional[Tuple[ArrayOps, Place]] = None,
     ) -> Dict[str, Match]:
         """One match per merged sub-layer for a block's input ``metric`` ``[B, N, C]``.
 
@@ -288,49 +294,50 @@ class ToMeState:
         Sub-layers share the similarity and ranking; only their ratios may differ. ``shared``: one match for
         the whole batch (blocks whose tokens carry rotary positions). ``block_ratio``: this block's entry of
         ``block_ratios``, if any. ``config``: the block's options (default :attr:`active`); ``fallback``: why
-        they are :meth:`fallback`'s. Nothing is counted here: the block's hooks :meth:`count` it at its
-        :meth:`level` when its merged sub-layer has run (a sub-layer may still run on all its tokens).
+        they are :meth:`fallback`'s. ``place``: the metric's backend and :class:`~tome_core.levels.Place`, where
+        :meth:`decide` has read them (None: read here). Nothing is counted here: the block's hooks :meth:`count`
+        it at its :meth:`level` when its merged sub-layer has run (a sub-layer may still run on all its tokens).
         """
         if not self.merging:
             return {}
-        ops = get_ops(metric)
+        ops, place = place or self._place(metric)
         metric = ops.stop_gradient(metric)  # a discrete choice: training keeps nothing of it for backward
         batch, tokens = ops.shape(metric)[:2]
-        latent = self._latent()
         config = config or self.active
-        factor, merged = self._merged(tokens, config, block_ratio)
-        frames = self._chunk(batch, config) if factor <= self.max_downsample else 1
-        small = self._too_small(latent, factor, tokens, merged, frames, config, block_ratio)
+        factor = place.factor
+        ratios, cell = config.at_level(factor, block_ratio)
+        merges = factor <= self.max_downsample
+        merged = {sublayer: int(tokens * ratio) if merges else 0 for sublayer, ratio in ratios.items()}
+        frames = self._chunk(batch, config) if merges else 1
+        small = self._too_small(place, merged, frames, ratios, cell) if merges and frames == 1 else None
         if small is not None:  # nothing can merge here, whatever the tokens: said once, shown by summary()
             self.say_once(f"ToMe on {self.where}: {small}")
             self.too_small[factor] = small
-            identity = identity_match(ops, batch, tokens)
-            return {sublayer: identity for sublayer in merged}
-        reuse = config.reuse_level or config.reuse_steps > 1 or config.reuse_blocks > 1
+            merged = dict.fromkeys(merged, 0)
+        reuse = small is None and (config.reuse_level or config.reuse_steps > 1 or config.reuse_blocks > 1)
         first = stream - stream % config.reuse_blocks  # the block whose match a run of reuse_blocks shares
         key = (factor if config.reuse_level else ("block", first), batch, tokens, shared, block_ratio, frames)
         matches = self.cache.get(key) if reuse else None
         if matches is None:
-            matches = self._match(ops, metric, latent, factor, merged, first, shared, frames, config=config)
+            matches = self._match(ops, metric, place, cell, merged, first, shared, frames, config)
             if reuse:
                 self.cache[key] = matches
         return matches
 
-    def level(
-        self, tokens: int, matches: Dict[str, Match], block_ratio: Optional[float] = None,
-        config: Optional[ToMeConfig] = None, fallback: Optional[str] = None,
-    ) -> Optional[Level]:
-        """Where a block of ``tokens`` image tokens, given ``matches`` by :meth:`block_matches` (with the same
-        ``block_ratio``, ``config`` and ``fallback``), is counted in this call's statistics; None: it merges
-        nothing at its level (above ``max_downsample``, or at ratio 0), and is not counted."""
-        if not matches:
+    def level(self, tokens: int, matches: Dict[str, Match], fallback: Optional[str] = None) -> Optional[Level]:
+        """Where a block of ``tokens`` image tokens, given ``matches`` by :meth:`block_matches` (``fallback``: why
+        its options were :meth:`fallback`'s), is counted in this call's statistics; None: it merges nothing at its
+        level (above ``max_downsample``, at ratio 0, or in a grid too small), and is not counted."""
+        return self._level(block_place(self._latent(), tokens, self.grid_hw), matches, fallback)
+
+    def _level(self, place: Place, matches: Dict[str, Match], fallback: Optional[str]) -> Optional[Level]:
+        if place.factor in self.too_small or not any(match.merged for match in matches.values()):
             return None
-        factor, merged = self._merged(tokens, config or self.active, block_ratio)
-        if factor in self.too_small:  # its grid cannot merge: summary() says why instead
-            return None
-        if any(merged.values()) or matches[shown_sublayer(matches)].merged:
-            return factor, fallback
-        return None
+        return place.factor, fallback
+
+    def _place(self, metric: Any) -> Tuple[ArrayOps, Place]:
+        ops = get_ops(metric)
+        return ops, block_place(self._latent(), ops.shape(metric)[1], self.grid_hw)
 
     def _latent(self) -> Tuple[int, int]:
         latent = self.latent_hw or self.grid_hw
@@ -341,98 +348,40 @@ class ToMeState:
             )
         return latent
 
-    def _merged(self, tokens: int, config: ToMeConfig, block_ratio: Optional[float]) -> Tuple[int, Dict[str, int]]:
-        """The downsample factor of a block of ``tokens`` image tokens, and how many its merged sub-layers merge."""
-        factor = downsample_factor(self._latent(), tokens, self.grid_hw)
-        merged = {
-            sublayer: int(tokens * config.ratio_for(sublayer, factor, block_ratio)) if factor <= self.max_downsample else 0
-            for sublayer, on in config.sublayers.items()
-            if on
-        }
-        return factor, merged
-
     def _match(
-        self, ops: Any, metric: Any, latent: Tuple[int, int], factor: int, merged: Dict[str, int], stream: int,
-        shared: bool, frames: int = 1, *, config: ToMeConfig,
+        self, ops: ArrayOps, metric: Any, place: Place, cell: Tuple[int, int], merged: Dict[str, int], stream: int,
+        shared: bool, frames: int, config: ToMeConfig,
     ) -> Dict[str, Match]:
-        tokens = ops.shape(metric)[1]
-        across = int((frames - 1) * tokens * config.across_frames) if factor <= self.max_downsample else 0
-        if not any(merged.values()) and not across:
-            identity = identity_match(ops, ops.shape(metric)[0], tokens)
-            return {sublayer: identity for sublayer in merged}
-        h, w = block_grid(latent, factor, self.grid_hw, tokens)
-        sx, sy = config.cell_at(factor)
-        if self.oracle:
-            return self._first_tokens(ops, metric, h, w, sx, sy, merged, config)
-        picks = config.matching == "similarity" or config.cell_pool == "sample"  # a token per cell, placed per call
-        offsets = (
-            self._offsets(ops, metric, h, w, sx, sy, config.seed, stream)
-            if picks and config.use_rand and (h // sy) * (w // sx) > 0
-            else None
+        """The block's matches: its partition drawn for this call (:func:`~tome_core.partition.partition_grid`),
+        then matched (:func:`~tome_core.match.match_block`); no partition where nothing merges."""
+        across = int((frames - 1) * place.tokens * config.across_frames)
+        part = None
+        if any(merged.values()) or across:
+            h, w = _grid(place)
+            similarity = config.matching == "similarity"
+            draw = Draw(config.seed, self.step, stream, self.streams, self.drawn) if config.use_rand and not self.oracle else None
+            part = partition_grid(
+                ops, metric, h, w, *cell, draw, similarity=similarity and not self.oracle,
+                picks=similarity or config.cell_pool == "sample", window=config.local_window,
+                frames=frames if similarity else 1,
+            )
+        return match_block(
+            ops, metric, part, merged, matching=config.matching, cell_pool=config.cell_pool, across=across,
+            shared=shared, oracle=self.oracle,
         )
-        if config.matching == "cell":
-            batch = ops.shape(metric)[0]
-            if config.cell_pool == "sample":
-                cells = sampled_cell_match(ops, metric, batch, h, w, sx, sy, offsets)
-            else:
-                cells = cell_match(ops, metric, batch, h, w, sx, sy)
-            return {sublayer: cells if count else identity_match(ops, batch, tokens) for sublayer, count in merged.items()}
-        if frames > 1:
-            # the reference frame of every chunk: drawn like a destination in a 1 x K cell, from the next seed
-            reference = (
-                ops.reshape(self._offsets(ops, metric, 1, frames, frames, 1, config.seed + 1, stream), (1,))
-                if config.use_rand
-                else frames // 2
-            )
-            found = chunk_matches(ops, metric, frames, reference, h, w, sx, sy, list(merged.values()), across, offsets, config.local_window)
-        else:
-            found = bipartite_matches(ops, metric, h, w, sx, sy, list(merged.values()), offsets, config.local_window, shared)
-        return dict(zip(merged, found))
-
-    def _first_tokens(
-        self, ops: Any, metric: Any, h: int, w: int, sx: int, sy: int, merged: Dict[str, int], config: ToMeConfig,
-    ) -> Dict[str, Match]:
-        """:attr:`oracle`'s matches: each keeps the first of its tokens, as many as the match :meth:`_match` would
-        compute there keeps (similarity: ``merged`` sources; cells: one token per full cell, the leftovers; no full
-        cell: every token)."""
-        batch, tokens = ops.shape(metric)[:2]
-        cells = (h // sy) * (w // sx)
-        pooled = tokens - cells * (sx * sy - 1)
-        return {
-            sublayer: first_tokens_match(
-                ops, metric, batch, tokens,
-                tokens if not count or not cells else pooled if config.matching == "cell" else tokens - count,
-            )
-            for sublayer, count in merged.items()
-        }
-
-    def _offsets(self, ops: Any, like: Any, h: int, w: int, sx: int, sy: int, seed: int, stream: int) -> Any:
-        """``random_offsets`` of block stream ``stream`` at this call's step: drawn for every stream of the model at
-        once, at the first block of the call that needs this grid's, and taken out for each."""
-        key = (h, w, sx, sy, seed)
-        table = self.drawn.get(key)
-        if table is None or ops.shape(table)[0] <= stream:
-            streams = ops.arange(max(self.streams, stream + 1), like)
-            table = self.drawn[key] = random_offsets(ops, like, h, w, sx, sy, seed, self.step, streams)
-        return table[stream]
 
     def _too_small(
-        self, latent: Tuple[int, int], factor: int, tokens: int, merged: Dict[str, int], frames: int,
-        config: ToMeConfig, block_ratio: Optional[float],
+        self, place: Place, merged: Dict[str, int], frames: int, ratios: Dict[str, float], cell: Tuple[int, int],
     ) -> Optional[str]:
-        """Why a block of ``tokens`` tokens at ``factor``, whose options ask it to merge, can merge none of them at
-        this latent size: its grid holds no full cell (no destination), or its ratios times its tokens give no
-        whole token (a 1x1 grid). None where it can merge, or where its options merge nothing there by choice
-        (a level above ``max_downsample``, a ratio of 0: said at patch); cross-frame chunks can merge across
-        frames whatever their grid."""
-        if factor > self.max_downsample or frames > 1:
+        """Why a block at ``place`` (a level this patch merges, its frames merged apart), whose options ask it to
+        merge, can merge none of its tokens at this latent size: its grid holds no full cell (no destination), or
+        its ``ratios`` times its tokens give no whole token (a 1x1 grid). None where it can merge, or where its
+        options merge nothing there by choice (a ratio of 0: said at patch)."""
+        if not ratios or max(ratios.values()) <= 0:
             return None
-        ratios = [config.ratio_for(sublayer, factor, block_ratio) for sublayer in merged]
-        if not ratios or max(ratios) <= 0:
-            return None
-        ratio = max(ratios)
-        h, w = block_grid(latent, factor, self.grid_hw, tokens)
-        sx, sy = config.cell_at(factor)
+        h, w = _grid(place)
+        sx, sy = cell
+        factor = place.factor
         if (h // sy) * (w // sx) == 0:
             return (
                 f"a {h}x{w} token grid is smaller than one {sx}x{sy} cell, so its blocks at {scale(factor)} merge "
@@ -440,8 +389,8 @@ class ToMeState:
             )
         if not any(merged.values()):
             return (
-                f"a {h}x{w} token grid has too few tokens for ratio {ratio:g} to merge a whole one, so its blocks at "
-                f"{scale(factor)} merge nothing at this latent size (a larger image, or a larger ratio)"
+                f"a {h}x{w} token grid has too few tokens for ratio {max(ratios.values()):g} to merge a whole one, so "
+                f"its blocks at {scale(factor)} merge nothing at this latent size (a larger image, or a larger ratio)"
             )
         return None
 
@@ -465,6 +414,13 @@ class ToMeState:
                 f"{', '.join(str(d) for d in range(1, frames + 1) if frames % d == 0)}"
             )
         return chunk
+
+
+def _grid(place: Place) -> Tuple[int, int]:
+    """The block's grid, refused where its tokens lie on none (:class:`~tome_core.levels.Place`)."""
+    if place.grid is None:
+        raise ValueError(place.problem)
+    return place.grid
 
 
 def shown_sublayer(matches: Dict[str, Match]) -> str:

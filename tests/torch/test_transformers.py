@@ -198,13 +198,13 @@ def test_block_ratios_set_each_blocks_ratio():
 
 
 def test_reuse_blocks_shares_one_match_between_consecutive_blocks(monkeypatch):
-    import tome_core.state as state_module
+    import tome_core.match as match_module
 
     model = build_transformer("tiny-sd3", num_layers=4)
     inputs = transformer_inputs(model, HEIGHT, WIDTH, batch=2)
     computed = []
-    original = state_module.bipartite_matches
-    monkeypatch.setattr(state_module, "bipartite_matches", lambda *a, **k: computed.append(1) or original(*a, **k))
+    original = match_module.partition_bipartite
+    monkeypatch.setattr(match_module, "partition_bipartite", lambda *a, **k: computed.append(1) or original(*a, **k))
     for reuse, matches in ((1, 4), (2, 2), (4, 1)):
         computed.clear()
         tome.patch(model, ratio=0.5, reuse_blocks=reuse)
