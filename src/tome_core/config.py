@@ -18,7 +18,7 @@ import numbers
 import textwrap
 from dataclasses import dataclass, field, fields, replace
 from types import SimpleNamespace
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, get_type_hints
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, get_type_hints
 
 MAX_DOWNSAMPLE_CHOICES = (None, 1, 2, 4, 8)
 LEVELS = (1, 2, 4, 8)
@@ -394,8 +394,8 @@ def resolve(options: Mapping[str, Any]) -> Dict[str, Any]:
     acting.attn_ratio = _sublayer_ratio("attn_ratio", given.attn_ratio, acting)
     acting.crossattn_ratio = _sublayer_ratio("crossattn_ratio", given.crossattn_ratio, acting)
     acting.mlp_ratio = _sublayer_ratio("mlp_ratio", given.mlp_ratio, acting)
-    acting.level_ratios = _level_ratios(given.level_ratios, acting)
-    acting.block_ratios = _block_ratios(given.block_ratios, acting)
+    acting.level_ratios = _ratio_map("level_ratios", given.level_ratios, "level", _check_level, acting)
+    acting.block_ratios = _ratio_map("block_ratios", given.block_ratios, "block index", _check_block, acting)
     return vars(acting)
 
 
@@ -590,28 +590,29 @@ def _sublayer_ratio(name: str, ratio: Any, acting: SimpleNamespace) -> Optional[
     return float(ratio)
 
 
-def _level_ratios(level_ratios: Any, acting: SimpleNamespace) -> Optional[Dict[int, float]]:
-    if level_ratios is None:
+def _ratio_map(
+    name: str, ratios: Any, key: str, check_key: Callable[[Any], None], acting: SimpleNamespace
+) -> Optional[Dict[int, float]]:
+    """``ratios``: None, or a ``{key: ratio}`` mapping (``level_ratios``, ``block_ratios``) as int keys and float
+    ratios, each key passed by ``check_key`` and each ratio checked."""
+    if ratios is None:
         return None
-    if not isinstance(level_ratios, Mapping):
-        raise TypeError(f"level_ratios must be a dict {{level: ratio}}, got {level_ratios!r}")
-    for level, value in level_ratios.items():
-        if level not in LEVELS or isinstance(level, bool):
-            raise ValueError(f"level_ratios keys must be levels 1, 2, 4 or 8, got {level!r}")
-        _check_ratio(f"level_ratios[{level}]", value, acting)
-    return {int(k): float(v) for k, v in level_ratios.items()}
+    if not isinstance(ratios, Mapping):
+        raise TypeError(f"{name} must be a dict {{{key}: ratio}}, got {ratios!r}")
+    for k, ratio in ratios.items():
+        check_key(k)
+        _check_ratio(f"{name}[{k}]", ratio, acting)
+    return {int(k): float(v) for k, v in ratios.items()}
 
 
-def _block_ratios(block_ratios: Any, acting: SimpleNamespace) -> Optional[Dict[int, float]]:
-    if block_ratios is None:
-        return None
-    if not isinstance(block_ratios, Mapping):
-        raise TypeError(f"block_ratios must be a dict {{block index: ratio}}, got {block_ratios!r}")
-    for index, value in block_ratios.items():
-        if isinstance(index, bool) or not isinstance(index, numbers.Integral):
-            raise TypeError(f"block_ratios keys must be block indices (ints), got {index!r}")
-        _check_ratio(f"block_ratios[{index}]", value, acting)
-    return {int(k): float(v) for k, v in block_ratios.items()}
+def _check_level(level: Any) -> None:
+    if level not in LEVELS or isinstance(level, bool):
+        raise ValueError(f"level_ratios keys must be levels 1, 2, 4 or 8, got {level!r}")
+
+
+def _check_block(index: Any) -> None:
+    if isinstance(index, bool) or not isinstance(index, numbers.Integral):
+        raise TypeError(f"block_ratios keys must be block indices (ints), got {index!r}")
 
 
 def _check_ratio_type(name: str, ratio: Any) -> None:
