@@ -18,7 +18,7 @@ import numbers
 import textwrap
 from dataclasses import dataclass, field, fields, replace
 from types import SimpleNamespace
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, get_type_hints
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, get_type_hints
 
 MAX_DOWNSAMPLE_CHOICES = (None, 1, 2, 4, 8)
 LEVELS = (1, 2, 4, 8)
@@ -64,8 +64,9 @@ OPTION_GROUPS = (
 
 
 def option(default: Any, group: str, help: str) -> Any:
-    """A :class:`ToMeConfig` field with its default, its group (:data:`OPTION_GROUPS`) and its help."""
-    return field(default=default, metadata={"group": group, "help": help})
+    """A :class:`ToMeConfig` field with its default, its group (:data:`OPTION_GROUPS`) and its help: prose
+    wrapped in the source as a docstring is, each run of whitespace read as one space."""
+    return field(default=default, metadata={"group": group, "help": " ".join(help.split())})
 
 
 
@@ -119,174 +120,109 @@ class ToMeConfig:
     tomesd's (the reference configuration).
     """
 
-    ratio: Optional[float] = option(
-        None, AMOUNT,
-        "fraction of a merged level's tokens removed, in ``[0, 1 - 1/(sx*sy)]``; ``None`` (default) means 0.5 "
-        "with similarity matching and ``1 - 1/(sx*sy)`` (the cell's) with cell matching.",
-    )
-    max_downsample: Optional[int] = option(
-        None, WHERE,
-        "merge blocks whose latent downsample factor is at most this (1, 2, 4 or 8); ``None`` (default) means the "
-        "finest level that has attention (1 on SD 1.x/2.x, 2 on SDXL).",
-    )
-    sx: Optional[int] = option(
-        None, ARRANGEMENT,
-        "cell width in tokens (``None``: 2); each ``sx x sy`` cell of the grid keeps one destination token.",
-    )
-    sy: Optional[int] = option(
-        None, ARRANGEMENT,
-        "cell height in tokens (``None``: 2).",
-    )
-    use_rand: bool = option(
-        True, ARRANGEMENT,
-        "place each cell's destination at a pseudo-random position (else the cell's first).",
-    )
-    merge_attn: bool = option(
-        True, WHERE,
-        "merge around self-attention (the arrangement: ``mode``).",
-    )
-    merge_crossattn: bool = option(
-        False, WHERE,
-        "merge around cross-attention (its queries; the text keys are never merged).",
-    )
-    merge_mlp: bool = option(
-        False, WHERE,
-        "merge around the feed-forward.",
-    )
-    seed: int = option(
-        0, ARRANGEMENT,
-        "seeds the destination placement; with the timestep it fully determines the partition.",
-    )
-    attn_ratio: Optional[float] = option(
-        None, AMOUNT,
-        "a ratio for self-attention only (``None``: the level's ratio).",
-    )
-    crossattn_ratio: Optional[float] = option(
-        None, AMOUNT,
-        "a ratio for cross-attention only (``None``: the level's ratio).",
-    )
-    mlp_ratio: Optional[float] = option(
-        None, AMOUNT,
-        "a ratio for the feed-forward only (``None``: the level's ratio).",
-    )
-    level_ratios: Optional[Mapping[int, float]] = option(
-        None, AMOUNT,
-        "``{downsample factor: ratio}`` replacing ``ratio`` at those levels (a sub-layer ratio wins).",
-    )
-    reuse_level: bool = option(
-        False, REUSE,
-        "compute one match per level per model call (from the level's first block) instead of one per block.",
-    )
-    reuse_steps: int = option(
-        1, REUSE,
-        "keep matches for this many consecutive model calls (denoising steps); 1 = recompute every call. A new "
-        "generation starts afresh: each call of a patched pipeline (its scheduler's ``set_timesteps``), or, for a "
-        "model patched on its own, a call whose timestep is above the previous call's (the timestep is read on "
-        "the host once per call).",
-    )
-    local_window: int = option(
-        0, ARRANGEMENT,
-        "compare each source only with destinations within this many cells (Chebyshev distance); 0 compares with "
-        "all destinations, as tomesd does.",
-    )
-    proportional_attn: bool = option(
-        True, ARRANGEMENT,
-        "size-aware self-attention: each merged key's attention logit gets ``log(size)``, as if every token it "
-        "stands for were still there. On by default: it is 2-3x closer to the unpatched model at every ratio for "
-        "~5% of the call time (docs/size-aware.md); ``False`` is tomesd's arithmetic.",
-    )
-    blocks: Optional[Tuple[int, ...]] = option(
-        None, WHERE,
-        "indices of the transformer blocks that merge, counted in the model's module order (negative from the "
-        "end, as in Python); ``None`` merges every block the level selection allows.",
-    )
-    reuse_blocks: int = option(
-        1, REUSE,
-        "one match serves this many consecutive blocks (computed in the first); 1 = a match per block.",
-    )
-    block_ratios: Optional[Mapping[int, float]] = option(
-        None, AMOUNT,
-        "``{block index: ratio}`` replacing ``ratio`` (and level ratios) in those blocks (indices as in "
-        "``blocks``); a sub-layer ratio still wins.",
-    )
-    mode: Optional[str] = option(
-        None, ARRANGEMENT,
-        "the arrangement around self-attention (docs/high-resolution.md). ``None`` (default): ``\"tokens\"`` when an "
-        "option that says how many tokens merge or how they are matched is given (``ratio``, ``sx``, ``sy``, "
-        "``matching``, ``level_cells``, a sub-layer, level or block ratio, ``frames_per_chunk``, ``frame_ratio``), "
-        "else ``\"auto\"`` (the other options keep it). ``\"auto\"`` chooses by the latent size from measured "
-        "speed and fidelity: where every merged self-attention takes separate keys (UNets, PixArt, DiT), only "
-        "self-attention merges and no similarity option is set (``local_window``, ``reuse_level``, "
-        "``reuse_steps``, ``reuse_blocks``), ``\"kv\"`` in ``prefer``'s cells (2x2, 4x4 where the finest merged "
-        "level has >= 128x128 tokens), each cell one of its tokens drawn per call and block "
-        "(``cell_pool=\"sample\"``); elsewhere (joint-attention transformers, cross-attention or MLP merged too, a "
-        "similarity option) ToMe for SD's ``\"tokens\"`` at ``prefer``'s ratio (0.5). ``\"tokens\"`` merges its input "
-        "and unmerges its output (ToMe for SD); ``\"kv\"`` reduces only its keys and values (queries keep every "
-        "token, nothing to unmerge; ToDo); ``\"queries\"`` merges only its queries (keys and values keep every "
-        "token, output unmerged; ComfyUI's arrangement). Cross-attention and MLP always merge as ``\"tokens\"``.",
-    )
-    matching: Optional[str] = option(
-        None, ARRANGEMENT,
-        "how tokens are grouped: ``\"similarity\"`` (bipartite soft matching) or ``\"cell\"`` (every token joins "
-        "its own sx*sy cell: average pooling, no similarity computed; the reduction is fixed by the cell, so "
-        "``ratio`` may be left out).",
-    )
-    level_cells: Optional[Mapping[int, Any]] = option(
-        None, ARRANGEMENT,
-        "``{downsample factor: n or (sx, sy)}``: the cell at those levels instead of ``sx``, ``sy`` (with "
-        "``matching=\"cell\"``, e.g. ``{1: 4, 2: 2}`` pools 4x4 at the finest level and 2x2 at the next).",
-    )
-    cell_pool: Optional[str] = option(
-        None, ARRANGEMENT,
-        "with ``matching=\"cell\"``, what stands for a cell's tokens: ``\"mean\"`` (average pooling; the default "
-        "with an explicit ``matching=\"cell\"``) or ``\"sample\"``: one of its tokens, drawn per call and block "
-        "from ``seed`` and the timestep as ``use_rand`` places destinations (the cell's first token with "
-        "``use_rand=False``: strided downsampling). A mean is the same bias in every step; samples average out "
-        "over steps, so sampling loops and fine-tunes stay close to the unpatched model (docs/fidelity.md). "
-        "``None`` under ``mode=\"auto\"``: ``\"sample\"``; ``cell_pool=\"mean\"`` there keeps the earlier "
-        "default's mean.",
-    )
-    frames_per_chunk: Optional[int] = option(
-        None, VIDEO,
-        "video models: merge across this many consecutive frames (VidToMe's arrangement, docs/video.md): the "
-        "spatial self-attention of each chunk of frames runs once, over the merged tokens of all its frames. "
-        "``None`` or 1 (default): each frame merges on its own. Must divide the frame count of every call; needs "
-        "``mode=\"tokens\"`` with similarity matching and ``merge_crossattn=False``.",
-    )
-    frame_ratio: Optional[float] = option(
-        None, VIDEO,
-        "with ``frames_per_chunk > 1``, the share of the other frames' tokens merged into their most similar "
-        "token of the chunk's reference frame (the rest stay), in ``[0, 1]``; the reference frame merges by "
-        "``ratio`` as a single frame does. ``None``: 0.9.",
-    )
-    timestep_range: Optional[Tuple[float, float]] = option(
-        None, WHERE,
-        "``(low, high)``: merge only in model calls whose timesteps all lie in ``[low, high]``, in the units the "
-        "model receives (0-1000 for diffusers UNets, SD3 and PixArt; 0-1 for Flux); other calls run the unpatched "
-        "model. High timesteps are high noise, where merging costs least fidelity: e.g. ``(500, 1000)`` merges in "
-        "the first half of sampling, or in the noisier half of training steps. A call whose batch has timesteps "
-        "on both sides of a bound runs unmerged (the token count is one for the whole batch). Reading the "
-        "timesteps costs one host sync per call when they are a device array. ``None`` (default): every call "
-        "merges. Not on jax, where the timestep is traced.",
-    )
-    min_tokens: Optional[int] = option(
-        None, WHERE,
-        "merge a level only in calls where it has at least this many tokens (per item, the whole sequence under "
-        "context parallelism); 0 merges at every size. ``None`` (default): under the default arrangement "
-        "(``mode=\"auto\"``, ``prefer``), where measurements say merging makes the call faster on this device, "
-        "eager or captured or compiled (tome_core.cost: e.g. from 4,096 tokens on a GPU in a CUDA graph, 16,384 "
-        "or 32,768 eager); with an arrangement chosen by hand (``ratio``, ``mode``...), every size. Levels left unmerged "
-        "for this are named in ``summary()`` with the reason.",
-    )
-    prefer: Optional[str] = option(
-        None, KNOB,
-        "the one knob of the default (``mode=\"auto\"``): ``\"fidelity\"``, ``\"balance\"`` or ``\"speed\"``, "
-        "each a point of the measured speed-fidelity front per model kind (docs/fidelity.md, \"One knob\"): keys "
-        "and values in 2x1 / 2x2 (4x4 from 128x128 tokens) / 4x4 cells (4x2 in transformers below 128x128 tokens) "
-        "where self-attention takes them apart from its queries, ToMe for SD at 0.25 / 0.5 / 0.75 where it cannot. "
-        "Monotone: at every size each setting merges at least as much as the one before it. ``None`` (default): "
-        "``\"balance\"``. Options that choose the arrangement themselves (``ratio``, ``mode``...) leave it out.",
-    )
+    ratio: Optional[float] = option(None, AMOUNT, """fraction of a merged level's tokens removed, in ``[0, 1 -
+        1/(sx*sy)]``; ``None`` (default) means 0.5 with similarity matching and ``1 - 1/(sx*sy)`` (the cell's)
+        with cell matching.""")
+    max_downsample: Optional[int] = option(None, WHERE, """merge blocks whose latent downsample factor is at
+        most this (1, 2, 4 or 8); ``None`` (default) means the finest level that has attention (1 on SD
+        1.x/2.x, 2 on SDXL).""")
+    sx: Optional[int] = option(None, ARRANGEMENT, """cell width in tokens (``None``: 2); each ``sx x sy`` cell
+        of the grid keeps one destination token.""")
+    sy: Optional[int] = option(None, ARRANGEMENT, "cell height in tokens (``None``: 2).")
+    use_rand: bool = option(True, ARRANGEMENT, """place each cell's destination at a pseudo-random position
+        (else the cell's first).""")
+    merge_attn: bool = option(True, WHERE, "merge around self-attention (the arrangement: ``mode``).")
+    merge_crossattn: bool = option(False, WHERE, """merge around cross-attention (its queries; the text keys
+        are never merged).""")
+    merge_mlp: bool = option(False, WHERE, "merge around the feed-forward.")
+    seed: int = option(0, ARRANGEMENT, """seeds the destination placement; with the timestep it fully
+        determines the partition.""")
+    attn_ratio: Optional[float] = option(None, AMOUNT, """a ratio for self-attention only (``None``: the
+        level's ratio).""")
+    crossattn_ratio: Optional[float] = option(None, AMOUNT, """a ratio for cross-attention only (``None``: the
+        level's ratio).""")
+    mlp_ratio: Optional[float] = option(None, AMOUNT, """a ratio for the feed-forward only (``None``: the
+        level's ratio).""")
+    level_ratios: Optional[Mapping[int, float]] = option(None, AMOUNT, """``{downsample factor: ratio}``
+        replacing ``ratio`` at those levels (a sub-layer ratio wins).""")
+    reuse_level: bool = option(False, REUSE, """compute one match per level per model call (from the level's
+        first block) instead of one per block.""")
+    reuse_steps: int = option(1, REUSE, """keep matches for this many consecutive model calls (denoising
+        steps); 1 = recompute every call. A new generation starts afresh: each call of a patched pipeline (its
+        scheduler's ``set_timesteps``), or, for a model patched on its own, a call whose timestep is above the
+        previous call's (the timestep is read on the host once per call).""")
+    local_window: int = option(0, ARRANGEMENT, """compare each source only with destinations within this many
+        cells (Chebyshev distance); 0 compares with all destinations, as tomesd does.""")
+    proportional_attn: bool = option(True, ARRANGEMENT, """size-aware self-attention: each merged key's
+        attention logit gets ``log(size)``, as if every token it stands for were still there. On by default:
+        it is 2-3x closer to the unpatched model at every ratio for ~5% of the call time (docs/size-aware.md);
+        ``False`` is tomesd's arithmetic.""")
+    blocks: Optional[Tuple[int, ...]] = option(None, WHERE, """indices of the transformer blocks that merge,
+        counted in the model's module order (negative from the end, as in Python); ``None`` merges every block
+        the level selection allows.""")
+    reuse_blocks: int = option(1, REUSE, """one match serves this many consecutive blocks (computed in the
+        first); 1 = a match per block.""")
+    block_ratios: Optional[Mapping[int, float]] = option(None, AMOUNT, """``{block index: ratio}`` replacing
+        ``ratio`` (and level ratios) in those blocks (indices as in ``blocks``); a sub-layer ratio still
+        wins.""")
+    mode: Optional[str] = option(None, ARRANGEMENT, """the arrangement around self-attention
+        (docs/high-resolution.md). ``None`` (default): ``"tokens"`` when an option that says how many tokens
+        merge or how they are matched is given (``ratio``, ``sx``, ``sy``, ``matching``, ``level_cells``, a
+        sub-layer, level or block ratio, ``frames_per_chunk``, ``frame_ratio``), else ``"auto"`` (the other
+        options keep it). ``"auto"`` chooses by the latent size from measured speed and fidelity: where every
+        merged self-attention takes separate keys (UNets, PixArt, DiT), only self-attention merges and no
+        similarity option is set (``local_window``, ``reuse_level``, ``reuse_steps``, ``reuse_blocks``),
+        ``"kv"`` in ``prefer``'s cells (2x2, 4x4 where the finest merged level has >= 128x128 tokens), each
+        cell one of its tokens drawn per call and block (``cell_pool="sample"``); elsewhere (joint-attention
+        transformers, cross-attention or MLP merged too, a similarity option) ToMe for SD's ``"tokens"`` at
+        ``prefer``'s ratio (0.5). ``"tokens"`` merges its input and unmerges its output (ToMe for SD);
+        ``"kv"`` reduces only its keys and values (queries keep every token, nothing to unmerge; ToDo);
+        ``"queries"`` merges only its queries (keys and values keep every token, output unmerged; ComfyUI's
+        arrangement). Cross-attention and MLP always merge as ``"tokens"``.""")
+    matching: Optional[str] = option(None, ARRANGEMENT, """how tokens are grouped: ``"similarity"`` (bipartite
+        soft matching) or ``"cell"`` (every token joins its own sx*sy cell: average pooling, no similarity
+        computed; the reduction is fixed by the cell, so ``ratio`` may be left out).""")
+    level_cells: Optional[Mapping[int, Any]] = option(None, ARRANGEMENT, """``{downsample factor: n or (sx,
+        sy)}``: the cell at those levels instead of ``sx``, ``sy`` (with ``matching="cell"``, e.g. ``{1: 4, 2:
+        2}`` pools 4x4 at the finest level and 2x2 at the next).""")
+    cell_pool: Optional[str] = option(None, ARRANGEMENT, """with ``matching="cell"``, what stands for a cell's
+        tokens: ``"mean"`` (average pooling; the default with an explicit ``matching="cell"``) or
+        ``"sample"``: one of its tokens, drawn per call and block from ``seed`` and the timestep as
+        ``use_rand`` places destinations (the cell's first token with ``use_rand=False``: strided
+        downsampling). A mean is the same bias in every step; samples average out over steps, so sampling
+        loops and fine-tunes stay close to the unpatched model (docs/fidelity.md). ``None`` under
+        ``mode="auto"``: ``"sample"``; ``cell_pool="mean"`` there keeps the earlier default's mean.""")
+    frames_per_chunk: Optional[int] = option(None, VIDEO, """video models: merge across this many consecutive
+        frames (VidToMe's arrangement, docs/video.md): the spatial self-attention of each chunk of frames runs
+        once, over the merged tokens of all its frames. ``None`` or 1 (default): each frame merges on its own.
+        Must divide the frame count of every call; needs ``mode="tokens"`` with similarity matching and
+        ``merge_crossattn=False``.""")
+    frame_ratio: Optional[float] = option(None, VIDEO, """with ``frames_per_chunk > 1``, the share of the
+        other frames' tokens merged into their most similar token of the chunk's reference frame (the rest
+        stay), in ``[0, 1]``; the reference frame merges by ``ratio`` as a single frame does. ``None``:
+        0.9.""")
+    timestep_range: Optional[Tuple[float, float]] = option(None, WHERE, """``(low, high)``: merge only in
+        model calls whose timesteps all lie in ``[low, high]``, in the units the model receives (0-1000 for
+        diffusers UNets, SD3 and PixArt; 0-1 for Flux); other calls run the unpatched model. High timesteps
+        are high noise, where merging costs least fidelity: e.g. ``(500, 1000)`` merges in the first half of
+        sampling, or in the noisier half of training steps. A call whose batch has timesteps on both sides of
+        a bound runs unmerged (the token count is one for the whole batch). Reading the timesteps costs one
+        host sync per call when they are a device array. ``None`` (default): every call merges. Not on jax,
+        where the timestep is traced.""")
+    min_tokens: Optional[int] = option(None, WHERE, """merge a level only in calls where it has at least this
+        many tokens (per item, the whole sequence under context parallelism); 0 merges at every size. ``None``
+        (default): under the default arrangement (``mode="auto"``, ``prefer``), where measurements say merging
+        makes the call faster on this device, eager or captured or compiled (tome_core.cost: e.g. from 4,096
+        tokens on a GPU in a CUDA graph, 16,384 or 32,768 eager); with an arrangement chosen by hand
+        (``ratio``, ``mode``...), every size. Levels left unmerged for this are named in ``summary()`` with
+        the reason.""")
+    prefer: Optional[str] = option(None, KNOB, """the one knob of the default (``mode="auto"``):
+        ``"fidelity"``, ``"balance"`` or ``"speed"``, each a point of the measured speed-fidelity front per
+        model kind (docs/fidelity.md, "One knob"): keys and values in 2x1 / 2x2 (4x4 from 128x128 tokens) /
+        4x4 cells (4x2 in transformers below 128x128 tokens) where self-attention takes them apart from its
+        queries, ToMe for SD at 0.25 / 0.5 / 0.75 where it cannot. Monotone: at every size each setting merges
+        at least as much as the one before it. ``None`` (default): ``"balance"``. Options that choose the
+        arrangement themselves (``ratio``, ``mode``...) leave it out.""")
 
     def __init__(self, **options: Any) -> None:
         """Set each option once, to its acting value (:func:`resolve`: unknown names raise TypeError listing
@@ -464,8 +400,8 @@ def resolve(options: Mapping[str, Any]) -> Dict[str, Any]:
     acting.attn_ratio = _sublayer_ratio("attn_ratio", given.attn_ratio, acting)
     acting.crossattn_ratio = _sublayer_ratio("crossattn_ratio", given.crossattn_ratio, acting)
     acting.mlp_ratio = _sublayer_ratio("mlp_ratio", given.mlp_ratio, acting)
-    acting.level_ratios = _level_ratios(given.level_ratios, acting)
-    acting.block_ratios = _block_ratios(given.block_ratios, acting)
+    acting.level_ratios = _ratio_map("level_ratios", given.level_ratios, "level", _check_level, acting)
+    acting.block_ratios = _ratio_map("block_ratios", given.block_ratios, "block index", _check_block, acting)
     return vars(acting)
 
 
@@ -660,28 +596,29 @@ def _sublayer_ratio(name: str, ratio: Any, acting: SimpleNamespace) -> Optional[
     return float(ratio)
 
 
-def _level_ratios(level_ratios: Any, acting: SimpleNamespace) -> Optional[Dict[int, float]]:
-    if level_ratios is None:
+def _ratio_map(
+    name: str, ratios: Any, key: str, check_key: Callable[[Any], None], acting: SimpleNamespace
+) -> Optional[Dict[int, float]]:
+    """``ratios``: None, or a ``{key: ratio}`` mapping (``level_ratios``, ``block_ratios``) as int keys and float
+    ratios, each key passed by ``check_key`` and each ratio checked."""
+    if ratios is None:
         return None
-    if not isinstance(level_ratios, Mapping):
-        raise TypeError(f"level_ratios must be a dict {{level: ratio}}, got {level_ratios!r}")
-    for level, value in level_ratios.items():
-        if level not in LEVELS or isinstance(level, bool):
-            raise ValueError(f"level_ratios keys must be levels 1, 2, 4 or 8, got {level!r}")
-        _check_ratio(f"level_ratios[{level}]", value, acting)
-    return {int(k): float(v) for k, v in level_ratios.items()}
+    if not isinstance(ratios, Mapping):
+        raise TypeError(f"{name} must be a dict {{{key}: ratio}}, got {ratios!r}")
+    for k, ratio in ratios.items():
+        check_key(k)
+        _check_ratio(f"{name}[{k}]", ratio, acting)
+    return {int(k): float(v) for k, v in ratios.items()}
 
 
-def _block_ratios(block_ratios: Any, acting: SimpleNamespace) -> Optional[Dict[int, float]]:
-    if block_ratios is None:
-        return None
-    if not isinstance(block_ratios, Mapping):
-        raise TypeError(f"block_ratios must be a dict {{block index: ratio}}, got {block_ratios!r}")
-    for index, value in block_ratios.items():
-        if isinstance(index, bool) or not isinstance(index, numbers.Integral):
-            raise TypeError(f"block_ratios keys must be block indices (ints), got {index!r}")
-        _check_ratio(f"block_ratios[{index}]", value, acting)
-    return {int(k): float(v) for k, v in block_ratios.items()}
+def _check_level(level: Any) -> None:
+    if level not in LEVELS or isinstance(level, bool):
+        raise ValueError(f"level_ratios keys must be levels 1, 2, 4 or 8, got {level!r}")
+
+
+def _check_block(index: Any) -> None:
+    if isinstance(index, bool) or not isinstance(index, numbers.Integral):
+        raise TypeError(f"block_ratios keys must be block indices (ints), got {index!r}")
 
 
 def _check_ratio_type(name: str, ratio: Any) -> None:

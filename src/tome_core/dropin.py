@@ -8,41 +8,39 @@ from typing import Any, Callable, Optional, Tuple
 from .config import option_parameters
 
 
+# tomesd.apply_patch's parameters after the model, in its order, with its defaults (their types are its types).
+TOMESD_DEFAULTS = {
+    "ratio": 0.5, "max_downsample": 1, "sx": 2, "sy": 2, "use_rand": True, "merge_attn": True,
+    "merge_crossattn": False, "merge_mlp": False,
+}
+
+
 def tomesd_functions(patch: Callable[..., Any], remove: Callable[[Any], Any]) -> Tuple[Callable[..., Any], Callable[[Any], Any]]:
     """``(apply_patch, remove_patch)`` with ``tomesd``'s signature and defaults (``max_downsample=1``)."""
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    options = inspect.Signature([
+        inspect.Parameter(name, positional, default=value, annotation=type(value))
+        for name, value in TOMESD_DEFAULTS.items()
+    ])
 
-    def apply_patch(
-        model: Any,
-        ratio: float = 0.5,
-        max_downsample: int = 1,
-        sx: int = 2,
-        sy: int = 2,
-        use_rand: bool = True,
-        merge_attn: bool = True,
-        merge_crossattn: bool = False,
-        merge_mlp: bool = False,
-        **unknown: Any,
-    ) -> Any:
+    def apply_patch(model: Any, *args: Any, **given: Any) -> Any:
         """Drop-in for ``tomesd.apply_patch``: the same signature, defaults and arithmetic (``max_downsample=1``,
         ``proportional_attn=False``)."""
+        unknown = sorted(set(given) - set(TOMESD_DEFAULTS))
         if unknown:
             raise TypeError(
-                f"apply_patch got unknown option(s) {', '.join(sorted(unknown))}; tomesd's apply_patch takes ratio, "
-                "max_downsample, sx, sy, use_rand, merge_attn, merge_crossattn, merge_mlp (patch() takes the "
-                "options beyond tomesd's)"
+                f"apply_patch got unknown option(s) {', '.join(unknown)}; tomesd's apply_patch takes "
+                f"{', '.join(TOMESD_DEFAULTS)} (patch() takes the options beyond tomesd's)"
             )
-        return patch(
-            model,
-            ratio=ratio,
-            max_downsample=max_downsample,
-            sx=sx,
-            sy=sy,
-            use_rand=use_rand,
-            merge_attn=merge_attn,
-            merge_crossattn=merge_crossattn,
-            merge_mlp=merge_mlp,
-            proportional_attn=False,  # tomesd's arithmetic
-        )
+        bound = options.bind(*args, **given)  # tomesd's positional order; a value given twice raises TypeError
+        bound.apply_defaults()
+        return patch(model, **bound.arguments, proportional_attn=False)  # tomesd's arithmetic
+
+    # what inspect.signature, help() and the type stubs show: tomesd's parameters
+    apply_patch.__signature__ = options.replace(
+        parameters=[inspect.Parameter("model", positional, annotation=Any), *options.parameters.values()],
+        return_annotation=Any,
+    )
 
     def remove_patch(model: Any) -> Any:
         """Drop-in for ``tomesd.remove_patch``."""

@@ -10,7 +10,8 @@ its tokens on a grid, which of its children never merge. The driver (:mod:`tome_
 Adding a model family, honestly:
 
 1. A block class laid out as an existing family's: its name in that family's ``classes`` (one line).
-2. A new block layout: one :class:`BlockFamily` in :data:`BLOCK_FAMILIES`.
+2. A new block layout: one :class:`BlockFamily` in :data:`BLOCK_FAMILIES` (sub-layers that another family
+   has too: the named tuple they share, such as ``_SELF_CROSS_MLP``).
 3. A model class whose call places its tokens otherwise than its latent's shape over its config's
    ``patch_size`` or its packed tokens' ids: one :class:`ModelLayout` in :data:`MODEL_LAYOUTS`; a placement that
    no reader of :mod:`tome_core.grid_readers` knows yet: one reader there, and its line in ``grid_reader``.
@@ -184,6 +185,10 @@ _BASIC = (
     Sublayer("attn2", "crossattn"),
     Sublayer("ff", "mlp"),
 )
+# Self-attention, cross-attention to the text, an MLP (LTX-Video, Hunyuan-DiT, Cosmos, Allegro): diffusers' names.
+_SELF_CROSS_MLP = (Sublayer("attn1", "attn", attention=True), Sublayer("attn2", "crossattn"), Sublayer("ff", "mlp"))
+# Wan's block (and AnyFlow's copy): the same sub-layers, its MLP named ffn.
+_WAN = (*_SELF_CROSS_MLP[:2], Sublayer("ffn", "mlp"))
 # FLUX.1's double-stream block: joint attention over [text; image] (image output first), an image MLP.
 _FLUX_DOUBLE = (Sublayer("attn", "attn", text=TEXT_BEFORE, output=0, attention=True), Sublayer("ff", "mlp"))
 # FLUX.1's single-stream block: attention and MLP side by side on one normalised [text; image] sequence.
@@ -293,11 +298,7 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
         # control blocks run on control tokens of the same grid, matched on the main stream's (their first input)
         "wan",
         ("WanTransformerBlock", "SkyReelsV2TransformerBlock", "WanVACETransformerBlock"),
-        (
-            Sublayer("attn1", "attn", attention=True),
-            Sublayer("attn2", "crossattn"),
-            Sublayer("ffn", "mlp"),
-        ),
+        _WAN,
         rotary="rotary_emb",
         rotary_axis=1,
     ),
@@ -353,7 +354,7 @@ BLOCK_FAMILIES += (
     BlockFamily(  # LTX-Video: rotary tables [B, tokens, dim]
         "ltx",
         ("LTXVideoTransformerBlock",),
-        (Sublayer("attn1", "attn", attention=True), Sublayer("attn2", "crossattn"), Sublayer("ff", "mlp")),
+        _SELF_CROSS_MLP,
         rotary="image_rotary_emb",
         rotary_axis=1,
     ),
@@ -380,7 +381,7 @@ BLOCK_FAMILIES += (
     BlockFamily(  # Hunyuan-DiT: rotary positions reach the cross-attention's queries too
         "hunyuan-dit",
         ("HunyuanDiTBlock",),
-        (Sublayer("attn1", "attn", attention=True), Sublayer("attn2", "crossattn"), Sublayer("ff", "mlp")),
+        _SELF_CROSS_MLP,
         rotary="image_rotary_emb",
     ),
     BlockFamily(
@@ -411,21 +412,20 @@ BLOCK_FAMILIES += (
     BlockFamily(  # Cosmos (Predict 2 / 2.5): rotary over the image tokens; pipelines pass sigmas
         "cosmos",
         ("CosmosTransformerBlock",),
-        (Sublayer("attn1", "attn", attention=True), Sublayer("attn2", "crossattn"), Sublayer("ff", "mlp")),
+        _SELF_CROSS_MLP,
         rotary="image_rotary_emb",
         timesteps=1.0,
     ),
 )
 
-_Z_IMAGE = BlockFamily(  # Z-Image: one stream [image; padding; caption; padding], complex rotary per token [B, L, d/2]
+_Z_IMAGE = BlockFamily(  # Z-Image: one stream [image; padding; caption; padding]
     "z-image",
     ("ZImageTransformerBlock",),
     (
         Sublayer("attention", "attn", text=TEXT_SUFFIX, attention=True, masks=(("attention_mask", (-1,)),)),
         Sublayer("feed_forward", "mlp", text=TEXT_SUFFIX),
     ),
-    rotary="freqs_cis",
-    rotary_axis=1,
+    rotary="freqs_cis", rotary_axis=1,  # complex, one per token [B, L, d/2]
     stream=TEXT_SUFFIX,
     timesteps=1.0,
     timesteps_rise=True,
@@ -493,7 +493,7 @@ BLOCK_FAMILIES += (
     BlockFamily(  # Allegro: rotary as coordinate tables and per-token positions [1, N] (item 1, which moves)
         "allegro",
         ("AllegroTransformerBlock",),
-        (Sublayer("attn1", "attn", attention=True), Sublayer("attn2", "crossattn"), Sublayer("ff", "mlp")),
+        _SELF_CROSS_MLP,
         rotary="image_rotary_emb",
         rotary_axis=1,
         rotary_items=(1,),
@@ -577,7 +577,7 @@ BLOCK_FAMILIES += (
     BlockFamily(  # AnyFlow: Wan's blocks; rotary tables by name ({"query": ..., "key": ...}) [1, 1, tokens, d/2]
         "anyflow",
         ("AnyFlowTransformerBlock",),
-        (Sublayer("attn1", "attn", attention=True), Sublayer("attn2", "crossattn"), Sublayer("ffn", "mlp")),
+        _WAN,
         rotary="rotary_emb",
         rotary_axis=2,
     ),

@@ -1,99 +1,27 @@
-# Written by `python -m tome_tools.stubs` from tome_core/torch.py and ToMeConfig: edit those, then rerun it.
-# Editors and type checkers read this stub; at runtime inspect.signature shows the same parameters.
+# Written by `python -m tome_tools.stubs` from tome_core/torch.py: edit it, then rerun it.
+# Editors and type checkers read this stub (the entry points' parameters: _signatures.pyi); at
+# runtime inspect.signature shows the same parameters.
 
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any
 
+from tome_core._signatures import PatchFunction, TomesdApplyPatch
 from tome_core.adapters.diffusers import patched_models as patched_models, remove as remove
 
 __all__ = ["patch", "remove", "apply_tome", "remove_tome", "apply_patch", "remove_patch", "patched_models"]
 
-def patch(
-    model: Any,
-    ratio: Optional[float] = None,
-    *,
-    max_downsample: Optional[int] = None,
-    sx: Optional[int] = None,
-    sy: Optional[int] = None,
-    use_rand: bool = True,
-    merge_attn: bool = True,
-    merge_crossattn: bool = False,
-    merge_mlp: bool = False,
-    seed: int = 0,
-    attn_ratio: Optional[float] = None,
-    crossattn_ratio: Optional[float] = None,
-    mlp_ratio: Optional[float] = None,
-    level_ratios: Optional[Mapping[int, float]] = None,
-    reuse_level: bool = False,
-    reuse_steps: int = 1,
-    local_window: int = 0,
-    proportional_attn: bool = True,
-    blocks: Optional[Tuple[int, ...]] = None,
-    reuse_blocks: int = 1,
-    block_ratios: Optional[Mapping[int, float]] = None,
-    mode: Optional[str] = None,
-    matching: Optional[str] = None,
-    level_cells: Optional[Mapping[int, Any]] = None,
-    cell_pool: Optional[str] = None,
-    frames_per_chunk: Optional[int] = None,
-    frame_ratio: Optional[float] = None,
-    timestep_range: Optional[Tuple[float, float]] = None,
-    min_tokens: Optional[int] = None,
-    prefer: Optional[str] = None,
-) -> Any:
-    """Every option of tome_core.ToMeConfig, the ratio also positional; help(tome_core.torch.patch) describes
-    each."""
+patch: PatchFunction
+"""Every option of tome_core.ToMeConfig, the ratio also positional; help(tome_core.torch.patch) describes
+each."""
 
-def apply_tome(
-    model: Any,
-    ratio: Optional[float] = None,
-    *,
-    max_downsample: Optional[int] = None,
-    sx: Optional[int] = None,
-    sy: Optional[int] = None,
-    use_rand: bool = True,
-    merge_attn: bool = True,
-    merge_crossattn: bool = False,
-    merge_mlp: bool = False,
-    seed: int = 0,
-    attn_ratio: Optional[float] = None,
-    crossattn_ratio: Optional[float] = None,
-    mlp_ratio: Optional[float] = None,
-    level_ratios: Optional[Mapping[int, float]] = None,
-    reuse_level: bool = False,
-    reuse_steps: int = 1,
-    local_window: int = 0,
-    proportional_attn: bool = True,
-    blocks: Optional[Tuple[int, ...]] = None,
-    reuse_blocks: int = 1,
-    block_ratios: Optional[Mapping[int, float]] = None,
-    mode: Optional[str] = None,
-    matching: Optional[str] = None,
-    level_cells: Optional[Mapping[int, Any]] = None,
-    cell_pool: Optional[str] = None,
-    frames_per_chunk: Optional[int] = None,
-    frame_ratio: Optional[float] = None,
-    timestep_range: Optional[Tuple[float, float]] = None,
-    min_tokens: Optional[int] = None,
-    prefer: Optional[str] = None,
-) -> Any:
-    """Every option of tome_core.ToMeConfig, the ratio also positional; help(tome_core.torch.apply_tome)
-    describes each."""
+apply_tome: PatchFunction
+"""Every option of tome_core.ToMeConfig, the ratio also positional; help(tome_core.torch.apply_tome) describes
+each."""
 
 remove_tome = remove
 
-def apply_patch(
-    model: Any,
-    ratio: float = 0.5,
-    max_downsample: int = 1,
-    sx: int = 2,
-    sy: int = 2,
-    use_rand: bool = True,
-    merge_attn: bool = True,
-    merge_crossattn: bool = False,
-    merge_mlp: bool = False,
-) -> Any:
-    """Drop-in for ``tomesd.apply_patch``: the same signature, defaults and arithmetic (``max_downsample=1``,
-    ``proportional_attn=False``)."""
+apply_patch: TomesdApplyPatch
+"""Drop-in for ``tomesd.apply_patch``: the same signature, defaults and arithmetic (``max_downsample=1``,
+``proportional_attn=False``)."""
 
 def remove_patch(model: Any) -> Any:
     """Drop-in for ``tomesd.remove_patch``."""

@@ -31,6 +31,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch.overrides import TorchFunctionMode
 
 from tome_core import driver
+from tome_core.adapters import processors
 from tome_core.attention_bias import SizeBias, unbiased_processor
 from tome_core.backend import get_ops
 from tome_core.config import document
@@ -47,29 +48,11 @@ ACCEPTED = (
     "ControlNets), or a torch.nn.Module containing diffusers transformer blocks"
 )
 # Processors that build their attention scores from a whole-batch ``attention_mask`` without calling SDPA.
-MASK_PROCESSORS = frozenset(
-    {
-        "AttnProcessor",
-        "SlicedAttnProcessor",
-        "XFormersAttnProcessor",
-        "IPAdapterAttnProcessor",
-        "IPAdapterXFormersAttnProcessor",
-        "CustomDiffusionAttnProcessor",
-        "CustomDiffusionXFormersAttnProcessor",
-    }
-)
+MASK_PROCESSORS = processors.CLASSIC | processors.MASKED_TWINS
 # Processors that compute keys and values from ``encoder_hidden_states`` when a self-attention is given one
 # (the ``kv`` and ``queries`` arrangements hand it the tokens to attend to there). Not the fused processor: a
 # fused self-attention has one query-key-value projection and no separate key-value one.
-SEPARATE_KV_PROCESSORS = frozenset(
-    {
-        "AttnProcessor",
-        "AttnProcessor2_0",
-        "SlicedAttnProcessor",
-        "XFormersAttnProcessor",
-        "AttnProcessorNPU",
-    }
-)
+SEPARATE_KV_PROCESSORS = processors.CLASSIC | {"AttnProcessor2_0", "AttnProcessorNPU"}
 
 # diffusers' caching hooks (diffusers.hooks) on an attention module: those that hand back the stored output
 # object, and those that extrapolate new outputs from stored ones.

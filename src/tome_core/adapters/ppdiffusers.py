@@ -56,6 +56,7 @@ except ImportError:  # pragma: no cover - older paddle
     _ASTStaticFunction = None
 
 from tome_core import driver
+from tome_core.adapters import processors
 from tome_core.attention_bias import SizeBias, unbiased_processor
 from tome_core.config import document
 from tome_core.framework import PostHook, PreHook
@@ -71,19 +72,8 @@ ACCEPTED = (
 # Processors that add a whole-batch ``attention_mask`` ([B, 1, K] is broadcast over heads and queries) to
 # their attention scores. (ppdiffusers' ``AttnProcessor2_5`` and its IP-Adapter / custom-diffusion twins are
 # aliases of the xformers classes.)
-MASK_PROCESSORS = frozenset(
-    {
-        "AttnProcessor",
-        "XFormersAttnProcessor",
-        "SlicedAttnProcessor",
-        "LoRAAttnProcessor",
-        "LoRAXFormersAttnProcessor",
-        "IPAdapterAttnProcessor",
-        "IPAdapterXFormersAttnProcessor",
-        "CustomDiffusionAttnProcessor",
-        "CustomDiffusionXFormersAttnProcessor",
-    }
-)
+LORA_PROCESSORS = frozenset({"LoRAAttnProcessor", "LoRAXFormersAttnProcessor"})  # ppdiffusers' only
+MASK_PROCESSORS = processors.CLASSIC | processors.MASKED_TWINS | LORA_PROCESSORS
 # Processors that compute keys and values from ``encoder_hidden_states`` when a self-attention is given one (the
 # ``kv`` and ``queries`` arrangements hand it the tokens to attend to there), through the same ``to_k``/``to_v`` as
 # from its own tokens, with an ``attention_mask`` sized by those keys. (``AttnProcessor2_5`` is an alias of
@@ -92,13 +82,7 @@ MASK_PROCESSORS = frozenset(
 # (their mask is sized by the queries; with ``train_kv`` their own key/value layers replace ``to_k``/``to_v``), nor the
 # IP-Adapter ones (they read image-prompt tokens off the end of ``encoder_hidden_states``), nor the added-KV and
 # joint ones (they attend to their own tokens and ``encoder_hidden_states`` together).
-SEPARATE_KV_PROCESSORS = frozenset(
-    {
-        "AttnProcessor",
-        "XFormersAttnProcessor",
-        "SlicedAttnProcessor",
-    }
-)
+SEPARATE_KV_PROCESSORS = processors.CLASSIC
 # Attention layers that normalise only one side: ``group_norm`` and ``spatial_norm`` act on the queries' tokens
 # before the keys are taken from them, ``norm_cross`` on ``encoder_hidden_states`` only. With any of them, keys
 # computed from ``encoder_hidden_states`` are not the keys of the layer's own tokens.
