@@ -212,16 +212,8 @@ def _assign(
 
 
 def bipartite_matches(
-    ops: ArrayOps,
-    metric: Array,
-    h: int,
-    w: int,
-    sx: int,
-    sy: int,
-    merged: Sequence[int],
-    offsets: Optional[Array],
-    window: int = 0,
-    shared: bool = False,
+    ops: ArrayOps, metric: Array, h: int, w: int, sx: int, sy: int, merged: Sequence[int], offsets: Optional[Array],
+    window: int = 0, shared: bool = False,
 ) -> List[Match]:
     """Match the ``h*w`` tokens of ``metric`` ``[B, N, C]`` once, and return one :class:`Match` per entry
     of ``merged`` (how many sources each merges into destinations): the similarity and the ranking are
@@ -263,18 +255,8 @@ def partition_bipartite(ops: ArrayOps, metric: Array, part: Partition, merged: S
 
 
 def chunk_matches(
-    ops: ArrayOps,
-    metric: Array,
-    frames: int,
-    reference: Array,
-    h: int,
-    w: int,
-    sx: int,
-    sy: int,
-    within: Sequence[int],
-    across: int,
-    offsets: Optional[Array],
-    window: int = 0,
+    ops: ArrayOps, metric: Array, frames: int, reference: Array, h: int, w: int, sx: int, sy: int,
+    within: Sequence[int], across: int, offsets: Optional[Array], window: int = 0,
 ) -> List[Match]:
     """Cross-frame matches (VidToMe's arrangement) of ``metric`` ``[B * K, N, C]``, the ``h*w`` tokens of each
     of ``K = frames`` consecutive frames of ``B`` chunks, one :class:`Match` per entry of ``within``; each
@@ -405,15 +387,7 @@ def partition_sampled(ops: ArrayOps, like: Array, batch: int, part: Partition) -
 
 
 def bipartite_match(
-    ops: ArrayOps,
-    metric: Array,
-    h: int,
-    w: int,
-    sx: int,
-    sy: int,
-    merged: int,
-    offsets: Optional[Array],
-    window: int = 0,
+    ops: ArrayOps, metric: Array, h: int, w: int, sx: int, sy: int, merged: int, offsets: Optional[Array], window: int = 0,
 ) -> Match:
     """:func:`bipartite_matches` for a single count ``merged``."""
     return bipartite_matches(ops, metric, h, w, sx, sy, [merged], offsets, window)[0]

@@ -187,28 +187,15 @@ class ToMeState:
             if self.calls % self.config.reuse_steps == 0:
                 self.cache = {}
             self.calls += 1
-        self.in_call = True
-        self.started = True
-        self.latent_hw = latent_hw
-        self.videos = videos
-        self.merging = merging
-        self.why = why
-        self.tail = tail
-        self.grid_last = grid_last
-        self.shards = shards
+        self.in_call = self.started = True
+        self.latent_hw, self.videos, self.step, self.execution = latent_hw, videos, step, execution
+        self.merging, self.why, self.tail, self.grid_last, self.shards = merging, why, tail, grid_last, shards
         self.grid_hw = None
-        self.step = step
-        self.execution = execution
         # what an eager call's blocks decide from: a call with the same key repeats their size decisions (BlockRun)
         eager = execution is not None and execution[1] == "eager" and shards is None
         self.call_key = (latent_hw, videos, merging, tail, grid_last, execution) if eager else None
-        self.drawn = {}
-        self.stats = {}
-        self.fallbacks = {}
-        self.unpaid = {}
-        self.too_small = {}
-        self.passes = {}
-        self.held = {}
+        # the call's partitions and statistics, none yet
+        self.drawn, self.stats, self.fallbacks, self.unpaid, self.too_small, self.passes, self.held = ({} for _ in range(7))
         self.active = self.choose()
 
     def follow_generation(self, timestep: float, generation: Any = None) -> None:
