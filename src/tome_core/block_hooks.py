@@ -149,7 +149,9 @@ class BlockRun:
         image = self._image(ops, metric, grid, head, tail)
         execution = self._execution(image)
         shared = self.family.rotary is not None or self.masks
-        matches, level, unmerged = state.decide(image, execution, self.stream, shared, self.ratio, config, fallback, own_grid)
+        matches, level, unmerged = state.decide(
+            image, execution, self.stream, shared, self.ratio, config, fallback, own_grid
+        )
         if matches is None:  # it runs unmerged for its size: a level above max_downsample, or merging would not pay
             self._settle(ops, whole, config, unmerged)
             return self.idle

@@ -311,7 +311,7 @@ class ToMeState:
                 self.cache[key] = matches
         return matches
 
-    def level(self, tokens: int, matches: Dict[str, Match], fallback: Optional[str] = None) -> Optional[Level]:
+    def level(self, tokens: int, matches: Dict[str, Match], *, fallback: Optional[str] = None) -> Optional[Level]:
         """Where a block of ``tokens`` image tokens, given ``matches`` by :meth:`block_matches` (``fallback``: why
         its options were :meth:`fallback`'s), is counted in this call's statistics; None: it merges nothing at its
         level (above ``max_downsample``, at ratio 0, or in a grid too small), and is not counted."""
