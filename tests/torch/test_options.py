@@ -48,7 +48,7 @@ def test_reuse_level_computes_one_match_per_level(unet, inputs):
     [(_, state)] = tome.patched_models(model)
     computed = []
     original = state._match
-    state._match = lambda *args, **kwargs: computed.append(args[3]) or original(*args, **kwargs)
+    state._match = lambda *args, **kwargs: computed.append(args[2].factor) or original(*args, **kwargs)
     call(model, inputs)
     # one per merged level, not one per block; the mid block (level 4, above max_downsample) computes none
     assert sorted(computed) == [1, 2]
