@@ -125,12 +125,12 @@ def best_destinations(
             raise ValueError(f"block must be an int >= 1 (similarity entries per batch item), got {limit!r}")
         num_src, num_dst = ops.shape(src)[0], ops.shape(dst)[0]
         chunks = -(-num_src // max(1, limit // max(1, num_dst)))  # ceil(sources / rows that fit)
-        b_t = ops.matrix_transpose(b)
+        b_t = ops.aligned_columns(ops.matrix_transpose(b))
         if chunks <= 1:
-            return ops.max_argmax(ops.matmul(ops.take(unit, src, axis=1), b_t))
+            return ops.max_argmax(ops.matmul(ops.take(unit, src, axis=1), b_t)[..., :num_dst])
         rows = -(-num_src // chunks)  # equal chunks, the last one shorter
         parts = [
-            ops.max_argmax(ops.matmul(ops.take(unit, src[start:start + rows], axis=1), b_t))
+            ops.max_argmax(ops.matmul(ops.take(unit, src[start:start + rows], axis=1), b_t)[..., :num_dst])
             for start in range(0, num_src, rows)
         ]
         return ops.concat([best for best, _ in parts], axis=1), ops.concat([which for _, which in parts], axis=1)

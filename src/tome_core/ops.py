@@ -55,6 +55,11 @@ class ArrayOps(Protocol):
     def matrix_transpose(self, x: Array) -> Array:
         """Swap the last two axes."""
 
+    def aligned_columns(self, x: Array) -> Array:
+        """``x`` with its last axis padded by zeros to a length this backend's :meth:`matmul` runs fastest with
+        as its right operand (the caller slices the product's extra columns off); ``x`` itself where any
+        length is as fast."""
+
     def log(self, x: Array) -> Array:
         """Natural logarithm, elementwise."""
 

@@ -34,9 +34,11 @@ MEASURED = [
     ("gpu_h200_defaults.json", dict(model="Flux.2 dev width, 1024 px", method="ratio 0.5"), 4096, "gpu", "captured", "similarity"),
     ("gpu_h200_defaults.json", dict(model="HunyuanVideo width, 544x960, 5 frames", method="ratio 0.5"), 4080, "gpu", "captured", "similarity"),
     ("gpu_h200_defaults.json", dict(model="LTX-Video width, 512x704, 161 frames", method="ratio 0.5"), 7392, "gpu", "captured", "similarity"),
-    *[  # gpu_speed.py on an H200 (batch 1 but SD 1.5 at 512 px); the default where it merges, else forced to
-        ("gpu_h200_speed_before.json", dict(row="call", case=case, execution=execution, method=method), tokens, "gpu",
+    *[  # gpu_speed.py on an H200 (batch 1 but SD 1.5 at 512 px), before and after the host-time and aligned-product
+        # changes; the default where it merges, else forced to
+        (file, dict(row="call", case=case, execution=execution, method=method), tokens, "gpu",
          "captured" if execution == "graph" else "eager", arrangement)
+        for file in ("gpu_h200_speed_before.json", "gpu_h200_speed.json")
         for case, tokens, arrangement, execution, method in (
             ("SD 1.5, 512 px, batch 2", 4096, "cells", "eager", "default, min_tokens=0"),
             ("SD 1.5, 512 px, batch 2", 4096, "cells", "graph", "default"),

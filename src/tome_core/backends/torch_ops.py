@@ -44,6 +44,12 @@ class TorchOps:
     def matmul(self, a, b):
         return torch.bmm(a, b)
 
+    def aligned_columns(self, x):
+        # cuBLAS's fast kernels need a product's rows 16-byte aligned: at 8,190 columns (Wan 480p's destinations)
+        # it falls back to one 2.5x slower on an H200 (docs/results/gpu_match_costs.py)
+        columns = x.shape[-1]
+        return torch.nn.functional.pad(x, (0, -columns % 8)) if x.is_cuda and columns % 8 else x
+
     def matrix_transpose(self, x):
         return x.transpose(-1, -2)
 

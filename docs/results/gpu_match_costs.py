@@ -1,0 +1,148 @@
+"""Where the GPU time of one Wan 2.1 1.3B-width block's match goes at 480x832, 81 frames (32,760 tokens, ToMe for
+SD at 0.5 in 2x2 cells, the default's arrangement there), and what the size bias costs its attention: the pieces
+of the match timed alone in CUDA graphs (the similarity in chunks as the library takes it and in one product, the
+ranking, the assignment), the profiler's kernels of one match, and self-attention at the merged size plainly, with
+the size bias as an additive mask (what diffusers' processors get), and with the bias folded into the values (an
+exact rewrite that keeps a bias-free kernel), on the kernels SDPA picks and on cuDNN's and the memory-efficient
+one. Needs CUDA; rows to ``$OUT/gpu_match_costs.json`` (kept as ``docs/results/gpu_h200_match_costs.json``).
+
+    python docs/results/gpu_match_costs.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from typing import Callable, Dict
+
+import torch
+import torch.nn.functional as F
+
+from tome_core import match as match_module
+from tome_core.backend import get_ops
+from tome_core.match import best_destinations, bipartite_matches, rank_sources
+from tome_core.partition import random_offsets, split
+
+FRAMES, H, W, WIDTH, HEADS = 21, 30, 52, 1536, 12
+
+
+def timed(fns: Dict[str, Callable[[], object]], rounds: int = 15, reps: int = 5) -> Dict[str, float]:
+    """Median ms per call of each function, replayed from a CUDA graph, the functions alternating."""
+    graphs = {}
+    for name, fn in fns.items():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graphs[name] = graph
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end) / reps)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    tokens = FRAMES * H * W
+    metric = torch.randn(1, tokens, WIDTH, device=device, dtype=dtype)
+    ops = get_ops(metric)
+    h = FRAMES * H  # frames stacked along the height: 2x2 cells never cross a frame (H is even)
+    offsets = random_offsets(ops, metric, h, W, 2, 2, 0, 999, 0)
+    dst, src = split(ops, metric, h, W, 2, 2, offsets)
+    merged = tokens // 2
+    rows: Dict[str, object] = {"tokens": tokens, "sources": int(src.shape[0]), "destinations": int(dst.shape[0]),
+                               "width": WIDTH, "dtype": str(dtype), "device": torch.cuda.get_device_name()}
+    with torch.no_grad():
+        best, which = best_destinations(ops, metric, src, dst)
+        unit = metric / metric.norm(dim=-1, keepdim=True)
+        unit_src, unit_dst = unit[:, src], unit[:, dst]
+        product = torch.bmm(unit_src, unit_dst.transpose(-1, -2).contiguous())
+        padded_product = torch.bmm(unit_src, F.pad(unit_dst.transpose(-1, -2), (0, 2)))
+        pieces = {
+            "match (the library's, shared)": lambda: bipartite_matches(ops, metric, h, W, 2, 2, [merged], offsets, shared=True),
+            "similarity, chunks of 2**24": lambda: best_destinations(ops, metric, src, dst),
+            "similarity, one product": lambda: best_destinations(ops, metric, src, dst, block=2**31),
+            "similarity, float32 one product": lambda: best_destinations(ops, metric.float(), src, dst, block=2**31),
+            "product, 8,190 columns": lambda: torch.bmm(unit_src, unit_dst.transpose(-1, -2)),
+            "product, padded to 8,192 columns": lambda: torch.bmm(unit_src, F.pad(unit_dst.transpose(-1, -2), (0, 2))),
+            "product, the backend's aligned columns": lambda: ops.matmul(
+                unit_src, ops.aligned_columns(ops.matrix_transpose(unit_dst)))[..., :int(dst.shape[0])],
+            "max and argmax alone": lambda: product.max(dim=-1),
+            "max and argmax alone, sliced rows": lambda: padded_product[..., :-2].max(dim=-1),
+            "normalize": lambda: metric / metric.norm(dim=-1, keepdim=True),
+            "rank (argsort)": lambda: rank_sources(ops, best),
+            "assign": lambda: match_module.assign(ops, rank_sources(ops, best), which, src, dst, merged, metric),
+        }
+        rows["pieces_ms"] = timed(pieces)
+        for name, ms in rows["pieces_ms"].items():
+            print(f"{name:<40} {ms:8.3f} ms", flush=True)
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                bipartite_matches(ops, metric, h, W, 2, 2, [merged], offsets, shared=True)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70)
+        print(table, flush=True)
+        rows["profile"] = table
+
+        kept = tokens - merged
+        q, k, v = (torch.randn(1, HEADS, kept, WIDTH // HEADS, device=device, dtype=dtype) for _ in range(3))
+        sizes = torch.randint(1, 5, (1, 1, 1, kept), device=device).to(dtype)
+        bias = sizes.log()
+
+        def folded():
+            # softmax(l + log s) v = (sum_j e^l_j s_j v_j) / (sum_j e^l_j s_j): the values scaled by size, their
+            # sum of sizes as one more value channel, the plain kernel's output divided by it
+            s = sizes.transpose(-1, -2)
+            pad = torch.zeros(*v.shape[:-1], 7, device=device, dtype=dtype)
+            out = F.scaled_dot_product_attention(q, k, torch.cat([v * s, s.expand(*v.shape[:-1], 1), pad], -1))
+            return out[..., :-8] / out[..., -8:-7]
+
+        attention = {
+            "attention plain": lambda: F.scaled_dot_product_attention(q, k, v),
+            "attention, size bias as mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias),
+            "attention, size bias folded into values": folded,
+        }
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def on(backend, fn):
+            def run():
+                with sdpa_kernel([backend]):
+                    return fn()
+            return run
+
+        for name, backend in (("cuDNN", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+            for what in ("attention plain", "attention, size bias as mask"):
+                try:
+                    on(backend, attention[what])()
+                    attention[f"{what}, {name} kernel"] = on(backend, attention[what])
+                except Exception as error:  # a kernel that refuses these inputs
+                    print(f"{what}, {name} kernel: {type(error).__name__}: {str(error)[:200]}", flush=True)
+        rows["attention_ms"] = timed(attention)
+        for name, ms in rows["attention_ms"].items():
+            print(f"{name:<40} {ms:8.3f} ms", flush=True)
+        exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias.float())
+        rows["folded_error"] = float((folded().float() - exact).norm() / exact.norm())
+        rows["mask_error"] = float((attention["attention, size bias as mask"]().float() - exact).norm() / exact.norm())
+        print("relative error to float32: folded", rows["folded_error"], "mask", rows["mask_error"], flush=True)
+    out = os.path.join(os.environ.get("OUT", "/tmp"), "gpu_match_costs.json")
+    with open(out, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
