@@ -92,6 +92,48 @@ def test_chunked_search_agrees_within_rounding_on_any_floats(xp, case):
     assert (chosen >= best - 1e-6).all()
 
 
+class Padding:
+    """The backend ``ops`` whose ``aligned_columns`` pads with zero columns to a multiple of 8, as torch does on
+    CUDA, so that the CPU tests exercise the columns the search must slice off."""
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+    def aligned_columns(self, x):
+        extra = -self.ops.shape(x)[-1] % 8
+        if not extra:
+            return x
+        return self.ops.concat([x, self.ops.zeros((*self.ops.shape(x)[:-1], extra), x)], axis=-1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=search_cases())
+def test_columns_padded_for_the_product_never_match(xp, case):
+    """With the destinations padded by zero columns (similarity 0), every chunking gives the unpadded search:
+    bit for bit on exact similarities, and never a padded column where every real similarity is negative (each
+    source non-negative, each destination negative in every channel), where a padded one would be the best."""
+    rng = np.random.default_rng(case["seed"])
+    metric = exact_tokens(rng, case["batch"], case["num_src"] + case["num_dst"], case["channels"], zeros=False)
+    src, dst, xsrc, xdst = indices(case, xp)
+    _, best, which = reference(metric, src, dst)
+    got = best_destinations(Padding(xp.ops), xp.asarray(metric), xsrc, xdst, block=case["block"])
+    np.testing.assert_array_equal(xp.numpy(got[0]), best)
+    np.testing.assert_array_equal(xp.numpy(got[1]), which)
+
+    metric[:, src] = np.abs(metric[:, src])
+    metric[:, dst] = -(np.abs(metric[:, dst]) + rng.uniform(0.5, 1.0, metric[:, dst].shape).astype(np.float32))
+    scores, best, _ = reference(metric, src, dst)
+    assert (best < 0).all()
+    got_best, got_which = best_destinations(Padding(xp.ops), xp.asarray(metric), xsrc, xdst, block=case["block"])
+    got_which = xp.numpy(got_which).astype(np.int64)
+    assert (got_which < case["num_dst"]).all()
+    np.testing.assert_allclose(xp.numpy(got_best), best, rtol=0, atol=1e-6)
+    assert (np.take_along_axis(scores, got_which[..., None], -1)[..., 0] >= best - 1e-6).all()
+
+
 def test_a_block_is_the_limit_in_entries_per_batch_item(monkeypatch):
     """Sources go in equal chunks whose block stays within the limit; the module constant is the default."""
     seen = []
