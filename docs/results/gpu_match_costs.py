@@ -4,13 +4,18 @@ of the match timed alone in CUDA graphs (the similarity in chunks as the library
 ranking, the assignment), the profiler's kernels of one match, and self-attention at the merged size plainly, with
 the size bias as an additive mask (what diffusers' processors get), and with the bias folded into the values (an
 exact rewrite that keeps a bias-free kernel), on the kernels SDPA picks and on cuDNN's and the memory-efficient
-one. Needs CUDA; rows to ``$OUT/gpu_match_costs.json`` (kept as ``docs/results/gpu_h200_match_costs.json``).
+one. Needs CUDA; rows to ``$OUT/gpu_match_costs_CASE.json`` (kept as ``docs/results/gpu_h200_match_costs.json``).
 
-    python docs/results/gpu_match_costs.py
+    python docs/results/gpu_match_costs.py [--case flux1024]
+
+``--case flux1024``: the same at Flux's width and 1024 px (4,096 image tokens on a 64 x 64 grid, 3,072 channels,
+24 heads; its self-attention also attends to the 512 text tokens), where the match is small kernels rather than
+one product.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -24,7 +29,10 @@ from tome_core.backend import get_ops
 from tome_core.match import best_destinations, bipartite_matches, rank_sources
 from tome_core.partition import random_offsets, split
 
-FRAMES, H, W, WIDTH, HEADS = 21, 30, 52, 1536, 12
+CASES = {  # frames, grid height and width, channels, heads, text tokens beside the image in self-attention
+    "wan480": (21, 30, 52, 1536, 12, 0),
+    "flux1024": (1, 64, 64, 3072, 24, 512),
+}
 
 
 def timed(fns: Dict[str, Callable[[], object]], rounds: int = 15, reps: int = 5) -> Dict[str, float]:
@@ -55,34 +63,39 @@ def timed(fns: Dict[str, Callable[[], object]], rounds: int = 15, reps: int = 5)
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", choices=sorted(CASES), default="wan480")
+    case = parser.parse_args().case
+    frames, rows_per_frame, w, channels, heads, text = CASES[case]
     device, dtype = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
-    tokens = FRAMES * H * W
-    metric = torch.randn(1, tokens, WIDTH, device=device, dtype=dtype)
+    tokens = frames * rows_per_frame * w
+    metric = torch.randn(1, tokens, channels, device=device, dtype=dtype)
     ops = get_ops(metric)
-    h = FRAMES * H  # frames stacked along the height: 2x2 cells never cross a frame (H is even)
-    offsets = random_offsets(ops, metric, h, W, 2, 2, 0, 999, 0)
-    dst, src = split(ops, metric, h, W, 2, 2, offsets)
+    h = frames * rows_per_frame  # frames stacked along the height: 2x2 cells never cross a frame (rows_per_frame is even)
+    offsets = random_offsets(ops, metric, h, w, 2, 2, 0, 999, 0)
+    dst, src = split(ops, metric, h, w, 2, 2, offsets)
     merged = tokens // 2
-    rows: Dict[str, object] = {"tokens": tokens, "sources": int(src.shape[0]), "destinations": int(dst.shape[0]),
-                               "width": WIDTH, "dtype": str(dtype), "device": torch.cuda.get_device_name()}
+    rows: Dict[str, object] = {"case": case, "tokens": tokens, "sources": int(src.shape[0]), "destinations": int(dst.shape[0]),
+                               "width": channels, "dtype": str(dtype), "device": torch.cuda.get_device_name()}
     with torch.no_grad():
         best, which = best_destinations(ops, metric, src, dst)
         unit = metric / metric.norm(dim=-1, keepdim=True)
         unit_src, unit_dst = unit[:, src], unit[:, dst]
         product = torch.bmm(unit_src, unit_dst.transpose(-1, -2).contiguous())
-        padded_product = torch.bmm(unit_src, F.pad(unit_dst.transpose(-1, -2), (0, 2)))
+        extra = -int(dst.shape[0]) % 8
+        padded_product = torch.bmm(unit_src, F.pad(unit_dst.transpose(-1, -2), (0, extra)))
         pieces = {
-            "match (the library's, shared)": lambda: bipartite_matches(ops, metric, h, W, 2, 2, [merged], offsets, shared=True),
+            "match (the library's, shared)": lambda: bipartite_matches(ops, metric, h, w, 2, 2, [merged], offsets, shared=True),
             "similarity, chunks of 2**24": lambda: best_destinations(ops, metric, src, dst),
             "similarity, one product": lambda: best_destinations(ops, metric, src, dst, block=2**31),
             "similarity, float32 one product": lambda: best_destinations(ops, metric.float(), src, dst, block=2**31),
-            "product, 8,190 columns": lambda: torch.bmm(unit_src, unit_dst.transpose(-1, -2)),
-            "product, padded to 8,192 columns": lambda: torch.bmm(unit_src, F.pad(unit_dst.transpose(-1, -2), (0, 2))),
+            "product, the destinations as they are": lambda: torch.bmm(unit_src, unit_dst.transpose(-1, -2)),
+            "product, padded to a multiple of 8 columns": lambda: torch.bmm(unit_src, F.pad(unit_dst.transpose(-1, -2), (0, -int(dst.shape[0]) % 8))),
             "product, the backend's aligned columns": lambda: ops.matmul(
                 unit_src, ops.aligned_columns(ops.matrix_transpose(unit_dst)))[..., :int(dst.shape[0])],
             "max and argmax alone": lambda: product.max(dim=-1),
-            "max and argmax alone, sliced rows": lambda: padded_product[..., :-2].max(dim=-1),
+            "max and argmax alone, sliced rows": lambda: padded_product[..., :int(dst.shape[0])].max(dim=-1),
             "normalize": lambda: metric / metric.norm(dim=-1, keepdim=True),
             "rank (argsort)": lambda: rank_sources(ops, best),
             "assign": lambda: match_module.assign(ops, rank_sources(ops, best), which, src, dst, merged, metric),
@@ -93,15 +106,16 @@ def main() -> None:
 
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
-                bipartite_matches(ops, metric, h, W, 2, 2, [merged], offsets, shared=True)
+                bipartite_matches(ops, metric, h, w, 2, 2, [merged], offsets, shared=True)
             torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=110)
         print(table, flush=True)
         rows["profile"] = table
 
-        kept = tokens - merged
-        q, k, v = (torch.randn(1, HEADS, kept, WIDTH // HEADS, device=device, dtype=dtype) for _ in range(3))
+        kept = tokens - merged + text
+        q, k, v = (torch.randn(1, heads, kept, channels // heads, device=device, dtype=dtype) for _ in range(3))
         sizes = torch.randint(1, 5, (1, 1, 1, kept), device=device).to(dtype)
+        sizes[..., :text] = 1
         bias = sizes.log()
 
         def folded():
@@ -139,7 +153,7 @@ def main() -> None:
         rows["folded_error"] = float((folded().float() - exact).norm() / exact.norm())
         rows["mask_error"] = float((attention["attention, size bias as mask"]().float() - exact).norm() / exact.norm())
         print("relative error to float32: folded", rows["folded_error"], "mask", rows["mask_error"], flush=True)
-    out = os.path.join(os.environ.get("OUT", "/tmp"), "gpu_match_costs.json")
+    out = os.path.join(os.environ.get("OUT", "/tmp"), f"gpu_match_costs_{case}.json")
     with open(out, "w") as f:
         json.dump(rows, f, indent=1)
 

@@ -1,0 +1,123 @@
+"""Issue #42's CPU cell: one Wan 2.1 1.3B-width block (``WanTransformer3DModel`` at the released config, one of its
+30 blocks, random weights, float32) at 480x832 px and 81 frames: 21 latent frames, 32,760 tokens, batch 1, with
+umT5's 512 text tokens. Whole model calls (the patch embedding and output layer are a small share), each method
+against the unpatched call of the same round, methods alternating in forward and backward order; then each
+method's peak memory: the rise of the resident set over one call, in a fresh process per method (a process's
+high-water mark never falls).
+
+    python docs/results/cpu_wan_block.py [--rounds R] [--threads T]    # rows to $OUT/cpu_wan_block.json
+
+Methods: ``default`` (``patch(model)``), ``oracle of default`` (free removal of the tokens the default removes:
+``tome_core.driver.attach_oracle``), ``prefer="speed"``, ``local_window=1`` (the default's arrangement, each
+source compared with the destinations of its own and the 8 neighbouring cells only). About 5 minutes a round
+and 5 for the memory on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Dict, List
+
+import diffusers
+import torch
+
+import tome_core.torch as tome
+from tome_core.adapters.diffusers import FRAMEWORK
+from tome_core.driver import attach_oracle
+from tome_tools.bench_core import _peak_kb, _restart_peak_kb
+from tome_tools.presets import VIDEO_TRANSFORMERS
+
+LATENT = (1, 16, 21, 60, 104)  # 81 frames at 480x832: (81 - 1) / 4 + 1 latent frames, 8x smaller sides
+METHODS = ("unpatched", "default", "oracle of default", 'prefer="speed"', "local_window=1")
+
+
+def build() -> Callable[[], torch.Tensor]:
+    torch.manual_seed(0)
+    name, config = VIDEO_TRANSFORMERS["wan-1.3b"]
+    model = getattr(diffusers, name)(**{**config, "num_layers": 1}).eval()
+    x, text, t = torch.randn(LATENT), torch.randn(1, 512, 4096), torch.tensor([500])
+
+    def call() -> torch.Tensor:
+        with torch.inference_mode():
+            return model(x, t, text, return_dict=False)[0]
+
+    call.model = model  # type: ignore[attr-defined]
+    return call
+
+
+def use(model: Any, method: str) -> Callable[[], None]:
+    """Patch ``model`` for ``method``; returns what removes it."""
+    if method == "unpatched":
+        return lambda: None
+    if method == "oracle of default":
+        tome.patch(model)
+        (_, state), = tome.patched_models(model)
+        config = state.active
+        tome.remove(model)
+        return attach_oracle(FRAMEWORK, model, config).remove
+    options = {"default": {}, 'prefer="speed"': {"prefer": "speed"}, "local_window=1": {"local_window": 1}}[method]
+    tome.patch(model, **options)
+    return lambda: tome.remove(model)
+
+
+def peak_rise_mb(method: str, threads: int) -> float:
+    """The resident set's rise over one call of ``method``, in a fresh process."""
+    out = subprocess.run([sys.executable, __file__, "--peak", method, "--threads", str(threads)], check=True,
+                         capture_output=True, text=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--peak", choices=METHODS, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-only", action="store_true", help="only the peak memory rows")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    call = build()
+    if args.peak:
+        undo = use(call.model, args.peak)
+        before = _restart_peak_kb()  # VmHWM: ru_maxrss would count the parent's size at the fork
+        call()
+        print((_peak_kb() - before) / 1024)
+        undo()
+        return
+    if args.memory_only:
+        for method in METHODS:
+            print(f"{method:<20} peak rise {peak_rise_mb(method, args.threads):7.0f} MB", flush=True)
+        return
+    times: Dict[str, List[float]] = {m: [] for m in METHODS}
+    outputs: Dict[str, torch.Tensor] = {}
+    for r in range(args.rounds):
+        for method in (METHODS if r % 2 == 0 else METHODS[::-1]):
+            undo = use(call.model, method)
+            start = time.perf_counter()
+            outputs[method] = call()
+            times[method].append(time.perf_counter() - start)
+            undo()
+            print(f"round {r} {method:<20} {times[method][-1]:7.1f} s", flush=True)
+    rows = []
+    for method in METHODS:
+        ratios = [u / m for u, m in zip(times["unpatched"], times[method])]
+        fid = float((outputs[method] - outputs["unpatched"]).norm() / outputs["unpatched"].norm())
+        rows.append(dict(method=method, s=times[method], speedup=statistics.median(ratios), speedups=ratios, fid=fid))
+    for row in rows:
+        row["peak_rise_mb"] = peak_rise_mb(row["method"], args.threads)
+        print(f"{row['method']:<20} {row['speedup']:5.2f}x  fid {row['fid']:.4f}  peak rise {row['peak_rise_mb']:7.0f} MB",
+              flush=True)
+    out = os.path.join(os.environ.get("OUT", "/tmp"), "cpu_wan_block.json")
+    with open(out, "w") as f:
+        json.dump(dict(latent=LATENT, tokens=21 * 30 * 52, threads=args.threads, torch=torch.__version__,
+                       cpu=os.cpu_count(), rows=rows), f, indent=1)
+    print(f"rows in {out}")
+
+
+if __name__ == "__main__":
+    main()
