@@ -34,6 +34,7 @@ from tome_tools.bench_core import _peak_kb, _restart_peak_kb
 from tome_tools.presets import VIDEO_TRANSFORMERS
 
 LATENT = (1, 16, 21, 60, 104)  # 81 frames at 480x832: (81 - 1) / 4 + 1 latent frames, 8x smaller sides
+TOKENS = LATENT[2] * (LATENT[3] // 2) * (LATENT[4] // 2)  # Wan's 1 x 2 x 2 patches
 METHODS = ("unpatched", "default", "oracle of default", 'prefer="speed"', "local_window=1")
 
 
@@ -114,7 +115,7 @@ def main() -> None:
               flush=True)
     out = os.path.join(os.environ.get("OUT", "/tmp"), "cpu_wan_block.json")
     with open(out, "w") as f:
-        json.dump(dict(latent=LATENT, tokens=21 * 30 * 52, threads=args.threads, torch=torch.__version__,
+        json.dump(dict(latent=LATENT, tokens=TOKENS, threads=args.threads, torch=torch.__version__,
                        cpu=os.cpu_count(), rows=rows), f, indent=1)
     print(f"rows in {out}")
 

@@ -24,6 +24,7 @@ from typing import Callable, Dict
 import torch
 import torch.nn.functional as F
 
+import gpu_timing as gt
 from tome_core import match as match_module
 from tome_core.backend import get_ops
 from tome_core.match import best_destinations, bipartite_matches, rank_sources
@@ -37,29 +38,8 @@ CASES = {  # frames, grid height and width, channels, heads, text tokens beside 
 
 def timed(fns: Dict[str, Callable[[], object]], rounds: int = 15, reps: int = 5) -> Dict[str, float]:
     """Median ms per call of each function, replayed from a CUDA graph, the functions alternating."""
-    graphs = {}
-    for name, fn in fns.items():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graphs[name] = graph
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, graph in graphs.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end) / reps)
-    return {name: statistics.median(t) for name, t in times.items()}
+    replays = {name: gt.capture(fn)[0] for name, fn in fns.items()}
+    return {name: statistics.median(t) for name, t in gt.time_rounds(replays, rounds, reps).items()}
 
 
 def main() -> None:
@@ -75,27 +55,27 @@ def main() -> None:
     h = frames * rows_per_frame  # frames stacked along the height: 2x2 cells never cross a frame (rows_per_frame is even)
     offsets = random_offsets(ops, metric, h, w, 2, 2, 0, 999, 0)
     dst, src = split(ops, metric, h, w, 2, 2, offsets)
-    merged = tokens // 2
-    rows: Dict[str, object] = {"case": case, "tokens": tokens, "sources": int(src.shape[0]), "destinations": int(dst.shape[0]),
+    merged, num_dst = tokens // 2, int(dst.shape[0])
+    rows: Dict[str, object] = {"case": case, "tokens": tokens, "sources": int(src.shape[0]), "destinations": num_dst,
                                "width": channels, "dtype": str(dtype), "device": torch.cuda.get_device_name()}
     with torch.no_grad():
         best, which = best_destinations(ops, metric, src, dst)
         unit = metric / metric.norm(dim=-1, keepdim=True)
         unit_src, unit_dst = unit[:, src], unit[:, dst]
         product = torch.bmm(unit_src, unit_dst.transpose(-1, -2).contiguous())
-        extra = -int(dst.shape[0]) % 8
-        padded_product = torch.bmm(unit_src, F.pad(unit_dst.transpose(-1, -2), (0, extra)))
+        padded = F.pad(unit_dst.transpose(-1, -2), (0, -num_dst % 8))
+        padded_product = torch.bmm(unit_src, padded)
         pieces = {
             "match (the library's, shared)": lambda: bipartite_matches(ops, metric, h, w, 2, 2, [merged], offsets, shared=True),
             "similarity, chunks of 2**24": lambda: best_destinations(ops, metric, src, dst),
             "similarity, one product": lambda: best_destinations(ops, metric, src, dst, block=2**31),
             "similarity, float32 one product": lambda: best_destinations(ops, metric.float(), src, dst, block=2**31),
             "product, the destinations as they are": lambda: torch.bmm(unit_src, unit_dst.transpose(-1, -2)),
-            "product, padded to a multiple of 8 columns": lambda: torch.bmm(unit_src, F.pad(unit_dst.transpose(-1, -2), (0, -int(dst.shape[0]) % 8))),
+            "product, padded to a multiple of 8 columns": lambda: torch.bmm(unit_src, F.pad(unit_dst.transpose(-1, -2), (0, -num_dst % 8))),
             "product, the backend's aligned columns": lambda: ops.matmul(
-                unit_src, ops.aligned_columns(ops.matrix_transpose(unit_dst)))[..., :int(dst.shape[0])],
+                unit_src, ops.aligned_columns(ops.matrix_transpose(unit_dst)))[..., :num_dst],
             "max and argmax alone": lambda: product.max(dim=-1),
-            "max and argmax alone, sliced rows": lambda: padded_product[..., :int(dst.shape[0])].max(dim=-1),
+            "max and argmax alone, sliced rows": lambda: padded_product[..., :num_dst].max(dim=-1),
             "normalize": lambda: metric / metric.norm(dim=-1, keepdim=True),
             "rank (argsort)": lambda: rank_sources(ops, best),
             "assign": lambda: match_module.assign(ops, rank_sources(ops, best), which, src, dst, merged, metric),
