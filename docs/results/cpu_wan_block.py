@@ -5,12 +5,13 @@ against the unpatched call of the same round, methods alternating in forward and
 method's peak memory: the rise of the resident set over one call, in a fresh process per method (a process's
 high-water mark never falls).
 
-    python docs/results/cpu_wan_block.py [--rounds R] [--threads T]    # rows to $OUT/cpu_wan_block.json
+    python docs/results/cpu_wan_block.py [--rounds R] [--threads T] [--methods M ...]  # rows to $OUT/cpu_wan_block.json
 
 Methods: ``default`` (``patch(model)``), ``oracle of default`` (free removal of the tokens the default removes:
 ``tome_core.driver.attach_oracle``), ``prefer="speed"``, ``local_window=1`` (the default's arrangement, each
-source compared with the destinations of its own and the 8 neighbouring cells only). About 5 minutes a round
-and 5 for the memory on a 2-core CPU.
+source compared with the destinations of its own and the 8 neighbouring cells only), and keys and values merged
+inside the attention kernel after the rotary positions (``mode="kv"``: in 2x1 or 2x2 cells, one token drawn per
+cell, or half of them by similarity, size-aware); ``--methods`` picks some. About 6 minutes a round and 6 for the memory on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -35,7 +36,14 @@ from tome_tools.presets import VIDEO_TRANSFORMERS
 
 LATENT = (1, 16, 21, 60, 104)  # 81 frames at 480x832: (81 - 1) / 4 + 1 latent frames, 8x smaller sides
 TOKENS = LATENT[2] * (LATENT[3] // 2) * (LATENT[4] // 2)  # Wan's 1 x 2 x 2 patches
-METHODS = ("unpatched", "default", "oracle of default", 'prefer="speed"', "local_window=1")
+# keys and values merged inside the attention kernel (mode="kv", after Wan's rotary positions): in cells, one token
+# drawn per cell, or by similarity (size-aware)
+KV = {
+    "kv 2x1 cells": dict(matching="cell", sx=2, sy=1, cell_pool="sample"),
+    "kv 2x2 cells": dict(matching="cell", sx=2, sy=2, cell_pool="sample"),
+    "kv 0.5": dict(ratio=0.5),
+}
+METHODS = ("unpatched", "default", "oracle of default", 'prefer="speed"', "local_window=1", *KV)
 
 
 def build() -> Callable[[], torch.Tensor]:
@@ -62,7 +70,9 @@ def use(model: Any, method: str) -> Callable[[], None]:
         config = state.active
         tome.remove(model)
         return attach_oracle(FRAMEWORK, model, config).remove
-    options = {"default": {}, 'prefer="speed"': {"prefer": "speed"}, "local_window=1": {"local_window": 1}}[method]
+    options = {"default": {}, 'prefer="speed"': {"prefer": "speed"}, "local_window=1": {"local_window": 1}}.get(method)
+    if options is None:
+        options = dict(mode="kv", **KV[method])
     tome.patch(model, **options)
     return lambda: tome.remove(model)
 
@@ -80,7 +90,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--peak", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--memory-only", action="store_true", help="only the peak memory rows")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS, help="these (unpatched always)")
     args = parser.parse_args()
+    methods = ("unpatched", *(m for m in args.methods if m != "unpatched"))
     torch.set_num_threads(args.threads)
     call = build()
     if args.peak:
@@ -91,13 +103,13 @@ def main() -> None:
         undo()
         return
     if args.memory_only:
-        for method in METHODS:
+        for method in methods:
             print(f"{method:<20} peak rise {peak_rise_mb(method, args.threads):7.0f} MB", flush=True)
         return
-    times: Dict[str, List[float]] = {m: [] for m in METHODS}
+    times: Dict[str, List[float]] = {m: [] for m in methods}
     outputs: Dict[str, torch.Tensor] = {}
     for r in range(args.rounds):
-        for method in (METHODS if r % 2 == 0 else METHODS[::-1]):
+        for method in (methods if r % 2 == 0 else methods[::-1]):
             undo = use(call.model, method)
             start = time.perf_counter()
             outputs[method] = call()
@@ -105,7 +117,7 @@ def main() -> None:
             undo()
             print(f"round {r} {method:<20} {times[method][-1]:7.1f} s", flush=True)
     rows = []
-    for method in METHODS:
+    for method in methods:
         ratios = [u / m for u, m in zip(times["unpatched"], times[method])]
         fid = float((outputs[method] - outputs["unpatched"]).norm() / outputs["unpatched"].norm())
         rows.append(dict(method=method, s=times[method], speedup=statistics.median(ratios), speedups=ratios, fid=fid))

@@ -38,6 +38,8 @@ Methods, each against the unpatched call of the same run:
   count from which merging pays on this device and execution (so it may differ between eager and graph rows);
 - ``default, min_tokens=0``: the default's arrangement forced to merge at every level;
 - ``prefer="speed"`` and ``ratio 0.5`` (ToMe for SD's arrangement, size-aware);
+- ``kv 2x2 cells`` (transformers): keys and values in 2x2 cells, one token drawn per cell, merged inside the
+  attention kernel after the processor's rotary positions (``mode="kv"``), queries kept;
 - ``tomesd 0.5`` (UNets; eager only, as most users run it; at its finest level with attention: max_downsample=2
   on SDXL, where its default of 1 merges nothing);
 - ``oracle of default``: free removal of the tokens the default removes in this execution, at the same levels
@@ -121,6 +123,7 @@ class Oracle:
     of: str
 
 
+KV_CELLS = "kv 2x2 cells"
 # name: options of tome_core.torch.patch, tomesd, or the oracle of another method (after it: its call tells the cut)
 METHODS: Dict[str, Any] = {
     "unpatched": None,
@@ -131,6 +134,9 @@ METHODS: Dict[str, Any] = {
     "tomesd 0.5": TOMESD,
     "oracle of default": Oracle("default"),
     "oracle of default, min_tokens=0": Oracle(FORCED),
+    # transformers: keys and values in 2x2 cells (one token drawn) inside the attention kernel, after the rotary
+    # positions (UNets: the default's arrangement at 512 px)
+    KV_CELLS: {"mode": "kv", "matching": "cell", "sx": 2, "sy": 2, "cell_pool": "sample"},
 }
 
 
@@ -199,7 +205,8 @@ PARTS = list(dict.fromkeys(case.part for case in CASES))
 
 
 def methods_of(case: Case) -> List[str]:
-    return [m for m in METHODS if METHODS[m] != TOMESD or case.kind == "unet"]
+    elsewhere = [m for m in METHODS if METHODS[m] == TOMESD] if case.kind != "unet" else [KV_CELLS]
+    return [m for m in METHODS if m not in elsewhere]
 
 
 def rounds_of(case: Case, dry: bool) -> Tuple[int, int]:

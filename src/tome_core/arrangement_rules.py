@@ -1,5 +1,6 @@
 """Where the ``kv`` and ``queries`` arrangements can run: they hand a self-attention keys and values apart from
-its queries, which only some attentions (and processors) take. Read at ``patch`` (the driver's checks) and as
+its queries, which only some attentions (and processors) take; ``kv`` asked for by name also runs inside the
+attention kernel of the others, where the framework reaches it. Read at ``patch`` (the driver's checks) and as
 each block starts (its fallback to ToMe for SD's arrangement under ``mode="auto"``). Framework-free."""
 
 from __future__ import annotations
@@ -10,9 +11,25 @@ from .families import Sublayer, TEXT_NONE, attends_text_only
 from .framework import Framework
 
 
-def arrangement_problem(fw: Framework, block: Any, sublayer: Sublayer, module: Any) -> Optional[str]:
-    """Why a self-attention cannot run the ``kv`` or ``queries`` arrangement now (None: it can): they hand it
-    keys and values apart from its queries, through its ``kv_input``."""
+def arrangement_problem(fw: Framework, block: Any, sublayer: Sublayer, module: Any, mode: str = "kv", kernel: bool = True) -> Optional[str]:
+    """Why a self-attention cannot run the ``kv`` or ``queries`` arrangement (``mode``) now (None: it can): they
+    hand it keys and values apart from its queries, through its ``kv_input``; where it has none, or its processor
+    computes keys from its own input, ``kv`` can still merge the keys inside its attention kernel
+    (:func:`kv_in_kernel`) when ``kernel`` allows it and the framework can."""
+    problem = _separate_kv_problem(fw, block, sublayer, module)
+    if problem is None or not kernel or mode != "kv" or sublayer.projections or attends_text_only(block, sublayer):
+        return problem
+    inside = fw.kernel_keys_problem(module)
+    return None if inside is None else f"{problem}, and {inside}"
+
+
+def kv_in_kernel(fw: Framework, block: Any, sublayer: Sublayer, module: Any) -> bool:
+    """Whether the ``kv`` arrangement of this self-attention merges its keys and values inside its attention
+    kernel (:class:`~tome_core.block_hooks.KernelKeys`) rather than handing it merged tokens as ``kv_input``."""
+    return _separate_kv_problem(fw, block, sublayer, module) is not None
+
+
+def _separate_kv_problem(fw: Framework, block: Any, sublayer: Sublayer, module: Any) -> Optional[str]:
     where = lambda: f"{type(block).__name__}.{sublayer.child}"  # noqa: E731 (formatted only for a problem)
     if sublayer.projections:
         if fw.separate_kv(module):
@@ -40,7 +57,8 @@ def arrangement_error(mode: str, where: str, problem: str) -> ValueError:
     """The error for an explicit ``kv`` or ``queries`` ``mode`` where a self-attention (in ``where``) cannot run
     it, for the ``problem`` :func:`arrangement_problem` found."""
     return ValueError(
-        f"mode={mode!r} needs self-attention that takes keys and values apart from its queries, and in {where} "
+        f"mode={mode!r} needs self-attention that takes keys and values apart from its queries"
+        f"{' (or whose attention kernel ToMe reaches)' if mode == 'kv' else ''}, and in {where} "
         f"{problem}; pass mode='tokens' there, or leave mode out (the default runs ToMe for SD's arrangement where "
         "kv cannot run)"
     )

@@ -9,7 +9,7 @@ import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .arrangement_rules import arrangement_error, arrangement_problem
+from .arrangement_rules import arrangement_error, arrangement_problem, kv_in_kernel
 from .attention_bias import SizeBias
 from .backend import get_ops
 from .config import ToMeConfig
@@ -247,7 +247,8 @@ class BlockRun:
         if config.mode not in ("kv", "queries"):
             return config, None
         for sublayer, module in self.attentions:
-            problem = arrangement_problem(self.fw, self.block, sublayer, module)
+            # inside the attention kernel only when asked for by name: mode="auto" chose kv where keys come apart
+            problem = arrangement_problem(self.fw, self.block, sublayer, module, config.mode, self.state.config.mode == "kv")
             if problem is None:
                 continue
             if self.state.config.mode != "auto":
@@ -333,7 +334,8 @@ class SublayerHooks:
 
     A self-attention with a ``kv_input`` runs in the configured arrangement: ``tokens`` merges its input,
     ``kv`` keeps its queries and hands it the merged tokens as keys and values, ``queries`` merges its
-    queries and hands it every token as keys and values.
+    queries and hands it every token as keys and values. Without one, ``kv`` asked for by name merges the keys
+    and values inside its attention kernel (:class:`KernelKeys`).
 
     Where an output cache (e.g. diffusers' Pyramid Attention Broadcast) hands back an output it stored in an
     earlier call, that output was merged by that call's match: the unmerged result of that call is returned
@@ -355,6 +357,7 @@ class SublayerHooks:
         self.kv_name = sublayer.kv_input or "encoder_hidden_states"
         self.kv_at = argument_positions(forward_of(type(module)), self.kv_name)[self.kv_name]
         self.passing = False  # the call in flight runs on all its tokens (_passes)
+        self.in_kernel = False  # the call in flight merges keys and values inside its kernel (KernelKeys)
         self.stored: Tuple[Any, Any] = (None, None)  # (raw output, its unmerged form), only under a cache
 
     @property
@@ -362,7 +365,7 @@ class SublayerHooks:
         return self.run.family.sublayers[self.index]
 
     def before(self, module, args, kwargs):
-        self.passing = False
+        self.passing = self.in_kernel = False
         if self.run.plan is self.run.idle:  # its block runs unmerged in this call
             return None
         if self.inside is not None:
@@ -376,6 +379,11 @@ class SublayerHooks:
         self.fw.output_cache(module)  # a cache set after patch is checked here
         x = argument(args, kwargs, "hidden_states", 0)
         self.head = sublayer_head(self.run, self.sublayer, get_ops(x).shape(x)[1], match.tokens)
+        if mode == "kv" and kv_in_kernel(self.fw, self.run.block, self.sublayer, module):
+            tail, text = self.run.plan.tail, self.sublayer.text
+            bias = SizeBias(match, text, x, tail, self.head) if size_aware else None
+            self.in_kernel = True
+            return self.fw.kernel_keys(module, args, kwargs, KernelKeys(match, text, tail, self.head), bias)
         merged = around_image(x, match.tokens, self.run.plan.tail, self.sublayer.text, lambda image: merge(image, match), self.head)
         if mode != "tokens":
             return self._arrange(module, args, kwargs, x, merged, match, mode, size_aware)
@@ -473,7 +481,8 @@ class SublayerHooks:
         if output is not None and not reused:  # its attention ran (a cache's stored output: it did not)
             self.run.count(self.sublayer.kind)
         mode, size_aware = self.run.arrangement(self.sublayer.kind, self.sublayer.attention)
-        if size_aware:
+        if size_aware or self.in_kernel:
+            self.in_kernel = False
             self.fw.size_aware_done(module, computed=output is not None and not reused)  # None: it raised
         if reused:
             return self.stored[1]
@@ -543,6 +552,39 @@ class SublayerHooks:
         return self.fw.size_aware(
             module, args, kwargs, SizeBias(match, self.sublayer.text, merged, self.run.plan.tail, self.head)
         )
+
+
+class KernelKeys:
+    """The ``kv`` arrangement inside an attention kernel, for a self-attention that computes its keys and values
+    itself from every token (joint attention over text and image, rotary keys: no ``kv_input`` to hand merged
+    tokens to): each call of the kernel gets its image keys and values, after the processor's projections, norms
+    and rotary positions, merged by the block's match; its queries keep every token, so nothing unmerges. The
+    adapter calls :meth:`reduce` on ``[B, K, C]`` keys and values laid out as :class:`SizeBias` reads them."""
+
+    def __init__(self, match: Match, text: str, tail: int = 0, head: int = 0):
+        self.match = match
+        self.text = text
+        self.tail = tail
+        self.head = head
+
+    def reduce(self, x: Any) -> Any:
+        """``[B, K, C]`` keys (or values) of one kernel call -> ``[B, K - r, C]``: the image part merged."""
+        match = self.match
+        batch, keys = get_ops(x).shape(x)[:2]
+        words = keys - self.head - match.tokens - self.tail
+        if words < 0 or (words and self.text == TEXT_NONE) or batch != match.batch:
+            raise RuntimeError(
+                f"mode='kv' inside the attention: a kernel call over {batch} x {keys} keys does not fit the block's "
+                f"{match.batch} x {self.head + match.tokens + self.tail} image tokens"
+                f"{'' if self.text == TEXT_NONE else ' and its text'}; pass mode='tokens'"
+            )
+        layout = TEXT_NONE if not words else TEXT_SUFFIX if text_follows(self.text) else TEXT_PREFIX
+        return around_image(x, match.tokens, self.tail, layout, lambda image: merge(image, match), self.head)
+
+    def reduce_mask(self, mask: Any, axis: int) -> Any:
+        """An attention mask whose ``axis`` runs over the kernel call's keys, moved to the merged keys (each
+        merged key takes its destination's entry); one broadcast over the keys serves as it is."""
+        return merge_positions((mask,), self.match, axis, self.tail, text_follows(self.text), self.head)[0]
 
 
 def gatherable(mask: Any, x: Any) -> bool:

@@ -187,7 +187,7 @@ def check_sublayers(fw: Framework, plan: ModelPlan) -> None:
         block_problem(block, config)
         if sublayer.kind != "attn":
             continue
-        problem = arrangement_problem(fw, block, sublayer, target)
+        problem = arrangement_problem(fw, block, sublayer, target, config.mode, config.mode == "kv")
         if problem is not None and sublayer.projections:
             raise ValueError(f"ToMe cannot merge block {stream} of {where}: {problem}")
         if problem is not None and config.mode in ("kv", "queries"):

@@ -39,9 +39,19 @@ class Framework(Protocol):
         """Make ``module``'s attention add ``bias`` (a :class:`~tome_core.attention_bias.SizeBias`) to its logits
         during this call; returns its arguments."""
 
+    def kernel_keys(
+        self, module: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], keys: Any, bias: Any = None
+    ) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        """Make ``module``'s attention kernel take its keys and values merged by ``keys`` (a
+        :class:`~tome_core.block_hooks.KernelKeys`) during this call, and add ``bias`` (a
+        :class:`~tome_core.attention_bias.SizeBias`, or None) over the merged keys; returns its arguments."""
+
+    def kernel_keys_problem(self, module: Any) -> Optional[str]:
+        """Why :meth:`kernel_keys` cannot reach ``module``'s attention (its processor now), or None."""
+
     def size_aware_done(self, module: Any, computed: bool) -> None:
-        """The call of ``module`` armed by :meth:`size_aware` has returned; ``computed`` is False when an
-        output cache returned a stored output instead of running attention."""
+        """The call of ``module`` armed by :meth:`size_aware` or :meth:`kernel_keys` has returned; ``computed``
+        is False when an output cache returned a stored output instead of running attention."""
 
     def execution(self, x: Any) -> Tuple[str, str]:
         """Where and how a call on ``x`` runs, as :mod:`tome_core.cost` tells them apart: the device (``"cpu"`` or

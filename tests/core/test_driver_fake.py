@@ -164,6 +164,9 @@ class FakeFramework:
     def clear_interrupted(self) -> None:
         pass  # this framework's post-hooks run in a ``finally``
 
+    def kernel_keys_problem(self, module: Module) -> str:
+        return "this framework has no attention kernel to reach"
+
     def bias_problem(self, module: Module) -> None:
         return None
 

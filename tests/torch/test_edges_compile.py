@@ -67,13 +67,18 @@ def test_compiled_eager_backend_adds_the_size_bias_once(build):
     assert torch.allclose(compiled, eager, atol=1e-5), (compiled - eager).abs().max()
 
 
+KV_IN_KERNEL = dict(mode="kv", matching="cell", sx=2, sy=2, cell_pool="sample")
+
+
+@pytest.mark.parametrize("options", [{}, KV_IN_KERNEL], ids=["default", "kv-in-kernel"])
 @pytest.mark.parametrize("build", [flux, wan], ids=["flux", "wan"])
-def test_fullgraph_traces_merged_joint_attention(build):
+def test_fullgraph_traces_merged_joint_attention(build, options):
     """``fullgraph=True`` traces a patched Flux / Wan whole (before: ``Unsupported: super().unflatten()`` in every
-    merged attention). Flux reads its img_ids on the host once per ids tensor (its token grid): an eager call
-    with the same ids read them, as a pipeline's first step does for a compiled transformer."""
+    merged attention), also with keys and values merged inside the attention kernel. Flux reads its img_ids on the
+    host once per ids tensor (its token grid): an eager call with the same ids read them, as a pipeline's first
+    step does for a compiled transformer."""
     model, call = build()
-    tome.patch(model)
+    tome.patch(model, **options)
     with torch.no_grad():
         eager = call(model)
         compiled = call(torch.compile(model, backend="eager", fullgraph=True))
@@ -81,15 +86,16 @@ def test_fullgraph_traces_merged_joint_attention(build):
 
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, RuntimeError])
-@pytest.mark.parametrize("build", [unet, flux], ids=["unet", "flux"])
-def test_interrupt_inside_merged_attention_leaves_attention_intact(build, interrupt):
-    """A Ctrl-C inside a merged attention (after size-aware attention armed itself) leaves every later attention
-    exact: an unrelated SDPA call, the next patched call (equal to an uninterrupted one), and ``remove``. Before,
-    the size-bias mode stayed on torch's stack: later SDPA calls raised (UNet) or carried a stale bias (Flux)."""
+@pytest.mark.parametrize("build, options", [(unet, {}), (flux, {}), (flux, KV_IN_KERNEL)], ids=["unet", "flux", "flux-kv-in-kernel"])
+def test_interrupt_inside_merged_attention_leaves_attention_intact(build, options, interrupt):
+    """A Ctrl-C inside a merged attention (after size-aware attention, or keys merged in the kernel, armed itself)
+    leaves every later attention exact: an unrelated SDPA call, the next patched call (equal to an uninterrupted
+    one), and ``remove``. Before, the size-bias mode stayed on torch's stack: later SDPA calls raised (UNet) or
+    carried a stale bias (Flux)."""
     model, call = build()
     with torch.no_grad():
         unpatched = call(model)
-        tome.patch(model, ratio=0.5)
+        tome.patch(model, **({"ratio": 0.5} if not options else options))
         want = call(model)
         attention = next(m for name, m in model.named_modules() if name.endswith(("attn1", "attn")) and hasattr(m, "to_k"))
         fired = []

@@ -487,7 +487,7 @@ def test_size_bias_mode_keeps_every_positional_sdpa_argument():
     """A processor calling SDPA positionally (mask, dropout, causal flag; scale is keyword-only) keeps its
     arguments; the bias joins its mask. Oracle: SDPA itself with the same dropout draw and the bias added by
     hand, and the softmax written out without dropout."""
-    from tome_core.adapters.diffusers import _SizeBiasMode
+    from tome_core.adapters.diffusers import _AttentionMode
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
     match = _match(2)
@@ -497,13 +497,13 @@ def test_size_bias_mode_keeps_every_positional_sdpa_argument():
     sizes = match.sizes[..., 0].log()[:, None, None, :]
     for dropout in (0.0, 0.5):
         torch.manual_seed(0)
-        with _SizeBiasMode(SizeBias(match, TEXT_NONE, image)) as mode:
+        with _AttentionMode(SizeBias(match, TEXT_NONE, image)) as mode:
             out = sdpa(query, key, value, mask, dropout, False, scale=0.5)
         assert mode.calls == 1
         torch.manual_seed(0)
         torch.testing.assert_close(out, sdpa(query, key, value, mask + sizes, dropout, False, scale=0.5))
     expected = torch.softmax(query @ key.transpose(-1, -2) * 0.5 + mask + sizes, -1) @ value
-    with _SizeBiasMode(SizeBias(match, TEXT_NONE, image)):
+    with _AttentionMode(SizeBias(match, TEXT_NONE, image)):
         torch.testing.assert_close(sdpa(query, key, value, mask, 0.0, False, scale=0.5), expected, rtol=1e-5, atol=1e-6)
 
 

@@ -34,6 +34,7 @@ from tome_core import driver
 from tome_core.adapters import processors
 from tome_core.attention_bias import SizeBias, unbiased_processor
 from tome_core.backend import get_ops
+from tome_core.block_hooks import KernelKeys
 from tome_core.config import document
 from tome_core.framework import PostHook, PreHook, REUSED
 from tome_core.model_tree import blocks_of, find_models
@@ -86,29 +87,32 @@ _CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 
 def drop_stale_modes() -> None:
-    """Take the size-bias modes of interrupted attention calls (:meth:`_SizeBiasMode.live`) off torch's function
+    """Take the size-bias modes of interrupted attention calls (:meth:`_AttentionMode.live`) off torch's function
     mode stack; every other mode stays, in its order."""
     if torch.compiler.is_compiling() or not torch._C._len_torch_function_stack():
         return
     stack = torch.overrides._get_current_function_mode_stack()
-    if not any(isinstance(mode, _SizeBiasMode) and (mode.owner is _STALE or not mode.live()) for mode in stack):
+    if not any(isinstance(mode, _AttentionMode) and (mode.owner is _STALE or not mode.live()) for mode in stack):
         return
     popped = [torch._C._pop_torch_function_stack() for _ in stack]  # innermost first
     for mode in reversed(popped):
-        if not (isinstance(mode, _SizeBiasMode) and mode.owner is _STALE):
+        if not (isinstance(mode, _AttentionMode) and mode.owner is _STALE):
             torch._C._push_on_torch_function_stack(mode)
 
 
-class _SizeBiasMode(TorchFunctionMode):
-    """Adds a :class:`~tome_core.attention_bias.SizeBias` to every SDPA call made while it is active.
+class _AttentionMode(TorchFunctionMode):
+    """Merges the keys and values of every SDPA call made while it is active by a
+    :class:`~tome_core.block_hooks.KernelKeys` (``keys``, if given), and adds a
+    :class:`~tome_core.attention_bias.SizeBias` (``bias``, if given) over them.
 
     Under Ulysses context parallelism (``group``: the processes that exchange heads) each SDPA call attends to
     the keys of every process in turn, its own among them: each process's bias over its own keys is gathered in
     that order, as diffusers gathers the keys."""
 
-    def __init__(self, bias: SizeBias, group: Any = None, owner: Any = None):
+    def __init__(self, bias: Optional[SizeBias], group: Any = None, owner: Any = None, keys: Optional[KernelKeys] = None):
         super().__init__()
         self.bias = bias
+        self.keys = keys
         self.group = group
         self.calls = 0
         self.offset = 0  # first batch item of the next partial-batch call
@@ -134,19 +138,38 @@ class _SizeBiasMode(TorchFunctionMode):
         if func is torch.Tensor.unflatten:
             return _unflatten(*args, **kwargs)
         if func is F.scaled_dot_product_attention and self.live():
-            query = args[0] if args else kwargs["query"]
-            key = args[1] if len(args) > 1 else kwargs["key"]
-            bias = self._rows(self._for_keys(key.shape[-2], query), query)
-            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-            if mask is not None and mask.dtype == torch.bool:
-                mask = torch.zeros_like(mask, dtype=query.dtype).masked_fill(~mask, float("-inf"))
-            mask = bias if mask is None else mask + bias
-            if len(args) > 3:  # every other argument (dropout_p, is_causal, scale...) passes as it came
-                args = tuple(args[:3]) + (mask,) + tuple(args[4:])
-            else:
-                kwargs["attn_mask"] = mask
+            # query, key, value and attn_mask by name; every other argument (dropout_p, is_causal, scale...)
+            # passes as it came
+            named = dict(zip(("query", "key", "value", "attn_mask"), args))
+            kwargs.update(named)
+            rest, positional_mask = tuple(args[4:]), len(args) > 3
+            query, mask = kwargs["query"], kwargs.pop("attn_mask", None)
+            if self.keys is not None:
+                kwargs["key"], kwargs["value"] = (self._merged(kwargs[name], query) for name in ("key", "value"))
+                if mask is not None and mask.shape[-1] > 1:
+                    mask = self.keys.reduce_mask(mask, mask.dim() - 1)
+            if self.bias is not None:
+                bias = self._rows(self._for_keys(kwargs["key"].shape[-2], query), query)
+                if mask is not None and mask.dtype == torch.bool:
+                    mask = torch.zeros_like(mask, dtype=query.dtype).masked_fill(~mask, float("-inf"))
+                mask = bias if mask is None else mask + bias
             self.calls += 1
+            qkv = kwargs.pop("query"), kwargs.pop("key"), kwargs.pop("value")
+            if positional_mask:
+                return func(*qkv, mask, *rest, **kwargs)
+            return func(*qkv, **kwargs, **({} if mask is None else {"attn_mask": mask}))
         return func(*args, **kwargs)
+
+    def _merged(self, x: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        """``[B, heads, K, d]`` keys or values merged along K (:class:`KernelKeys`), as ``[B, heads, K - r, d]``."""
+        if x.dim() != 4:
+            raise RuntimeError(
+                f"mode='kv' inside the attention: an SDPA call with keys of shape {tuple(x.shape)}, not [batch, heads, "
+                "keys, head_dim]; pass mode='tokens'"
+            )
+        batch, heads, keys, width = x.shape
+        merged = self.keys.reduce(x.transpose(1, 2).reshape(batch, keys, heads * width))
+        return merged.reshape(batch, -1, heads, width).transpose(1, 2)
 
     def _for_keys(self, keys: int, query: torch.Tensor) -> torch.Tensor:
         if self.group is None:
@@ -236,10 +259,29 @@ class TorchFramework:
         if type(processor).__name__ in MASK_PROCESSORS and bias.whole_mask:
             return args, {**kwargs, "attention_mask": bias.for_merged_tokens()}
         drop_stale_modes()
-        mode = _SizeBiasMode(bias, _ulysses_group(processor), None if torch.compiler.is_compiling() else _call_frame())
+        mode = _AttentionMode(bias, _ulysses_group(processor), None if torch.compiler.is_compiling() else _call_frame())
         module.__dict__["_tome_size_bias"] = mode
         mode.__enter__()
         return args, kwargs
+
+    def kernel_keys(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], keys: KernelKeys, bias: Optional[SizeBias] = None):
+        drop_stale_modes()
+        owner = None if torch.compiler.is_compiling() else _call_frame()
+        mode = _AttentionMode(bias, None, owner, keys)
+        module.__dict__["_tome_size_bias"] = mode
+        mode.__enter__()
+        return args, kwargs
+
+    def kernel_keys_problem(self, module: torch.nn.Module) -> Optional[str]:
+        processor = getattr(module, "processor", None)
+        name = type(processor).__name__
+        if name in MASK_PROCESSORS:
+            return f"its processor {name} computes the attention scores itself, not through SDPA"
+        if name.startswith("PAG"):
+            return f"its processor {name} (perturbed-attention guidance) attends over part of the batch"
+        if getattr(getattr(processor, "_parallel_config", None), "context_parallel_config", None) is not None:
+            return "its processor splits the keys across processes (context parallelism)"
+        return unbiased_processor(processor, (), "diffusers", ("scaled_dot_product_attention", "dispatch_attention_fn"))
 
     def execution(self, x: torch.Tensor) -> Tuple[str, str]:
         device = "cpu" if x.device.type == "cpu" else "gpu"
@@ -306,6 +348,13 @@ class TorchFramework:
         if mode is None:
             return
         mode.__exit__(None, None, None)
+        if computed and mode.calls == 0 and not torch.compiler.is_compiling() and mode.keys is not None:
+            raise RuntimeError(
+                f"mode='kv' inside the attention: the attention processor {type(getattr(module, 'processor', None)).__name__} "
+                "of a merged attention computes attention without torch.nn.functional.scaled_dot_product_attention "
+                "(another attention backend?), so its keys could not be merged; pass mode='tokens' or use diffusers' "
+                "native attention backend"
+            )
         if computed and mode.calls == 0 and not torch.compiler.is_compiling():
             raise RuntimeError(
                 f"proportional_attn=True: the attention processor {type(getattr(module, 'processor', None)).__name__} "

@@ -221,6 +221,12 @@ class _CallHooks:
     def clear_interrupted(self) -> None:
         pass  # post-hooks run in a ``finally`` (intercept): nothing outlives an interrupted call
 
+    def kernel_keys_problem(self, module: nn.Module) -> str:
+        return "ToMe merges keys inside an attention kernel on diffusers (torch) only"
+
+    def kernel_keys(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], keys: Any, bias: Any = None):
+        raise NotImplementedError(self.kernel_keys_problem(module))  # refused by kernel_keys_problem first
+
     def bias_problem(self, module: nn.Module) -> Optional[str]:
         return None  # _size_aware_attention runs every FlaxAttention with the bias
 

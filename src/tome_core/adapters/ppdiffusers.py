@@ -270,6 +270,12 @@ class PaddleFramework:
     def clear_interrupted(self) -> None:
         _SDPA_WRAPPER.clear()
 
+    def kernel_keys_problem(self, module: Layer) -> str:
+        return "ToMe merges keys inside an attention kernel on diffusers (torch) only"
+
+    def kernel_keys(self, module: Layer, args: Tuple[Any, ...], kwargs: Dict[str, Any], keys: Any, bias: Any = None):
+        raise NotImplementedError(self.kernel_keys_problem(module))  # refused by kernel_keys_problem first
+
     def bias_problem(self, module: Layer) -> Optional[str]:
         return unbiased_processor(getattr(module, "processor", None), MASK_PROCESSORS, "ppdiffusers", (SDPA,))
 
