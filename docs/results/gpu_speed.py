@@ -16,14 +16,14 @@ SDPA runs with its memory-efficient kernel). The script prints them before each 
     sd15      SD 1.5 (860M, float16) at 512 px batch 2 and at 1024 px batch 1          ~50 s
     sdxl      SDXL (2.6B, float16) at 1024 px batch 1                                  ~35 s
     flux      Flux width (3072; 2 double + 4 single blocks of its 19 + 38), bfloat16, 1024 px: 4,096 image
-              + 512 text tokens                                                        ~25 s
+              + 512 text tokens                                                        ~28 s
     wan480    Wan 2.1 1.3B width (1536; 2 of its 30 blocks), bfloat16, 480x832, 81 frames: 21 latent
-              frames, 32,760 tokens                                                    ~30 s
-    wan720    the same at 720x1280, 81 frames: 75,600 tokens                           ~70 s
+              frames, 32,760 tokens                                                    ~31 s
+    wan720    the same at 720x1280, 81 frames: 75,600 tokens                           ~79 s
     hunyuan   HunyuanVideo width (3072; 1 double + 1 single block of its 20 + 40), bfloat16, 720x1280,
-              129 frames: 33 latent frames, all 118,800 tokens                         ~200 s
+              129 frames: 33 latent frames, all 118,800 tokens                         ~240 s
 
-In all ~400 s (under 7 minutes): one command (``timeout_s`` 600) or, safer, two of ~200 s each
+In all ~460 s (under 8 minutes): one command (``timeout_s`` 600) or, safer, two of ~220 s each
 (``sd15 sdxl flux wan480 wan720``, then ``hunyuan``). ``--time-limit S`` skips a part whose estimate would end it
 after S seconds (a row says so); a part that would not fit the GPU's memory (its estimate against ``--memory-gib``,
 default the device's) is skipped with a row saying why, and a method that fails (out of memory, a capture
@@ -38,8 +38,9 @@ Methods, each against the unpatched call of the same run:
   count from which merging pays on this device and execution (so it may differ between eager and graph rows);
 - ``default, min_tokens=0``: the default's arrangement forced to merge at every level;
 - ``prefer="speed"`` and ``ratio 0.5`` (ToMe for SD's arrangement, size-aware);
-- ``kv 2x2 cells`` (transformers): keys and values in 2x2 cells, one token drawn per cell, merged inside the
-  attention kernel after the processor's rotary positions (``mode="kv"``), queries kept;
+- ``kv 2x1 cells`` and ``kv 0.75`` (transformers): keys and values merged inside the attention kernel after the
+  processor's rotary positions (``mode="kv"``), queries kept: in 2x1 cells, one token drawn per cell, and 75% of
+  them by similarity, size-aware;
 - ``tomesd 0.5`` (UNets; eager only, as most users run it; at its finest level with attention: max_downsample=2
   on SDXL, where its default of 1 merges nothing);
 - ``oracle of default``: free removal of the tokens the default removes in this execution, at the same levels
@@ -123,7 +124,7 @@ class Oracle:
     of: str
 
 
-KV_CELLS = "kv 2x2 cells"
+KV_CELLS, KV_SIMILAR = "kv 2x1 cells", "kv 0.75"
 # name: options of tome_core.torch.patch, tomesd, or the oracle of another method (after it: its call tells the cut)
 METHODS: Dict[str, Any] = {
     "unpatched": None,
@@ -134,9 +135,11 @@ METHODS: Dict[str, Any] = {
     "tomesd 0.5": TOMESD,
     "oracle of default": Oracle("default"),
     "oracle of default, min_tokens=0": Oracle(FORCED),
-    # transformers: keys and values in 2x2 cells (one token drawn) inside the attention kernel, after the rotary
-    # positions (UNets: the default's arrangement at 512 px)
-    KV_CELLS: {"mode": "kv", "matching": "cell", "sx": 2, "sy": 2, "cell_pool": "sample"},
+    # transformers: keys and values merged inside the attention kernel after the rotary positions, the two points
+    # at the trained MM-DiT's fidelity floor (docs/fidelity.md): 2x1 cells, one token drawn (no match, no bias), and
+    # 75% by similarity, size-aware
+    KV_CELLS: {"mode": "kv", "matching": "cell", "sx": 2, "sy": 1, "cell_pool": "sample"},
+    KV_SIMILAR: {"mode": "kv", "ratio": 0.75},
 }
 
 
@@ -205,7 +208,7 @@ PARTS = list(dict.fromkeys(case.part for case in CASES))
 
 
 def methods_of(case: Case) -> List[str]:
-    elsewhere = [m for m in METHODS if METHODS[m] == TOMESD] if case.kind != "unet" else [KV_CELLS]
+    elsewhere = [m for m in METHODS if METHODS[m] == TOMESD] if case.kind != "unet" else [KV_CELLS, KV_SIMILAR]
     return [m for m in METHODS if m not in elsewhere]
 
 

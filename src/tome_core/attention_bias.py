@@ -1,11 +1,12 @@
 """Size-aware attention's bias: what an adapter adds to the logits of an attention over merged keys
 (:class:`SizeBias`, built from a match's sizes by :func:`~tome_core.merge.size_bias`), and whether an
-attention processor can take it at all (:func:`unbiased_processor`, read from its code). Framework-free."""
+attention processor can take it at all (:func:`unbiased_processor`, read from its code) or have its keys merged
+inside its attention function (:func:`unreachable_kernel`). Framework-free."""
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 from .backend import get_ops
 from .families import TEXT_NONE, text_follows
@@ -70,3 +71,16 @@ def unbiased_processor(processor: Any, trusted: Sequence[str], library: str, fun
     if any(name in source for source in sources for name in functions):
         return None
     return f"processor {type(processor).__name__} computes attention without {' or '.join(functions)} (read from its code)"
+
+
+def unreachable_kernel(processor: Any, own_scores: Collection[str], library: str, functions: Sequence[str]) -> Optional[str]:
+    """Why an adapter cannot merge the keys and values of ``processor``'s attention inside the attention
+    ``functions`` it wraps, or None: processors named in ``own_scores`` compute the scores themselves, a
+    perturbed-attention guidance processor (``PAG...``) attends over part of the batch, and any other must come
+    from ``library`` or name one of ``functions`` in its code (:func:`unbiased_processor`)."""
+    name = type(processor).__name__
+    if name in own_scores:
+        return f"its processor {name} computes the attention scores itself, not through {' or '.join(functions)}"
+    if name.startswith("PAG"):
+        return f"its processor {name} (perturbed-attention guidance) attends over part of the batch"
+    return unbiased_processor(processor, (), library, functions)

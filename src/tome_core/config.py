@@ -177,7 +177,7 @@ class ToMeConfig:
         transformers, cross-attention or MLP merged too, a similarity option) ToMe for SD's ``"tokens"`` at
         ``prefer``'s ratio (0.5). ``"tokens"`` merges its input and unmerges its output (ToMe for SD);
         ``"kv"`` reduces only its keys and values (queries keep every token, nothing to unmerge; ToDo; asked
-        for by name on diffusers, also in joint or rotary attention, inside its attention kernel);
+        for by name, also in joint or rotary attention, inside its attention function);
         ``"queries"`` merges only its queries (keys and values keep every token, output unmerged; ComfyUI's
         arrangement). Cross-attention and MLP always merge as ``"tokens"``.""")
     matching: Optional[str] = option(None, ARRANGEMENT, """how tokens are grouped: ``"similarity"`` (bipartite

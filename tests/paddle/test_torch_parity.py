@@ -237,10 +237,13 @@ def test_every_arrangement_agrees(pair, options):
     )
 
 
-@pytest.mark.parametrize("options", [dict(matching="cell"), dict(matching="cell", sx=3, sy=1, merge_mlp=True)],
-                         ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("options", [
+    dict(matching="cell"), dict(matching="cell", sx=3, sy=1, merge_mlp=True),
+    dict(mode="kv", matching="cell", cell_pool="sample"), dict(mode="kv", ratio=0.5),
+], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_sd3_cell_matching_agrees(sd3_pair, options):
-    """SD3's joint attention takes mode='tokens' only; cell matching runs there as in a UNet."""
+    """Cell matching runs in SD3's joint attention as in a UNet; ``kv`` merges its keys and values inside the
+    attention function (SDPA on torch, ``scaled_dot_product_attention_`` on paddle), in cells or by similarity."""
     assert_patched_agree(
         sd3_pair.torch_model, sd3_pair.paddle_model, sd3_pair.run_torch, sd3_pair.run_paddle,
         {**options, "use_rand": False}, (500.0, 37.0),

@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from tome_core import driver
 from tome_core.adapters import processors
-from tome_core.attention_bias import SizeBias, unbiased_processor
+from tome_core.attention_bias import SizeBias, unbiased_processor, unreachable_kernel
 from tome_core.backend import get_ops
 from tome_core.block_hooks import KernelKeys
 from tome_core.config import document
@@ -274,14 +274,9 @@ class TorchFramework:
 
     def kernel_keys_problem(self, module: torch.nn.Module) -> Optional[str]:
         processor = getattr(module, "processor", None)
-        name = type(processor).__name__
-        if name in MASK_PROCESSORS:
-            return f"its processor {name} computes the attention scores itself, not through SDPA"
-        if name.startswith("PAG"):
-            return f"its processor {name} (perturbed-attention guidance) attends over part of the batch"
         if getattr(getattr(processor, "_parallel_config", None), "context_parallel_config", None) is not None:
             return "its processor splits the keys across processes (context parallelism)"
-        return unbiased_processor(processor, (), "diffusers", ("scaled_dot_product_attention", "dispatch_attention_fn"))
+        return unreachable_kernel(processor, MASK_PROCESSORS, "diffusers", ("scaled_dot_product_attention", "dispatch_attention_fn"))
 
     def execution(self, x: torch.Tensor) -> Tuple[str, str]:
         device = "cpu" if x.device.type == "cpu" else "gpu"

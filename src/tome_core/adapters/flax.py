@@ -222,7 +222,7 @@ class _CallHooks:
         pass  # post-hooks run in a ``finally`` (intercept): nothing outlives an interrupted call
 
     def kernel_keys_problem(self, module: nn.Module) -> str:
-        return "ToMe merges keys inside an attention kernel on diffusers (torch) only"
+        return "ToMe merges keys inside an attention kernel on diffusers and ppdiffusers only"
 
     def kernel_keys(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], keys: Any, bias: Any = None):
         raise NotImplementedError(self.kernel_keys_problem(module))  # refused by kernel_keys_problem first

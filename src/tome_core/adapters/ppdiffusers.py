@@ -20,8 +20,10 @@ call from the attention layer's processor at that moment:
 
 In the ``kv`` arrangement the merged tokens reach a self-attention as its ``encoder_hidden_states`` while its
 queries keep every token; both routes size the bias by the keys, so they serve it as they serve ``tokens``.
-The ``kv`` and ``queries`` arrangements need a processor that takes keys and values from that argument
-(:data:`SEPARATE_KV_PROCESSORS`); with any other the call raises a clear error.
+The ``queries`` arrangement needs a processor that takes keys and values from that argument
+(:data:`SEPARATE_KV_PROCESSORS`); with any other the call raises a clear error. ``kv`` asked for by name runs
+with any other processor that calls that function (SD3's joint attention) inside it: the wrapper merges each
+call's image keys and values (:class:`~tome_core.block_hooks.KernelKeys`).
 
 ppdiffusers installs its own ToMe port (``apply_tome``, which swaps block classes); :func:`patch` and
 :func:`remove` also undo that port wherever they find it, so the two never stack.
@@ -57,7 +59,8 @@ except ImportError:  # pragma: no cover - older paddle
 
 from tome_core import driver
 from tome_core.adapters import processors
-from tome_core.attention_bias import SizeBias, unbiased_processor
+from tome_core.attention_bias import SizeBias, unbiased_processor, unreachable_kernel
+from tome_core.block_hooks import KernelKeys
 from tome_core.config import document
 from tome_core.framework import PostHook, PreHook
 from tome_core.model_tree import components
@@ -97,12 +100,30 @@ _PPDIFFUSERS_SKIPS = ("vae", "vqvae")
 
 
 class _Armed:
-    """One merged attention call whose ``scaled_dot_product_attention_`` calls get a size bias."""
+    """One merged attention call whose ``scaled_dot_product_attention_`` calls get their keys and values merged
+    (``keys``, a :class:`KernelKeys`, or None) and a size bias (``bias``, or None)."""
 
-    def __init__(self, module: Layer, bias: SizeBias):
+    def __init__(self, module: Layer, bias: Optional[SizeBias], keys: Optional[KernelKeys] = None):
         self.module = module
         self.bias = bias
+        self.keys = keys
         self.calls = 0
+
+    def arguments(self, query: paddle.Tensor, key: paddle.Tensor, value: paddle.Tensor, attn_mask: Optional[paddle.Tensor]):
+        """``(key, value, attn_mask)`` of one call, ``[B, L, H, D]`` inputs: keys and values merged, the mask's
+        key axis with them, the size bias added."""
+        self.calls += 1
+        if self.keys is not None:
+            key, value = (self._merged(x) for x in (key, value))
+            if attn_mask is not None and attn_mask.shape[-1] > 1:
+                attn_mask = self.keys.reduce_mask(attn_mask, attn_mask.ndim - 1)
+        if self.bias is not None:
+            attn_mask = self.mask(query, key, attn_mask)
+        return key, value, attn_mask
+
+    def _merged(self, x: paddle.Tensor) -> paddle.Tensor:
+        batch, keys, heads, width = (int(n) for n in x.shape)
+        return self.keys.reduce(x.reshape([batch, keys, heads * width])).reshape([batch, -1, heads, width])
 
     def mask(self, query: paddle.Tensor, key: paddle.Tensor, attn_mask: Optional[paddle.Tensor]) -> paddle.Tensor:
         """``attn_mask`` plus the log sizes, ``[B, 1, Lq, K]`` for ``[B, L, H, D]`` inputs."""
@@ -113,7 +134,6 @@ class _Armed:
                 f"{self.bias.match.batch}; pass proportional_attn=False"
             )
         bias = self.bias.for_keys(keys, query).reshape([batch, 1, 1, keys]).expand([batch, 1, queries, keys])
-        self.calls += 1
         if attn_mask is None:
             return bias
         if attn_mask.dtype == paddle.bool:
@@ -140,7 +160,7 @@ class _SdpaWrapper:
     def __call__(self, query, key, value, attn_mask=None, *args, **kwargs):
         stack = self.stack()
         if stack:
-            attn_mask = stack[-1].mask(query, key, attn_mask)
+            key, value, attn_mask = stack[-1].arguments(query, key, value, attn_mask)
         return self.original(query, key, value, attn_mask, *args, **kwargs)
 
     def arm(self, armed: _Armed) -> bool:
@@ -270,11 +290,12 @@ class PaddleFramework:
     def clear_interrupted(self) -> None:
         _SDPA_WRAPPER.clear()
 
-    def kernel_keys_problem(self, module: Layer) -> str:
-        return "ToMe merges keys inside an attention kernel on diffusers (torch) only"
+    def kernel_keys_problem(self, module: Layer) -> Optional[str]:
+        return unreachable_kernel(getattr(module, "processor", None), MASK_PROCESSORS, "ppdiffusers", (SDPA,))
 
-    def kernel_keys(self, module: Layer, args: Tuple[Any, ...], kwargs: Dict[str, Any], keys: Any, bias: Any = None):
-        raise NotImplementedError(self.kernel_keys_problem(module))  # refused by kernel_keys_problem first
+    def kernel_keys(self, module: Layer, args: Tuple[Any, ...], kwargs: Dict[str, Any], keys: KernelKeys, bias: Optional[SizeBias] = None):
+        _SDPA_WRAPPER.arm(_Armed(module, bias, keys))
+        return args, kwargs
 
     def bias_problem(self, module: Layer) -> Optional[str]:
         return unbiased_processor(getattr(module, "processor", None), MASK_PROCESSORS, "ppdiffusers", (SDPA,))
@@ -297,6 +318,12 @@ class PaddleFramework:
         armed = _SDPA_WRAPPER.disarm(module)
         if not computed or armed is None or armed.calls > 0:  # computed is False also when the attention raised
             return
+        if armed.keys is not None:
+            raise RuntimeError(
+                f"mode='kv' inside the attention: the attention processor {type(getattr(module, 'processor', None)).__name__} "
+                f"of a merged attention computes attention without paddle.nn.functional.{SDPA}, so its keys could not "
+                "be merged; pass mode='tokens'"
+            )
         raise RuntimeError(
             f"proportional_attn=True: the attention processor {type(getattr(module, 'processor', None)).__name__} "
             f"of a merged attention computes attention without paddle.nn.functional.{SDPA} or a whole-batch "
