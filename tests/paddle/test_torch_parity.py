@@ -239,7 +239,7 @@ def test_every_arrangement_agrees(pair, options):
 
 @pytest.mark.parametrize("options", [
     dict(matching="cell"), dict(matching="cell", sx=3, sy=1, merge_mlp=True),
-    dict(mode="kv", matching="cell", cell_pool="sample"), dict(mode="kv", ratio=0.5),
+    dict(mode="kv", matching="cell", cell_pool="sample"), dict(mode="kv", ratio=0.75),
 ], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_sd3_cell_matching_agrees(sd3_pair, options):
     """Cell matching runs in SD3's joint attention as in a UNet; ``kv`` merges its keys and values inside the

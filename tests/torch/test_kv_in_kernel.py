@@ -125,3 +125,42 @@ def test_what_the_kernel_cannot_reach_is_refused_at_patch():
     model.transformer_blocks[0].attn.set_processor(PAGJointAttnProcessor2_0())
     with pytest.raises(ValueError, match=r"mode='kv' needs .*joint attention.*PAGJointAttnProcessor2_0 \(perturbed"):
         tome.patch(model, **STRIDED)
+
+
+class _MatmulFluxProcessor:
+    """Flux's attention written out with matmuls: its keys never pass an attention function ToMe wraps."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        def heads(x, norm):
+            return norm(x.unflatten(-1, (attn.heads, -1)))
+
+        q, k, v = heads(attn.to_q(hidden_states), attn.norm_q), heads(attn.to_k(hidden_states), attn.norm_k), attn.to_v(hidden_states).unflatten(-1, (attn.heads, -1))
+        if encoder_hidden_states is not None:
+            eq = heads(attn.add_q_proj(encoder_hidden_states), attn.norm_added_q)
+            ek = heads(attn.add_k_proj(encoder_hidden_states), attn.norm_added_k)
+            ev = attn.add_v_proj(encoder_hidden_states).unflatten(-1, (attn.heads, -1))
+            q, k, v = torch.cat([eq, q], 1), torch.cat([ek, k], 1), torch.cat([ev, v], 1)
+        if image_rotary_emb is not None:
+            q, k = (apply_rotary_emb(x, image_rotary_emb, sequence_dim=1) for x in (q, k))
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        weights = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+        out = (weights @ v).transpose(1, 2).flatten(2)
+        if encoder_hidden_states is None:
+            return out
+        text = encoder_hidden_states.shape[1]
+        return attn.to_out[1](attn.to_out[0](out[:, text:])), attn.to_add_out(out[:, :text])
+
+
+def test_a_processor_whose_attention_the_function_mode_cannot_see_is_refused_at_patch():
+    model = build_transformer("tiny-flux")
+    inputs = transformer_inputs(model, 16, 12, batch=2, text=TEXT)
+    for module in model.modules():
+        if type(module).__name__ == "FluxAttention":
+            module.set_processor(_MatmulFluxProcessor())
+    reference = run(model, inputs)
+    with pytest.raises(ValueError, match=r"mode='kv' needs .*joint attention.*_MatmulFluxProcessor computes attention without"):
+        tome.patch(model, **STRIDED)
+    assert not tome.patched_models(model)
+    torch.testing.assert_close(run(model, inputs), reference, rtol=0, atol=0)
