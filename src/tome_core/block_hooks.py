@@ -567,19 +567,30 @@ class KernelKeys:
         self.tail = tail
         self.head = head
 
-    def reduce(self, x: Any) -> Any:
-        """``[B, K, C]`` keys (or values) of one kernel call -> ``[B, K - r, C]``: the image part merged."""
+    def reduce(self, x: Any, first: int = 0) -> Any:
+        """``[B, K, C]`` keys (or values) of one kernel call -> ``[B, K - r, C]``: the image part merged. A call over
+        part of the batch (Mochi attends item by item) holds the items from ``first`` on."""
         match = self.match
         batch, keys = get_ops(x).shape(x)[:2]
         words = keys - self.head - match.tokens - self.tail
-        if words < 0 or (words and self.text == TEXT_NONE) or batch != match.batch:
+        if words < 0 or (words and self.text == TEXT_NONE) or first + batch > match.batch:
             raise RuntimeError(
                 f"mode='kv' inside the attention: a kernel call over {batch} x {keys} keys does not fit the block's "
                 f"{match.batch} x {self.head + match.tokens + self.tail} image tokens"
                 f"{'' if self.text == TEXT_NONE else ' and its text'}; pass mode='tokens'"
             )
         layout = TEXT_NONE if not words else TEXT_SUFFIX if text_follows(self.text) else TEXT_PREFIX
-        return around_image(x, match.tokens, self.tail, layout, lambda image: merge(image, match), self.head)
+        change = (lambda image: merge(image, match)) if batch == match.batch else (lambda image: self._part(image, first))
+        return around_image(x, match.tokens, self.tail, layout, change, self.head)
+
+    def _part(self, image: Any, first: int) -> Any:
+        """Image tokens of the items from ``first`` on, merged: placed in a whole batch of zeros to merge."""
+        ops, match = get_ops(image), self.match
+        batch, tokens, channels = ops.shape(image)
+        rest = match.batch - first - batch
+        pieces = [ops.zeros((count, tokens, channels), image) for count in (first, rest)]
+        whole = ops.concat([piece for piece in (pieces[0], image, pieces[1]) if ops.shape(piece)[0]], axis=0)
+        return merge(whole, match)[first : first + batch]
 
     def reduce_mask(self, mask: Any, axis: int) -> Any:
         """An attention mask whose ``axis`` runs over the kernel call's keys, moved to the merged keys (each

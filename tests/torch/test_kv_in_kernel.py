@@ -164,3 +164,24 @@ def test_a_processor_whose_attention_the_function_mode_cannot_see_is_refused_at_
         tome.patch(model, **STRIDED)
     assert not tome.patched_models(model)
     torch.testing.assert_close(run(model, inputs), reference, rtol=0, atol=0)
+
+
+def test_attention_item_by_item_merges_each_items_keys():
+    """Mochi's processor attends one batch item at a time, over its own valid text: each call's keys are that
+    item's, merged as the item's own; the same model as the picks by index."""
+    from tome_tools.diffusers_models import video_transformer_inputs
+
+    model = build_video_transformer("tiny-mochi")
+    inputs = video_transformer_inputs(model, 3, 16, 16, batch=2)
+    tokens = 3 * 8 * 8  # 3 frames of 8x8 tokens, read as a 24x8 grid; [image; valid text] keys per item
+    oracle = PickedKeys(tokens, strided(24, 8), 0)
+    with pytest.warns(UserWarning, match="autocast"):
+        expected = run(model, inputs, oracle)
+    patched = tome.patch(copy.deepcopy(model), **STRIDED)
+    seen = PickedKeys(tokens, None, 0)
+    with pytest.warns(UserWarning, match="autocast"):
+        got = run(patched, inputs, seen)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    # per block, one call per item: a quarter of its image keys and its own valid text (the items' differ)
+    per_item = [count for count in seen.keys if count > tokens // 4]
+    assert seen.keys == oracle.keys and len(set(per_item)) == 2 and len(per_item) == 2 * len(patched.transformer_blocks)

@@ -116,6 +116,7 @@ class _AttentionMode(TorchFunctionMode):
         self.group = group
         self.calls = 0
         self.offset = 0  # first batch item of the next partial-batch call
+        self.key_offset = 0  # the same for merging keys
         # the frame of the armed attention module's call (None in compiled code): while it runs, the mode is live
         self.owner = owner
 
@@ -145,7 +146,8 @@ class _AttentionMode(TorchFunctionMode):
             rest, positional_mask = tuple(args[4:]), len(args) > 3
             query, mask = kwargs["query"], kwargs.pop("attn_mask", None)
             if self.keys is not None:
-                kwargs["key"], kwargs["value"] = (self._merged(kwargs[name], query) for name in ("key", "value"))
+                first = self._first_item(kwargs["key"].shape[0])
+                kwargs["key"], kwargs["value"] = (self._merged(kwargs[name], first) for name in ("key", "value"))
                 if mask is not None and mask.shape[-1] > 1:
                     mask = self.keys.reduce_mask(mask, mask.dim() - 1)
             if self.bias is not None:
@@ -160,7 +162,17 @@ class _AttentionMode(TorchFunctionMode):
             return func(*qkv, **kwargs, **({} if mask is None else {"attn_mask": mask}))
         return func(*args, **kwargs)
 
-    def _merged(self, x: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    def _first_item(self, rows: int) -> int:
+        """The batch item a call over ``rows`` items starts at: 0 over the whole batch; over part of it,
+        consecutive items from where the previous partial call stopped (Mochi's calls item by item)."""
+        batch = self.keys.match.batch
+        if rows >= batch:
+            return 0
+        start = self.key_offset if self.key_offset + rows <= batch else 0
+        self.key_offset = (start + rows) % batch
+        return start
+
+    def _merged(self, x: torch.Tensor, first: int) -> torch.Tensor:
         """``[B, heads, K, d]`` keys or values merged along K (:class:`KernelKeys`), as ``[B, heads, K - r, d]``."""
         if x.dim() != 4:
             raise RuntimeError(
@@ -168,7 +180,7 @@ class _AttentionMode(TorchFunctionMode):
                 "keys, head_dim]; pass mode='tokens'"
             )
         batch, heads, keys, width = x.shape
-        merged = self.keys.reduce(x.transpose(1, 2).reshape(batch, keys, heads * width))
+        merged = self.keys.reduce(x.transpose(1, 2).reshape(batch, keys, heads * width), first)
         return merged.reshape(batch, -1, heads, width).transpose(1, 2)
 
     def _for_keys(self, keys: int, query: torch.Tensor) -> torch.Tensor:

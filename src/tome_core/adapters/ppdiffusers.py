@@ -123,6 +123,11 @@ class _Armed:
 
     def _merged(self, x: paddle.Tensor) -> paddle.Tensor:
         batch, keys, heads, width = (int(n) for n in x.shape)
+        if batch != self.keys.match.batch:
+            raise RuntimeError(
+                f"mode='kv' inside the attention: a {SDPA} call over {batch} items does not fit a batch of "
+                f"{self.keys.match.batch}; pass mode='tokens'"
+            )
         return self.keys.reduce(x.reshape([batch, keys, heads * width])).reshape([batch, -1, heads, width])
 
     def mask(self, query: paddle.Tensor, key: paddle.Tensor, attn_mask: Optional[paddle.Tensor]) -> paddle.Tensor:
