@@ -23,10 +23,12 @@ def arrangement_problem(fw: Framework, block: Any, sublayer: Sublayer, module: A
     return None if inside is None else f"{problem}, and {inside}"
 
 
-def kv_in_kernel(fw: Framework, block: Any, sublayer: Sublayer, module: Any) -> bool:
-    """Whether the ``kv`` arrangement of this self-attention merges its keys and values inside its attention
-    kernel (:class:`~tome_core.block_hooks.KernelKeys`) rather than handing it merged tokens as ``kv_input``."""
-    return _separate_kv_problem(fw, block, sublayer, module) is not None
+def kv_in_kernel(fw: Framework, sublayer: Sublayer, module: Any) -> bool:
+    """Whether the ``kv`` arrangement of this self-attention, which :func:`arrangement_problem` let run, merges
+    its keys and values inside its attention kernel (:class:`~tome_core.block_hooks.KernelKeys`): it has no
+    ``kv_input``, or its processor takes no keys from it. Read on every merged call, so it tests only what tells
+    the two routes apart."""
+    return sublayer.kv_input is None or not fw.separate_kv(module)
 
 
 def _separate_kv_problem(fw: Framework, block: Any, sublayer: Sublayer, module: Any) -> Optional[str]:

@@ -379,7 +379,7 @@ class SublayerHooks:
         self.fw.output_cache(module)  # a cache set after patch is checked here
         x = argument(args, kwargs, "hidden_states", 0)
         self.head = sublayer_head(self.run, self.sublayer, get_ops(x).shape(x)[1], match.tokens)
-        if mode == "kv" and kv_in_kernel(self.fw, self.run.block, self.sublayer, module):
+        if mode == "kv" and kv_in_kernel(self.fw, self.sublayer, module):
             tail, text = self.run.plan.tail, self.sublayer.text
             bias = SizeBias(match, text, x, tail, self.head) if size_aware else None
             self.in_kernel = True
@@ -587,9 +587,8 @@ class KernelKeys:
         """Image tokens of the items from ``first`` on, merged: placed in a whole batch of zeros to merge."""
         ops, match = get_ops(image), self.match
         batch, tokens, channels = ops.shape(image)
-        rest = match.batch - first - batch
-        pieces = [ops.zeros((count, tokens, channels), image) for count in (first, rest)]
-        whole = ops.concat([piece for piece in (pieces[0], image, pieces[1]) if ops.shape(piece)[0]], axis=0)
+        zeros = lambda count: [ops.zeros((count, tokens, channels), image)] if count else []  # noqa: E731
+        whole = ops.concat([*zeros(first), image, *zeros(match.batch - first - batch)], axis=0)
         return merge(whole, match)[first : first + batch]
 
     def reduce_mask(self, mask: Any, axis: int) -> Any:

@@ -86,7 +86,8 @@ def test_fullgraph_traces_merged_joint_attention(build, options):
 
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, RuntimeError])
-@pytest.mark.parametrize("build, options", [(unet, {}), (flux, {}), (flux, KV_IN_KERNEL)], ids=["unet", "flux", "flux-kv-in-kernel"])
+@pytest.mark.parametrize("build, options", [(unet, {"ratio": 0.5}), (flux, {"ratio": 0.5}), (flux, KV_IN_KERNEL)],
+                         ids=["unet", "flux", "flux-kv-in-kernel"])
 def test_interrupt_inside_merged_attention_leaves_attention_intact(build, options, interrupt):
     """A Ctrl-C inside a merged attention (after size-aware attention, or keys merged in the kernel, armed itself)
     leaves every later attention exact: an unrelated SDPA call, the next patched call (equal to an uninterrupted
@@ -95,7 +96,7 @@ def test_interrupt_inside_merged_attention_leaves_attention_intact(build, option
     model, call = build()
     with torch.no_grad():
         unpatched = call(model)
-        tome.patch(model, **({"ratio": 0.5} if not options else options))
+        tome.patch(model, **options)
         want = call(model)
         attention = next(m for name, m in model.named_modules() if name.endswith(("attn1", "attn")) and hasattr(m, "to_k"))
         fired = []

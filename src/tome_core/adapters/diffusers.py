@@ -116,7 +116,6 @@ class _AttentionMode(TorchFunctionMode):
         self.group = group
         self.calls = 0
         self.offset = 0  # first batch item of the next partial-batch call
-        self.key_offset = 0  # the same for merging keys
         # the frame of the armed attention module's call (None in compiled code): while it runs, the mode is live
         self.owner = owner
 
@@ -145,13 +144,13 @@ class _AttentionMode(TorchFunctionMode):
             kwargs.update(named)
             rest, positional_mask = tuple(args[4:]), len(args) > 3
             query, mask = kwargs["query"], kwargs.pop("attn_mask", None)
+            first = self._first_item(query, (self.keys or self.bias).match.batch)
             if self.keys is not None:
-                first = self._first_item(kwargs["key"].shape[0])
                 kwargs["key"], kwargs["value"] = (self._merged(kwargs[name], first) for name in ("key", "value"))
-                if mask is not None and mask.shape[-1] > 1:
+                if mask is not None:
                     mask = self.keys.reduce_mask(mask, mask.dim() - 1)
             if self.bias is not None:
-                bias = self._rows(self._for_keys(kwargs["key"].shape[-2], query), query)
+                bias = self._rows(self._for_keys(kwargs["key"].shape[-2], query), query, first)
                 if mask is not None and mask.dtype == torch.bool:
                     mask = torch.zeros_like(mask, dtype=query.dtype).masked_fill(~mask, float("-inf"))
                 mask = bias if mask is None else mask + bias
@@ -162,14 +161,15 @@ class _AttentionMode(TorchFunctionMode):
             return func(*qkv, **kwargs, **({} if mask is None else {"attn_mask": mask}))
         return func(*args, **kwargs)
 
-    def _first_item(self, rows: int) -> int:
-        """The batch item a call over ``rows`` items starts at: 0 over the whole batch; over part of it,
-        consecutive items from where the previous partial call stopped (Mochi's calls item by item)."""
-        batch = self.keys.match.batch
-        if rows >= batch:
+    def _first_item(self, query: torch.Tensor, batch: int) -> int:
+        """The batch item an SDPA call with this ``query`` starts at: 0 over the whole batch (or 3-D, every item's
+        heads); a 4-D call over part of it takes consecutive items from where the previous partial call stopped
+        (PAG's one call over its guided leading part, Mochi's calls item by item, a processor slicing the batch)."""
+        rows = query.shape[0]
+        if query.dim() != 4 or rows >= batch:
             return 0
-        start = self.key_offset if self.key_offset + rows <= batch else 0
-        self.key_offset = (start + rows) % batch
+        start = self.offset if self.offset + rows <= batch else 0
+        self.offset = (start + rows) % batch
         return start
 
     def _merged(self, x: torch.Tensor, first: int) -> torch.Tensor:
@@ -197,25 +197,28 @@ class _AttentionMode(TorchFunctionMode):
         own = self.bias.for_keys(keys // pieces, query).movedim(2, 0).contiguous()  # it gathers along dim 0
         return wait_tensor(all_gather_single(own, gather_dim=0, group=self.group)).movedim(0, 2)
 
-    def _rows(self, bias: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
-        """``[B, 1, K]`` shaped for an SDPA query: 4-D ``[b, heads, L, d]`` over the whole batch takes every
-        item; over part of it, consecutive items from where the previous partial call stopped (PAG's one call
-        over its guided leading part, or a processor slicing the batch); 3-D ``[B*heads, L, d]`` repeats each
-        item per head."""
+    def _rows(self, bias: torch.Tensor, query: torch.Tensor, first: int) -> torch.Tensor:
+        """``[B, 1, K]`` shaped for an SDPA query: 4-D ``[b, heads, L, d]`` takes the call's items, from
+        ``first`` (:meth:`_first_item`); 3-D ``[B*heads, L, d]`` repeats each item per head."""
         batch = bias.shape[0]
         rows = query.shape[0]
-        if query.dim() == 4 and rows == batch:
-            return bias[:, None]
-        if query.dim() == 4 and rows < batch:
-            start = self.offset if self.offset + rows <= batch else 0
-            self.offset = (start + rows) % batch
-            return bias[start : start + rows, None]
+        if query.dim() == 4 and rows <= batch:
+            return bias[first : first + rows, None]
         if query.dim() == 3 and rows % batch == 0:
             return bias.repeat_interleave(rows // batch, dim=0)
         raise RuntimeError(
             f"size-aware attention: an SDPA call with query shape {tuple(query.shape)} does not fit a batch of "
             f"{batch}; pass proportional_attn=False"
         )
+
+
+def _enter_mode(module: torch.nn.Module, bias: Optional[SizeBias], group: Any, keys: Optional[KernelKeys] = None) -> None:
+    """Arm an :class:`_AttentionMode` for the call of ``module`` now starting (:meth:`TorchFramework.size_aware_done`
+    takes it off)."""
+    drop_stale_modes()
+    mode = _AttentionMode(bias, group, None if torch.compiler.is_compiling() else _call_frame(), keys)
+    module.__dict__["_tome_size_bias"] = mode
+    mode.__enter__()
 
 
 def _unflatten(x: torch.Tensor, dim: int, sizes: Any) -> torch.Tensor:
@@ -270,18 +273,11 @@ class TorchFramework:
         processor = getattr(module, "processor", None)
         if type(processor).__name__ in MASK_PROCESSORS and bias.whole_mask:
             return args, {**kwargs, "attention_mask": bias.for_merged_tokens()}
-        drop_stale_modes()
-        mode = _AttentionMode(bias, _ulysses_group(processor), None if torch.compiler.is_compiling() else _call_frame())
-        module.__dict__["_tome_size_bias"] = mode
-        mode.__enter__()
+        _enter_mode(module, bias, _ulysses_group(processor))
         return args, kwargs
 
     def kernel_keys(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], keys: KernelKeys, bias: Optional[SizeBias] = None):
-        drop_stale_modes()
-        owner = None if torch.compiler.is_compiling() else _call_frame()
-        mode = _AttentionMode(bias, None, owner, keys)
-        module.__dict__["_tome_size_bias"] = mode
-        mode.__enter__()
+        _enter_mode(module, bias, None, keys)  # (context parallelism is refused: kernel_keys_problem)
         return args, kwargs
 
     def kernel_keys_problem(self, module: torch.nn.Module) -> Optional[str]:

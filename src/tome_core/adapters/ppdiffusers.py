@@ -115,7 +115,7 @@ class _Armed:
         self.calls += 1
         if self.keys is not None:
             key, value = (self._merged(x) for x in (key, value))
-            if attn_mask is not None and attn_mask.shape[-1] > 1:
+            if attn_mask is not None:
                 attn_mask = self.keys.reduce_mask(attn_mask, attn_mask.ndim - 1)
         if self.bias is not None:
             attn_mask = self.mask(query, key, attn_mask)
