@@ -23,8 +23,9 @@ from diffusers.models.attention_processor import (
     PAGIdentitySelfAttnProcessor2_0,
     SlicedAttnProcessor,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tome_core.torch as tome
 from tome_tools.diffusers_models import build_pipeline, build_transformer, build_unet, build_video_unet
@@ -63,21 +64,47 @@ class HandAttnProcessor:
         return attn.to_out[1](attn.to_out[0](weights @ v))
 
 
+class KernelKeys(TorchDispatchMode):
+    """The key counts the attention kernels of one call receive: ``mode="kv"`` on a fused ``to_qkv`` merges the
+    keys inside ``F.scaled_dot_product_attention``, after every module hook has run."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys: List[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "scaled_dot_product" in func.__name__:
+            self.keys.append(args[1].shape[-2])
+        return func(*args, **(kwargs or {}))
+
+
 def attn1_keys(model, children=("attn1",)) -> Tuple[List[Tuple], List[Any]]:
     """(queries, keys) of every self-attention call, from hooks after ToMe's; with other ``children`` (of the
-    transformer blocks), (child, tokens in, keys) of each of their calls."""
+    transformer blocks), (child, tokens in, keys) of each of their calls. The keys are those the attention kernel
+    receives where the processor calls one, else those the module receives."""
     seen: List[Tuple] = []
+    kernels: List[KernelKeys] = []
 
-    def count(module, args, kwargs, child):
+    def enter(module, args, kwargs):
+        kernels.append(KernelKeys())
+        kernels[-1].__enter__()
+
+    def count(module, args, kwargs, output, child):
+        kernel = kernels.pop()
+        kernel.__exit__(None, None, None)
         hidden = args[0] if args else kwargs["hidden_states"]
         keys = kwargs.get("encoder_hidden_states") if child == "attn1" else None
-        shape = (hidden.shape[1], (hidden if keys is None else keys).shape[1])
-        seen.append(shape if children == ("attn1",) else (child, *shape))
+        keys = kernel.keys[0] if kernel.keys else (hidden if keys is None else keys).shape[1]
+        seen.append((hidden.shape[1], keys) if children == ("attn1",) else (child, hidden.shape[1], keys))
 
-    return seen, [
-        m.register_forward_pre_hook(lambda m, a, k, child=n.rsplit(".", 1)[-1]: count(m, a, k, child), with_kwargs=True)
-        for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in children and ".transformer_blocks." in n
-    ]
+    handles = []
+    for n, m in model.named_modules():
+        child = n.rsplit(".", 1)[-1]
+        if child in children and ".transformer_blocks." in n:
+            handles.append(m.register_forward_pre_hook(enter, with_kwargs=True))
+            handles.append(m.register_forward_hook(
+                lambda m, a, k, o, child=child: count(m, a, k, o, child), with_kwargs=True))
+    return seen, handles
 
 
 # --------------------------------------------------------------------------------------- a default that runs
@@ -325,6 +352,7 @@ INPUTS = (torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(5)),
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(processor=st.sampled_from(sorted(PROCESSORS)), options=OPTIONS)
+@example(processor="fused", options={"mode": "kv"})  # keys merged inside the kernel: counted there
 def test_every_option_set_is_refused_naming_an_argument_or_runs_merges_repeats_and_removes(models, patch_or_refuse, processor, options):
     model, reference, plain = models[processor]
     caught = patch_or_refuse(tome, model, options)
