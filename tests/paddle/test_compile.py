@@ -13,6 +13,8 @@ Oracles: the eager model in the same state (unpatched, patched with ratio 0.5, w
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import numpy as np
 import paddle
@@ -169,3 +171,22 @@ def test_deepcopy_of_a_compiled_patched_model_is_independent(pristine, inputs, e
     compiled.check(0.5)
     with paddle.no_grad():
         assert _rel(_forward(model, *inputs).numpy(), eager[None]) < TOL
+
+
+def test_patch_passes_over_weak_proxies_whose_objects_died(pristine, inputs, eager):
+    """``patch`` looks through the process's objects for ``to_static`` programs that traced the model; a
+    ``weakref.proxy`` whose object has died (torch and pytest-xdist leave some) raises on ``isinstance``, and
+    once made every patch in that process fail."""
+
+    class Gone:
+        pass
+
+    gone = Gone()
+    dead = [weakref.proxy(gone)]
+    del gone
+    assert any(type(o) is weakref.ProxyType for o in gc.get_objects())
+    model = copy.deepcopy(pristine)
+    _patch(model, 0.5)
+    with paddle.no_grad():
+        np.testing.assert_allclose(_forward(model, *inputs).numpy(), eager[0.5], rtol=0, atol=0)
+    del dead

@@ -435,7 +435,8 @@ def _drop_static_programs(obj: Any) -> int:
         return 0
     cleared = 0
     for candidate in gc.get_objects():
-        if not isinstance(candidate, _ASTStaticFunction):
+        # type(), not isinstance: isinstance reads __class__, which raises on a weakref.proxy to a dead object
+        if not issubclass(type(candidate), _ASTStaticFunction):
             continue
         cache = getattr(candidate, "_program_cache", None)
         if cache is None or not len(cache):
