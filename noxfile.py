@@ -9,7 +9,7 @@ import nox
 nox.options.sessions = ["tests-numpy", "tests-torch", "tests-paddle", "tests-paddle-torch", "tests-jax", "docs"]
 nox.options.error_on_missing_interpreters = True
 
-TEST = ["pytest", "hypothesis", "numpy"]
+TEST = ["pytest", "pytest-xdist", "hypothesis", "numpy"]
 TORCH = [
     "torch==2.13.0",
     "diffusers==0.42.1",
@@ -53,9 +53,18 @@ def drops_its_venv(session_function):
     return run
 
 
-def run_tests(session, backends, *folders):
+# Two workers on CI's two cores, each with one intra-op thread: the models are tiny, and a framework's thread
+# pool spinning beside another process's costs more than it parallelises (the torch session: 21 minutes on one
+# worker with two threads, 6 with two workers of one thread). HYPOTHESIS_PROFILE=ci: the same examples on every
+# run (tests/conftest.py), so a red CI is reproducible; a run elsewhere draws new ones.
+PARALLEL = ["-n", "2", "--dist", "worksteal"]
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HYPOTHESIS_PROFILE": "ci"}
+
+
+def run_tests(session, backends, *folders, env=None):
     session.run(
-        "pytest", "tests/core", *folders, *session.posargs, env={"TOME_TEST_BACKENDS": backends}
+        "pytest", *PARALLEL, "tests/core", *folders, *session.posargs,
+        env={"TOME_TEST_BACKENDS": backends, **ONE_THREAD, **(env or {})},
     )
 
 
@@ -112,14 +121,11 @@ def tests_jax(session):
     same operations, only less optimised machine code).
     """
     # --no-compile: no .pyc for the thousands of torch/transformers files the tests never import.
-    session.install("--no-compile", *TEST, "pytest-xdist", *JAX, "tqdm", "matplotlib")
+    session.install("--no-compile", *TEST, *JAX, "tqdm", "matplotlib")
     session.install("--no-compile", ".")
-    session.run(
-        "pytest", "-n", "2", "--dist", "worksteal", "tests/core", "tests/jax", *session.posargs,
-        env={
-            "TOME_TEST_BACKENDS": "numpy,jax",
-            "XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
-        },
+    run_tests(
+        session, "numpy,jax", "tests/jax",
+        env={"XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"},
     )
 
 

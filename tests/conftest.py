@@ -10,10 +10,16 @@ import warnings
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
 from tome_core import load_backend
 
 BACKENDS = [b for b in os.environ.get("TOME_TEST_BACKENDS", "numpy").split(",") if b]
+
+# CI (noxfile.py) runs the "ci" profile: every property test draws the same examples on every run, so a failure
+# there reproduces; anywhere else each run draws new ones, and a failure prints the example that falsified it.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 def pytest_configure(config):
