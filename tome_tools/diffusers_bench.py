@@ -95,6 +95,25 @@ def classifier_folder(model: str) -> str:
     return beside if os.path.isdir(beside) else shipped("classifier")
 
 
+def tensor_peak_mib(call: Callable[[], Any]) -> Tuple[float, float]:
+    """``(peak, retained)``: the most MiB of CPU tensor memory that ``call``'s own allocations hold at once, and
+    what they still hold when it returns (a cache it filled; its output, if it returns it).
+
+    Exact and deterministic, from the profiler's allocation events: on the CPU it counts what CUDA's
+    ``max_memory_allocated`` counts on a GPU (without that allocator's rounding), where the resident set also
+    moves with the allocator's arenas and pages of code, by several MiB between runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
+        call()
+    events = [e for e in profiled.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak / 2**20, live / 2**20
+
+
 class Runner(BenchRunner):
     """A diffusers UNet or diffusion transformer; the peer is tomesd (when installed)."""
 

@@ -23,7 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import diffusers
 import torch
@@ -46,11 +46,12 @@ KV = {
 METHODS = ("unpatched", "default", "oracle of default", 'prefer="speed"', "local_window=1", *KV)
 
 
-def build() -> Callable[[], torch.Tensor]:
+def build(latent: Tuple[int, ...] = LATENT) -> Callable[[], torch.Tensor]:
+    """The one-block model's call on a seeded ``latent`` (``call.model``: the model)."""
     torch.manual_seed(0)
     name, config = VIDEO_TRANSFORMERS["wan-1.3b"]
     model = getattr(diffusers, name)(**{**config, "num_layers": 1}).eval()
-    x, text, t = torch.randn(LATENT), torch.randn(1, 512, 4096), torch.tensor([500])
+    x, text, t = torch.randn(latent), torch.randn(1, 512, 4096), torch.tensor([500])
 
     def call() -> torch.Tensor:
         with torch.inference_mode():

@@ -57,6 +57,26 @@ def test_peak_memory_restarts_at_the_current_size_and_sees_what_the_call_adds():
     assert 35 < added_mb < 150
 
 
+def test_tensor_peak_counts_the_bytes_held_at_once_and_what_stays():
+    """Brute force: float32 tensors of known sizes, allocated and freed in a known order."""
+    from tome_tools.diffusers_bench import tensor_peak_mib
+
+    kept = []
+
+    def call():
+        a = torch.ones(1000, 250)  # 1 MB
+        b = torch.ones(1000, 500)  # 2 MB: 3 MB held
+        del a
+        c = torch.ones(1000, 250)  # b, c: 3 MB
+        kept.append(torch.ones(1000, 125))  # b, c and 0.5 MB that stays: the peak, 3.5 MB
+        return b.sum() + c.sum()
+
+    peak, retained = tensor_peak_mib(call)
+    assert peak == pytest.approx(3.5e6 / 2**20, abs=1e-3)
+    assert retained == pytest.approx(0.5e6 / 2**20, abs=1e-3)
+    assert tensor_peak_mib(lambda: None) == (0, 0)
+
+
 def test_variant_options_parse_into_named_option_sets():
     assert bench_core.variant_options(["prop:proportional_attn=True,ratio=0.3"]) == {
         "prop": {"proportional_attn": True, "ratio": 0.3}
