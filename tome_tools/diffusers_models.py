@@ -305,29 +305,49 @@ def video_transformer_inputs(
     """Keyword inputs of one call of a video transformer of :data:`VIDEO_TRANSFORMERS` on ``frames`` latent
     frames of ``height x width``, at timestep 500, seeded: every argument its ``forward`` takes of those its kin
     take (a 5-D latent, frames first for CogVideoX; LTX's packed tokens with their sizes; a text mask with the
-    second prompt padded after 5 tokens)."""
+    second prompt padded after 5 tokens; Kandinsky's channels-last latent (5: with its rotary positions; 6: with
+    its conditioning latent and mask, and 5 audio tokens), Wan VACE's control latent; no mask for Latte, which
+    repeats the text per frame)."""
     generator = torch.Generator().manual_seed(seed)
     randn = lambda *shape: torch.randn(*shape, generator=generator)
     config = model.config
     takes = inspect.signature(model.forward).parameters
     name = type(model).__name__
-    channels = config.in_channels
+    channels = config.get("in_channels") or config.get("in_visual_dim")
+    if config.get("visual_cond"):  # Kandinsky 6: [noisy latent; conditioning latent; conditioning mask]
+        channels = 2 * channels + 1
     mask = torch.ones(batch, text)
     mask[1:, 5:] = 0
-    text_width = config.get("text_embed_dim") or config.get("caption_channels") or config.get("text_dim")
+    text_width = (
+        config.get("text_embed_dim") or config.get("caption_channels") or config.get("text_dim") or config.get("in_text_dim")
+    )
     if name.startswith("CogVideoX"):
         latent = randn(batch, frames, channels, height, width)
     elif name.startswith("LTX"):
         latent = randn(batch, frames * height * width, channels)
+    elif name.startswith("Kandinsky"):
+        latent = randn(batch, frames, height, width, channels)
     else:
         latent = randn(batch, channels, frames, height, width)
     inputs: Dict[str, Any] = dict(
         hidden_states=latent,
         timestep=torch.full((batch,), 500.0),
         encoder_hidden_states=randn(batch, text, text_width),
-        encoder_attention_mask=mask.bool() if name.startswith("LTX") else mask,
+        encoder_attention_mask=mask.bool() if name.startswith(("LTX", "Kandinsky")) else mask,
         num_frames=frames, height=height, width=width,
     )
+    if name.startswith("Latte"):
+        del inputs["encoder_attention_mask"]
+    if name.startswith("Kandinsky"):
+        _, rows, cols = config.patch_size
+        inputs.update(
+            pooled_projections=randn(batch, config.in_text_dim2), text_rope_pos=torch.arange(text),
+            visual_rope_pos=[torch.arange(frames), torch.arange(height // rows), torch.arange(width // cols)],
+        )
+        if config.get("in_audio_dim"):
+            inputs["audio_hidden_states"] = randn(batch, 5, config.in_audio_dim)
+    if config.get("vace_in_channels"):
+        inputs["control_hidden_states"] = randn(batch, config.vace_in_channels, frames, height, width)
     if config.get("pooled_projection_dim"):
         inputs["pooled_projections"] = randn(batch, config.pooled_projection_dim)
     if config.get("guidance_embeds"):

@@ -17,8 +17,11 @@ import diffusers
 import tome_core.torch as tome
 from tome_core import families
 from tome_core.adapters.diffusers import FRAMEWORK
-from tome_tools.diffusers_models import VIDEO_PIPELINES, VIDEO_UNETS, build_video_pipeline, build_video_unet, video_unet_inputs
-from tome_tools.presets import video_unet_config
+from tome_tools.diffusers_models import (
+    VIDEO_PIPELINES, VIDEO_UNETS, build_video_pipeline, build_video_transformer, build_video_unet, video_transformer_inputs,
+    video_unet_inputs,
+)
+from tome_tools.presets import VIDEO_TRANSFORMERS, video_unet_config
 
 def call(model, frames=4, height=8, width=8, batch=2, seed=1):
     with torch.no_grad():
@@ -222,3 +225,26 @@ def test_cross_frame_pipeline(checks):
     pipe, kwargs = build_video_pipeline("animatediff")
     pipe.set_progress_bar_config(disable=True)
     checks.check_pipeline(pipe, lambda pipe: run_pipeline(pipe, kwargs), frames_per_chunk=2)
+
+
+@pytest.mark.parametrize("preset", [name for name in VIDEO_TRANSFORMERS if name.startswith("tiny-")])
+def test_every_video_transformer_preset_gets_a_call_that_merges_and_removes_exactly(preset):
+    """``video_transformer_inputs`` builds a valid call for every tiny video transformer (the benchmark's and
+    the parallel tests' inputs): patched, its output changes a little and its summary counts merged tokens;
+    removed, it is the unpatched output again."""
+    model = build_video_transformer(preset)
+    inputs = video_transformer_inputs(model, 2, 8, 8, batch=2)
+
+    def call():
+        with torch.no_grad():
+            return model(**inputs, return_dict=False)[0]
+
+    reference = call()
+    tome.patch(model)
+    merged = call()
+    summary = tome.patched_models(model)[0].state.summary()
+    tome.remove(model)
+    assert "% merged" in summary, summary
+    assert merged.shape == reference.shape and torch.isfinite(merged).all()
+    assert 0 < float((merged - reference).norm() / reference.norm()) < 0.5
+    torch.testing.assert_close(call(), reference, rtol=0, atol=0)
