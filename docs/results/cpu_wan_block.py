@@ -11,7 +11,7 @@ Methods: ``default`` (``patch(model)``), ``oracle of default`` (free removal of 
 ``tome_core.driver.attach_oracle``), ``prefer="speed"``, ``local_window=1`` (the default's arrangement, each
 source compared with the destinations of its own and the 8 neighbouring cells only), and keys and values merged
 inside the attention kernel after the rotary positions (``mode="kv"``: in 2x1 or 2x2 cells, one token drawn per
-cell, or half of them by similarity, size-aware); ``--methods`` picks some. About 6 minutes a round and 6 for the memory on a 2-core CPU.
+cell, or a half or three quarters of them by similarity, size-aware); ``--methods`` picks some. About 6 minutes a round and 6 for the memory on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ KV = {
     "kv 2x1 cells": dict(matching="cell", sx=2, sy=1, cell_pool="sample"),
     "kv 2x2 cells": dict(matching="cell", sx=2, sy=2, cell_pool="sample"),
     "kv 0.5": dict(ratio=0.5),
+    "kv 0.75": dict(ratio=0.75),
 }
 METHODS = ("unpatched", "default", "oracle of default", 'prefer="speed"', "local_window=1", *KV)
 
