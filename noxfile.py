@@ -58,13 +58,13 @@ def drops_its_venv(session_function):
 # worker with two threads, 6 with two workers of one thread). HYPOTHESIS_PROFILE=ci: the same examples on every
 # run (tests/conftest.py), so a red CI is reproducible; a run elsewhere draws new ones.
 PARALLEL = ["-n", "2", "--dist", "worksteal"]
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HYPOTHESIS_PROFILE": "ci"}
+CI_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HYPOTHESIS_PROFILE": "ci"}
 
 
 def run_tests(session, backends, *folders, env=None):
     session.run(
         "pytest", *PARALLEL, "tests/core", *folders, *session.posargs,
-        env={"TOME_TEST_BACKENDS": backends, **ONE_THREAD, **(env or {})},
+        env={"TOME_TEST_BACKENDS": backends, **CI_ENV, **(env or {})},
     )
 
 
