@@ -106,7 +106,10 @@ def tensor_peak_mib(call: Callable[[], Any]) -> Tuple[float, float]:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
         call()
-    events = [e for e in profiled.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+    events = [
+        e for e in profiled.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    ]
     live = peak = 0
     for event in sorted(events, key=lambda e: e.start_ns()):
         live += event.nbytes()

@@ -27,16 +27,25 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cpu_wan_block as block  # noqa: E402
 
-SIZES = {6: ("unpatched", "default", "oracle of default", 'prefer="speed"', "kv 2x2 cells"),
-         12: ("unpatched", "default", "oracle of default", 'prefer="speed"', "kv 2x2 cells"),
-         21: ("unpatched", "default")}
+SEVERAL = ("unpatched", "default", "oracle of default", 'prefer="speed"', "kv 2x2 cells")
+SIZES = {6: SEVERAL, 12: SEVERAL, 21: ("unpatched", "default")}  # latent frames: the methods run there
+
+
+def latent(frames: int) -> tuple:
+    """``cpu_wan_block.LATENT`` with ``frames`` latent frames."""
+    return (*block.LATENT[:2], frames, *block.LATENT[3:])
+
+
+def tokens(frames: int) -> int:
+    """Wan's tokens for ``frames`` latent frames: 1 x 2 x 2 patches, as ``cpu_wan_block.TOKENS``."""
+    return block.TOKENS // block.LATENT[2] * frames
 
 
 def measure(frames: int, method: str) -> Dict[str, float]:
     """In this process: the method's two calls at ``frames`` latent frames."""
     from tome_tools.diffusers_bench import tensor_peak_mib
 
-    call = block.build((1, 16, frames, 60, 104))
+    call = block.build(latent(frames))
     block.use(call.model, method)
 
     def once() -> None:  # the output is dropped inside the profiled call: it is not a cache
@@ -63,7 +72,7 @@ def main() -> None:
         for method in methods:
             out = subprocess.run([sys.executable, __file__, "--child", str(frames), method], check=True,
                                  capture_output=True, text=True).stdout
-            row = dict(frames=frames, tokens=frames * 30 * 52, method=method, **json.loads(out.strip().splitlines()[-1]))
+            row = dict(frames=frames, tokens=tokens(frames), method=method, **json.loads(out.strip().splitlines()[-1]))
             base = next(r for r in rows + [row] if r["frames"] == frames and r["method"] == "unpatched")
             row["excess_mib"] = row["peak_mib"] - base["peak_mib"]
             rows.append(row)
