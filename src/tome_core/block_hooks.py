@@ -103,6 +103,10 @@ class BlockRun:
         self.lent = False  # another model may run this block in its own call (ModelLayout.lent)
         self.idle = BlockPlan(state.active)  # the plan of a run that merges nothing (its options are not read)
         self.plan = self.idle
+        # the kind of each hooked sub-layer (None: one that merges inside itself, Inside), and those of this run
+        # whose merge is still to come: when none is left, the block lets go of its matches (finished)
+        self.kinds: List[Optional[str]] = []
+        self.unfinished: Optional[set] = None
         self.ran: Dict[int, Tuple[Any, BlockPlan]] = {}  # id(input): (weakref to it, the plan it ran with)
         # (call key, input shape, family, options, (level, why, tokens) or None) of the last eager call in which this
         # block ran unmerged for its size: a call with the same key and input decides the same (_repeats)
@@ -119,16 +123,37 @@ class BlockRun:
         self.family = self.base if text_after is None else self.text_after
         earlier = self._ran_on(whole) if self.ran else None
         if earlier is not None:  # a recomputation (checkpointing): as it ran then, counted then
-            self.plan = replace(earlier[1], level=None)
+            self._start(replace(earlier[1], level=None))
             return None
         if self.lent and not self.state.in_call:  # another model runs this block (it borrowed it): unmerged
-            self.plan = self.idle
+            self._start(self.idle)
             return None
-        self.plan = self._decide(get_ops(whole), whole, unmerged_by)
+        self._start(self._decide(get_ops(whole), whole, unmerged_by))
         if self.fw.may_run_again(whole):
             self.ran = {key: entry for key, entry in self.ran.items() if entry[0]() is not None}
             self.ran[id(whole)] = (weakref.ref(whole), self.plan)
         return None
+
+    def _start(self, plan: BlockPlan) -> None:
+        """Run this call of the block with ``plan``, each of its sub-layers that merges by it still to run."""
+        self.plan = plan
+        kinds = self.kinds
+        self.unfinished = None if plan is self.idle or None in kinds else {
+            slot for slot, kind in enumerate(kinds) if kind in plan.matches
+        }
+
+    def finished(self, slot: int) -> None:
+        """The hooked sub-layer ``slot`` has run (merged, and unmerged where it merges its queries). Once every
+        sub-layer that merges in this call has, the block lets go of its matches: what runs after them (the
+        feed-forward, where a DiT block's call peaks) holds no more memory than unpatched. A sub-layer that runs
+        again in the same call (:attr:`Sublayer.once`) then runs on all its tokens, as it would anyway. A block
+        with an :class:`Inside` sub-layer keeps them to its end."""
+        unfinished = self.unfinished
+        if unfinished is None:
+            return
+        unfinished.discard(slot)
+        if not unfinished:
+            self.plan, self.unfinished = self.idle, None
 
     def _decide(self, ops: ArrayOps, whole: Any, unmerged_by: Any) -> BlockPlan:
         """The plan of this call: the block's image tokens read off its input ``whole`` here, then what
@@ -279,7 +304,7 @@ class BlockRun:
             self.plan = replace(plan, level=None)
 
     def end(self, module, args, kwargs, output):
-        self.plan = self.idle
+        self.plan, self.unfinished = self.idle, None
         self.merged.clear()
         return None
 
@@ -352,6 +377,8 @@ class SublayerHooks:
         self.counts_at = argument_positions(forward_of(type(module)), *sublayer.counts, *sublayer.log_bases)
         self.head = 0  # the head in this call's input (sublayer_head)
         self.inside = Inside(fw, run, sublayer, module) if sublayer.projections else None
+        self.slot = len(run.kinds)  # its place in run.kinds
+        run.kinds.append(None if self.inside is not None else sublayer.kind)
         self.text_only = attends_text_only(run.block, sublayer)  # its block's flag makes it a cross-attention
         # what the attention takes keys and values from (diffusers' encoder_hidden_states, Flax's context)
         self.kv_name = sublayer.kv_input or "encoder_hidden_states"
@@ -463,6 +490,14 @@ class SublayerHooks:
         return True
 
     def after(self, module, args, kwargs, output):
+        if self.run.plan is self.run.idle:
+            return self._after(module, args, kwargs, output)
+        try:
+            return self._after(module, args, kwargs, output)
+        finally:
+            self.run.finished(self.slot)
+
+    def _after(self, module, args, kwargs, output):
         if self.run.plan is self.run.idle and self.inside is None and self.stored[0] is None:
             return None  # its block runs unmerged in this call, and no cache holds an output to hand back
         if self.inside is not None:

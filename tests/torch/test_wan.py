@@ -9,6 +9,7 @@ counts each sub-layer receives, the rotary table of the unmerged sequence, and n
 from __future__ import annotations
 
 import copy
+import gc
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ import torch
 
 import tome_core.torch as tome
 from tome_core import bipartite_match, get_ops
-from tome_core.match import batch_as_channels
+from tome_core.match import Match, batch_as_channels
 from tome_tools.diffusers_models import build_video_transformer, build_wan_pipeline
 
 FRAMES, HEIGHT, WIDTH = 3, 8, 12  # latent: 3 frames of 4x6 tokens after the (1, 2, 2) patch
@@ -123,3 +124,28 @@ def test_wan_pipeline_merges_and_remove_is_exact():
     assert {n for n, _ in seen} == {tokens // 2}
     tome.remove(pipe)
     assert torch.equal(run(), plain)
+
+
+def _live_matches(found):
+    """Pre-hook: count the matches with index arrays that anything still holds (brute force over ``gc``)."""
+
+    def hook(module, args):
+        found.append(sum(1 for o in gc.get_objects() if isinstance(o, Match) and o.rows is not None))
+
+    return hook
+
+
+@pytest.mark.parametrize("merge_mlp", [False, True])
+def test_a_block_lets_go_of_its_match_before_an_unmerged_feed_forward(wan, inputs, merge_mlp):
+    """The feed-forward, where a DiT block's call peaks in memory, runs with no match alive unless it merges
+    itself; the oracle: every object ``gc`` tracks, and the tokens each sub-layer receives."""
+    model = copy.deepcopy(wan)
+    live = []
+    for block in model.blocks:
+        block.ffn.register_forward_pre_hook(_live_matches(live))
+    tome.patch(model, ratio=0.5, merge_mlp=merge_mlp)
+    attn, ffn = seen_by(model, "attn1"), seen_by(model, "ffn")
+    call(model, inputs)
+    assert [tokens for tokens, _ in attn] == [TOKENS // 2] * len(model.blocks)
+    assert [tokens for tokens, _ in ffn] == [TOKENS // 2 if merge_mlp else TOKENS] * len(model.blocks)
+    assert live == [1 if merge_mlp else 0] * len(model.blocks)
