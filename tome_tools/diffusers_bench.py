@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import diffusers
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 from diffusers import DDIMScheduler, UNet2DConditionModel
 
 import tome_core.torch as tome
@@ -389,6 +390,29 @@ def count_ops(fn) -> int:
     with torch.no_grad(), Counter():
         fn()
     return Counter.calls
+
+
+class SdpaCalls(TorchFunctionMode):
+    """What attention really sees: while active, ``shapes`` gathers ``(query shape, key shape)`` of every
+    ``F.scaled_dot_product_attention`` call in call order, ``lengths`` their token counts ``(queries, keys)``.
+    Entered around a model call, it sits below the function modes that ToMe's hooks enter later, so it sees the
+    tensors after they merged (an attention that merges its keys inside the kernel call needs a dispatch mode
+    entered per call: ``tests/torch/test_contracts.py``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: List[Tuple[Tuple[int, ...], Tuple[int, ...]]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            named = dict(zip(("query", "key"), args), **kwargs)
+            self.shapes.append((tuple(named["query"].shape), tuple(named["key"].shape)))
+        return func(*args, **kwargs)
+
+    @property
+    def lengths(self) -> List[Tuple[int, int]]:
+        return [(query[-2], key[-2]) for query, key in self.shapes]
 
 
 def micro(batch: int = 2, height: int = 64, width: int = 64, channels: int = 320, ratio: float = 0.5, repeats: int = 20) -> Dict[str, Any]:

@@ -29,9 +29,9 @@ import time
 from typing import Any, Callable, Dict, Iterator, List
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 import tome_core.torch as tome
+from tome_tools.diffusers_bench import SdpaCalls
 from tome_tools.diffusers_models import (
     build_transformer, build_video_transformer, transformer_inputs, video_transformer_inputs,
 )
@@ -41,20 +41,6 @@ MODELS: Dict[str, Dict[str, Any]] = {
     "flux-small": dict(kind="image", preset="flux-small", overrides=dict(num_layers=1, num_single_layers=2), text=512),
     "wan-small": dict(kind="video", preset="wan-1.3b", overrides=dict(num_layers=2), text=512, frames=3),
 }
-
-
-class _Seen(TorchFunctionMode):
-    """The key count of every SDPA call."""
-
-    def __init__(self):
-        super().__init__()
-        self.keys: List[int] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            self.keys.append((args[1] if len(args) > 1 else kwargs["key"]).shape[-2])
-        return func(*args, **kwargs)
 
 
 def build(name: str, size: int):
@@ -100,14 +86,14 @@ def measure(name: str, size: int, rounds: int, ratio: float, parallel: Callable[
                 if arm == "patched":
                     tome.patch(model, ratio=ratio)
                 blocks()
-                with _Seen() as seen:
+                with SdpaCalls() as seen:
                     start = time.perf_counter()
                     out = model(**inputs, return_dict=False)[0].clone()  # waits for diffusers' gather
                     elapsed = time.perf_counter() - start
                 if round_:
                     found[arm]["call"].append(1e3 * elapsed)
                     found[arm]["blocks"].append(1e3 * blocks())
-                found[arm].update(keys=seen.keys, out=out)
+                found[arm].update(keys=[keys for _, keys in seen.lengths], out=out)
                 if arm == "patched":
                     found[arm]["summary"] = tome.patched_models(model)[0].state.summary()
                     tome.remove(model)

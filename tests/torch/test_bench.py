@@ -16,7 +16,7 @@ from tome_tools import bench, bench_video
 from tome_tools import bench_core
 from tome_core.config import ToMeConfig
 from tome_core.families import child_at
-from tome_tools.diffusers_bench import Runner, count_ops, micro
+from tome_tools.diffusers_bench import Runner, SdpaCalls, count_ops, micro
 
 MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "models")
 
@@ -442,22 +442,6 @@ def test_the_oracle_gives_every_merged_sublayer_of_the_zoo_the_shapes_of_ours(na
         assert calls(lambda: hook_oracle(FRAMEWORK, model, config)) == merged
 
 
-class AttentionShapes(torch.overrides.TorchFunctionMode):
-    """The shapes of the queries and keys of every SDPA call made while active (not its mask: ours adds the
-    size bias there, which the oracle has no sizes for)."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            named = dict(zip(("query", "key"), args), **kwargs)
-            self.shapes.append((tuple(named["query"].shape), tuple(named["key"].shape)))
-        return func(*args, **kwargs)
-
-
 # Families with mechanisms the bench's own copy of the merge hooks lacked (issue 44): the grid's token count given
 # by an argument (Helios' counts), a sequence-first block stream (ERNIE-Image), an attention merging inside its
 # own projections on a feature map (UNet2DModel: the copy's attention saw every token there). The oracle runs the
@@ -473,7 +457,7 @@ def test_the_oracle_gives_attention_the_token_counts_of_ours_in_families_the_cop
     model, inputs = _zoo_builders()[name]()
 
     def attention(setup):
-        spy, undo = AttentionShapes(), setup()
+        spy, undo = SdpaCalls(), setup()  # shapes, not masks: ours adds the size bias there
         try:
             with torch.no_grad(), warnings.catch_warnings(), spy:
                 warnings.simplefilter("ignore")

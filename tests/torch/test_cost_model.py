@@ -6,27 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 import tome_core.torch as tome
 from tome_tools.diffusers_models import build_unet
+from tome_tools.diffusers_bench import SdpaCalls
 
 pytestmark = pytest.mark.cost_model
-
-
-class KeyCounts(TorchFunctionMode):
-    """The key count of every SDPA call made while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.keys = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            self.keys.append((args[0].shape[-2], args[1].shape[-2]))
-        return func(*args, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +23,9 @@ def _run(unet, side):
     generator = torch.Generator().manual_seed(0)
     sample = torch.randn(2, 4, side, side, generator=generator)
     context = torch.randn(2, 7, 32, generator=generator)
-    with torch.no_grad(), KeyCounts() as counts:
+    with torch.no_grad(), SdpaCalls() as counts:
         out = unet(sample, torch.tensor([500, 500]), context).sample
-    return out, sorted({keys for queries, keys in counts.keys if queries == keys or queries == side * side})
+    return out, sorted({keys for queries, keys in counts.lengths if queries == keys or queries == side * side})
 
 
 def _patched_run(unet, side, **options):

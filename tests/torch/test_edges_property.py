@@ -50,10 +50,10 @@ import torch._dynamo
 import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, assume, example, given, note, settings
 from hypothesis import strategies as st
-from torch.overrides import TorchFunctionMode
 
 import tome_core.torch as tome
 from tome_tools import diffusers_models as tools
+from tome_tools.diffusers_bench import SdpaCalls
 
 
 def _zoo_module():
@@ -87,26 +87,10 @@ class Injected(RuntimeError):
 # Counting what attention sees
 
 
-class CountKeys(TorchFunctionMode):
-    """Records (queries, keys) of every ``F.scaled_dot_product_attention`` call made while it is active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: List[Tuple[int, int]] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            query = args[0] if args else kwargs["query"]
-            key = args[1] if len(args) > 1 else kwargs["key"]
-            self.seen.append((query.shape[-2], key.shape[-2]))
-        return func(*args, **kwargs)
-
-
 def _call(model: torch.nn.Module, inputs: Dict[str, Any]) -> Tuple[List[Tuple[int, int]], torch.Tensor]:
-    with CountKeys() as counter:
+    with SdpaCalls() as counter:
         output = zoo._run(model, inputs)
-    return counter.seen, output.float()
+    return counter.lengths, output.float()
 
 
 def _summary(model: torch.nn.Module) -> str:

@@ -10,33 +10,17 @@ from typing import Any, Dict, List
 import numpy as np
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 import tome_core.torch as tome
 from tome_tools.diffusers_models import build_transformer, transformer_inputs
-
-
-class _KeysSeen(TorchFunctionMode):
-    """Records each SDPA call's ``(queries, keys)`` counts."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: List[tuple] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            query = args[0] if args else kwargs["query"]
-            key = args[1] if len(args) > 1 else kwargs["key"]
-            self.calls.append((query.shape[-2], key.shape[-2]))
-        return func(*args, **kwargs)
+from tome_tools.diffusers_bench import SdpaCalls
 
 
 def _self_attention_keys(model: torch.nn.Module, inputs: Dict[str, Any], text: int) -> List[int]:
     """The key counts of the self-attentions of one call (a cross-attention's keys are the ``text`` tokens)."""
-    with torch.no_grad(), _KeysSeen() as seen:
+    with torch.no_grad(), SdpaCalls() as seen:
         model(**inputs)
-    return sorted(keys for _, keys in seen.calls if keys != text)
+    return sorted(keys for _, keys in seen.lengths if keys != text)
 
 
 def _summary_keys(state: Any) -> List[int]:
