@@ -126,9 +126,13 @@ class BlockRun:
             self._start(replace(earlier[1], level=None))
             return None
         if self.lent and not self.state.in_call:  # another model runs this block (it borrowed it): unmerged
-            self._start(self.idle)
+            self.plan, self.unfinished = self.idle, None
             return None
-        self._start(self._decide(get_ops(whole), whole, unmerged_by))
+        plan = self._decide(get_ops(whole), whole, unmerged_by)
+        if plan is self.idle:  # most blocks of an eager call: no more host time than this
+            self.plan, self.unfinished = plan, None
+        else:
+            self._start(plan)
         if self.fw.may_run_again(whole):
             self.ran = {key: entry for key, entry in self.ran.items() if entry[0]() is not None}
             self.ran[id(whole)] = (weakref.ref(whole), self.plan)
@@ -490,16 +494,17 @@ class SublayerHooks:
         return True
 
     def after(self, module, args, kwargs, output):
-        if self.run.plan is self.run.idle:
-            return self._after(module, args, kwargs, output)
+        run = self.run
+        if run.plan is run.idle:
+            if self.inside is None and self.stored[0] is None:
+                return None  # its block runs unmerged in this call, and no cache holds an output to hand back
+            return self._after(module, output)
         try:
-            return self._after(module, args, kwargs, output)
+            return self._after(module, output)
         finally:
-            self.run.finished(self.slot)
+            run.finished(self.slot)
 
-    def _after(self, module, args, kwargs, output):
-        if self.run.plan is self.run.idle and self.inside is None and self.stored[0] is None:
-            return None  # its block runs unmerged in this call, and no cache holds an output to hand back
+    def _after(self, module, output):
         if self.inside is not None:
             ran = self.inside.done(module, output)
             if ran is not None:

@@ -126,11 +126,18 @@ def test_wan_pipeline_merges_and_remove_is_exact():
     assert torch.equal(run(), plain)
 
 
-def _live_matches(found):
-    """Pre-hook: count the matches with index arrays that anything still holds (brute force over ``gc``)."""
+def _matches():
+    """Every match with index arrays that anything holds (brute force over ``gc``)."""
+    return [o for o in gc.get_objects() if isinstance(o, Match) and o.rows is not None]
+
+
+def _live_matches(found, before):
+    """Pre-hook: count the matches held now that were not held ``before`` (caches of shape-only matches that
+    earlier tests filled, held on to here so that no new match takes their ids)."""
+    old = {id(match) for match in before}
 
     def hook(module, args):
-        found.append(sum(1 for o in gc.get_objects() if isinstance(o, Match) and o.rows is not None))
+        found.append(sum(1 for match in _matches() if id(match) not in old))
 
     return hook
 
@@ -140,9 +147,9 @@ def test_a_block_lets_go_of_its_match_before_an_unmerged_feed_forward(wan, input
     """The feed-forward, where a DiT block's call peaks in memory, runs with no match alive unless it merges
     itself; the oracle: every object ``gc`` tracks, and the tokens each sub-layer receives."""
     model = copy.deepcopy(wan)
-    live = []
+    live, before = [], _matches()
     for block in model.blocks:
-        block.ffn.register_forward_pre_hook(_live_matches(live))
+        block.ffn.register_forward_pre_hook(_live_matches(live, before))
     tome.patch(model, ratio=0.5, merge_mlp=merge_mlp)
     attn, ffn = seen_by(model, "attn1"), seen_by(model, "ffn")
     call(model, inputs)
