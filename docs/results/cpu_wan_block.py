@@ -5,13 +5,17 @@ against the unpatched call of the same round, methods alternating in forward and
 method's peak memory: the rise of the resident set over one call, in a fresh process per method (a process's
 high-water mark never falls).
 
-    python docs/results/cpu_wan_block.py [--rounds R] [--threads T] [--methods M ...]  # rows to $OUT/cpu_wan_block.json
+    python docs/results/cpu_wan_block.py [--size 480p|720p] [--rounds R] [--threads T] [--methods M ...] [--no-memory]
+    # rows to $OUT/cpu_wan_block.json (720p: cpu_wan_block_720p.json)
 
 Methods: ``default`` (``patch(model)``), ``oracle of default`` (free removal of the tokens the default removes:
 ``tome_core.driver.attach_oracle``), ``prefer="speed"``, ``local_window=1`` (the default's arrangement, each
 source compared with the destinations of its own and the 8 neighbouring cells only), and keys and values merged
 inside the attention kernel after the rotary positions (``mode="kv"``: in 2x1 or 2x2 cells, one token drawn per
 cell, or a half or three quarters of them by similarity, size-aware); ``--methods`` picks some. About 6 minutes a round and 6 for the memory on a 2-core CPU.
+``--size 720p``: 720x1280 px, 81 frames (75,600 tokens), about 10 minutes a round for the unpatched call, the
+default, its oracle and ``prefer="speed"`` (``--no-memory``: no resident-set rows, each another call per method;
+``cpu_wan_memory.py`` counts the memory exactly).
 """
 
 from __future__ import annotations
@@ -34,8 +38,14 @@ from tome_core.driver import attach_oracle
 from tome_tools.bench_core import _peak_kb, _restart_peak_kb
 from tome_tools.presets import VIDEO_TRANSFORMERS
 
+def tokens_of(latent: Tuple[int, ...]) -> int:
+    """Wan's tokens for a latent ``(B, C, F, H, W)``: 1 x 2 x 2 patches."""
+    return latent[2] * (latent[3] // 2) * (latent[4] // 2)
+
+
 LATENT = (1, 16, 21, 60, 104)  # 81 frames at 480x832: (81 - 1) / 4 + 1 latent frames, 8x smaller sides
-TOKENS = LATENT[2] * (LATENT[3] // 2) * (LATENT[4] // 2)  # Wan's 1 x 2 x 2 patches
+SIZES = {"480p": LATENT, "720p": (1, 16, 21, 90, 160)}  # 720p: 720x1280, 75,600 tokens
+TOKENS = tokens_of(LATENT)
 # keys and values merged inside the attention kernel (mode="kv", after Wan's rotary positions): in cells, one token
 # drawn per cell, or by similarity (size-aware)
 KV = {
@@ -79,15 +89,17 @@ def use(model: Any, method: str) -> Callable[[], None]:
     return lambda: tome.remove(model)
 
 
-def peak_rise_mb(method: str, threads: int) -> float:
-    """The resident set's rise over one call of ``method``, in a fresh process."""
-    out = subprocess.run([sys.executable, __file__, "--peak", method, "--threads", str(threads)], check=True,
-                         capture_output=True, text=True).stdout
+def peak_rise_mb(method: str, threads: int, size: str = "480p") -> float:
+    """The resident set's rise over one call of ``method`` at ``size``, in a fresh process."""
+    out = subprocess.run([sys.executable, __file__, "--peak", method, "--threads", str(threads), "--size", size],
+                         check=True, capture_output=True, text=True).stdout
     return float(out.strip().splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=sorted(SIZES), default="480p")
+    parser.add_argument("--no-memory", action="store_true", help="no peak memory rows")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--peak", choices=METHODS, help=argparse.SUPPRESS)
@@ -96,7 +108,8 @@ def main() -> None:
     args = parser.parse_args()
     methods = ("unpatched", *(m for m in args.methods if m != "unpatched"))
     torch.set_num_threads(args.threads)
-    call = build()
+    latent = SIZES[args.size]
+    call = build(latent)
     if args.peak:
         undo = use(call.model, args.peak)
         before = _restart_peak_kb()  # VmHWM: ru_maxrss would count the parent's size at the fork
@@ -106,7 +119,7 @@ def main() -> None:
         return
     if args.memory_only:
         for method in methods:
-            print(f"{method:<20} peak rise {peak_rise_mb(method, args.threads):7.0f} MB", flush=True)
+            print(f"{method:<20} peak rise {peak_rise_mb(method, args.threads, args.size):7.0f} MB", flush=True)
         return
     times: Dict[str, List[float]] = {m: [] for m in methods}
     outputs: Dict[str, torch.Tensor] = {}
@@ -124,12 +137,13 @@ def main() -> None:
         fid = float((outputs[method] - outputs["unpatched"]).norm() / outputs["unpatched"].norm())
         rows.append(dict(method=method, s=times[method], speedup=statistics.median(ratios), speedups=ratios, fid=fid))
     for row in rows:
-        row["peak_rise_mb"] = peak_rise_mb(row["method"], args.threads)
-        print(f"{row['method']:<20} {row['speedup']:5.2f}x  fid {row['fid']:.4f}  peak rise {row['peak_rise_mb']:7.0f} MB",
-              flush=True)
-    out = os.path.join(os.environ.get("OUT", "/tmp"), "cpu_wan_block.json")
+        row["peak_rise_mb"] = None if args.no_memory else peak_rise_mb(row["method"], args.threads, args.size)
+        peak = "" if args.no_memory else f"  peak rise {row['peak_rise_mb']:7.0f} MB"
+        print(f"{row['method']:<20} {row['speedup']:5.2f}x  fid {row['fid']:.4f}{peak}", flush=True)
+    name = "cpu_wan_block.json" if args.size == "480p" else f"cpu_wan_block_{args.size}.json"
+    out = os.path.join(os.environ.get("OUT", "/tmp"), name)
     with open(out, "w") as f:
-        json.dump(dict(latent=LATENT, tokens=TOKENS, threads=args.threads, torch=torch.__version__,
+        json.dump(dict(latent=latent, tokens=tokens_of(latent), threads=args.threads, torch=torch.__version__,
                        cpu=os.cpu_count(), rows=rows), f, indent=1)
     print(f"rows in {out}")
 
