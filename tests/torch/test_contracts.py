@@ -67,8 +67,9 @@ class HandAttnProcessor:
 class KernelKeys(TorchDispatchMode):
     """The key counts the attention kernels of one call receive: ``mode="kv"`` on a fused ``to_qkv`` merges the
     keys inside ``F.scaled_dot_product_attention``, after every module hook has run. A dispatch mode, not a function
-    mode as the other files' counters: those are entered around the whole call, below ToMe's function mode; one
-    entered by this pre-hook would sit above ToMe's, armed by its earlier pre-hook, and see the keys unmerged."""
+    mode as ``tome_tools.diffusers_bench.SdpaCalls``: that one is entered around the whole call, below ToMe's
+    function mode; one entered by this pre-hook would sit above ToMe's, armed by its earlier pre-hook, and see the
+    keys unmerged."""
 
     def __init__(self):
         super().__init__()
