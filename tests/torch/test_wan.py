@@ -127,8 +127,9 @@ def test_wan_pipeline_merges_and_remove_is_exact():
 
 
 def _matches():
-    """Every match with index arrays that anything holds (brute force over ``gc``)."""
-    return [o for o in gc.get_objects() if isinstance(o, Match) and o.rows is not None]
+    """Every match with index arrays that anything holds (brute force over ``gc``; ``type``, since ``isinstance``
+    raises on a ``weakref.proxy`` to a dead object, which pytest-xdist's workers hold)."""
+    return [o for o in gc.get_objects() if type(o) is Match and o.rows is not None]
 
 
 def _live_matches(found, before):
