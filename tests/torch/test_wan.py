@@ -127,9 +127,10 @@ def test_wan_pipeline_merges_and_remove_is_exact():
 
 
 def _matches():
-    """Every match with index arrays that anything holds (brute force over ``gc``; ``type``, since ``isinstance``
-    raises on a ``weakref.proxy`` to a dead object, which pytest-xdist's workers hold)."""
-    return [o for o in gc.get_objects() if type(o) is Match and o.rows is not None]
+    """Every match with index arrays that anything holds (brute force over ``gc``: by ``type``, since ``isinstance``
+    raises on a ``weakref.proxy`` to a dead object, and ``getattr``, since a copy that an earlier test stopped
+    midway leaves a match without fields; pytest-xdist's workers hold both)."""
+    return [o for o in gc.get_objects() if type(o) is Match and getattr(o, "rows", None) is not None]
 
 
 def _live_matches(found, before):
