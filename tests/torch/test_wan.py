@@ -128,8 +128,8 @@ def test_wan_pipeline_merges_and_remove_is_exact():
 
 def _matches():
     """Every match with index arrays that anything holds (brute force over ``gc``: by ``type``, since ``isinstance``
-    raises on a ``weakref.proxy`` to a dead object, and ``getattr``, since a copy that an earlier test stopped
-    midway leaves a match without fields; pytest-xdist's workers hold both)."""
+    raises on a ``weakref.proxy`` to a dead object, and ``getattr``, since a match built without its fields turned
+    up too: pytest-xdist's workers held both in CI)."""
     return [o for o in gc.get_objects() if type(o) is Match and getattr(o, "rows", None) is not None]
 
 
