@@ -38,6 +38,7 @@ from tome_core.driver import attach_oracle
 from tome_tools.bench_core import _peak_kb, _restart_peak_kb
 from tome_tools.presets import VIDEO_TRANSFORMERS
 
+
 def tokens_of(latent: Tuple[int, ...]) -> int:
     """Wan's tokens for a latent ``(B, C, F, H, W)``: 1 x 2 x 2 patches."""
     return latent[2] * (latent[3] // 2) * (latent[4] // 2)

@@ -37,8 +37,8 @@ def latent(frames: int) -> tuple:
 
 
 def tokens(frames: int) -> int:
-    """Wan's tokens for ``frames`` latent frames: 1 x 2 x 2 patches, as ``cpu_wan_block.TOKENS``."""
-    return block.TOKENS // block.LATENT[2] * frames
+    """Wan's tokens for ``frames`` latent frames (``cpu_wan_block.tokens_of``)."""
+    return block.tokens_of(latent(frames))
 
 
 def measure(frames: int, method: str) -> Dict[str, float]:

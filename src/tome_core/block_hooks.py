@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from .arrangement_rules import arrangement_error, arrangement_problem, kv_in_kernel
 from .attention_bias import SizeBias
@@ -106,7 +106,7 @@ class BlockRun:
         # the kind of each hooked sub-layer (None: one that merges inside itself, Inside), and those of this run
         # whose merge is still to come: when none is left, the block lets go of its matches (finished)
         self.kinds: List[Optional[str]] = []
-        self.unfinished: Optional[set] = None
+        self.unfinished: Optional[Set[int]] = None
         self.ran: Dict[int, Tuple[Any, BlockPlan]] = {}  # id(input): (weakref to it, the plan it ran with)
         # (call key, input shape, family, options, (level, why, tokens) or None) of the last eager call in which this
         # block ran unmerged for its size: a call with the same key and input decides the same (_repeats)
@@ -139,12 +139,11 @@ class BlockRun:
         return None
 
     def _start(self, plan: BlockPlan) -> None:
-        """Run this call of the block with ``plan``, each of its sub-layers that merges by it still to run."""
+        """Run this call of the block with ``plan`` (not the unmerged one, which ``begin`` sets itself), each of its
+        sub-layers that merges by it still to run."""
         self.plan = plan
         kinds = self.kinds
-        self.unfinished = None if plan is self.idle or None in kinds else {
-            slot for slot, kind in enumerate(kinds) if kind in plan.matches
-        }
+        self.unfinished = None if None in kinds else {slot for slot, kind in enumerate(kinds) if kind in plan.matches}
 
     def finished(self, slot: int) -> None:
         """The hooked sub-layer ``slot`` has run (merged, and unmerged where it merges its queries). Once every
