@@ -42,10 +42,9 @@ MIN_TOKENS: Dict[Tuple[str, str, str], int] = {
     ("gpu", "compiled", "similarity"): 4080,
     # CPUs (2 cores, float32): SD 1.5 at 512 px, 4,096 tokens: kv 2x2 cells 1.05x, ToMe for SD 0.5 1.04x; 16,384
     # tokens 1.67x / 1.34x (docs/results/defaults_speed_sd15_{512,1024}.json); smaller sizes are not measured yet,
-    # so the bound is the smallest size measured to pay. A CPU runs no CUDA graph. Not separated yet: the whole SDXL
-    # UNet at 1024 px (4,096 tokens at its finest attention level, 640 channels), kv 2x2 cells 0.96x, ToMe for SD 0.97x
-    # (docs/results/cpu_sdxl_1024.json), while the same blocks merged in an SDXL UNet with one block per 32x32-level
-    # transformer instead of ten run 1.19x: open in issue #42.
+    # so the bound is the smallest size measured to pay. A CPU runs no CUDA graph. The whole SDXL UNet at 1024 px
+    # (4,096 tokens at its finest attention level, 640 channels): kv 2x2 cells 1.07x, ToMe for SD 0.5 1.06x, its merged
+    # blocks 8.6 -> 5.4 s a call (docs/results/cpu_sdxl_1024_levels.json).
     ("cpu", "eager", "cells"): 4096,
     ("cpu", "compiled", "cells"): 4096,
     ("cpu", "eager", "similarity"): 4096,
