@@ -526,7 +526,7 @@ def _check_cell_matching(given: SimpleNamespace, acting: SimpleNamespace) -> Non
         if unused:
             raise ValueError(
                 f"{name} reuses a similarity match; matching='cell' computes none (its match depends on the "
-                "shape only and is built once per shape), so it has nothing to reuse"
+                "shape only), so it has nothing to reuse"
             )
 
 

@@ -52,8 +52,7 @@ def attach_hooks(fw: Framework, plan: ModelPlan, state: ToMeState) -> Patch:
     patch = Patch(state)
     add = patch.handles.append
     add(fw.add_pre_hook(model, CallStart(fw, plan, state)))
-    if plan.lent:  # only the blocks a model lends ask whether its call is in flight
-        add(fw.add_post_hook(model, partial(call_ends, state)))
+    add(fw.add_post_hook(model, partial(call_ends, state)))
     hooked = plan.hooked
     patch.handles += grid_hooks(fw, model, state, {id(m.block) for m in hooked})
     runs: Dict[int, BlockRun] = {}

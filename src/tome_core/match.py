@@ -57,7 +57,7 @@ def first_tokens_match(ops: ArrayOps, like: Array, batch: int, tokens: int, kept
     gather, the rest dropped), unmerge gives token ``i`` the value of slot ``i % kept``, every slot stands for one
     token at its own position. Free token removal (no similarity, no mean): the benchmark's oracle
     (:attr:`ToMeState.oracle <tome_core.state.ToMeState.oracle>`). A function of the shape only, built once per
-    shape and device; ``kept >= tokens`` merges nothing."""
+    shape and device in a call; ``kept >= tokens`` merges nothing."""
     if kept >= tokens:
         return identity_match(ops, batch, tokens)
     if kept < 1:
@@ -66,7 +66,8 @@ def first_tokens_match(ops: ArrayOps, like: Array, batch: int, tokens: int, kept
 
 
 def _built_once(ops: ArrayOps, like: Array, key: Tuple, build: Callable[[], Match]) -> Match:
-    """A match that depends on shapes only, built once per shape and device (:func:`~tome_core.partition.cached`)."""
+    """A match that depends on shapes only, built once per shape and device in a model's call
+    (:func:`~tome_core.partition.cached`)."""
     return cached(ops, like, ("match",) + key, build)
 
 
@@ -313,7 +314,7 @@ def partition_chunks(ops: ArrayOps, metric: Array, part: Partition, within: Sequ
 def cell_match(ops: ArrayOps, like: Array, batch: int, h: int, w: int, sx: int, sy: int) -> Match:
     """Every token of an ``h x w`` grid joins its own ``sx x sy`` cell (average pooling); tokens in leftover
     rows and columns stay as they are. Slots: the cells in row-major order, then the leftover tokens. A
-    function of the shape only, built once per shape and device."""
+    function of the shape only, built once per shape and device in a call."""
     return partition_pooled(ops, like, batch, partition_grid(ops, like, h, w, sx, sy, similarity=False, picks=False))
 
 

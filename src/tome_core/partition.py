@@ -95,7 +95,8 @@ def cell_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int) -> 
 
 
 def cached(ops: ArrayOps, like: Array, key: Tuple, build: Callable[[], Any]) -> Any:
-    """Shape-only index arrays, kept per backend and device where the backend allows it."""
+    """Shape-only index arrays, kept per backend and device where the backend allows it, until
+    :func:`forget_tables`."""
     device = ops.cache_key(like)
     if device is None:
         return build()
@@ -106,6 +107,13 @@ def cached(ops: ArrayOps, like: Array, key: Tuple, build: Callable[[], Any]) -> 
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
     return value
+
+
+def forget_tables() -> None:
+    """Drop the arrays :func:`cached` keeps. A patched model's call does so as it returns, so that its blocks
+    share them within the call and nothing it built stays allocated between calls (a patched model's memory
+    between calls is the unpatched model's); the next call builds them again, a few small kernels."""
+    _CACHE.clear()
 
 
 def split(

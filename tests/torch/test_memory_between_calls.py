@@ -1,0 +1,60 @@
+"""A patched model holds no more tensor memory between calls than the unpatched one: whatever a call's merging
+builds (partitions, shape-only index tables, matches) is let go as the call returns. Oracle: the unpatched
+model's own retained bytes, counted exactly from the profiler's allocation events
+(``tome_tools.diffusers_bench.tensor_peak_mib``), in a call that drops its output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tome_core.torch as tome
+from tome_tools.diffusers_bench import tensor_peak_mib
+from tome_tools.diffusers_models import build_unet, build_video_transformer
+
+
+def _unet():
+    model = build_unet("tiny")
+    generator = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(1, 4, 32, 32, generator=generator), torch.tensor([500]), torch.randn(1, 7, 32, generator=generator))
+    return model, lambda: model(*inputs)
+
+
+def _wan():
+    model = build_video_transformer("tiny-wan")
+    generator = torch.Generator().manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(1, 4, 3, 8, 12, generator=generator), timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 5, 16, generator=generator),
+    )
+    return model, lambda: model(**inputs)
+
+
+BUILT = {"unet": _unet, "wan": _wan}
+
+
+def _retained_mib(run) -> list:
+    """What each of two calls leaves allocated once its output is dropped."""
+
+    def once():
+        with torch.no_grad():
+            run()
+
+    return [tensor_peak_mib(once)[1] for _ in range(2)]
+
+
+@pytest.mark.parametrize("options", [
+    dict(min_tokens=0),  # the default's arrangement: kv in cells drawn per call on the UNet, ToMe for SD on Wan
+    dict(ratio=0.5),  # a similarity match, its partition drawn per call
+    dict(ratio=0.5, use_rand=False),  # fixed partitions: shape-only tables
+    dict(mode="kv", matching="cell", sx=2, sy=2, cell_pool="mean"),  # a shape-only match
+], ids=["default", "ratio", "fixed", "cells"])
+@pytest.mark.parametrize("kind", sorted(BUILT))
+def test_a_patched_model_keeps_nothing_between_calls(kind, options):
+    model, run = BUILT[kind]()
+    unpatched = _retained_mib(run)
+    tome.patch(model, **options)
+    patched = _retained_mib(run)
+    (_, state), = tome.patched_models(model)
+    assert state.stats and all(stats.kept < stats.tokens for stats in state.stats.values()), state.summary()
+    assert patched == unpatched
