@@ -57,6 +57,11 @@ MEASURED = [
     ("defaults_speed_sd15_512.json", dict(method="ours"), 4096, "cpu", "eager", "similarity"),
     ("defaults_speed_sd15_1024.json", dict(method="ours:auto"), 16384, "cpu", "eager", "cells"),
     ("defaults_speed_sd15_1024.json", dict(method="ours"), 16384, "cpu", "eager", "similarity"),
+    ("cpu_sdxl_1024_levels.json", dict(method="default"), 4096, "cpu", "eager", "cells"),
+    ("cpu_sdxl_1024_levels.json", dict(method="ratio=0.5"), 4096, "cpu", "eager", "similarity"),
+    ("cpu_flux_1024.json", dict(method="ours"), 4096, "cpu", "eager", "similarity"),
+    ("cpu_wan_block.json", dict(method="default"), 32760, "cpu", "eager", "similarity"),
+    ("cpu_wan_block_720p.json", dict(method="default"), 75600, "cpu", "eager", "similarity"),
 ]
 
 
