@@ -9,7 +9,8 @@ call; the per-level times say where a method saves and whether it costs anything
 
 Methods: ``default`` (``patch(unet)``), ``oracle of default`` (free removal of the tokens the default removes:
 ``tome_core.driver.attach_oracle``), ``prefer="speed"``, ``ratio=0.5`` (ToMe for SD's arrangement) and
-``tomesd`` (``tomesd.apply_patch(unet, ratio=0.5)``, its defaults). SDXL at 1024 px: about 45 s a call here.
+``tomesd`` (``tomesd.apply_patch(unet, ratio=0.5)`` at the finest level with attention, as
+``gpu_speed.py`` runs it: ``max_downsample=2`` on SDXL, where its default merges nothing). SDXL at 1024 px: about 45 s a call here.
 """
 
 from __future__ import annotations
@@ -75,6 +76,13 @@ def build(unet: str, resolution: int) -> Callable[[], Dict[str, float]]:
     return call
 
 
+def finest_attention(model: Any) -> int:
+    """The downsample factor of the UNet's finest level with attention (2 on SDXL, whose first level has none):
+    tomesd's ``max_downsample`` there, since its default of 1 merges nothing on SDXL."""
+    kinds = model.config.down_block_types
+    return 2 ** next(level for level, kind in enumerate(kinds) if "CrossAttn" in kind)
+
+
 def use(model: Any, method: str) -> Callable[[], None]:
     """Patch ``model`` for ``method``; returns what removes it."""
     if method == "unpatched":
@@ -82,7 +90,7 @@ def use(model: Any, method: str) -> Callable[[], None]:
     if method == "tomesd":
         import tomesd
 
-        tomesd.apply_patch(model, ratio=0.5)
+        tomesd.apply_patch(model, ratio=0.5, max_downsample=finest_attention(model))
         return lambda: tomesd.remove_patch(model)
     if method == "oracle of default":
         tome.patch(model)
