@@ -96,6 +96,16 @@ def classifier_folder(model: str) -> str:
     return beside if os.path.isdir(beside) else shipped("classifier")
 
 
+def hook_default_oracle(model: torch.nn.Module) -> Undo:
+    """Hook into ``model`` the oracle of its default patch (``patch(model)``'s resolved options): free removal of
+    the tokens the default removes (:func:`~tome_tools.bench_runner.hook_oracle`); returns what removes it."""
+    tome.patch(model)
+    (_, state), = tome.patched_models(model)
+    config = state.active
+    tome.remove(model)
+    return hook_oracle(FRAMEWORK, model, config)
+
+
 def tensor_peak_mib(call: Callable[[], Any]) -> Tuple[float, float]:
     """``(peak, retained)``: the most MiB of CPU tensor memory that ``call``'s own allocations hold at once, and
     what they still hold when it returns (a cache it filled; its output, if it returns it).

@@ -28,8 +28,7 @@ import torch
 from diffusers import UNet2DConditionModel
 
 import tome_core.torch as tome
-from tome_core.adapters.diffusers import FRAMEWORK
-from tome_core.driver import attach_oracle
+from tome_tools.diffusers_bench import hook_default_oracle
 from tome_tools.presets import UNETS
 
 METHODS = ("unpatched", "default", "oracle of default", 'prefer="speed"', "ratio=0.5", "tomesd")
@@ -59,9 +58,11 @@ def build(unet: str, resolution: int) -> Callable[[], Dict[str, float]]:
                 tokens[part] = a[0].shape[-2] * a[0].shape[-1]
                 started[part] = time.perf_counter()
 
+            def end(m: Any, a: Any, o: Any, part: str = part) -> None:
+                seconds[part] += time.perf_counter() - started[part]
+
             module.register_forward_pre_hook(begin)
-            module.register_forward_hook(
-                lambda m, a, o, part=part: seconds.__setitem__(part, seconds[part] + time.perf_counter() - started[part]))
+            module.register_forward_hook(end)
 
     def call() -> Dict[str, float]:
         seconds.clear()
@@ -93,11 +94,7 @@ def use(model: Any, method: str) -> Callable[[], None]:
         tomesd.apply_patch(model, ratio=0.5, max_downsample=finest_attention(model))
         return lambda: tomesd.remove_patch(model)
     if method == "oracle of default":
-        tome.patch(model)
-        (_, state), = tome.patched_models(model)
-        config = state.active
-        tome.remove(model)
-        return attach_oracle(FRAMEWORK, model, config).remove
+        return hook_default_oracle(model)
     tome.patch(model, **{"default": {}, 'prefer="speed"': {"prefer": "speed"}, "ratio=0.5": {"ratio": 0.5}}[method])
     return lambda: tome.remove(model)
 

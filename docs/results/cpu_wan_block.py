@@ -33,9 +33,8 @@ import diffusers
 import torch
 
 import tome_core.torch as tome
-from tome_core.adapters.diffusers import FRAMEWORK
-from tome_core.driver import attach_oracle
 from tome_tools.bench_core import _peak_kb, _restart_peak_kb
+from tome_tools.diffusers_bench import hook_default_oracle
 from tome_tools.presets import VIDEO_TRANSFORMERS
 
 
@@ -78,11 +77,7 @@ def use(model: Any, method: str) -> Callable[[], None]:
     if method == "unpatched":
         return lambda: None
     if method == "oracle of default":
-        tome.patch(model)
-        (_, state), = tome.patched_models(model)
-        config = state.active
-        tome.remove(model)
-        return attach_oracle(FRAMEWORK, model, config).remove
+        return hook_default_oracle(model)
     options = {"default": {}, 'prefer="speed"': {"prefer": "speed"}, "local_window=1": {"local_window": 1}}.get(method)
     if options is None:
         options = dict(mode="kv", **KV[method])
