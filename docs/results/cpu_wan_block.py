@@ -8,7 +8,9 @@ high-water mark never falls).
     python docs/results/cpu_wan_block.py [--size 480p|720p] [--rounds R] [--threads T] [--methods M ...] [--no-memory]
     # rows to $OUT/cpu_wan_block.json (720p: cpu_wan_block_720p.json)
 
-Methods: ``default`` (``patch(model)``), ``oracle of default`` (free removal of the tokens the default removes:
+Methods: ``default`` (``patch(model)``: each token compared with the destinations of its own and the neighbouring
+latent frames, ``frame_window=1``), ``frame_window=None`` (the default's arrangement searching the whole clip, the
+default before), ``oracle of default`` (free removal of the tokens the default removes:
 ``tome_core.driver.attach_oracle``), ``prefer="speed"``, ``local_window=1`` (the default's arrangement, each
 source compared with the destinations of its own and the 8 neighbouring cells only), and keys and values merged
 inside the attention kernel after the rotary positions (``mode="kv"``: in 2x1 or 2x2 cells, one token drawn per
@@ -54,7 +56,7 @@ KV = {
     "kv 0.5": dict(ratio=0.5),
     "kv 0.75": dict(ratio=0.75),
 }
-METHODS = ("unpatched", "default", "oracle of default", 'prefer="speed"', "local_window=1", *KV)
+METHODS = ("unpatched", "default", "frame_window=None", "oracle of default", 'prefer="speed"', "local_window=1", *KV)
 
 
 def build(latent: Tuple[int, ...] = LATENT) -> Callable[[], torch.Tensor]:
@@ -78,7 +80,10 @@ def use(model: Any, method: str) -> Callable[[], None]:
         return lambda: None
     if method == "oracle of default":
         return hook_default_oracle(model)
-    options = {"default": {}, 'prefer="speed"': {"prefer": "speed"}, "local_window=1": {"local_window": 1}}.get(method)
+    options = {
+        "default": {}, "frame_window=None": {"frame_window": None}, 'prefer="speed"': {"prefer": "speed"},
+        "local_window=1": {"local_window": 1},
+    }.get(method)
     if options is None:
         options = dict(mode="kv", **KV[method])
     tome.patch(model, **options)

@@ -37,6 +37,8 @@ Methods, each against the unpatched call of the same run:
 - ``default``: ``patch(model)``, the cost model (``tome_core.cost``) leaving a level unmerged below the token
   count from which merging pays on this device and execution (so it may differ between eager and graph rows);
 - ``default, min_tokens=0``: the default's arrangement forced to merge at every level;
+- ``frame_window=None`` (Wan): the default's arrangement with the similarity search over the whole clip (the
+  default before: since, each token is compared with the destinations of its own and the neighbouring frames);
 - ``prefer="speed"`` and ``ratio 0.5`` (ToMe for SD's arrangement, size-aware);
 - ``kv 2x1 cells`` and ``kv 0.75`` (transformers): keys and values merged inside the attention kernel after the
   processor's rotary positions (``mode="kv"``), queries kept: in 2x1 cells, one token drawn per cell, and 75% of
@@ -124,12 +126,13 @@ class Oracle:
     of: str
 
 
-KV_CELLS, KV_SIMILAR = "kv 2x1 cells", "kv 0.75"
+KV_CELLS, KV_SIMILAR, WHOLE_CLIP = "kv 2x1 cells", "kv 0.75", "frame_window=None"
 # name: options of tome_core.torch.patch, tomesd, or the oracle of another method (after it: its call tells the cut)
 METHODS: Dict[str, Any] = {
     "unpatched": None,
     "default": {},
     FORCED: {"min_tokens": 0},
+    WHOLE_CLIP: {"frame_window": None},  # videos: the default's search over the whole clip, not the nearby frames
     'prefer="speed"': {"prefer": "speed"},
     "ratio 0.5": {"ratio": 0.5},
     "tomesd 0.5": TOMESD,
@@ -209,6 +212,8 @@ PARTS = list(dict.fromkeys(case.part for case in CASES))
 
 def methods_of(case: Case) -> List[str]:
     elsewhere = [m for m in METHODS if METHODS[m] == TOMESD] if case.kind != "unet" else [KV_CELLS, KV_SIMILAR]
+    if case.kind != "video" or case.part == "hunyuan":  # one video size too many for the 8 minutes
+        elsewhere.append(WHOLE_CLIP)
     return [m for m in METHODS if m not in elsewhere]
 
 

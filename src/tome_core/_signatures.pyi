@@ -37,6 +37,7 @@ class PatchFunction(Protocol):
         cell_pool: Optional[str] = None,
         frames_per_chunk: Optional[int] = None,
         frame_ratio: Optional[float] = None,
+        frame_window: Optional[int] = 1,
         timestep_range: Optional[Tuple[float, float]] = None,
         min_tokens: Optional[int] = None,
         prefer: Optional[str] = None,

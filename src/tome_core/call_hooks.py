@@ -86,14 +86,15 @@ class CallStart:
         placed = self.read_grid(Call(args, kwargs, sample, tuple(shape)))
         if isinstance(placed, str):
             return self._unplaced(step, placed)
-        grid, tail, videos, grid_last = placed
+        grid, tail, videos, grid_last, frames = placed
         shards = self.fw.shards(module)
         if shards is not None:
             check_shards(shards, self.size_aware, self.model)
             grid = shard_grid(grid, shards, tail, videos, self.model)
         execution = self.fw.execution(sample[0] if isinstance(sample, (list, tuple)) else sample)
         self.state.begin_call(
-            grid, step, videos=videos, merging=merging, tail=tail, grid_last=grid_last, shards=shards, execution=execution
+            grid, step, videos=videos, merging=merging, tail=tail, grid_last=grid_last, shards=shards, execution=execution,
+            frame_rows=placed.grid[0] // frames if frames > 1 else 0,
         )
         self.state.enter_grid(grid)
         if shards is not None:

@@ -49,6 +49,7 @@ _ARRANGING = (
     "block_ratios", "frames_per_chunk", "frame_ratio",
 )
 DEFAULT_FRAME_RATIO = 0.9  # with frames_per_chunk > 1
+DEFAULT_FRAME_WINDOW = 1  # a video transformer's sources meet the destinations of their own and the next frames
 
 
 # The options' groups, in the order help lists them: (name, title).
@@ -202,6 +203,12 @@ class ToMeConfig:
         other frames' tokens merged into their most similar token of the chunk's reference frame (the rest
         stay), in ``[0, 1]``; the reference frame merges by ``ratio`` as a single frame does. ``None``:
         0.9.""")
+    frame_window: Optional[int] = option(DEFAULT_FRAME_WINDOW, VIDEO, """video transformers, whose frames share
+        one sequence (Wan, HunyuanVideo, LTX, CogVideoX and the rest: their grid stacks the frames' rows): the
+        similarity search compares each source only with the destinations of the frames within this many frames
+        of its own, so it costs linear in frames instead of quadratic (at Wan's 81 frames, 21 latent frames, 1
+        compares each token with the destinations of 3 of them). ``None``: with every destination of the clip.
+        Images, and video UNets (whose frames merge apart), have one frame: nothing changes there.""")
     timestep_range: Optional[Tuple[float, float]] = option(None, WHERE, """``(low, high)``: merge only in
         model calls whose timesteps all lie in ``[low, high]``, in the units the model receives (0-1000 for
         diffusers UNets, SD3 and PixArt; 0-1 for Flux); other calls run the unpatched model. High timesteps
@@ -393,6 +400,12 @@ def resolve(options: Mapping[str, Any]) -> Dict[str, Any]:
     # Video
     acting.frames_per_chunk = _optional_int("frames_per_chunk", given.frames_per_chunk, 1)
     acting.frame_ratio = _frame_ratio(given.frame_ratio, acting)
+    acting.frame_window = _optional_int("frame_window", given.frame_window, 0)
+    if acting.matching == "cell" and acting.frame_window != DEFAULT_FRAME_WINDOW:
+        raise ValueError(
+            f"frame_window={acting.frame_window!r} limits a similarity search; matching='cell' has none (leave "
+            "frame_window out)"
+        )
     _check_frames(acting)
     # When it merges
     acting.timestep_range = _timestep_range(given.timestep_range)

@@ -27,12 +27,14 @@ from .model_tree import config_value
 class Placed(NamedTuple):
     """Where a call's image tokens sit: a ``(rows, cols)`` grid (a video's frames stacked in rows), ``tail``
     tokens after it in each block's image stream, ``videos`` items whose frames are the blocks' batch (None: the
-    batch is the call's), and ``grid_last``: the grid ends the stream, after the other tokens."""
+    batch is the call's), ``grid_last``: the grid ends the stream, after the other tokens, and ``frames``: the
+    frames whose rows the grid stacks (1: an image, or a video whose frames are the batch)."""
 
     grid: Tuple[int, int]
     tail: int = 0
     videos: Optional[int] = None
     grid_last: bool = False
+    frames: int = 1
 
 
 Reading = Union[Placed, str]  # where the tokens sit, or why no grid is known
@@ -136,10 +138,11 @@ class LatentGrid(Reader):
             return Placed((shape[3] // patch, shape[4] // patch), 0, shape[0], self.grid_last)
         if len(shape) == 5:
             frames, height, width = (n // p for n, p in zip(shape[2:], patch))
-            return Placed((frames * height, width), 0, None, self.grid_last)
+            return Placed((frames * height, width), 0, None, self.grid_last, frames)
         if len(shape) == 6:
             frames, height, width = (n // p for n, p in zip(shape[3:], patch))
-            return Placed((frames * height, width), (shape[1] - 1) * frames * height * width, None, self.grid_last)
+            tail = (shape[1] - 1) * frames * height * width
+            return Placed((frames * height, width), tail, None, self.grid_last, frames)
         return self.packed(call)
 
     def _context(self, call: Call) -> Sequence[Any]:
@@ -193,10 +196,11 @@ class VideoGrid(Reader):
                 "same in every item, so no token grid is known; such calls run unmerged"
             )
         if conditions:  # appended condition frames: a tail after the grid
-            grid, tail = ((frames - conditions) * height, width), tail + conditions * height * width
+            frames, tail = frames - conditions, tail + conditions * height * width
+            grid = (frames * height, width)
         if from_coords:  # conditioning tokens before the grid: the blocks' head
-            return Placed(grid, 0, None, True)
-        return Placed(grid, tail, None, self.grid_last)
+            return Placed(grid, 0, None, True, frames)
+        return Placed(grid, tail, None, self.grid_last, frames)
 
     def _sizes(self, call: Call) -> Optional[Tuple[int, int, int, bool]]:
         """``(frames, rows, cols, from_coords)`` of the tokens, or None where the call does not give them;

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .ops import Array, ArrayOps
-from .partition import Partition, cached, cell_table, partition_grid
+from .partition import Band, Partition, cached, cell_table, partition_grid
 
 
 @dataclass(frozen=True)
@@ -95,13 +95,14 @@ against 443 MiB with 2**24 and 1,169 MiB for one product)."""
 
 def best_destinations(
     ops: ArrayOps, metric: Array, src: Array, dst: Array, neighbours: Optional[Array] = None,
-    block: Optional[int] = None,
+    block: Optional[int] = None, bands: Optional[Sequence[Band]] = None,
 ) -> Tuple[Array, Array]:
     """Each source's highest cosine similarity to a destination and that destination: ``[B, S]`` twice.
 
     ``neighbours [S, W]`` (destination indices) restricts each source to those candidates (local matching);
-    ``None`` compares it with every destination. A zero vector has similarity 0 to everything (tomesd would
-    produce NaN there).
+    ``bands`` (:func:`~tome_core.partition.frame_bands`, runs of sources covering them all in order) restricts
+    each run to a contiguous run of destinations (a video's nearby frames); with neither, a source meets every
+    destination. A zero vector has similarity 0 to everything (tomesd would produce NaN there).
 
     Memory stays linear in tokens: compared with every destination, the sources are taken in chunks of equal
     size whose similarity block holds at most ``block`` entries per batch item (``None``:
@@ -125,15 +126,22 @@ def best_destinations(
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"block must be an int >= 1 (similarity entries per batch item), got {limit!r}")
         num_src, num_dst = ops.shape(src)[0], ops.shape(dst)[0]
-        chunks = -(-num_src // max(1, limit // max(1, num_dst)))  # ceil(sources / rows that fit)
         b_t = ops.aligned_columns(ops.matrix_transpose(b))
-        if chunks <= 1:
-            return ops.max_argmax(ops.matmul(ops.take(unit, src, axis=1), b_t)[..., :num_dst])
-        rows = -(-num_src // chunks)  # equal chunks, the last one shorter
-        parts = [
-            ops.max_argmax(ops.matmul(ops.take(unit, src[start:start + rows], axis=1), b_t)[..., :num_dst])
-            for start in range(0, num_src, rows)
-        ]
+        parts = []
+        for first, end, low, high in bands or ((0, num_src, 0, num_dst),):
+            chunks = -(-(end - first) // max(1, limit // max(1, high - low)))  # ceil(sources / rows that fit)
+            rows = -(-(end - first) // chunks)  # equal chunks, the last one shorter
+            for start in range(first, end, rows):
+                whole = rows >= num_src  # one product over every source
+                sources = ops.take(unit, src if whole else src[start:min(start + rows, end)], axis=1)
+                if (low, high) == (0, num_dst):  # every destination: the aligned product, cut back
+                    best, which = ops.max_argmax(ops.matmul(sources, b_t)[..., :num_dst])
+                else:
+                    best, which = ops.max_argmax(ops.matmul(sources, b_t[..., low:high]))
+                    which = which + low if low else which
+                parts.append((best, which))
+        if len(parts) == 1:
+            return parts[0]
         return ops.concat([best for best, _ in parts], axis=1), ops.concat([which for _, which in parts], axis=1)
     a = ops.take(unit, src, axis=1)
     best = which = None
@@ -150,8 +158,11 @@ def best_destinations(
 
 def batch_as_channels(ops: ArrayOps, metric: Array) -> Array:
     """``[B, N, C] -> [1, N, B*C]``: each token's per-item unit vectors side by side. The cosine similarity of
-    two such tokens is the mean over the batch of their per-item cosine similarities."""
+    two such tokens is the mean over the batch of their per-item cosine similarities. One item is returned as it
+    is: its cosine similarities are already its own, and :func:`best_destinations` normalises the tokens."""
     batch, tokens, channels = ops.shape(metric)
+    if batch == 1:
+        return metric
     norm = ops.vector_norm(metric)
     unit = metric / (norm + ops.astype_like(norm == 0, norm))  # a zero norm divides by 1
     per_token = ops.reshape(ops.matrix_transpose(ops.reshape(unit, (batch, tokens * channels))), (tokens, channels * batch))
@@ -241,7 +252,9 @@ def partition_bipartite(ops: ArrayOps, metric: Array, part: Partition, merged: S
     num_src = ops.shape(src)[0]
     if max(merged) > num_src:
         raise ValueError(f"cannot merge {max(merged)} of {num_src} source tokens")
-    best, best_dst = best_destinations(ops, batch_as_channels(ops, metric) if shared else metric, src, dst, part.neighbours)
+    best, best_dst = best_destinations(
+        ops, batch_as_channels(ops, metric) if shared else metric, src, dst, part.neighbours, bands=part.bands
+    )
     order = rank_sources(ops, best)
     if shared and batch > 1:
         num_src = ops.shape(order)[1]

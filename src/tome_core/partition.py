@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 from .ops import Array, ArrayOps
@@ -163,6 +164,44 @@ def _neighbours(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, wi
     return _within(ops, like, row, col, hsy, wsx, window)
 
 
+Band = Tuple[int, int, int, int]  # (first source, end of sources, first destination, end of destinations)
+
+
+@lru_cache(maxsize=256)
+def frame_bands(h: int, w: int, sx: int, sy: int, frame_rows: int, window: Optional[int]) -> Optional[Tuple[Band, ...]]:
+    """For a video whose frames of ``frame_rows`` token rows are stacked in the ``h x w`` grid's rows: which
+    destinations (in :func:`split`'s order) each run of sources may be compared with, so that a source meets
+    only the destinations of the frames within ``window`` frames of its own, and the similarity costs
+    linear instead of quadratic in frames. One band per frame: the sources of the cells whose first row lies
+    in it, against the destinations of the cells that reach the rows of the frames from ``window`` before to
+    ``window`` after those cells' frames (a cell that straddles two frames, where ``frame_rows`` is not a
+    multiple of ``sy``, counts as in both); the leftover sources, after the cells', against every destination.
+    None where every source meets every destination: no frames (``frame_rows`` 0 or the whole grid),
+    ``window`` None, or a window that spans the video. Depends on shapes only (Python ints)."""
+    if window is None or not frame_rows or frame_rows >= h:
+        return None
+    frames = -(-h // frame_rows)
+    if window >= frames - 1:
+        return None
+    hsy, wsx = h // sy, w // sx
+    per_cell = sx * sy - 1
+    bands = []
+    row = 0  # the first cell row of the next band
+    while row < hsy:
+        frame = row * sy // frame_rows
+        end = min(hsy, -(-(frame + 1) * frame_rows // sy))  # the cells whose first row lies in this frame
+        last = (end * sy - 1) // frame_rows  # the frame of their last row
+        first_row = max(0, frame - window) * frame_rows
+        end_row = min(h, (min(frames - 1, last + window) + 1) * frame_rows)
+        destinations = (first_row // sy * wsx, min(hsy, -(-end_row // sy)) * wsx)
+        bands.append((row * wsx * per_cell, end * wsx * per_cell, *destinations))
+        row = end
+    sources = h * w - hsy * wsx
+    if sources > hsy * wsx * per_cell:  # the leftover rows and columns: every destination
+        bands.append((hsy * wsx * per_cell, sources, 0, hsy * wsx))
+    return tuple(bands)
+
+
 def window_table(ops: ArrayOps, like: Array, h: int, w: int, window: int) -> Array:
     """``[h*w, (2*window+1)**2]``: for each token of an ``h x w`` grid, the tokens within ``window`` rows and
     columns of it (clamped at the borders, so some repeat). Depends on shapes only."""
@@ -213,7 +252,9 @@ class Partition:
     position (None: its first token); ``dst`` and ``src``: :func:`split` (similarity matching); ``neighbours``:
     each source's candidate destinations (:func:`neighbour_table`, local matching) and ``nearby`` each token's
     neighbours (:func:`window_table`, local matching across frames); ``reference``: the reference frame of a
-    cross-frame chunk of ``frames`` frames (a Python int or a 1-element index array)."""
+    cross-frame chunk of ``frames`` frames (a Python int or a 1-element index array); ``bands``: the runs of
+    sources and the destinations each meets in a video whose frames are stacked in rows (:func:`frame_bands`;
+    None: every source meets every destination)."""
 
     h: int
     w: int
@@ -229,6 +270,7 @@ class Partition:
     nearby: Optional[Array] = None
     frames: int = 1
     reference: Any = None
+    bands: Optional[Tuple[Band, ...]] = None
 
     @property
     def full_cells(self) -> int:
@@ -239,13 +281,15 @@ class Partition:
 def partition_grid(
     ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, draw: Optional[Draw] = None, *,
     similarity: bool = True, picks: bool = True, window: int = 0, frames: int = 1, offsets: Optional[Array] = None,
-    reference: Any = None,
+    reference: Any = None, frame_rows: int = 0, frame_window: Optional[int] = None,
 ) -> Partition:
     """The :class:`Partition` of an ``h x w`` grid of ``sx x sy`` cells. ``draw`` places the destinations (and a
     chunk's reference frame) pseudo-randomly where the match ``picks`` a token per cell, else ``offsets`` places
     them (None: each cell's first token) and ``reference`` is the chunk's (None: its middle frame). ``similarity``:
     the match compares sources with destinations (``dst``, ``src``; within ``window`` cells when > 0); ``frames``:
-    it runs on chunks of that many frames."""
+    it runs on chunks of that many frames; ``frame_rows``: the grid stacks a video's frames of that many rows, and a
+    source meets only the destinations within ``frame_window`` frames of its own (:func:`frame_bands`; not with
+    ``window``, already local)."""
     cells, leftover = cached(ops, like, ("cells", h, w, sx, sy), lambda: cell_table(ops, like, h, w, sx, sy))
     full = num_cells(h, w, sx, sy) > 0
     if draw is not None:
@@ -254,9 +298,10 @@ def partition_grid(
             reference = ops.reshape(draw.offsets(ops, like, 1, frames, frames, 1, draw.seed + 1), (1,))
     if frames > 1 and reference is None:
         reference = frames // 2
-    dst = src = neighbours = nearby = None
+    dst = src = neighbours = nearby = bands = None
     if similarity and full:
         dst, src = split(ops, like, h, w, sx, sy, offsets)
         neighbours = neighbour_table(ops, like, h, w, sx, sy, window) if window else None
         nearby = window_table(ops, like, h, w, window) if window and frames > 1 else None
-    return Partition(h, w, sx, sy, cells, leftover, offsets, dst, src, window, neighbours, nearby, frames, reference)
+        bands = None if window else frame_bands(h, w, sx, sy, frame_rows, frame_window)
+    return Partition(h, w, sx, sy, cells, leftover, offsets, dst, src, window, neighbours, nearby, frames, reference, bands)

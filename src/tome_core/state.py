@@ -55,6 +55,7 @@ class ToMeState:
     why: Optional[str] = None
     tail: int = 0  # tokens after the grid's in each block's image stream (a reference image's), never merged
     grid_last: bool = False  # tokens past the grid's in a block's image stream come before it (FramePack's history)
+    frame_rows: int = 0  # the latent grid stacks a video's frames of this many rows (0: it holds one frame)
     last_timestep: Optional[float] = None  # with reuse_steps > 1: the previous call's (largest) timestep
     pipeline: Any = None  # with reuse_steps > 1: the pipeline patched with the model (call_hooks.PipelineWatch)
     generation: Any = None  # with reuse_steps > 1: the pipeline's generation of the previous call (call_hooks.generation)
@@ -131,6 +132,9 @@ class ToMeState:
         if not self.merging:
             return f"  no block merged: {self.why or f'the timestep is outside timestep_range={self.config.timestep_range}'}"
         lines = [_summary_line(self.active, factor, level) for factor, level in sorted(self.stats.items())]
+        window, frames = self.active.frame_window, self._frames()
+        if lines and self.active.matching == "similarity" and window is not None and frames > window + 1:
+            lines.append(f"  (a token meets the destinations within {window} frame{'s' * (window != 1)} of its own, of {frames})")
         if lines and self.shards is not None:
             lines.append(f"  (each of {self.shards.count} processes merges its own piece of the tokens, counted above)")
         lines += [
@@ -172,7 +176,7 @@ class ToMeState:
     def begin_call(
         self, latent_hw: Optional[Tuple[int, int]], step: Any, videos: Optional[int] = None, merging: bool = True,
         tail: int = 0, why: Optional[str] = None, grid_last: bool = False, shards: Optional[Shards] = None,
-        execution: Optional[Tuple[str, str]] = None,
+        execution: Optional[Tuple[str, str]] = None, frame_rows: int = 0,
     ) -> None:
         """Start a model call on a latent of ``latent_hw`` (None: the first grid seen) at ``step``; ``videos``:
         the batch of a video model's call (None: not a video call); ``merging``: False runs the call unmerged
@@ -180,7 +184,9 @@ class ToMeState:
         (a reference image's) after the grid's in every block's image stream, passed through unmerged;
         ``grid_last``: a block's image stream ends with the grid, the tokens before it passed through unmerged;
         ``shards``: how context parallelism splits the call (``latent_hw`` is then this process's piece);
-        ``execution``: the call's device and execution (``Framework.execution``; None: read by the first block)."""
+        ``execution``: the call's device and execution (``Framework.execution``; None: read by the first block);
+        ``frame_rows``: the latent grid stacks a video's frames of that many rows (0: one frame; a shard of context
+        parallelism counts its frames from its first row)."""
         if self.config.reuse_steps == 1:
             self.cache = {}  # also where reuse_blocks keeps its matches within the call
         else:  # the call counter is read only here, so compiled models do not specialise on it otherwise
@@ -190,10 +196,11 @@ class ToMeState:
         self.in_call = self.started = True
         self.latent_hw, self.videos, self.step, self.execution = latent_hw, videos, step, execution
         self.merging, self.why, self.tail, self.grid_last, self.shards = merging, why, tail, grid_last, shards
+        self.frame_rows = frame_rows
         self.grid_hw = None
         # what an eager call's blocks decide from: a call with the same key repeats their size decisions (BlockRun)
         eager = execution is not None and execution[1] == "eager" and shards is None
-        self.call_key = (latent_hw, videos, merging, tail, grid_last, execution) if eager else None
+        self.call_key = (latent_hw, videos, merging, tail, grid_last, execution, frame_rows) if eager else None
         # the call's partitions and statistics, none yet
         self.drawn, self.stats, self.fallbacks, self.unpaid, self.too_small, self.passes, self.held = ({} for _ in range(7))
         self.active = self.choose()
@@ -326,6 +333,12 @@ class ToMeState:
         ops = get_ops(metric)
         return ops, block_place(self._latent(), ops.shape(metric)[1], self.grid_hw)
 
+    def _frames(self) -> int:
+        """The frames the call's latent grid stacks in its rows (1: an image, or frames in the batch)."""
+        if not self.frame_rows or self.latent_hw is None:
+            return 1
+        return -(-self.latent_hw[0] // self.frame_rows)
+
     def _latent(self) -> Tuple[int, int]:
         latent = self.latent_hw or self.grid_hw
         if latent is None:
@@ -350,7 +363,8 @@ class ToMeState:
             part = partition_grid(
                 ops, metric, h, w, *cell, draw, similarity=similarity and not self.oracle,
                 picks=similarity or config.cell_pool == "sample", window=config.local_window,
-                frames=frames if similarity else 1,
+                frames=frames if similarity else 1, frame_rows=self.frame_rows if (h, w) == self.latent_hw else 0,
+                frame_window=config.frame_window,
             )
         return match_block(
             ops, metric, part, merged, matching=config.matching, cell_pool=config.cell_pool, across=across,

@@ -2,8 +2,8 @@
 config: one sequence of frames x height x width tokens with 3-D rotary positions.
 
 ToMe reads the sequence as the frames' token grids stacked in rows (``frames * height`` by ``width``): every
-2x2 cell lies in one frame, and a token may merge into a destination of any frame (the bipartite search spans
-the clip). Merged tokens take their destination's rotary position. Oracles: the unpatched model, the token
+2x2 cell lies in one frame, and a token may merge into a destination of its own frame or the next ones
+(``frame_window``, 1 by default; ``None``: the bipartite search spans the clip). Merged tokens take their destination's rotary position. Oracles: the unpatched model, the token
 counts each sub-layer receives, the rotary table of the unmerged sequence, and numpy bipartite matching."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import torch
 
 import tome_core.torch as tome
 from tome_core import bipartite_match, get_ops
-from tome_core.match import Match, batch_as_channels
+from tome_core.match import Match, assign, batch_as_channels, rank_sources
+from tome_core.partition import split
 from tome_tools.diffusers_models import build_video_transformer, build_wan_pipeline
 
 FRAMES, HEIGHT, WIDTH = 3, 8, 12  # latent: 3 frames of 4x6 tokens after the (1, 2, 2) patch
@@ -84,24 +85,66 @@ def test_token_counts_seen_by_each_sublayer(wan, inputs, options, attn, cross, f
     assert f"{TOKENS} -> {attn} tokens" in state.summary()
 
 
-def test_merged_tokens_carry_their_destinations_rotary_position(wan, inputs):
-    """The rotary rows given to self-attention are the full table's rows at the match's destinations, which
-    numpy bipartite matching of the block's input finds (use_rand=False, shared by the batch)."""
-    model = tome.patch(copy.deepcopy(wan), ratio=0.5, use_rand=False)
+def _rotary_and_input(wan, inputs, **options):
+    """The rotary table block 0's self-attention receives, and the block's input, patched with ``options``."""
+    model = tome.patch(copy.deepcopy(wan), ratio=0.5, use_rand=False, **options)
     block = model.blocks[0]
     captured = {}
     block.attn1.register_forward_pre_hook(lambda m, a, k: captured.update(rotary=a[3]), with_kwargs=True)
     block.register_forward_pre_hook(lambda m, a, k: captured.update(x=a[0]), with_kwargs=True)
     call(model, inputs)
+    return captured["rotary"][0], captured["x"].numpy()
+
+
+def test_merged_tokens_carry_their_destinations_rotary_position(wan, inputs):
+    """The rotary rows given to self-attention are the full table's rows at the match's destinations, which
+    numpy bipartite matching of the block's input finds (use_rand=False, shared by the batch; ``frame_window=None``:
+    every source compared with every destination of the clip)."""
+    cos, x = _rotary_and_input(wan, inputs, frame_window=None)
     full_cos, _ = wan.rope(inputs["hidden_states"])
-    cos = captured["rotary"][0]
     assert cos.shape == (1, TOKENS // 2, 1, full_cos.shape[-1])
     # the match is computed from the block input, read as a (frames * 4) x 6 grid, batch items side by side
-    x = captured["x"].numpy()
     ops = get_ops(x)
     match = bipartite_match(ops, batch_as_channels(ops, x), FRAMES * HEIGHT // 2, WIDTH // 2, 2, 2, TOKENS // 2, None)
     kept = np.asarray(match.representatives)[0]
     torch.testing.assert_close(cos[0, :, 0], full_cos[0, torch.from_numpy(kept), 0])
+
+
+def test_by_default_a_token_merges_within_its_own_and_the_next_frames(wan, inputs):
+    """The default ``frame_window=1``: the destinations kept are those a brute force finds when each source may
+    merge only into a destination of its own frame or the frames before and after it (the full similarity with
+    every other destination masked; numpy), and they differ from the whole clip's search (3 frames: the first and
+    last frames do not meet)."""
+    cos, x = _rotary_and_input(wan, inputs)
+    full_cos, _ = wan.rope(inputs["hidden_states"])
+    ops = get_ops(x)
+    rows, cols = FRAMES * HEIGHT // 2, WIDTH // 2
+    src, dst = (np.asarray(a) for a in split(ops, x, rows, cols, 2, 2, None)[::-1])
+    metric = np.asarray(batch_as_channels(ops, x))[0]
+    unit = metric / np.linalg.norm(metric, axis=-1, keepdims=True)
+    scores = unit[src] @ unit[dst].T
+    frame = lambda token: token // cols // (HEIGHT // 2)  # noqa: E731
+    scores[np.abs(frame(src)[:, None] - frame(dst)[None, :]) > 1] = -np.inf
+    best, best_dst = scores.max(-1)[None], scores.argmax(-1)[None]
+    match = assign(ops, rank_sources(ops, best), best_dst, src, dst, TOKENS // 2, metric)
+    kept = np.asarray(match.representatives)[0]
+    torch.testing.assert_close(cos[0, :, 0], full_cos[0, torch.from_numpy(kept), 0])
+    whole, _ = _rotary_and_input(wan, inputs, frame_window=None)
+    assert not torch.equal(whole, cos)
+
+
+def test_a_window_that_spans_the_clip_is_the_whole_search(wan, inputs):
+    """Two frames: the default window meets every destination, so the call equals ``frame_window=None``'s, and
+    ``summary()`` names the window only where it limits the search."""
+    two = dict(inputs, hidden_states=inputs["hidden_states"][:, :, :2])
+    models = [tome.patch(copy.deepcopy(wan), ratio=0.5, frame_window=window) for window in (1, None)]
+    outputs = [call(model, two) for model in models]
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+    assert "frame" not in tome.patched_models(models[0])[0].state.summary()
+    call(models[0], inputs)
+    assert "(a token meets the destinations within 1 frame of its own, of 3)" in tome.patched_models(models[0])[0].state.summary()
+    call(models[1], inputs)
+    assert "frame" not in tome.patched_models(models[1])[0].state.summary()
 
 
 def test_frames_per_chunk_is_refused_on_wan(wan):
