@@ -18,12 +18,12 @@ SDPA runs with its memory-efficient kernel). The script prints them before each 
     flux      Flux width (3072; 2 double + 4 single blocks of its 19 + 38), bfloat16, 1024 px: 4,096 image
               + 512 text tokens                                                        ~28 s
     wan480    Wan 2.1 1.3B width (1536; 2 of its 30 blocks), bfloat16, 480x832, 81 frames: 21 latent
-              frames, 32,760 tokens                                                    ~31 s
-    wan720    the same at 720x1280, 81 frames: 75,600 tokens                           ~79 s
+              frames, 32,760 tokens                                                    ~33 s
+    wan720    the same at 720x1280, 81 frames: 75,600 tokens                           ~86 s
     hunyuan   HunyuanVideo width (3072; 1 double + 1 single block of its 20 + 40), bfloat16, 720x1280,
               129 frames: 33 latent frames, all 118,800 tokens                         ~240 s
 
-In all ~460 s (under 8 minutes): one command (``timeout_s`` 600) or, safer, two of ~220 s each
+In all ~470 s (under 8 minutes): one command (``timeout_s`` 600) or, safer, two of ~230 s each
 (``sd15 sdxl flux wan480 wan720``, then ``hunyuan``). ``--time-limit S`` skips a part whose estimate would end it
 after S seconds (a row says so); a part that would not fit the GPU's memory (its estimate against ``--memory-gib``,
 default the device's) is skipped with a row saying why, and a method that fails (out of memory, a capture

@@ -45,8 +45,8 @@ MIN_TOKENS: Dict[Tuple[str, str, str], int] = {
     # so the bound is the smallest size measured to pay. A CPU runs no CUDA graph. The whole SDXL UNet at 1024 px
     # (4,096 tokens at its finest attention level, 640 channels): kv 2x2 cells 1.07x, ToMe for SD 0.5 1.06x, its merged
     # blocks 8.6 -> 5.4 s a call (docs/results/cpu_sdxl_1024_levels.json). ToMe for SD 0.5 on Flux at 1024 px (4,096
-    # image tokens) 1.29x (cpu_flux_1024.json); on a Wan 1.3B block 1.64x at 32,760 tokens, 2.18x at 75,600
-    # (cpu_wan_block*.json).
+    # image tokens) 1.29x (cpu_flux_1024.json); on a Wan 1.3B block, its search within 1 frame, 2.18x at 32,760
+    # tokens, 2.66x at 75,600 (cpu_wan_block*.json).
     ("cpu", "eager", "cells"): 4096,
     ("cpu", "compiled", "cells"): 4096,
     ("cpu", "eager", "similarity"): 4096,

@@ -103,3 +103,22 @@ def test_the_search_in_bands_is_the_brute_force_over_each_band(xp, case, batch, 
     got = best_destinations(xp.ops, xp.asarray(metric), xp.asarray(src), xp.asarray(dst), block=block, bands=bands)
     np.testing.assert_array_equal(xp.numpy(got[0]), best)
     np.testing.assert_array_equal(xp.numpy(got[1]), which)
+
+
+@pytest.mark.parametrize("options, error, words", [
+    (dict(frame_window=-1), ValueError, "frame_window"),
+    (dict(frame_window=1.5), TypeError, "frame_window"),
+    (dict(matching="cell", frame_window=2), ValueError, "frame_window=2 limits a similarity search"),
+])
+def test_a_bad_window_is_refused_naming_it(options, error, words):
+    from tome_core import ToMeConfig
+
+    with pytest.raises(error, match=words):
+        ToMeConfig(**options)
+
+
+def test_the_window_is_one_frame_by_default_and_none_searches_the_clip():
+    from tome_core import ToMeConfig
+
+    assert ToMeConfig().frame_window == 1 and ToMeConfig(frame_window=None).frame_window is None
+    assert ToMeConfig(matching="cell").frame_window == 1  # the default, which cells never read
