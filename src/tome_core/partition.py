@@ -167,6 +167,16 @@ def _neighbours(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, wi
 Band = Tuple[int, int, int, int]  # (first source, end of sources, first destination, end of destinations)
 
 
+def stacked_frames(h: int, frame_rows: int) -> int:
+    """The frames of ``frame_rows`` rows each that an ``h``-row grid stacks (1: none, ``frame_rows`` 0 or ``h``)."""
+    return -(-h // frame_rows) if frame_rows and frame_rows < h else 1
+
+
+def window_limits(frames: int, window: Optional[int]) -> bool:
+    """Whether a ``window`` of frames on each side (None: every frame) leaves out some of ``frames`` frames."""
+    return window is not None and frames > window + 1
+
+
 @lru_cache(maxsize=256)
 def frame_bands(h: int, w: int, sx: int, sy: int, frame_rows: int, window: Optional[int]) -> Optional[Tuple[Band, ...]]:
     """For a video whose frames of ``frame_rows`` token rows are stacked in the ``h x w`` grid's rows: which
@@ -178,10 +188,8 @@ def frame_bands(h: int, w: int, sx: int, sy: int, frame_rows: int, window: Optio
     multiple of ``sy``, counts as in both); the leftover sources, after the cells', against every destination.
     None where every source meets every destination: no frames (``frame_rows`` 0 or the whole grid),
     ``window`` None, or a window that spans the video. Depends on shapes only (Python ints)."""
-    if window is None or not frame_rows or frame_rows >= h:
-        return None
-    frames = -(-h // frame_rows)
-    if window >= frames - 1:
+    frames = stacked_frames(h, frame_rows)
+    if not window_limits(frames, window):
         return None
     hsy, wsx = h // sy, w // sx
     per_cell = sx * sy - 1

@@ -12,7 +12,7 @@ from .cost import arrangement_of, why_unpaid
 from .levels import Place, block_place, level_grid
 from .match import Match, match_block
 from .ops import ArrayOps
-from .partition import Draw, partition_grid
+from .partition import Draw, partition_grid, stacked_frames, window_limits
 from .selection import scale
 from .shards import Shards
 
@@ -132,8 +132,9 @@ class ToMeState:
         if not self.merging:
             return f"  no block merged: {self.why or f'the timestep is outside timestep_range={self.config.timestep_range}'}"
         lines = [_summary_line(self.active, factor, level) for factor, level in sorted(self.stats.items())]
-        window, frames = self.active.frame_window, self._frames()
-        if lines and self.active.matching == "similarity" and window is not None and frames > window + 1:
+        config = self.active
+        window, frames = config.frame_window, stacked_frames(self._latent()[0], self.frame_rows) if lines else 1
+        if config.matching == "similarity" and not config.local_window and window_limits(frames, window):
             lines.append(f"  (a token meets the destinations within {window} frame{'s' * (window != 1)} of its own, of {frames})")
         if lines and self.shards is not None:
             lines.append(f"  (each of {self.shards.count} processes merges its own piece of the tokens, counted above)")
@@ -332,12 +333,6 @@ class ToMeState:
     def _place(self, metric: Any) -> Tuple[ArrayOps, Place]:
         ops = get_ops(metric)
         return ops, block_place(self._latent(), ops.shape(metric)[1], self.grid_hw)
-
-    def _frames(self) -> int:
-        """The frames the call's latent grid stacks in its rows (1: an image, or frames in the batch)."""
-        if not self.frame_rows or self.latent_hw is None:
-            return 1
-        return -(-self.latent_hw[0] // self.frame_rows)
 
     def _latent(self) -> Tuple[int, int]:
         latent = self.latent_hw or self.grid_hw

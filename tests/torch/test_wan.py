@@ -145,6 +145,9 @@ def test_a_window_that_spans_the_clip_is_the_whole_search(wan, inputs):
     assert "(a token meets the destinations within 1 frame of its own, of 3)" in tome.patched_models(models[0])[0].state.summary()
     call(models[1], inputs)
     assert "frame" not in tome.patched_models(models[1])[0].state.summary()
+    local = tome.patch(copy.deepcopy(wan), ratio=0.5, local_window=1)  # its own local search, not the window's
+    call(local, inputs)
+    assert "frame" not in tome.patched_models(local)[0].state.summary()
 
 
 def test_frames_per_chunk_is_refused_on_wan(wan):
