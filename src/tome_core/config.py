@@ -208,7 +208,8 @@ class ToMeConfig:
         similarity search compares each source only with the destinations of the frames within this many frames
         of its own, so it costs linear in frames instead of quadratic (at Wan's 81 frames, 21 latent frames, 1
         compares each token with the destinations of 3 of them). ``None``: with every destination of the clip.
-        Images, and video UNets (whose frames merge apart), have one frame: nothing changes there.""")
+        Images, and video UNets (whose frames merge apart), have one frame: nothing changes there (a value other
+        than 1 says so once, at the first call).""")
     timestep_range: Optional[Tuple[float, float]] = option(None, WHERE, """``(low, high)``: merge only in
         model calls whose timesteps all lie in ``[low, high]``, in the units the model receives (0-1000 for
         diffusers UNets, SD3 and PixArt; 0-1 for Flux); other calls run the unpatched model. High timesteps
@@ -278,6 +279,7 @@ class ToMeConfig:
         return tuple(
             (tokens, replace(
                 self, mode="kv", matching="cell", ratio=_cell_ratio(sx, sy), sx=sx, sy=sy, cell_pool=pool, prefer=None,
+                frame_window=DEFAULT_FRAME_WINDOW,  # cells search nothing (a window given here: said at the call)
             ))
             for tokens, (sx, sy) in PREFERENCES[self.preference][0 if unet else 1]
         )

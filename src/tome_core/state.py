@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Tuple
 
 from .backend import get_ops
-from .config import ToMeConfig
+from .config import DEFAULT_FRAME_WINDOW, ToMeConfig
 from .cost import arrangement_of, why_unpaid
 from .levels import Place, block_place, level_grid
 from .match import Match, match_block
@@ -198,6 +198,12 @@ class ToMeState:
         self.latent_hw, self.videos, self.step, self.execution = latent_hw, videos, step, execution
         self.merging, self.why, self.tail, self.grid_last, self.shards = merging, why, tail, grid_last, shards
         self.frame_rows = frame_rows
+        if merging and not frame_rows and self.config.frame_window != DEFAULT_FRAME_WINDOW:
+            self.say_once(
+                f"ToMe on {self.where}: frame_window={self.config.frame_window!r} sets how many frames the similarity "
+                "search of a video transformer spans (its frames share one sequence), but this model's calls hold "
+                "one frame a sequence (an image, or a video UNet's frames), so it changes nothing here"
+            )
         self.grid_hw = None
         # what an eager call's blocks decide from: a call with the same key repeats their size decisions (BlockRun)
         eager = execution is not None and execution[1] == "eager" and shards is None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import warnings
 
 import numpy as np
 import pytest
@@ -204,3 +205,26 @@ def test_a_block_lets_go_of_its_match_before_an_unmerged_feed_forward(wan, input
     assert [tokens for tokens, _ in attn] == [TOKENS // 2] * len(model.blocks)
     assert [tokens for tokens, _ in ffn] == [TOKENS // 2 if merge_mlp else TOKENS] * len(model.blocks)
     assert live == [1 if merge_mlp else 0] * len(model.blocks)
+
+
+def test_a_window_on_a_model_without_frames_is_said_to_change_nothing(wan, inputs):
+    """A UNet's calls hold one frame a sequence: a window other than the default warns that it changes nothing
+    there, and the merged output is the default's (which differs from unpatched); on Wan it acts, and nothing is
+    said."""
+    from tome_tools.diffusers_models import build_unet
+
+    unet = build_unet("tiny").eval()
+    args = (torch.randn(2, 4, 16, 16), torch.tensor(500), torch.randn(2, 7, 32))
+    with torch.no_grad():
+        plain = unet(*args).sample
+        default = tome.patch(copy.deepcopy(unet), min_tokens=0)(*args).sample
+        windowed = tome.patch(copy.deepcopy(unet), min_tokens=0, frame_window=2)
+        with pytest.warns(UserWarning, match=r"frame_window=2 sets how many frames .* changes nothing here"):
+            out = windowed(*args).sample
+    assert not torch.equal(default, plain)
+    torch.testing.assert_close(out, default, rtol=0, atol=0)
+    model = tome.patch(copy.deepcopy(wan), ratio=0.5, frame_window=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call(model, inputs)
+
