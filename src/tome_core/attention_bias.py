@@ -12,6 +12,7 @@ from .backend import get_ops
 from .families import TEXT_NONE, text_follows
 from .match import Match
 from .merge import size_bias
+from .partition import cached
 
 
 class SizeBias:
@@ -48,7 +49,9 @@ class SizeBias:
                 f"size-aware attention: the attention has {keys} keys but the merged sequence has "
                 f"{self.head + match.kept + self.tail} tokens; pass proportional_attn=False"
             )
-        zeros = lambda count: [ops.zeros((match.batch, 1, count), like)] if count else []  # noqa: E731
+        zeros = lambda count: [cached(  # noqa: E731
+            ops, like, ("zero bias", str(getattr(like, "dtype", "")), match.batch, count), lambda: ops.zeros((match.batch, 1, count), like)
+        )] if count else []
         if text_follows(self.text):  # [head; image; tail; text]
             parts = [*zeros(self.head), sizes, *zeros(self.tail + text)]
         else:  # [text; head; image; tail]

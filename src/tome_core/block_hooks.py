@@ -572,7 +572,9 @@ class SublayerHooks:
             return args, kwargs
         family, after = self.run.family, text_follows(self.sublayer.text)
         if isinstance(rotary, dict):  # tables by name (AnyFlow's query and key frequencies)
-            moved = merge_positions(tuple(rotary.values()), match, family.rotary_axis, self.run.plan.tail, after, self.head)
+            moved = merge_positions(
+                tuple(rotary.values()), match, family.rotary_axis, self.run.plan.tail, after, self.head, self.run.state.drawn
+            )
             return replace_argument(args, kwargs, name, at, type(rotary)(zip(rotary, moved)))
         if not isinstance(rotary, (tuple, list)):  # one table (Z-Image's complex frequencies)
             moved = merge_positions((rotary,), match, family.rotary_axis, self.run.plan.tail, after, self.head)[0]
@@ -580,7 +582,7 @@ class SublayerHooks:
         items = family.rotary_items
         moved = merge_positions(
             [table for i, table in enumerate(rotary) if items is None or i in items], match, family.rotary_axis,
-            self.run.plan.tail, after, self.head,
+            self.run.plan.tail, after, self.head, self.run.state.drawn,
         )
         if items is not None:
             moved = iter(moved)
@@ -683,42 +685,75 @@ def around_image(x: Any, tokens: int, tail: int, text: str, change: Callable[[An
 
 
 def merge_positions(
-    rotary: Any, match: Match, axis: int = 0, tail: int = 0, text_after: bool = False, head: int = 0
+    rotary: Any, match: Match, axis: int = 0, tail: int = 0, text_after: bool = False, head: int = 0,
+    memo: Optional[Dict[Any, Any]] = None,
 ) -> Any:
     """Tables ``(cos, sin)`` (rotary positions, token masks) over ``[text; head; image; tail]`` tokens along
     ``axis`` (``[head; image; tail; text]`` with ``text_after``) moved to the merged tokens: each merged token takes the entry
     of the token it stands at (its destination). The match is shared by the batch, so batch item 0 tells every
     item's positions. A table of one entry along ``axis`` gives every token that entry (it broadcasts, as the
-    rotary tables of diffusers' HunyuanDiT model test do): it serves the merged tokens as it is."""
+    rotary tables of diffusers' HunyuanDiT model test do): it serves the merged tokens as it is. ``memo``: the
+    call's arrays (:attr:`ToMeState.drawn`), where tables of one shape that every block of the call gets (a
+    model's rotary positions) are stacked once, so that each block moves them in one gather instead of one each."""
     if match.representatives is None:
         return rotary
+    tables = tuple(rotary)
+    stacked = _stacked(tables, axis, memo) if memo is not None else None
+    if stacked is not None:
+        moved = _moved(stacked, match, axis + 1, tail, text_after, head)
+        return tuple(moved[i] for i in range(len(tables)))
     moved = []
-    for table in rotary:
+    for table in tables:
         if isinstance(table, (tuple, list)):  # nested: Allegro's per-token positions (t, h, w)
             moved.append(type(table)(merge_positions(table, match, axis, tail, text_after, head)))
-            continue
-        ops = get_ops(table)
-        length = ops.shape(table)[axis]
-        if length == 1:
-            moved.append(table)
-            continue
-        text = length - head - match.tokens - tail
-        if text < 0:
-            raise ValueError(
-                f"a position table (rotary positions or a token mask) of {length} entries along axis {axis} "
-                f"cannot cover the {head + match.tokens + tail} tokens of the block's image stream"
-            )
-        first = (0 if text_after else text) + head  # the image's first row
-        image = match.representatives[0] + first
-        rows = lambda start, stop: ops.astype_like(ops.arange(stop - start, image), image) + start  # noqa: E731
-        pieces = [rows(0, first)] if first else []
-        pieces.append(image)
-        if tail or (text and text_after):
-            end = first + match.tokens
-            pieces.append(rows(end, end + tail + (text if text_after else 0)))
-        rows_taken = ops.concat(pieces, axis=0) if len(pieces) > 1 else image
-        moved.append(ops.take(table, rows_taken, axis=axis))
+        else:
+            moved.append(_moved(table, match, axis, tail, text_after, head))
     return tuple(moved)
+
+
+def _stacked(tables: Tuple[Any, ...], axis: int, memo: Dict[Any, Any]) -> Any:
+    """``tables`` stacked along a new first axis, once per call (``memo``), where there are several of one type and
+    shape, longer than one entry along ``axis``; else None."""
+    if len(tables) < 2 or any(isinstance(table, (tuple, list)) for table in tables):
+        return None
+    ops = get_ops(tables[0])
+    shape = ops.shape(tables[0])
+    if len(shape) <= axis or shape[axis] == 1 or any(
+        type(table) is not type(tables[0]) or ops.shape(table) != shape for table in tables
+    ):
+        return None
+    key = ("stacked positions",) + tuple(id(table) for table in tables)
+    held = memo.get(key)
+    if held is None or any(a is not b for a, b in zip(held[0], tables)):  # the ids of tables still alive
+        held = memo[key] = (tables, ops.concat([ops.reshape(table, (1, *shape)) for table in tables], axis=0))
+    return held[1]
+
+
+def _moved(table: Any, match: Match, axis: int, tail: int, text_after: bool, head: int) -> Any:
+    """One table of :func:`merge_positions` moved to the merged tokens."""
+    ops = get_ops(table)
+    length = ops.shape(table)[axis]
+    if length == 1:
+        return table
+    text = length - head - match.tokens - tail
+    if text < 0:
+        raise ValueError(
+            f"a position table (rotary positions or a token mask) of {length} entries along axis {axis} "
+            f"cannot cover the {head + match.tokens + tail} tokens of the block's image stream"
+        )
+    first = (0 if text_after else text) + head  # the image's first row
+    end = first + match.tokens
+    image = ops.take(table[_along(axis, first, end)], match.representatives[0], axis=axis)
+    pieces = [table[_along(axis, 0, first)]] if first else []
+    pieces.append(image)
+    if end < length:
+        pieces.append(table[_along(axis, end, length)])
+    return ops.concat(pieces, axis=axis) if len(pieces) > 1 else image
+
+
+def _along(axis: int, start: int, stop: int) -> Tuple[slice, ...]:
+    """The index of entries ``start`` to ``stop`` along ``axis``."""
+    return (slice(None),) * axis + (slice(start, stop),)
 
 
 class Inside:

@@ -17,7 +17,6 @@ from .framework import Framework, TIMESTEPS, argument, argument_positions, forwa
 from .grid_readers import Call, grid_reader, mixed_sizes
 from .levels import spatial_size
 from .model_tree import grid_modules, is_transformer_model, is_unet_like
-from .partition import forget_tables
 from .plan import ModelPlan
 from .shards import check_shard_cells, check_shards, shard_grid
 from .state import ToMeState
@@ -144,13 +143,13 @@ def host_timesteps(fw: Optional[Framework], timestep: Any) -> List[float]:
 
 def call_ends(state: ToMeState, module: Any, args: Any, kwargs: Any, output: Any) -> None:
     """Post-hook on a patched model: its call has returned, so a block of it that runs now is run by another
-    model that borrowed it (:attr:`ToMeState.in_call`). The call's partitions and shape-only index arrays are
-    let go, so that the model holds no more memory between calls than unpatched; a block recomputed in backward
-    (gradient checkpointing) draws the same ones again from the call's seed and step. Matches kept for the next
-    calls (``reuse_steps``) or for the call's other blocks (``reuse_blocks``) stay in :attr:`ToMeState.cache`."""
+    model that borrowed it (:attr:`ToMeState.in_call`). The call's choice of partitions is let go (a block
+    recomputed in backward, gradient checkpointing, chooses the same ones again from the call's seed and step);
+    the index tables that depend on shapes and the seed alone stay for the next call, until ``remove``
+    (:func:`~tome_core.partition.cached`). Matches kept for the next calls (``reuse_steps``) or for the call's
+    other blocks (``reuse_blocks``) stay in :attr:`ToMeState.cache`."""
     state.in_call = False
     state.drawn = {}
-    forget_tables()
 
 
 def grid_output(state: ToMeState, data_format: str, module: Any, args: Any, kwargs: Any, output: Any) -> None:

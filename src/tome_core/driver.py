@@ -24,6 +24,7 @@ from .families import attends_text_only
 from .framework import Framework
 from .model_tree import check_grids, components, find_models, temporal_modules
 from .model_zoo import AUXILIARY, refusal
+from .partition import forget_tables
 from .plan import ModelPlan, plan_model
 from .retyping import Patch
 from .selection import check_model
@@ -213,6 +214,7 @@ def remove(fw: Framework, obj: Any, undo: Callable[[Any], None] = detach) -> Any
             undo(module)
     if not fw.is_module(obj):
         forget_generations(obj)
+    forget_tables()
     return obj
 
 

@@ -23,7 +23,6 @@ class Match:
     ops: ArrayOps
     rows: Optional[Array]  # [B * N] row of each token in the merged batch flattened to [B * (N - r), C]
     sizes: Optional[Array]  # [B, N - r, 1] tokens per slot, in the metric's dtype; None when nothing merges
-    inverse_sizes: Optional[Array]  # 1 / sizes
     batch: int
     tokens: int  # N
     merged: int  # r
@@ -31,6 +30,11 @@ class Match:
     pool: Optional[Tuple[int, int, int, int]] = None  # (h, w, sx, sy) when the match is exact sx*sy pooling
     frames: int = 1  # K > 1: a cross-frame match; its input [B * K, N / K, C] is read as [B, N, C] chunks
     picked: Optional[Array] = None  # [B * (N - r)] when each slot takes one token's value: the row of that token
+
+    @property
+    def inverse_sizes(self) -> Optional[Array]:
+        """``1 / sizes``."""
+        return None if self.sizes is None else 1 / self.sizes
 
     @property
     def kept(self) -> int:
@@ -49,7 +53,7 @@ class Match:
 
 def identity_match(ops: ArrayOps, batch: int, tokens: int) -> Match:
     """A match that merges nothing: merge and unmerge return their input unchanged."""
-    return Match(ops=ops, rows=None, sizes=None, inverse_sizes=None, batch=batch, tokens=tokens, merged=0)
+    return Match(ops=ops, rows=None, sizes=None, batch=batch, tokens=tokens, merged=0)
 
 
 def first_tokens_match(ops: ArrayOps, like: Array, batch: int, tokens: int, kept: int) -> Match:
@@ -77,7 +81,7 @@ def _first_tokens(ops: ArrayOps, like: Array, batch: int, tokens: int, kept: int
     first = ops.reshape(ops.arange(kept, like), (1, kept))
     sizes = ops.ones((batch, kept, 1), like)
     return Match(
-        ops=ops, rows=ops.reshape(slot + item * kept, (batch * tokens,)), sizes=sizes, inverse_sizes=sizes,
+        ops=ops, rows=ops.reshape(slot + item * kept, (batch * tokens,)), sizes=sizes,
         batch=batch, tokens=tokens, merged=tokens - kept, representatives=ops.broadcast_to(first, (batch, kept)),
         picked=ops.reshape(first + item * tokens, (batch * kept,)),
     )
@@ -95,14 +99,16 @@ against 443 MiB with 2**24 and 1,169 MiB for one product)."""
 
 def best_destinations(
     ops: ArrayOps, metric: Array, src: Array, dst: Array, neighbours: Optional[Array] = None,
-    block: Optional[int] = None, bands: Optional[Sequence[Band]] = None,
+    block: Optional[int] = None, bands: Optional[Sequence[Band]] = None, order: Optional[Array] = None,
 ) -> Tuple[Array, Array]:
     """Each source's highest cosine similarity to a destination and that destination: ``[B, S]`` twice.
 
     ``neighbours [S, W]`` (destination indices) restricts each source to those candidates (local matching);
     ``bands`` (:func:`~tome_core.partition.frame_bands`, runs of sources covering them all in order) restricts
     each run to a contiguous run of destinations (a video's nearby frames); with neither, a source meets every
-    destination. A zero vector has similarity 0 to everything (tomesd would produce NaN there).
+    destination. A zero vector has similarity 0 to everything (tomesd would produce NaN there). ``order``: ``src``
+    and ``dst`` end to end, where the caller holds them so (:attr:`Partition.order`): the tokens are then gathered
+    in one operation instead of two.
 
     Memory stays linear in tokens: compared with every destination, the sources are taken in chunks of equal
     size whose similarity block holds at most ``block`` entries per batch item (``None``:
@@ -118,14 +124,18 @@ def best_destinations(
     within rounding of each other may swap, as they may between backends; exact similarities give exactly
     the one-product result, the first of equal destinations winning (tests/core/test_match_memory.py).
     """
-    norm = ops.vector_norm(metric)
-    unit = metric / (norm + ops.astype_like(norm == 0, norm))  # a zero norm divides by 1
-    b = ops.take(unit, dst, axis=1)
+    unit = ops.unit_vectors(metric)
+    num_src = ops.shape(src)[0]
+    if order is not None and neighbours is None:
+        both = ops.take(unit, order, axis=1)
+        a, b = both[:, :num_src], both[:, num_src:]
+    else:
+        a, b = None, ops.take(unit, dst, axis=1)
     if neighbours is None:
         limit = SIMILARITY_BLOCK if block is None else block
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"block must be an int >= 1 (similarity entries per batch item), got {limit!r}")
-        num_src, num_dst = ops.shape(src)[0], ops.shape(dst)[0]
+        num_dst = ops.shape(dst)[0]
         b_t = ops.aligned_columns(ops.matrix_transpose(b))
         parts = []
         for first, end, low, high in bands or ((0, num_src, 0, num_dst),):
@@ -133,7 +143,10 @@ def best_destinations(
             rows = -(-(end - first) // chunks)  # equal chunks, the last one shorter
             for start in range(first, end, rows):
                 whole = rows >= num_src  # one product over every source
-                sources = ops.take(unit, src if whole else src[start:min(start + rows, end)], axis=1)
+                if a is not None:
+                    sources = a if whole else a[:, start : min(start + rows, end)]
+                else:
+                    sources = ops.take(unit, src if whole else src[start:min(start + rows, end)], axis=1)
                 if (low, high) == (0, num_dst):  # every destination: the aligned product, cut back
                     best, which = ops.max_argmax(ops.matmul(sources, b_t)[..., :num_dst])
                 else:
@@ -163,8 +176,7 @@ def batch_as_channels(ops: ArrayOps, metric: Array) -> Array:
     batch, tokens, channels = ops.shape(metric)
     if batch == 1:
         return metric
-    norm = ops.vector_norm(metric)
-    unit = metric / (norm + ops.astype_like(norm == 0, norm))  # a zero norm divides by 1
+    unit = ops.unit_vectors(metric)
     per_token = ops.reshape(ops.matrix_transpose(ops.reshape(unit, (batch, tokens * channels))), (tokens, channels * batch))
     return ops.reshape(per_token, (1, tokens, channels * batch))
 
@@ -218,7 +230,7 @@ def _assign(
         kept_sources = ops.take(ranked_token, ops.arange(num_src - merged, order) + merged, axis=1)
         representatives = ops.concat([kept_sources, dst_tokens], axis=1)
     return Match(
-        ops=ops, rows=rows, sizes=sizes, inverse_sizes=1 / sizes, batch=batch, tokens=tokens, merged=tokens - kept,
+        ops=ops, rows=rows, sizes=sizes, batch=batch, tokens=tokens, merged=tokens - kept,
         representatives=representatives, frames=frames,
     )
 
@@ -241,8 +253,12 @@ def bipartite_matches(
     return partition_bipartite(ops, metric, part, merged, shared)
 
 
-def partition_bipartite(ops: ArrayOps, metric: Array, part: Partition, merged: Sequence[int], shared: bool = False) -> List[Match]:
-    """:func:`bipartite_matches` on a drawn :class:`~tome_core.partition.Partition`."""
+def partition_bipartite(
+    ops: ArrayOps, metric: Array, part: Partition, merged: Sequence[int], shared: bool = False, represent: bool = True,
+) -> List[Match]:
+    """:func:`bipartite_matches` on a drawn :class:`~tome_core.partition.Partition`. ``represent``: the matches
+    record the token each slot stands at (:attr:`Match.representatives`, what rotary positions and token masks
+    follow); a partition from the tables (:attr:`~tome_core.partition.Partition.dst_slot`) skips it otherwise."""
     batch, tokens, _ = ops.shape(metric)
     if part.h * part.w != tokens:
         raise ValueError(f"grid {part.h}x{part.w} has {part.h * part.w} tokens but the metric has {tokens}")
@@ -253,7 +269,8 @@ def partition_bipartite(ops: ArrayOps, metric: Array, part: Partition, merged: S
     if max(merged) > num_src:
         raise ValueError(f"cannot merge {max(merged)} of {num_src} source tokens")
     best, best_dst = best_destinations(
-        ops, batch_as_channels(ops, metric) if shared else metric, src, dst, part.neighbours, bands=part.bands
+        ops, batch_as_channels(ops, metric) if shared else metric, src, dst, part.neighbours, bands=part.bands,
+        order=part.order,
     )
     order = rank_sources(ops, best)
     if shared and batch > 1:
@@ -261,11 +278,53 @@ def partition_bipartite(ops: ArrayOps, metric: Array, part: Partition, merged: S
         order, best_dst = (ops.broadcast_to(a, (batch, num_src)) for a in (order, best_dst))
     matches: Dict[int, Match] = {}
     for count in merged:
-        if count not in matches:
-            matches[count] = (
-                identity_match(ops, batch, tokens) if count == 0 else assign(ops, order, best_dst, src, dst, count, metric)
-            )
+        if count in matches:
+            continue
+        if count == 0:
+            matches[count] = identity_match(ops, batch, tokens)
+        elif part.dst_slot is not None:
+            matches[count] = _assign_drawn(ops, order, best_dst, part, count, metric, represent)
+        else:
+            matches[count] = assign(ops, order, best_dst, src, dst, count, metric)
     return [matches[count] for count in merged]
+
+
+def _assign_drawn(
+    ops: ArrayOps, order: Array, best_dst: Array, part: Partition, merged: int, like: Array, represent: bool
+) -> Match:
+    """:func:`assign` on a partition from the tables, in the fewest array operations (an eager GPU call is bound by
+    their launches): each token's row is written at once into the partition's destination slots
+    (:attr:`~tome_core.partition.Partition.dst_slot`) by one scatter of the ranked sources' slots, and every
+    array that depends on shapes alone is kept (:func:`~tome_core.partition.cached`). Slots as :func:`assign`'s."""
+    batch, num_src = ops.shape(order)
+    tokens = part.h * part.w
+    kept = tokens - merged
+    stays = num_src - merged
+    # slots counted from the first destination's (so that the merged sources' are their destinations' places),
+    # then moved by it and by each batch item's first row
+    into = ops.take_along_axis(best_dst, order[:, :merged], axis=1)
+    if stays:
+        kept_slots = cached(ops, order, ("kept slots", batch, num_src, merged), lambda: ops.broadcast_to(
+            ops.reshape(ops.arange(stays, order) - stays, (1, stays)), (batch, stays)
+        ))
+        into = ops.concat([into, kept_slots], axis=1)
+    token = ops.reshape(ops.take(part.src, ops.reshape(order, (batch * num_src,)), axis=0), (batch, num_src))
+    first_rows = cached(ops, order, ("first rows", batch, kept, stays), lambda: ops.reshape(
+        ops.arange(batch, order) * kept + stays, (batch, 1)
+    ))
+    slots = ops.broadcast_to(ops.reshape(part.dst_slot, (1, tokens)), (batch, tokens))
+    rows = ops.reshape(ops.scatter(slots, token, into, axis=1) + first_rows, (batch * tokens,))
+    zeros, ones = cached(ops, like, ("size counts", str(getattr(like, "dtype", "")), batch, tokens, kept), lambda: (
+        ops.zeros((batch * kept,), like), ops.ones((batch * tokens,), like)
+    ))
+    sizes = ops.reshape(ops.scatter_add(zeros, rows, ones, axis=0), (batch, kept, 1))
+    representatives = None
+    if represent:
+        dst = ops.broadcast_to(ops.reshape(part.dst, (1, tokens - num_src)), (batch, tokens - num_src))
+        representatives = ops.concat([token[:, merged:], dst], axis=1)
+    return Match(
+        ops=ops, rows=rows, sizes=sizes, batch=batch, tokens=tokens, merged=merged, representatives=representatives,
+    )
 
 
 def chunk_matches(
@@ -365,7 +424,7 @@ def _pooled(ops: ArrayOps, like: Array, batch: int, part: Partition) -> Match:
     rows = ops.reshape(ops.reshape(slot_of_token, (1, tokens)) + offsets, (batch * tokens,))
     sizes = ops.broadcast_to(ops.reshape(sizes, (1, kept, 1)), (batch, kept, 1))
     return Match(
-        ops=ops, rows=rows, sizes=sizes, inverse_sizes=1 / sizes, batch=batch, tokens=tokens, merged=tokens - kept,
+        ops=ops, rows=rows, sizes=sizes, batch=batch, tokens=tokens, merged=tokens - kept,
         representatives=ops.broadcast_to(ops.reshape(representatives, (1, kept)), (batch, kept)),
         pool=(h, w, sx, sy) if leftover is None else None,
     )
@@ -389,15 +448,21 @@ def partition_sampled(ops: ArrayOps, like: Array, batch: int, part: Partition) -
     pooled = partition_pooled(ops, like, batch, part)
     if pooled.merged == 0:
         return pooled
-    cells, leftover = part.cells, part.leftover
-    num_cells = ops.shape(cells)[0]
-    offsets = ops.zeros((num_cells, 1), cells) if part.offsets is None else ops.reshape(part.offsets, (num_cells, 1))
-    tokens = ops.reshape(ops.take_along_axis(cells, offsets, axis=1), (num_cells,))
-    if leftover is not None:
-        tokens = ops.concat([tokens, leftover], axis=0)
-    tokens = ops.broadcast_to(ops.reshape(tokens, (1, pooled.kept)), (batch, pooled.kept))
-    rows = ops.reshape(tokens + ops.reshape(ops.arange(batch, tokens) * pooled.tokens, (batch, 1)), (batch * pooled.kept,))
-    return replace(pooled, representatives=tokens, pool=None, picked=rows)
+    if part.picked is not None:  # from the tables
+        tokens = part.picked
+    else:
+        cells, leftover = part.cells, part.leftover
+        num_cells = ops.shape(cells)[0]
+        offsets = ops.zeros((num_cells, 1), cells) if part.offsets is None else ops.reshape(part.offsets, (num_cells, 1))
+        tokens = ops.reshape(ops.take_along_axis(cells, offsets, axis=1), (num_cells,))
+        if leftover is not None:
+            tokens = ops.concat([tokens, leftover], axis=0)
+    first_rows = cached(ops, tokens, ("first rows", batch, pooled.tokens, 0), lambda: ops.reshape(
+        ops.arange(batch, tokens) * pooled.tokens, (batch, 1)
+    ))
+    tokens = ops.reshape(tokens, (1, pooled.kept))
+    rows = ops.reshape(tokens + first_rows, (batch * pooled.kept,))
+    return replace(pooled, representatives=ops.broadcast_to(tokens, (batch, pooled.kept)), pool=None, picked=rows)
 
 
 def bipartite_match(
@@ -439,4 +504,4 @@ def match_block(
         return {sublayer: found if count else identity_match(ops, batch, tokens) for sublayer, count in merged.items()}
     if part.frames > 1:
         return dict(zip(merged, partition_chunks(ops, metric, part, list(merged.values()), across)))
-    return dict(zip(merged, partition_bipartite(ops, metric, part, list(merged.values()), shared)))
+    return dict(zip(merged, partition_bipartite(ops, metric, part, list(merged.values()), shared, represent=shared)))

@@ -1,6 +1,6 @@
 """Merge and unmerge: move a ``[B, N, C]`` sequence to the ``N - r`` slots of a :class:`Match` and back.
 
-Merge is one row scatter-add over slots times the inverse slot sizes (each destination becomes the mean of
+Merge is one row scatter-add over slots divided by the slot sizes (each destination becomes the mean of
 itself and the sources merged into it), or one row gather where each slot takes one token's value (sampled
 cells); unmerge is one row gather (every token takes its slot's value).
 Both work on the batch flattened into rows, which is several times faster than gathering along axis 1.
@@ -52,7 +52,7 @@ def _merge(x: Array, match: Match) -> Array:
     index = ops.broadcast_to(ops.reshape(match.rows, (batch * tokens, 1)), (batch * tokens, channels))
     rows = ops.reshape(x, (batch * tokens, channels))
     summed = ops.scatter_add(ops.zeros((match.batch * match.kept, channels), x), index, rows, axis=0)
-    return ops.reshape(summed, (match.batch, match.kept, channels)) * ops.astype_like(match.inverse_sizes, x)
+    return ops.reshape(summed, (match.batch, match.kept, channels)) / ops.astype_like(match.sizes, x)
 
 
 def unmerge(x: Array, match: Match) -> Array:

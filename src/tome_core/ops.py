@@ -73,6 +73,10 @@ class ArrayOps(Protocol):
     def vector_norm(self, x: Array) -> Array:
         """Euclidean norm over the last axis, kept as a size-1 axis."""
 
+    def unit_vectors(self, x: Array) -> Array:
+        """``x`` over its Euclidean norm along the last axis; a zero vector stays zero (divided by the dtype's
+        smallest positive number instead of 0)."""
+
     def max_argmax(self, x: Array) -> Tuple[Array, Array]:
         """Maximum over the last axis and its (first) index."""
 

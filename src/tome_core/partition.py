@@ -19,7 +19,7 @@ from .ops import Array, ArrayOps
 _PRIME = 32749
 _MIX = (1103, 2713, 9007, 17393)  # key mixing; the last two also scramble each cell
 _CACHE: "OrderedDict[Tuple, Any]" = OrderedDict()
-_CACHE_SIZE = 64
+_CACHE_SIZE = 128
 
 
 def num_cells(h: int, w: int, sx: int, sy: int) -> int:
@@ -96,8 +96,10 @@ def cell_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int) -> 
 
 
 def cached(ops: ArrayOps, like: Array, key: Tuple, build: Callable[[], Any]) -> Any:
-    """Shape-only index arrays, kept per backend and device where the backend allows it, until
-    :func:`forget_tables`."""
+    """Index arrays that depend on shapes (and the seed) alone, kept per backend and device where the backend
+    allows it: built once, then read by every block and call, so that a call launches only the kernels of its own
+    arithmetic. At most :data:`_CACHE_SIZE` entries, the least recently built dropped first; ``remove`` clears them
+    (:func:`forget_tables`). What they hold: ``docs/results/launches.md``."""
     device = ops.cache_key(like)
     if device is None:
         return build()
@@ -111,9 +113,7 @@ def cached(ops: ArrayOps, like: Array, key: Tuple, build: Callable[[], Any]) -> 
 
 
 def forget_tables() -> None:
-    """Drop the arrays :func:`cached` keeps. A patched model's call does so as it returns, so that its blocks
-    share them within the call and nothing it built stays allocated between calls (a patched model's memory
-    between calls is the unpatched model's); the next call builds them again, a few small kernels."""
+    """Drop the arrays :func:`cached` keeps (``remove`` does, so that an unpatched model holds nothing of ToMe)."""
     _CACHE.clear()
 
 
@@ -232,25 +232,130 @@ def _clamp(ops: ArrayOps, x: Array, high: int) -> Array:
     return ops.where(x < 0, 0, ops.where(x > high, high, x))
 
 
+DRAWS = 31
+"""Partitions drawn per grid and seed (a prime): a call's step picks one of them for each block stream
+(:class:`Draw`). 31 distinct partitions cycle through a 50-step generation (its timesteps 20 apart land on
+distinct draws), each a fresh pseudo-random placement, for a fixed memory of ``2 * DRAWS`` index rows per grid."""
+
+
+def draw_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: int) -> Array:
+    """``[DRAWS, h//sy, w//sx]``: the destination's position inside each cell in each of the grid's drawn
+    partitions under ``seed`` (row ``i``: :func:`random_offsets` of stream ``i`` at step 0). Depends on shapes and
+    the seed only: built once and kept (:func:`cached`)."""
+    return cached(ops, like, ("draws", h, w, sx, sy, seed), lambda: random_offsets(
+        ops, like, h, w, sx, sy, seed, 0, ops.arange(DRAWS, like)
+    ))
+
+
+def _drawn_offsets(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: Optional[int]) -> Array:
+    """``[R, cells, 1]``: each cell's destination position in each drawn partition (``seed`` None: ``R = 1``, each
+    cell's first token)."""
+    count = num_cells(h, w, sx, sy)
+    if seed is None:
+        return ops.zeros((1, count, 1), ops.arange(1, like))
+    return ops.reshape(draw_table(ops, like, h, w, sx, sy, seed), (DRAWS, count, 1))
+
+
+def split_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: Optional[int]) -> Tuple[Array, Array]:
+    """``(order [R, N], dst_slot [R, N])`` for the grid's drawn partitions (``R = DRAWS``; ``seed`` None: the one
+    fixed partition, each cell's first token, ``R = 1``): ``order`` lists each partition's sources, then its
+    destinations (:func:`split`'s two arrays end to end), and ``dst_slot`` holds at each destination token its
+    place among the destinations (0 at sources). Built once per shape and seed and kept (:func:`cached`)."""
+    def build():
+        cells, leftover = cached(ops, like, ("cells", h, w, sx, sy), lambda: cell_table(ops, like, h, w, sx, sy))
+        count, per_cell = ops.shape(cells)
+        offsets = _drawn_offsets(ops, like, h, w, sx, sy, seed)
+        rows = ops.shape(offsets)[0]
+        table = ops.broadcast_to(ops.reshape(cells, (1, count, per_cell)), (rows, count, per_cell))
+        dst = ops.reshape(ops.take_along_axis(table, offsets, axis=2), (rows, count))
+        k = ops.reshape(ops.arange(per_cell - 1, cells), (1, 1, per_cell - 1))
+        src = ops.reshape(ops.take_along_axis(table, k + ops.as_index(k >= offsets), axis=2), (rows, count * (per_cell - 1)))
+        pieces = [src] if leftover is None else [src, ops.broadcast_to(ops.reshape(leftover, (1, -1)), (rows, ops.shape(leftover)[0]))]
+        order = ops.concat([*pieces, dst], axis=1)
+        slots = ops.broadcast_to(ops.reshape(ops.arange(count, cells), (1, count)), (rows, count))
+        return order, ops.scatter(ops.zeros((rows, h * w), cells), dst, slots, axis=1)
+    return cached(ops, like, ("split table", h, w, sx, sy, seed), build)
+
+
+def pick_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: Optional[int]) -> Array:
+    """``[R, cells + leftover]``: the token standing for each cell in each drawn partition (as :func:`split_table`),
+    then the leftover tokens. Built once per shape and seed and kept (:func:`cached`)."""
+    def build():
+        cells, leftover = cached(ops, like, ("cells", h, w, sx, sy), lambda: cell_table(ops, like, h, w, sx, sy))
+        count, per_cell = ops.shape(cells)
+        offsets = _drawn_offsets(ops, like, h, w, sx, sy, seed)
+        rows = ops.shape(offsets)[0]
+        table = ops.broadcast_to(ops.reshape(cells, (1, count, per_cell)), (rows, count, per_cell))
+        picked = ops.reshape(ops.take_along_axis(table, offsets, axis=2), (rows, count))
+        if leftover is None:
+            return picked
+        return ops.concat([picked, ops.broadcast_to(ops.reshape(leftover, (1, -1)), (rows, ops.shape(leftover)[0]))], axis=1)
+    return cached(ops, like, ("pick table", h, w, sx, sy, seed), build)
+
+
 class Draw(NamedTuple):
-    """What places each cell's destination pseudo-randomly in one call (:func:`random_offsets`): the ``seed``, the
-    call's ``step``, the block's ``stream`` among the model's ``streams``, and ``drawn``, the call's tables by grid
-    and seed, drawn for every stream at once by the first block that needs them."""
+    """Which drawn partition each block stream uses in one call: the step's key (its thousandths: flow-matching
+    transformers pass timesteps in [0, 1]) plus the stream's own offset, modulo :data:`DRAWS`; one small set of array operations per call, then one gather per grid for
+    every stream at once (an eager GPU call is bound by kernel launches), and nothing read on the host. ``seed``,
+    ``step``, the block's ``stream`` among the model's ``streams``, and ``drawn``: the call's arrays by grid and
+    seed."""
 
     seed: int
     step: Union[int, Array]
     stream: int
     streams: int
-    drawn: Dict[Tuple[int, ...], Array]
+    drawn: Dict[Tuple, Any]
+
+    def rows(self, ops: ArrayOps, like: Array) -> Array:
+        """``[streams]``: the drawn partition of every stream in this call (computed once per call)."""
+        streams = max(self.streams, self.stream + 1)
+        key = ("rows", self.seed, streams)
+        rows = self.drawn.get(key)
+        if rows is None or ops.shape(rows)[0] <= self.stream:
+            offsets = cached(ops, like, ("stream offsets", self.seed, streams), lambda: (
+                ops.arange(streams, like) * _STREAM_SPREAD + (self.seed % _PRIME) * _MIX[0]
+            ) % DRAWS)
+            step = self.step  # keyed by its thousandths, the same for an int, a float and an array of either
+            if isinstance(step, (int, float)):
+                rows = (offsets + math.floor(step * 1000)) % DRAWS
+            else:
+                rows = (offsets + (step * 1000 if _is_index(step) else ops.as_index(step * 1000))) % DRAWS
+            self.drawn[key] = rows
+        return rows
+
+    def _per_call(self, ops: ArrayOps, like: Array, key: Tuple, table: Array) -> Array:
+        """``table``'s rows for every stream in this call, once per call and grid."""
+        chosen = self.drawn.get(key)
+        if chosen is None:
+            chosen = self.drawn[key] = ops.take(table, self.rows(ops, like), axis=0)
+        return chosen
+
+    def split(self, ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: int) -> Tuple[Array, Array]:
+        """This stream's row of :func:`split_table` in this call."""
+        order, slots = split_table(ops, like, h, w, sx, sy, seed)
+        key = (h, w, sx, sy, seed)
+        return (
+            self._per_call(ops, like, ("order",) + key, order)[self.stream],
+            self._per_call(ops, like, ("slots",) + key, slots)[self.stream],
+        )
+
+    def picks(self, ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: int) -> Array:
+        """This stream's row of :func:`pick_table` in this call."""
+        table = pick_table(ops, like, h, w, sx, sy, seed)
+        return self._per_call(ops, like, ("picks", h, w, sx, sy, seed), table)[self.stream]
 
     def offsets(self, ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: int) -> Array:
-        """This stream's :func:`random_offsets` of an ``h x w`` grid of ``sx x sy`` cells under ``seed``."""
-        key = (h, w, sx, sy, seed)
-        table = self.drawn.get(key)
-        if table is None or ops.shape(table)[0] <= self.stream:
-            streams = ops.arange(max(self.streams, self.stream + 1), like)
-            table = self.drawn[key] = random_offsets(ops, like, h, w, sx, sy, seed, self.step, streams)
-        return table[self.stream]
+        """This stream's destination position in each cell (``[h//sy, w//sx]``) in this call."""
+        table = draw_table(ops, like, h, w, sx, sy, seed)
+        return self._per_call(ops, like, ("offsets", h, w, sx, sy, seed), table)[self.stream]
+
+
+_STREAM_SPREAD = 7  # consecutive blocks land 7 draws apart (coprime with DRAWS: all distinct up to DRAWS streams)
+
+
+def _is_index(step: Array) -> bool:
+    """Whether an array step holds integers (its key is itself)."""
+    return "int" in str(getattr(step, "dtype", ""))
 
 
 @dataclass(frozen=True)
@@ -279,6 +384,9 @@ class Partition:
     frames: int = 1
     reference: Any = None
     bands: Optional[Tuple[Band, ...]] = None
+    order: Optional[Array] = None  # [N]: ``src`` then ``dst`` end to end, where the partition was drawn from a table
+    dst_slot: Optional[Array] = None  # [N]: each destination token's place among the destinations (split_table)
+    picked: Optional[Array] = None  # [cells + leftover]: the token standing for each cell, then the leftovers
 
     @property
     def full_cells(self) -> int:
@@ -299,17 +407,31 @@ def partition_grid(
     source meets only the destinations within ``frame_window`` frames of its own (:func:`frame_bands`; not with
     ``window``, already local)."""
     cells, leftover = cached(ops, like, ("cells", h, w, sx, sy), lambda: cell_table(ops, like, h, w, sx, sy))
-    full = num_cells(h, w, sx, sy) > 0
-    if draw is not None:
-        offsets = draw.offsets(ops, like, h, w, sx, sy, draw.seed) if picks and full else None
-        if frames > 1:  # the reference frame of every chunk: drawn like a destination in a 1 x K cell, from the next seed
-            reference = ops.reshape(draw.offsets(ops, like, 1, frames, frames, 1, draw.seed + 1), (1,))
+    count = num_cells(h, w, sx, sy)
+    full = count > 0
+    tabled = offsets is None  # drawn (draw) or fixed: from the tables; explicit offsets: split here
+    seed = draw.seed if draw is not None else None
+    if draw is not None and frames > 1:  # the reference frame of every chunk: drawn like a destination in a 1 x K cell, from the next seed
+        reference = ops.reshape(draw.offsets(ops, like, 1, frames, frames, 1, draw.seed + 1), (1,))
     if frames > 1 and reference is None:
         reference = frames // 2
-    dst = src = neighbours = nearby = bands = None
+    dst = src = neighbours = nearby = bands = order = dst_slot = picked = None
+    if full and picks and tabled:
+        if similarity:
+            order, dst_slot = draw.split(ops, like, h, w, sx, sy, seed) if draw is not None else (
+                tuple(table[0] for table in split_table(ops, like, h, w, sx, sy, None))
+            )
+        else:
+            picked = draw.picks(ops, like, h, w, sx, sy, seed) if draw is not None else pick_table(ops, like, h, w, sx, sy, None)[0]
     if similarity and full:
-        dst, src = split(ops, like, h, w, sx, sy, offsets)
+        if order is not None:
+            src, dst = order[: h * w - count], order[h * w - count :]
+        else:
+            dst, src = split(ops, like, h, w, sx, sy, offsets)
         neighbours = neighbour_table(ops, like, h, w, sx, sy, window) if window else None
         nearby = window_table(ops, like, h, w, window) if window and frames > 1 else None
         bands = None if window else frame_bands(h, w, sx, sy, frame_rows, frame_window)
-    return Partition(h, w, sx, sy, cells, leftover, offsets, dst, src, window, neighbours, nearby, frames, reference, bands)
+    return Partition(
+        h, w, sx, sy, cells, leftover, offsets, dst, src, window, neighbours, nearby, frames, reference, bands, order,
+        dst_slot, picked,
+    )

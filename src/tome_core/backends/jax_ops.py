@@ -144,6 +144,9 @@ class JaxOps:
     def vector_norm(self, x):
         return _vector_norm(x)
 
+    def unit_vectors(self, x):
+        return x / jnp.maximum(_vector_norm(x), jnp.finfo(x.dtype).smallest_subnormal)
+
     def max_argmax(self, x):
         return _max_argmax(x)
 

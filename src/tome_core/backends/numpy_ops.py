@@ -63,6 +63,9 @@ class NumpyOps:
     def vector_norm(self, x):
         return np.sqrt(np.sum(x * x, axis=-1, keepdims=True))
 
+    def unit_vectors(self, x):
+        return x / np.maximum(self.vector_norm(x), np.finfo(x.dtype).smallest_subnormal)
+
     def max_argmax(self, x):
         index = np.argmax(x, axis=-1)
         return np.take_along_axis(x, index[..., None], axis=-1)[..., 0], index

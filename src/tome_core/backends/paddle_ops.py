@@ -69,6 +69,9 @@ class PaddleOps:
         # of two tied similarities wins; p_norm matches numpy bit for bit.
         return paddle.linalg.vector_norm(x, p=2, axis=-1, keepdim=True)
 
+    def unit_vectors(self, x):
+        return x / paddle.clip(self.vector_norm(x), min=float(paddle.finfo(x.dtype).smallest_normal) * float(paddle.finfo(x.dtype).eps))
+
     def max_argmax(self, x):
         # One pass: paddle.argmax returns the first maximal index (like numpy); the value is gathered from it.
         index = paddle.argmax(x, axis=-1, keepdim=True)

@@ -65,6 +65,10 @@ class TorchOps:
     def vector_norm(self, x):
         return torch.linalg.vector_norm(x, dim=-1, keepdim=True)
 
+    def unit_vectors(self, x):
+        info = torch.finfo(x.dtype)
+        return x / self.vector_norm(x).clamp_min(info.tiny * info.eps)  # the smallest subnormal
+
     def max_argmax(self, x):
         values, index = x.max(dim=-1)
         return values, index
