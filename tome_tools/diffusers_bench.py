@@ -15,12 +15,15 @@ T-GATE and diffusers' caching hooks as their own READMEs do (:meth:`Runner.apply
 from __future__ import annotations
 
 import os
+import re
+from collections import Counter
 from typing import Any, Callable, Dict, List, Tuple
 
 import diffusers
 import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from diffusers import DDIMScheduler, UNet2DConditionModel
 
 import tome_core.torch as tome
@@ -387,19 +390,50 @@ class Runner(BenchRunner):
 
 # -- per-block microbenchmark ------------------------------------------------------------------------
 def count_ops(fn) -> int:
-    """Number of aten operations ``fn`` dispatches."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Counter(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Counter.calls += 1
-            return func(*args, **(kwargs or {}))
-
-    with torch.no_grad(), Counter():
+    """Number of aten operations ``fn`` dispatches (views included)."""
+    with torch.no_grad(), Launches(views=True) as counted:
         fn()
-    return Counter.calls
+    return sum(counted.ops.values())
+
+
+# aten operations that make a view of their input: they launch no kernel
+VIEWS = frozenset({
+    "view", "_unsafe_view", "unsqueeze", "squeeze", "expand", "t", "permute", "transpose", "slice", "select",
+    "as_strided", "alias", "detach", "split", "unbind", "split_with_sizes", "view_as", "unflatten", "flatten",
+    "narrow", "expand_as", "reshape", "_reshape_alias", "chunk", "lift_fresh",
+})
+
+
+class Launches(TorchDispatchMode):
+    """While active, ``ops`` counts by name the aten operations that launch a kernel (:data:`VIEWS` left out unless
+    ``views``): an eager GPU call at image sizes is bound by its launches, and they are the same on a CPU, so they
+    can be counted exactly here."""
+
+    def __init__(self, views: bool = False) -> None:
+        super().__init__()
+        self.views = views
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if self.views or name not in VIEWS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def warm_launches(model: Any, *args: Any, **kwargs: Any) -> Counter:
+    """The launches of a warm call of ``model`` (the third: the first two fill caches), by operation."""
+    with torch.no_grad():
+        model(*args, **kwargs)
+        model(*args, **kwargs)
+        with Launches() as counted:
+            model(*args, **kwargs)
+    return counted.ops
+
+
+def merged_blocks(model: Any) -> int:
+    """The blocks whose merged sub-layer ran in the last call of a patched ``model`` (its summary's counts)."""
+    return sum(int(count) for count in re.findall(r"(\d+) blocks,", tome.patched_models(model)[0].state.summary()))
 
 
 class SdpaCalls(TorchFunctionMode):

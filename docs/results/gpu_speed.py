@@ -13,6 +13,8 @@ replay; Flux width at 1024 px with 1 + 2 blocks: ~9 ms) scaled to these sizes, a
 FLOPs (4 N^2 x width per block) at ~400 TFLOP/s (flash) or ~250 TFLOP/s (HunyuanVideo passes a text mask, which
 SDPA runs with its memory-efficient kernel). The script prints them before each part and the wall time after it.
 
+    launches  what one eager kernel launch costs (chains of small adds), beside the launches per merged block
+              that cpu_launches.json counts                                            ~10 s
     sd15      SD 1.5 (860M, float16) at 512 px batch 2 and at 1024 px batch 1          ~50 s
     sdxl      SDXL (2.6B, float16) at 1024 px batch 1                                  ~35 s
     flux      Flux width (3072; 2 double + 4 single blocks of its 19 + 38), bfloat16, 1024 px: 4,096 image
@@ -85,6 +87,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import statistics
@@ -207,7 +210,8 @@ CASES: List[Case] = [
          (33, 90, 160), (2, 16, 16), 1, BF16, rounds=3, reps=1, eager_ms=1200, graph_ms=1200, block_ms=600, need_gib=40,
          text=256, note="1 double + 1 single block of the released 20 + 40 (preset hunyuan-video-small)"),
 ]
-PARTS = list(dict.fromkeys(case.part for case in CASES))
+LAUNCHES = "launches"  # the part that times one launch (measure_launches), before the models
+PARTS = [LAUNCHES] + list(dict.fromkeys(case.part for case in CASES))
 
 
 def methods_of(case: Case) -> List[str]:
@@ -234,6 +238,37 @@ def estimate_s(case: Case) -> float:
 
 def part_estimate_s(part: str) -> float:
     return 10 + sum(estimate_s(case) for case in CASES if case.part == part)
+
+
+def measure_launches(device: torch.device, record: Callable[..., None], dry: bool) -> None:
+    """What one kernel launch costs an eager call on ``device``: chains of ``n`` dependent small operations (an add
+    on a 1-element tensor and on a UNet block's ``[2, 4096, 320]`` tokens), timed whole (CUDA events), per
+    operation, medians of 5 runs; with the launches per merged block that ``cpu_launches.json`` counts (the same on
+    a GPU), what they cost a block in an eager call. The cost model's eager bounds follow from these and the
+    attention a level saves (docs/results/launches.md)."""
+    chain = 50 if dry else 2000
+    per_launch = {}
+    for name, shape, dtype in (("scalar", (1,), torch.float32), ("block tokens", (2, 4096, 320), torch.float16)):
+        x = torch.zeros(shape, device=device, dtype=torch.float32 if dry else dtype)
+        times = []
+        for _ in range(6):
+            start = time.perf_counter()
+            y = x
+            for _ in range(chain):
+                y = y + 1
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) / chain * 1e6)
+        per_launch[name] = statistics.median(times[1:])
+        record(part=LAUNCHES, row="launch", tensor=name, shape=list(shape), us_per_launch=round(per_launch[name], 3), chain=chain)
+        print(f"one eager launch ({name}): {per_launch[name]:.2f} us", flush=True)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_launches.json")
+    with open(path) as f:
+        counted = json.load(f)["rows"]
+    for entry in counted:
+        if entry["per_block"]:
+            record(part=LAUNCHES, row="block launches", case=entry["case"], launches=entry["per_block"],
+                   us=round(entry["per_block"] * per_launch["scalar"], 1))
 
 
 # -- models and calls ------------------------------------------------------------------------------------------
@@ -676,6 +711,8 @@ def run(parts: List[str], dry: bool, time_limit: Optional[float], memory_gib: Op
             continue
         begun = time.perf_counter()
         print(f"\npart {part}: estimate ~{part_estimate_s(part):.0f} s", flush=True)
+        if part == LAUNCHES:
+            measure_launches(device, record, dry)
         for case in (c for c in CASES if c.part == part):
             dtype = torch.float32 if dry else case.dtype
             need = 0.5 if dry else case.need_gib

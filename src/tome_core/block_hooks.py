@@ -700,7 +700,7 @@ def merge_positions(
     tables = tuple(rotary)
     stacked = _stacked(tables, axis, memo) if memo is not None else None
     if stacked is not None:
-        moved = _moved(stacked, match, axis + 1, tail, text_after, head)
+        moved = _moved(stacked, match, axis + 1 if axis >= 0 else axis, tail, text_after, head)
         return tuple(moved[i] for i in range(len(tables)))
     moved = []
     for table in tables:
@@ -718,7 +718,7 @@ def _stacked(tables: Tuple[Any, ...], axis: int, memo: Dict[Any, Any]) -> Any:
         return None
     ops = get_ops(tables[0])
     shape = ops.shape(tables[0])
-    if len(shape) <= axis or shape[axis] == 1 or any(
+    if not -len(shape) <= axis < len(shape) or shape[axis] == 1 or any(
         type(table) is not type(tables[0]) or ops.shape(table) != shape for table in tables
     ):
         return None
@@ -732,6 +732,7 @@ def _stacked(tables: Tuple[Any, ...], axis: int, memo: Dict[Any, Any]) -> Any:
 def _moved(table: Any, match: Match, axis: int, tail: int, text_after: bool, head: int) -> Any:
     """One table of :func:`merge_positions` moved to the merged tokens."""
     ops = get_ops(table)
+    axis %= len(ops.shape(table))
     length = ops.shape(table)[axis]
     if length == 1:
         return table

@@ -85,5 +85,5 @@ def test_what_would_not_fit_is_skipped_with_a_row(gpu_speed, tmp_path, monkeypat
 def test_unknown_part_is_refused(gpu_speed, capsys):
     with pytest.raises(SystemExit):
         gpu_speed.main(["--dry-run", "sd14"])
-    assert "PART must be among sd15, sdxl, flux, wan480, wan720, hunyuan, got 'sd14'" in capsys.readouterr().err
+    assert "PART must be among launches, sd15, sdxl, flux, wan480, wan720, hunyuan, got 'sd14'" in capsys.readouterr().err
 

@@ -6,55 +6,21 @@ Budgets: issue "Faster where most people run" (docs/results/launches.md has the 
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import tome_core.torch as tome
+from tome_tools.diffusers_bench import merged_blocks, warm_launches
 from tome_tools.diffusers_models import build_transformer, build_unet, transformer_inputs
 from tome_tools.presets import UNETS
 
 pytestmark = pytest.mark.cost_model
 
-# operations that make a view of their input (no kernel)
-VIEWS = {
-    "view", "_unsafe_view", "unsqueeze", "squeeze", "expand", "t", "permute", "transpose", "slice", "select",
-    "as_strided", "alias", "detach", "split", "unbind", "split_with_sizes", "view_as", "unflatten", "flatten",
-    "narrow", "expand_as", "reshape", "_reshape_alias", "chunk", "lift_fresh",
-}
 # SD 1.5's block structure at test width (the count does not depend on width)
 SD15 = dict(UNETS["sd15"], block_out_channels=(32, 64, 64, 64), cross_attention_dim=32, attention_head_dim=8, norm_num_groups=32)
-
-
-class Launches(TorchDispatchMode):
-    """Counts the aten operations that launch a kernel, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name not in VIEWS:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def launches(model, *args, **kwargs) -> Counter:
-    """The launches of a warm call of ``model``."""
-    with torch.no_grad():
-        model(*args, **kwargs)
-        model(*args, **kwargs)
-        with Launches() as counted:
-            model(*args, **kwargs)
-    return counted.ops
-
-
-def merged_blocks(model) -> int:
-    return sum(int(count) for count in re.findall(r"(\d+) blocks,", tome.patched_models(model)[0].state.summary()))
+launches = warm_launches
 
 
 def extra_per_block(model, unpatched: Counter, *args, **options) -> float:
