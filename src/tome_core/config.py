@@ -405,8 +405,8 @@ def resolve(options: Mapping[str, Any]) -> Dict[str, Any]:
     acting.frame_window = _optional_int("frame_window", given.frame_window, 0)
     if acting.matching == "cell" and acting.frame_window != DEFAULT_FRAME_WINDOW:
         raise ValueError(
-            f"frame_window={acting.frame_window!r} limits a similarity search; matching='cell' has none (leave "
-            "frame_window out)"
+            f"frame_window={acting.frame_window!r} sets how far a similarity search reaches across frames; "
+            "matching='cell' searches nothing (leave frame_window out)"
         )
     _check_frames(acting)
     # When it merges
@@ -465,7 +465,7 @@ def _mode(given: SimpleNamespace) -> str:
 def _blocks(blocks: Any) -> Optional[Tuple[int, ...]]:
     if blocks is None:
         return None
-    if isinstance(blocks, (str, bytes)) or not hasattr(blocks, "__iter__"):
+    if isinstance(blocks, (str, bytes)) or not hasattr(blocks, "__iter__") or len(getattr(blocks, "shape", (0,))) != 1:
         raise TypeError(f"blocks must be a list of block indices (ints) or None, got {blocks!r}")
     indices = tuple(blocks)
     for index in indices:

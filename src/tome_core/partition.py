@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 from .ops import Array, ArrayOps
@@ -177,7 +176,6 @@ def window_limits(frames: int, window: Optional[int]) -> bool:
     return window is not None and frames > window + 1
 
 
-@lru_cache(maxsize=256)
 def frame_bands(h: int, w: int, sx: int, sy: int, frame_rows: int, window: Optional[int]) -> Optional[Tuple[Band, ...]]:
     """For a video whose frames of ``frame_rows`` token rows are stacked in the ``h x w`` grid's rows: which
     destinations (in :func:`split`'s order) each run of sources may be compared with, so that a source meets
@@ -188,6 +186,19 @@ def frame_bands(h: int, w: int, sx: int, sy: int, frame_rows: int, window: Optio
     multiple of ``sy``, counts as in both); the leftover sources, after the cells', against every destination.
     None where every source meets every destination: no frames (``frame_rows`` 0 or the whole grid),
     ``window`` None, or a window that spans the video. Depends on shapes only (Python ints)."""
+    key = (h, w, sx, sy, frame_rows, window)
+    if key not in _BANDS:
+        if len(_BANDS) >= 256:
+            _BANDS.clear()
+        _BANDS[key] = _frame_bands(h, w, sx, sy, frame_rows, window)
+    return _BANDS[key]
+
+
+# frame_bands' answers: a plain dict, not functools.lru_cache, which torch.compile warns may be silently wrong
+_BANDS: Dict[Tuple[Any, ...], Optional[Tuple[Band, ...]]] = {}
+
+
+def _frame_bands(h: int, w: int, sx: int, sy: int, frame_rows: int, window: Optional[int]) -> Optional[Tuple[Band, ...]]:
     frames = stacked_frames(h, frame_rows)
     if not window_limits(frames, window):
         return None

@@ -137,3 +137,27 @@ def test_interrupt_then_remove_clears_the_stack():
         tome.remove(model)
     assert torch._C._len_torch_function_stack() == 0
     assert _plain_sdpa_is_exact()
+
+
+def test_compiling_a_similarity_match_warns_nothing_of_a_cache():
+    """Edges round three, 14: dynamo warned that a `functools.lru_cache` (the frame bands') may be silently wrong in
+    every compiled similarity-matched model, images included; the bands are now kept in a plain dict."""
+    unet = build_unet("tiny").eval()
+    tome.patch(unet, ratio=0.5)
+    generator = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        torch.compile(unet, backend="eager")(torch.randn(1, 4, 32, 32, generator=generator), 500, torch.randn(1, 7, 32, generator=generator))
+    assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(blocks=torch.tensor(1.0)), "blocks must be a list of block indices (ints) or None, got tensor(1.)"),
+    (dict(mode="kv", matching="cell", frame_window=None), "frame_window=None sets how far a similarity search reaches across frames; matching='cell' searches nothing"),
+])
+def test_two_messages_of_edges_round_three_say_what_is_wrong(options, message):
+    """Edges round three, 15: a 0-d tensor of blocks gave a bare "iteration over a 0-d tensor"; frame_window=None
+    with cell matching was refused as "None limits a similarity search"."""
+    with pytest.raises((TypeError, ValueError)) as error:
+        tome.patch(build_unet("tiny"), **options)
+    assert message in str(error.value)
