@@ -108,7 +108,7 @@ def test_the_search_in_bands_is_the_brute_force_over_each_band(xp, case, batch, 
 @pytest.mark.parametrize("options, error, words", [
     (dict(frame_window=-1), ValueError, "frame_window"),
     (dict(frame_window=1.5), TypeError, "frame_window"),
-    (dict(matching="cell", frame_window=2), ValueError, "frame_window=2 limits a similarity search"),
+    (dict(matching="cell", frame_window=2), ValueError, "frame_window=2 sets how far a similarity search reaches"),
 ])
 def test_a_bad_window_is_refused_naming_it(options, error, words):
     from tome_core import ToMeConfig

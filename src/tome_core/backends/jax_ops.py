@@ -145,7 +145,7 @@ class JaxOps:
         return _vector_norm(x)
 
     def unit_vectors(self, x):
-        return x / jnp.maximum(_vector_norm(x), jnp.finfo(x.dtype).smallest_subnormal)
+        return x / jnp.maximum(_vector_norm(x), jnp.finfo(x.dtype).tiny)
 
     def max_argmax(self, x):
         return _max_argmax(x)

@@ -64,7 +64,7 @@ class NumpyOps:
         return np.sqrt(np.sum(x * x, axis=-1, keepdims=True))
 
     def unit_vectors(self, x):
-        return x / np.maximum(self.vector_norm(x), np.finfo(x.dtype).smallest_subnormal)
+        return x / np.maximum(self.vector_norm(x), np.finfo(x.dtype).tiny)
 
     def max_argmax(self, x):
         index = np.argmax(x, axis=-1)

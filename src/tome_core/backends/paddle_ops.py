@@ -70,7 +70,7 @@ class PaddleOps:
         return paddle.linalg.vector_norm(x, p=2, axis=-1, keepdim=True)
 
     def unit_vectors(self, x):
-        return x / paddle.clip(self.vector_norm(x), min=float(paddle.finfo(x.dtype).smallest_normal) * float(paddle.finfo(x.dtype).eps))
+        return x / paddle.clip(self.vector_norm(x), min=float(paddle.finfo(x.dtype).smallest_normal))
 
     def max_argmax(self, x):
         # One pass: paddle.argmax returns the first maximal index (like numpy); the value is gathered from it.

@@ -66,8 +66,7 @@ class TorchOps:
         return torch.linalg.vector_norm(x, dim=-1, keepdim=True)
 
     def unit_vectors(self, x):
-        info = torch.finfo(x.dtype)
-        return x / self.vector_norm(x).clamp_min(info.tiny * info.eps)  # the smallest subnormal
+        return x / self.vector_norm(x).clamp_min(torch.finfo(x.dtype).tiny)
 
     def max_argmax(self, x):
         values, index = x.max(dim=-1)
