@@ -444,6 +444,12 @@ def _mode(given: SimpleNamespace) -> str:
         name for name in _ARRANGING
         if getattr(given, name) is not None and not (name == "frames_per_chunk" and one_frame)
     ]
+    if isinstance(given.mode, str) and given.mode == "auto" and arranging and (given.prefer is None or (
+        isinstance(given.prefer, str) and given.prefer in PREFERENCES
+    )):
+        # what "auto" sets itself, passed back in (dataclasses.replace passes every field's acting value): not a choice
+        auto = ToMeConfig(prefer=given.prefer)
+        arranging = [name for name in arranging if not _same(getattr(given, name), getattr(auto, name))]
     if given.mode is None:
         mode = "tokens" if arranging else "auto"
     else:
@@ -460,6 +466,14 @@ def _mode(given: SimpleNamespace) -> str:
             "chooses the arrangement itself; pass one or the other"
         )
     return mode
+
+
+def _same(given: Any, acting: Any) -> bool:
+    """Whether an option's given value is its acting value (a number of any type, or a value equal to it)."""
+    try:
+        return bool(given == acting)
+    except Exception:  # an array, compared elementwise
+        return False
 
 
 def _blocks(blocks: Any) -> Optional[Tuple[int, ...]]:
@@ -595,7 +609,7 @@ def _ratio(ratio: Any, acting: SimpleNamespace) -> float:
     :data:`DEFAULT_RATIO`; each within reach of the cells."""
     if acting.mode == "auto":  # ToMe for SD's ratio where cells cannot run
         ratio = PREFERENCES[acting.prefer or DEFAULT_PREFERENCE][2]
-    elif ratio is None:
+    elif ratio is None or (acting.matching == "cell" and _same(ratio, _cell_ratio(acting.sx, acting.sy))):
         ratio = _cell_ratio(acting.sx, acting.sy) if acting.matching == "cell" else DEFAULT_RATIO
     else:
         _check_ratio_type("ratio", ratio)

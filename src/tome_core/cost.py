@@ -37,6 +37,9 @@ MIN_TOKENS: Dict[Tuple[str, str, str], int] = {
     # 4,096 tokens 1.30x; HunyuanVideo 4,080 tokens 1.16x (the fewest measured that paid); Wan 4,680 tokens 1.00x.
     # SD 1.5 eager at 0.5: 4,096 tokens 0.77x, 16,384 tokens 1.01x. Eager, batch 1: Flux 4,096 tokens 0.83x; Wan 1.3B
     # width 32,760 tokens (81 frames at 480p) 1.31x, 75,600 (720p) 1.66x; HunyuanVideo 118,800 tokens 2.46x.
+    # These eager bounds were measured before the merge became launch-lean (per merged block 54 -> 19 kernels for ToMe
+    # for SD, 15 -> 3 for cells: docs/results/launches.md); gpu_speed.py's `launches` part and eager rows re-derive
+    # them on the next GPU (a level pays where the attention it saves outweighs launches x one launch's cost).
     ("gpu", "eager", "similarity"): 16384,
     ("gpu", "captured", "similarity"): 4080,
     ("gpu", "compiled", "similarity"): 4080,

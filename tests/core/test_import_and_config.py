@@ -252,3 +252,18 @@ def test_every_option_has_its_group_and_help_and_help_lists_them_by_group():
         at = text.index(f"    {f.name}={f.default!r}: ")
         group = groups.index(f.metadata["group"])
         assert titles[group] < at and (group + 1 == len(titles) or at < titles[group + 1]), f.name
+
+
+@pytest.mark.parametrize("options", [
+    {}, dict(prefer="speed"), dict(mode="auto", prefer="fidelity"), dict(ratio=0.5),
+    dict(mode="kv", matching="cell", level_cells={1: (2, 2), 2: (4, 4)}), dict(mode="kv", matching="cell", sx=4, sy=4),
+], ids=["default", "prefer", "auto", "ratio", "mixed cells", "cells"])
+def test_dataclasses_replace_changes_one_option_and_keeps_the_rest(options):
+    """Edges round three, 1: ``replace`` passes every field's acting value back in, and the default's own ratio,
+    cells and matching (and a cell's ratio) were refused as if given; the module's docstring says replace works."""
+    import dataclasses
+
+    config = ToMeConfig(**options)
+    changed = dataclasses.replace(config, seed=3)
+    assert changed.seed == 3 and changed == ToMeConfig(**options, seed=3)
+    assert dataclasses.replace(changed, seed=config.seed) == config
