@@ -372,7 +372,9 @@ def resolve(options: Mapping[str, Any]) -> Dict[str, Any]:
     ``min_tokens``) or is read through a property (``prefer``: :attr:`~ToMeConfig.preference`,
     ``frames_per_chunk``: :attr:`~ToMeConfig.frames`, ``frame_ratio``: :attr:`~ToMeConfig.across_frames`)."""
     given = _given(options)
-    acting = SimpleNamespace()  # each set once
+    # every field given: a config's own acting values passed back in with some changed (dataclasses.replace)
+    given.every = set(options) >= {f.name for f in fields(ToMeConfig)}
+    acting = SimpleNamespace(every=given.every)  # each set once
     # The knob, and the mode: "auto" unless an option says how to merge
     acting.prefer = _choice("prefer", given.prefer, (*PREFERENCES, None))
     acting.mode = _mode(given)
@@ -418,7 +420,7 @@ def resolve(options: Mapping[str, Any]) -> Dict[str, Any]:
     acting.mlp_ratio = _sublayer_ratio("mlp_ratio", given.mlp_ratio, acting)
     acting.level_ratios = _ratio_map("level_ratios", given.level_ratios, "level", _check_level, acting)
     acting.block_ratios = _ratio_map("block_ratios", given.block_ratios, "block index", _check_block, acting)
-    return vars(acting)
+    return {name: value for name, value in vars(acting).items() if name != "every"}
 
 
 def _given(options: Mapping[str, Any]) -> SimpleNamespace:
@@ -444,10 +446,11 @@ def _mode(given: SimpleNamespace) -> str:
         name for name in _ARRANGING
         if getattr(given, name) is not None and not (name == "frames_per_chunk" and one_frame)
     ]
-    if isinstance(given.mode, str) and given.mode == "auto" and arranging and (given.prefer is None or (
-        isinstance(given.prefer, str) and given.prefer in PREFERENCES
-    )):
-        # what "auto" sets itself, passed back in (dataclasses.replace passes every field's acting value): not a choice
+    if given.every and isinstance(given.mode, str) and given.mode == "auto" and arranging and (
+        given.prefer is None or (isinstance(given.prefer, str) and given.prefer in PREFERENCES)
+    ):
+        # every option given: acting values passed back in (dataclasses.replace), where what "auto" sets itself is
+        # no choice of the caller's
         auto = ToMeConfig(prefer=given.prefer)
         arranging = [name for name in arranging if not _same(getattr(given, name), getattr(auto, name))]
     if given.mode is None:
@@ -609,7 +612,7 @@ def _ratio(ratio: Any, acting: SimpleNamespace) -> float:
     :data:`DEFAULT_RATIO`; each within reach of the cells."""
     if acting.mode == "auto":  # ToMe for SD's ratio where cells cannot run
         ratio = PREFERENCES[acting.prefer or DEFAULT_PREFERENCE][2]
-    elif ratio is None or (acting.matching == "cell" and _same(ratio, _cell_ratio(acting.sx, acting.sy))):
+    elif ratio is None or (acting.every and acting.matching == "cell" and _same(ratio, _cell_ratio(acting.sx, acting.sy))):
         ratio = _cell_ratio(acting.sx, acting.sy) if acting.matching == "cell" else DEFAULT_RATIO
     else:
         _check_ratio_type("ratio", ratio)
