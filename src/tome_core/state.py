@@ -201,8 +201,9 @@ class ToMeState:
         if merging and not frame_rows and self.config.frame_window != DEFAULT_FRAME_WINDOW:
             self.say_once(
                 f"ToMe on {self.where}: frame_window={self.config.frame_window!r} sets how many frames the similarity "
-                "search of a video transformer spans (its frames share one sequence), but this model's calls hold "
-                "one frame a sequence (an image, or a video UNet's frames), so it changes nothing here"
+                "search of a video transformer spans (its frames share one sequence), but a call of it holds one "
+                "frame a sequence (an image, a one-frame video, or a video UNet's frames), so it changes nothing here; "
+                "it acts in this model's calls of several frames, if any (said once)"
             )
         self.grid_hw = None
         # what an eager call's blocks decide from: a call with the same key repeats their size decisions (BlockRun)

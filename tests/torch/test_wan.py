@@ -228,3 +228,19 @@ def test_a_window_on_a_model_without_frames_is_said_to_change_nothing(wan, input
         warnings.simplefilter("error")
         call(model, inputs)
 
+
+
+def test_the_one_frame_warning_speaks_of_that_call_not_of_every_call(wan):
+    """Edges round three, 10: a one-frame call of Wan with frame_window given warned, once per patch, that "this
+    model's calls hold one frame a sequence", which its later calls of several frames, where the window acts,
+    belied. The warning now speaks of the call, and says the window acts in calls of several frames."""
+    model = tome.patch(copy.deepcopy(wan), ratio=0.5, frame_window=0)
+    generator = torch.Generator().manual_seed(4)
+    one = dict(
+        hidden_states=torch.randn(1, 4, 1, HEIGHT, WIDTH, generator=generator), timestep=torch.tensor([500]),
+        encoder_hidden_states=torch.randn(1, 5, 16, generator=generator),
+    )
+    with pytest.warns(UserWarning) as said:
+        call(model, one)
+    message = " ".join(str(w.message) for w in said if "frame_window" in str(w.message))
+    assert "this model's calls hold" not in message and "calls of several frames" in message, message
