@@ -431,9 +431,16 @@ def warm_launches(model: Any, *args: Any, **kwargs: Any) -> Counter:
     return counted.ops
 
 
-def merged_blocks(model: Any) -> int:
-    """The blocks whose merged sub-layer ran in the last call of a patched ``model`` (its summary's counts)."""
-    return sum(int(count) for count in re.findall(r"(\d+) blocks,", tome.patched_models(model)[0].state.summary()))
+def patched_launches(model: Any, options: Dict[str, Any], *args: Any, **kwargs: Any) -> Tuple[Counter, int, str]:
+    """:func:`warm_launches` of ``model`` patched with ``options`` (removed after), the blocks whose merged sub-layer
+    ran in its last call (its summary's counts) and that summary."""
+    tome.patch(model, **options)
+    try:
+        launched = warm_launches(model, *args, **kwargs)
+        summary = tome.patched_models(model)[0].state.summary()
+    finally:
+        tome.remove(model)
+    return launched, sum(int(count) for count in re.findall(r"(\d+) blocks,", summary)), summary
 
 
 class SdpaCalls(TorchFunctionMode):

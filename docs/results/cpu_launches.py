@@ -19,8 +19,7 @@ from typing import Any, Dict
 
 import torch
 
-import tome_core.torch as tome
-from tome_tools.diffusers_bench import merged_blocks, warm_launches
+from tome_tools.diffusers_bench import patched_launches, warm_launches
 from tome_tools.diffusers_models import build_transformer, build_unet, transformer_inputs
 from tome_tools.presets import UNETS
 
@@ -38,12 +37,8 @@ def row(name: str, patched: Counter, unpatched: Counter, blocks: int) -> Dict[st
 
 
 def patched_row(name: str, model: Any, unpatched: Counter, args=(), kwargs=None, **options: Any) -> Dict[str, Any]:
-    tome.patch(model, **options)
-    try:
-        patched = warm_launches(model, *args, **(kwargs or {}))
-        return dict(row(name, patched, unpatched, merged_blocks(model)), summary=tome.patched_models(model)[0].state.summary())
-    finally:
-        tome.remove(model)
+    patched, blocks, summary = patched_launches(model, options, *args, **(kwargs or {}))
+    return dict(row(name, patched, unpatched, blocks), summary=summary)
 
 
 def main() -> None:

@@ -374,7 +374,7 @@ def resolve(options: Mapping[str, Any]) -> Dict[str, Any]:
     given = _given(options)
     # every field given: a config's own acting values passed back in with some changed (dataclasses.replace)
     given.every = set(options) >= {f.name for f in fields(ToMeConfig)}
-    acting = SimpleNamespace(every=given.every)  # each set once
+    acting = SimpleNamespace()  # each set once
     # The knob, and the mode: "auto" unless an option says how to merge
     acting.prefer = _choice("prefer", given.prefer, (*PREFERENCES, None))
     acting.mode = _mode(given)
@@ -414,13 +414,13 @@ def resolve(options: Mapping[str, Any]) -> Dict[str, Any]:
     # When it merges
     acting.timestep_range = _timestep_range(given.timestep_range)
     # How many tokens
-    acting.ratio = _ratio(given.ratio, acting)
+    acting.ratio = _ratio(given.ratio, acting, given.every)
     acting.attn_ratio = _sublayer_ratio("attn_ratio", given.attn_ratio, acting)
     acting.crossattn_ratio = _sublayer_ratio("crossattn_ratio", given.crossattn_ratio, acting)
     acting.mlp_ratio = _sublayer_ratio("mlp_ratio", given.mlp_ratio, acting)
     acting.level_ratios = _ratio_map("level_ratios", given.level_ratios, "level", _check_level, acting)
     acting.block_ratios = _ratio_map("block_ratios", given.block_ratios, "block index", _check_block, acting)
-    return {name: value for name, value in vars(acting).items() if name != "every"}
+    return vars(acting)
 
 
 def _given(options: Mapping[str, Any]) -> SimpleNamespace:
@@ -607,12 +607,13 @@ def _timestep_range(value: Any) -> Optional[Tuple[float, float]]:
     return float(value[0]), float(value[1])
 
 
-def _ratio(ratio: Any, acting: SimpleNamespace) -> float:
+def _ratio(ratio: Any, acting: SimpleNamespace, every: bool = False) -> float:
     """``ratio``: ``prefer``'s under ``mode="auto"``; left out, the cell's with ``matching="cell"``, else
-    :data:`DEFAULT_RATIO`; each within reach of the cells."""
+    :data:`DEFAULT_RATIO`; each within reach of the cells. ``every``: every option was given (a config's acting
+    values passed back in), where a cell's own ratio is what leaving it out means."""
     if acting.mode == "auto":  # ToMe for SD's ratio where cells cannot run
         ratio = PREFERENCES[acting.prefer or DEFAULT_PREFERENCE][2]
-    elif ratio is None or (acting.every and acting.matching == "cell" and _same(ratio, _cell_ratio(acting.sx, acting.sy))):
+    elif ratio is None or (every and acting.matching == "cell" and _same(ratio, _cell_ratio(acting.sx, acting.sy))):
         ratio = _cell_ratio(acting.sx, acting.sy) if acting.matching == "cell" else DEFAULT_RATIO
     else:
         _check_ratio_type("ratio", ratio)

@@ -75,8 +75,7 @@ class ArrayOps(Protocol):
 
     def unit_vectors(self, x: Array) -> Array:
         """``x`` over its Euclidean norm along the last axis; a zero vector stays zero (divided by the dtype's
-        smallest normal number instead of 0: a
-        backend may flush subnormal numbers to zero)."""
+        smallest normal number instead of 0: a backend may flush subnormal numbers to zero)."""
 
     def max_argmax(self, x: Array) -> Tuple[Array, Array]:
         """Maximum over the last axis and its (first) index."""

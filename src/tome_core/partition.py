@@ -125,21 +125,44 @@ def split(
     cell's first position. Destinations come out in cell order (row-major over cells); sources cell by
     cell, then the leftover columns and rows.
     """
-    cells, leftover = cached(ops, like, ("cells", h, w, sx, sy), lambda: cell_table(ops, like, h, w, sx, sy))
-    num_cells, per_cell = ops.shape(cells)
-    if offsets is None:
-        return cached(ops, like, ("fixed", h, w, sx, sy), lambda: _split(ops, cells, leftover, None))
-    return _split(ops, cells, leftover, ops.reshape(offsets, (num_cells, 1)))
+    if offsets is None:  # the fixed partition: the one row of its table
+        order = split_table(ops, like, h, w, sx, sy, None)[0][0]
+        sources = h * w - num_cells(h, w, sx, sy)
+        return order[sources:], order[:sources]
+    cells, leftover = _cells(ops, like, h, w, sx, sy)
+    dst, src = _split_rows(ops, cells, leftover, ops.reshape(offsets, (1, ops.shape(cells)[0], 1)))
+    return dst[0], src[0]
 
 
-def _split(ops: ArrayOps, cells: Array, leftover: Optional[Array], offsets: Optional[Array]) -> Tuple[Array, Array]:
-    num_cells, per_cell = ops.shape(cells)
-    if offsets is None:
-        offsets = ops.zeros((num_cells, 1), cells)
-    dst = ops.reshape(ops.take_along_axis(cells, offsets, axis=1), (num_cells,))
-    k = ops.reshape(ops.arange(per_cell - 1, cells), (1, per_cell - 1))
-    src = ops.reshape(ops.take_along_axis(cells, k + ops.as_index(k >= offsets), axis=1), (num_cells * (per_cell - 1),))
-    return dst, src if leftover is None else ops.concat([src, leftover], axis=0)
+def _cells(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int) -> Tuple[Array, Optional[Array]]:
+    """:func:`cell_table`, kept (:func:`cached`)."""
+    return cached(ops, like, ("cells", h, w, sx, sy), lambda: cell_table(ops, like, h, w, sx, sy))
+
+
+def _destinations(ops: ArrayOps, cells: Array, offsets: Array) -> Array:
+    """``[R, cells]``: the token at ``offsets [R, cells, 1]`` inside each cell of :func:`cell_table`'s ``cells``."""
+    rows = ops.shape(offsets)[0]
+    count, per_cell = ops.shape(cells)
+    table = ops.broadcast_to(ops.reshape(cells, (1, count, per_cell)), (rows, count, per_cell))
+    return ops.reshape(ops.take_along_axis(table, offsets, axis=2), (rows, count))
+
+
+def _with_leftover(ops: ArrayOps, tokens: Array, leftover: Optional[Array]) -> Array:
+    """``tokens [R, K]`` followed in each row by the ``leftover`` tokens (None: none)."""
+    if leftover is None:
+        return tokens
+    rows, count = ops.shape(tokens)[0], ops.shape(leftover)[0]
+    return ops.concat([tokens, ops.broadcast_to(ops.reshape(leftover, (1, count)), (rows, count))], axis=1)
+
+
+def _split_rows(ops: ArrayOps, cells: Array, leftover: Optional[Array], offsets: Array) -> Tuple[Array, Array]:
+    """:func:`split` for ``R`` rows of ``offsets [R, cells, 1]`` at once: ``(dst [R, D], src [R, N - D])``."""
+    rows = ops.shape(offsets)[0]
+    count, per_cell = ops.shape(cells)
+    table = ops.broadcast_to(ops.reshape(cells, (1, count, per_cell)), (rows, count, per_cell))
+    k = ops.reshape(ops.arange(per_cell - 1, cells), (1, 1, per_cell - 1))
+    src = ops.reshape(ops.take_along_axis(table, k + ops.as_index(k >= offsets), axis=2), (rows, count * (per_cell - 1)))
+    return _destinations(ops, cells, offsets), _with_leftover(ops, src, leftover)
 
 
 def neighbour_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, window: int) -> Array:
@@ -273,18 +296,11 @@ def split_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, se
     destinations (:func:`split`'s two arrays end to end), and ``dst_slot`` holds at each destination token its
     place among the destinations (0 at sources). Built once per shape and seed and kept (:func:`cached`)."""
     def build():
-        cells, leftover = cached(ops, like, ("cells", h, w, sx, sy), lambda: cell_table(ops, like, h, w, sx, sy))
-        count, per_cell = ops.shape(cells)
-        offsets = _drawn_offsets(ops, like, h, w, sx, sy, seed)
-        rows = ops.shape(offsets)[0]
-        table = ops.broadcast_to(ops.reshape(cells, (1, count, per_cell)), (rows, count, per_cell))
-        dst = ops.reshape(ops.take_along_axis(table, offsets, axis=2), (rows, count))
-        k = ops.reshape(ops.arange(per_cell - 1, cells), (1, 1, per_cell - 1))
-        src = ops.reshape(ops.take_along_axis(table, k + ops.as_index(k >= offsets), axis=2), (rows, count * (per_cell - 1)))
-        pieces = [src] if leftover is None else [src, ops.broadcast_to(ops.reshape(leftover, (1, -1)), (rows, ops.shape(leftover)[0]))]
-        order = ops.concat([*pieces, dst], axis=1)
+        cells, leftover = _cells(ops, like, h, w, sx, sy)
+        dst, src = _split_rows(ops, cells, leftover, _drawn_offsets(ops, like, h, w, sx, sy, seed))
+        rows, count = ops.shape(dst)
         slots = ops.broadcast_to(ops.reshape(ops.arange(count, cells), (1, count)), (rows, count))
-        return order, ops.scatter(ops.zeros((rows, h * w), cells), dst, slots, axis=1)
+        return ops.concat([src, dst], axis=1), ops.scatter(ops.zeros((rows, h * w), cells), dst, slots, axis=1)
     return cached(ops, like, ("split table", h, w, sx, sy, seed), build)
 
 
@@ -292,15 +308,8 @@ def pick_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, see
     """``[R, cells + leftover]``: the token standing for each cell in each drawn partition (as :func:`split_table`),
     then the leftover tokens. Built once per shape and seed and kept (:func:`cached`)."""
     def build():
-        cells, leftover = cached(ops, like, ("cells", h, w, sx, sy), lambda: cell_table(ops, like, h, w, sx, sy))
-        count, per_cell = ops.shape(cells)
-        offsets = _drawn_offsets(ops, like, h, w, sx, sy, seed)
-        rows = ops.shape(offsets)[0]
-        table = ops.broadcast_to(ops.reshape(cells, (1, count, per_cell)), (rows, count, per_cell))
-        picked = ops.reshape(ops.take_along_axis(table, offsets, axis=2), (rows, count))
-        if leftover is None:
-            return picked
-        return ops.concat([picked, ops.broadcast_to(ops.reshape(leftover, (1, -1)), (rows, ops.shape(leftover)[0]))], axis=1)
+        cells, leftover = _cells(ops, like, h, w, sx, sy)
+        return _with_leftover(ops, _destinations(ops, cells, _drawn_offsets(ops, like, h, w, sx, sy, seed)), leftover)
     return cached(ops, like, ("pick table", h, w, sx, sy, seed), build)
 
 
@@ -330,7 +339,7 @@ class Draw(NamedTuple):
             if isinstance(step, (int, float)):
                 rows = (offsets + math.floor(step * 1000)) % DRAWS
             else:
-                rows = (offsets + (step * 1000 if _is_index(step) else ops.as_index(step * 1000))) % DRAWS
+                rows = (offsets + ops.as_index(step * 1000)) % DRAWS
             self.drawn[key] = rows
         return rows
 
@@ -362,11 +371,6 @@ class Draw(NamedTuple):
 
 
 _STREAM_SPREAD = 7  # consecutive blocks land 7 draws apart (coprime with DRAWS: all distinct up to DRAWS streams)
-
-
-def _is_index(step: Array) -> bool:
-    """Whether an array step holds integers (its key is itself)."""
-    return "int" in str(getattr(step, "dtype", ""))
 
 
 @dataclass(frozen=True)
@@ -417,7 +421,7 @@ def partition_grid(
     it runs on chunks of that many frames; ``frame_rows``: the grid stacks a video's frames of that many rows, and a
     source meets only the destinations within ``frame_window`` frames of its own (:func:`frame_bands`; not with
     ``window``, already local)."""
-    cells, leftover = cached(ops, like, ("cells", h, w, sx, sy), lambda: cell_table(ops, like, h, w, sx, sy))
+    cells, leftover = _cells(ops, like, h, w, sx, sy)
     count = num_cells(h, w, sx, sy)
     full = count > 0
     tabled = offsets is None  # drawn (draw) or fixed: from the tables; explicit offsets: split here

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tome_core.torch as tome
-from tome_tools.diffusers_bench import merged_blocks, warm_launches
+from tome_tools.diffusers_bench import patched_launches, warm_launches
 from tome_tools.diffusers_models import build_transformer, build_unet, transformer_inputs
 from tome_tools.presets import UNETS
 
@@ -25,13 +25,8 @@ launches = warm_launches
 
 def extra_per_block(model, unpatched: Counter, *args, **options) -> float:
     """Launches a patch with ``options`` adds per merged block of a call with ``args``."""
-    kwargs = options.pop("call", {})
-    tome.patch(model, **options)
-    try:
-        patched = launches(model, *args, **kwargs)
-        blocks = merged_blocks(model)
-    finally:
-        tome.remove(model)
+    call = options.pop("call", {})
+    patched, blocks, _ = patched_launches(model, options, *args, **call)
     assert blocks, "nothing merged"
     return (sum(patched.values()) - sum(unpatched.values())) / blocks
 
