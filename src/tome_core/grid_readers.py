@@ -269,11 +269,13 @@ class RolesGrid(Reader):
                 f"in one segment and under the same {roles.ids} of one grid (rows packing other samples elsewhere), "
                 "so no token grid is known; such calls run unmerged"
             )
-        return Placed(run[:2], run[3], None, self.grid_last)
+        rows, cols, _, tail, frames = run
+        return Placed((rows, cols), tail, None, self.grid_last, frames)
 
-    def _indicated(self, call: Call) -> Optional[Tuple[int, int, int, int]]:
-        """``(rows, cols, head, tail)`` of the image's last run in the call's packed rows, or None; read on the host
-        once per set of arrays (pipelines build them once per generation)."""
+    def _indicated(self, call: Call) -> Optional[Tuple[int, int, int, int, int]]:
+        """``(rows, cols, head, tail, frames)`` of the image's last run in the call's packed rows (a video's
+        ``frames`` stacked in its rows), or None; read on the host once per set of arrays (pipelines build them
+        once per generation)."""
         roles = self.roles
         arrays = tuple(self.get(call, name) for name in roles.arguments)
         if any(array is None for array in arrays):
@@ -288,8 +290,15 @@ class RolesGrid(Reader):
                 tokens = [values[i : i + width] if name == roles.ids else values[i] for i in range(0, len(values), width)]
                 rows.append([tokens[i : i + length] for i in range(0, len(tokens), length)])
             indicator, ids = rows[0], rows[1]
-            self.last = (arrays, indicated_run(indicator, roles.image, ids, rows[2] if len(rows) > 2 else None))
+            run = indicated_run(indicator, roles.image, ids, rows[2] if len(rows) > 2 else None)
+            self.last = (arrays, None if run is None else (*run, _frames(ids[0][run[2] : run[2] + run[0] * run[1]])))
         return self.last[1]
+
+
+def _frames(ids: Sequence[Sequence[float]]) -> int:
+    """How many frames a run of ``(t, row, col)`` ids that :func:`~tome_core.levels.indicated_run` placed holds:
+    its tokens over those of its last frame (its last time)."""
+    return len(ids) // sum(1 for token in ids if token[0] == ids[-1][0])
 
 
 def grid_reader(fw: Framework, model: Any) -> Reader:
