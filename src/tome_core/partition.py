@@ -2,7 +2,8 @@
 
 Built by index arithmetic, never by sorting, so every backend produces the same split. Cells tile the
 grid row-major; tokens in the rows and columns left over when h or w is not a multiple of sy or sx are
-always sources.
+always sources. A video searched within a frame window is tiled frame by frame (a :data:`Tiling`), so that no
+cell spans two frames.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from .ops import Array, ArrayOps
 
@@ -21,9 +22,14 @@ _CACHE: "OrderedDict[Tuple, Any]" = OrderedDict()
 _CACHE_SIZE = 128
 
 
-def num_cells(h: int, w: int, sx: int, sy: int) -> int:
-    """Number of destinations: one per full sy x sx cell."""
-    return (h // sy) * (w // sx)
+Tiling = Tuple[int, ...]
+"""The rows of each band of rows that a grid is tiled in on its own, top to bottom (a video's frames, searched within a
+frame window: :func:`frame_search`); None: the whole grid is one band."""
+
+
+def num_cells(h: int, w: int, sx: int, sy: int, tiling: Optional[Tiling] = None) -> int:
+    """Number of destinations: one per full sy x sx cell (of each band of rows of ``tiling``)."""
+    return sum(rows // sy for rows in tiling or (h,)) * (w // sx)
 
 
 def random_offsets(
@@ -72,24 +78,41 @@ def _scramble(x: Array) -> Array:
     return x
 
 
-def cell_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int) -> Tuple[Array, Optional[Array]]:
+def cell_table(
+    ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, tiling: Optional[Tiling] = None
+) -> Tuple[Array, Optional[Array]]:
     """Token index of every position of every cell ``[cells, sx*sy]`` (row-major inside the cell), and the
-    leftover tokens outside the full cells (``None`` when the grid is tiled exactly). Depends on shapes only."""
+    leftover tokens outside the full cells (``None`` when the grid is tiled exactly). ``tiling``: the grid's rows
+    are tiled band by band (:data:`Tiling`): the cells band by band, and the leftover tokens of each band (its
+    leftover columns, then its leftover rows) band by band. Depends on shapes only."""
+    tiles, first = [], 0
+    for rows in tiling or (h,):
+        tiles.append(_tile(ops, like, rows, w, sx, sy, first * w))
+        first += rows
+    if len(tiles) == 1:
+        return tiles[0]
+    leftovers = [leftover for _, leftover in tiles if leftover is not None]
+    cells = ops.concat([cells for cells, _ in tiles], axis=0)
+    return cells, ops.concat(leftovers, axis=0) if leftovers else None
+
+
+def _tile(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, start: int) -> Tuple[Array, Optional[Array]]:
+    """:func:`cell_table` of ``h`` rows of a ``w``-wide grid whose first token is ``start``."""
     hsy, wsx = h // sy, w // sx
     per_cell = sx * sy
-    rows = ops.reshape(ops.arange(hsy, like) * (sy * w), (hsy, 1, 1))
+    rows = ops.reshape(ops.arange(hsy, like) * (sy * w) + start, (hsy, 1, 1))
     cols = ops.reshape(ops.arange(wsx, like) * sx, (1, wsx, 1))
     position = ops.arange(per_cell, like)
     inside = ops.reshape((position // sx) * w + position % sx, (1, 1, per_cell))
     cells = ops.reshape(rows + cols + inside, (hsy * wsx, per_cell))
     pieces = []
     if wsx * sx < w:
-        right = ops.reshape(ops.arange(hsy * sy, like) * w, (hsy * sy, 1)) + ops.reshape(
+        right = ops.reshape(ops.arange(hsy * sy, like) * w + start, (hsy * sy, 1)) + ops.reshape(
             ops.arange(w - wsx * sx, like) + wsx * sx, (1, w - wsx * sx)
         )
         pieces.append(ops.reshape(right, ((hsy * sy) * (w - wsx * sx),)))
     if hsy * sy < h:
-        pieces.append(ops.arange((h - hsy * sy) * w, like) + hsy * sy * w)
+        pieces.append(ops.arange((h - hsy * sy) * w, like) + (hsy * sy * w + start))
     leftover = None if not pieces else pieces[0] if len(pieces) == 1 else ops.concat(pieces, axis=0)
     return cells, leftover
 
@@ -117,26 +140,29 @@ def forget_tables() -> None:
 
 
 def split(
-    ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, offsets: Optional[Array]
+    ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, offsets: Optional[Array],
+    tiling: Optional[Tiling] = None,
 ) -> Tuple[Array, Array]:
-    """Flat token indices ``(dst [D], src [N - D])`` for an ``h x w`` grid.
+    """Flat token indices ``(dst [D], src [N - D])`` for an ``h x w`` grid (tiled band by band: ``tiling``).
 
     ``offsets[i, j]`` is the destination's row-major position inside cell ``(i, j)``; ``None`` means the
     cell's first position. Destinations come out in cell order (row-major over cells); sources cell by
-    cell, then the leftover columns and rows.
+    cell, then the leftover columns and rows (:func:`cell_table`).
     """
     if offsets is None:  # the fixed partition: the one row of its table
-        order = split_table(ops, like, h, w, sx, sy, None)[0][0]
-        sources = h * w - num_cells(h, w, sx, sy)
+        order = split_table(ops, like, h, w, sx, sy, None, tiling)[0][0]
+        sources = h * w - num_cells(h, w, sx, sy, tiling)
         return order[sources:], order[:sources]
-    cells, leftover = _cells(ops, like, h, w, sx, sy)
+    cells, leftover = _cells(ops, like, h, w, sx, sy, tiling)
     dst, src = _split_rows(ops, cells, leftover, ops.reshape(offsets, (1, ops.shape(cells)[0], 1)))
     return dst[0], src[0]
 
 
-def _cells(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int) -> Tuple[Array, Optional[Array]]:
+def _cells(
+    ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, tiling: Optional[Tiling] = None
+) -> Tuple[Array, Optional[Array]]:
     """:func:`cell_table`, kept (:func:`cached`)."""
-    return cached(ops, like, ("cells", h, w, sx, sy), lambda: cell_table(ops, like, h, w, sx, sy))
+    return cached(ops, like, ("cells", h, w, sx, sy, tiling), lambda: cell_table(ops, like, h, w, sx, sy, tiling))
 
 
 def _destinations(ops: ArrayOps, cells: Array, offsets: Array) -> Array:
@@ -189,9 +215,22 @@ def _neighbours(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, wi
 Band = Tuple[int, int, int, int]  # (first source, end of sources, first destination, end of destinations)
 
 
-def stacked_frames(h: int, frame_rows: int) -> int:
-    """The frames of ``frame_rows`` rows each that an ``h``-row grid stacks (1: none, ``frame_rows`` 0 or ``h``)."""
-    return -(-h // frame_rows) if frame_rows and frame_rows < h else 1
+def frame_pieces(h: int, frame_rows: int, offset: int = 0) -> Tiling:
+    """The rows of each frame in an ``h``-row grid that stacks frames of ``frame_rows`` rows, its first row being
+    row ``offset`` of its frame (a process's piece of the sequence under context parallelism may start mid-frame):
+    the first and last frames may be pieces. ``frame_rows`` 0: one frame, the whole grid."""
+    if not frame_rows:
+        return (h,)
+    if not 0 <= offset < frame_rows:
+        raise ValueError(f"offset must be a row of a {frame_rows}-row frame (0 to {frame_rows - 1}), got {offset}")
+    first = min(h, frame_rows - offset)
+    return (first,) + (frame_rows,) * ((h - first) // frame_rows) + (((h - first) % frame_rows,) if (h - first) % frame_rows else ())
+
+
+def stacked_frames(h: int, frame_rows: int, offset: int = 0) -> int:
+    """The frames of ``frame_rows`` rows each that an ``h``-row grid stacks, from row ``offset`` of its first
+    (1: none, ``frame_rows`` 0 or at least ``h``; :func:`frame_pieces`)."""
+    return len(frame_pieces(h, frame_rows, offset))
 
 
 def window_limits(frames: int, window: Optional[int]) -> bool:
@@ -199,49 +238,93 @@ def window_limits(frames: int, window: Optional[int]) -> bool:
     return window is not None and frames > window + 1
 
 
-def frame_bands(h: int, w: int, sx: int, sy: int, frame_rows: int, window: Optional[int]) -> Optional[Tuple[Band, ...]]:
-    """For a video whose frames of ``frame_rows`` token rows are stacked in the ``h x w`` grid's rows: which
-    destinations (in :func:`split`'s order) each run of sources may be compared with, so that a source meets
-    only the destinations of the frames within ``window`` frames of its own, and the similarity costs
-    linear instead of quadratic in frames. One band per frame: the sources of the cells whose first row lies
-    in it, against the destinations of the cells that reach the rows of the frames from ``window`` before to
-    ``window`` after those cells' frames (a cell that straddles two frames, where ``frame_rows`` is not a
-    multiple of ``sy``, counts as in both); the leftover sources, after the cells', against every destination.
-    None where every source meets every destination: no frames (``frame_rows`` 0 or the whole grid),
-    ``window`` None, or a window that spans the video. Depends on shapes only (Python ints)."""
-    key = (h, w, sx, sy, frame_rows, window)
+class FrameSearch(NamedTuple):
+    """How a video's similarity search keeps within a window of frames (:func:`frame_search`). ``tiling``: the
+    rows of each group of frames tiled with cells of its own (:data:`Tiling`); ``frames``: the first and last frame
+    of each group (counted from the grid's first row's); ``bands``: the runs of sources (in :func:`split`'s order,
+    covering them all in order) and the run of destinations each meets."""
+
+    tiling: Tiling
+    frames: Tuple[Tuple[int, int], ...]
+    bands: Tuple[Band, ...]
+
+
+def frame_search(
+    h: int, w: int, sx: int, sy: int, frame_rows: int, window: Optional[int], offset: int = 0
+) -> Optional[FrameSearch]:
+    """For a video whose frames of ``frame_rows`` token rows are stacked in the ``h x w`` grid's rows (its first
+    row being row ``offset`` of its frame): the grid tiled frame by frame, and which destinations each source may
+    be compared with, so that a source meets exactly the destinations of the frames within ``window`` frames of its
+    own (and the similarity costs linear instead of quadratic in frames).
+
+    Each frame is tiled with its own cells, so no cell spans two frames: the rows and columns of a frame that no
+    full cell covers are its leftover sources, and they meet the same destinations as the frame's cells. A frame
+    with fewer rows than a cell (``sy``; a frame thinner than a cell, or the piece of a frame that a process's
+    piece of the sequence holds) is tiled together with the next frames until the group holds ``sy`` rows (a short
+    last group joins the one before): a group's tokens meet the destinations of the groups whose frames all lie
+    within ``window`` of one of its frames, so such a group's tokens reach up to its span further. One band of
+    sources per group's cells, then one per group's leftovers.
+
+    None where every source meets every destination: no frames (``frame_rows`` 0 or the whole grid), ``window``
+    None, a window that spans the video, or a grid without a full cell; the grid is then tiled as one. Depends on
+    shapes only (Python ints)."""
+    key = (h, w, sx, sy, frame_rows, window, offset)
     if key not in _BANDS:
         if len(_BANDS) >= 256:
             _BANDS.clear()
-        _BANDS[key] = _frame_bands(h, w, sx, sy, frame_rows, window)
+        _BANDS[key] = _frame_search(h, w, sx, sy, frame_rows, window, offset)
     return _BANDS[key]
 
 
-# frame_bands' answers: a plain dict, not functools.lru_cache, which torch.compile warns may be silently wrong
-_BANDS: Dict[Tuple[Any, ...], Optional[Tuple[Band, ...]]] = {}
+def frame_bands(
+    h: int, w: int, sx: int, sy: int, frame_rows: int, window: Optional[int], offset: int = 0
+) -> Optional[Tuple[Band, ...]]:
+    """:func:`frame_search`'s bands (None: every source meets every destination)."""
+    search = frame_search(h, w, sx, sy, frame_rows, window, offset)
+    return None if search is None else search.bands
 
 
-def _frame_bands(h: int, w: int, sx: int, sy: int, frame_rows: int, window: Optional[int]) -> Optional[Tuple[Band, ...]]:
-    frames = stacked_frames(h, frame_rows)
-    if not window_limits(frames, window):
+# frame_search's answers: a plain dict, not functools.lru_cache, which torch.compile warns may be silently wrong
+_BANDS: Dict[Tuple[Any, ...], Optional[FrameSearch]] = {}
+
+
+def _frame_search(
+    h: int, w: int, sx: int, sy: int, frame_rows: int, window: Optional[int], offset: int
+) -> Optional[FrameSearch]:
+    pieces = frame_pieces(h, frame_rows, offset)
+    if not window_limits(len(pieces), window) or h < sy or w < sx:
         return None
-    hsy, wsx = h // sy, w // sx
-    per_cell = sx * sy - 1
-    bands = []
-    row = 0  # the first cell row of the next band
-    while row < hsy:
-        frame = row * sy // frame_rows
-        end = min(hsy, -(-(frame + 1) * frame_rows // sy))  # the cells whose first row lies in this frame
-        last = (end * sy - 1) // frame_rows  # the frame of their last row
-        first_row = max(0, frame - window) * frame_rows
-        end_row = min(h, (min(frames - 1, last + window) + 1) * frame_rows)
-        destinations = (first_row // sy * wsx, min(hsy, -(-end_row // sy)) * wsx)
-        bands.append((row * wsx * per_cell, end * wsx * per_cell, *destinations))
-        row = end
-    sources = h * w - hsy * wsx
-    if sources > hsy * wsx * per_cell:  # the leftover rows and columns: every destination
-        bands.append((hsy * wsx * per_cell, sources, 0, hsy * wsx))
-    return tuple(bands)
+    groups: List[List[int]] = []  # [rows, first frame, last frame]
+    for frame, rows in enumerate(pieces):
+        if groups and groups[-1][0] < sy:
+            groups[-1][0] += rows
+            groups[-1][2] = frame
+        else:
+            groups.append([rows, frame, frame])
+    if len(groups) > 1 and groups[-1][0] < sy:
+        rows, _, last = groups.pop()
+        groups[-1][0] += rows
+        groups[-1][2] = last
+    if len(groups) == 1:
+        return None
+    wsx, per_cell = w // sx, sx * sy - 1
+    first_cell = [0]  # each group's first cell, and the end of the last
+    for rows, _, _ in groups:
+        first_cell.append(first_cell[-1] + rows // sy * wsx)
+    reaches = []
+    for _, first, last in groups:  # the groups whose frames all lie within the window of this group's
+        low = next(j for j, group in enumerate(groups) if group[1] >= first - window)
+        high = max(j for j, group in enumerate(groups) if group[2] <= last + window)
+        reaches.append((first_cell[low], first_cell[high + 1]))
+    bands = [(first_cell[g] * per_cell, first_cell[g + 1] * per_cell, *reach) for g, reach in enumerate(reaches)]
+    start = first_cell[-1] * per_cell
+    for (rows, _, _), reach in zip(groups, reaches):
+        covered = rows // sy * sy
+        left = covered * (w - wsx * sx) + (rows - covered) * w
+        if left:
+            bands.append((start, start + left, *reach))
+            start += left
+    return FrameSearch(tuple(rows for rows, _, _ in groups), tuple((a, b) for _, a, b in groups), tuple(bands))
 
 
 def window_table(ops: ArrayOps, like: Array, h: int, w: int, window: int) -> Array:
@@ -281,27 +364,33 @@ def draw_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, see
     ))
 
 
-def _drawn_offsets(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: Optional[int]) -> Array:
+def _drawn_offsets(
+    ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: Optional[int], tiling: Optional[Tiling]
+) -> Array:
     """``[R, cells, 1]``: each cell's destination position in each drawn partition (``seed`` None: ``R = 1``, each
-    cell's first token)."""
-    count = num_cells(h, w, sx, sy)
+    cell's first token); a grid tiled band by band draws as the grid of its cells' rows would."""
+    count = num_cells(h, w, sx, sy, tiling)
     if seed is None:
         return ops.zeros((1, count, 1), ops.arange(1, like))
-    return ops.reshape(draw_table(ops, like, h, w, sx, sy, seed), (DRAWS, count, 1))
+    cell_rows = h if tiling is None else count // (w // sx) * sy
+    return ops.reshape(draw_table(ops, like, cell_rows, w, sx, sy, seed), (DRAWS, count, 1))
 
 
-def split_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: Optional[int]) -> Tuple[Array, Array]:
+def split_table(
+    ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: Optional[int], tiling: Optional[Tiling] = None
+) -> Tuple[Array, Array]:
     """``(order [R, N], dst_slot [R, N])`` for the grid's drawn partitions (``R = DRAWS``; ``seed`` None: the one
-    fixed partition, each cell's first token, ``R = 1``): ``order`` lists each partition's sources, then its
-    destinations (:func:`split`'s two arrays end to end), and ``dst_slot`` holds at each destination token its
-    place among the destinations (0 at sources). Built once per shape and seed and kept (:func:`cached`)."""
+    fixed partition, each cell's first token, ``R = 1``; ``tiling``: the grid tiled band by band, :data:`Tiling`):
+    ``order`` lists each partition's sources, then its destinations (:func:`split`'s two arrays end to end), and
+    ``dst_slot`` holds at each destination token its place among the destinations (0 at sources). Built once per
+    shape and seed and kept (:func:`cached`)."""
     def build():
-        cells, leftover = _cells(ops, like, h, w, sx, sy)
-        dst, src = _split_rows(ops, cells, leftover, _drawn_offsets(ops, like, h, w, sx, sy, seed))
+        cells, leftover = _cells(ops, like, h, w, sx, sy, tiling)
+        dst, src = _split_rows(ops, cells, leftover, _drawn_offsets(ops, like, h, w, sx, sy, seed, tiling))
         rows, count = ops.shape(dst)
         slots = ops.broadcast_to(ops.reshape(ops.arange(count, cells), (1, count)), (rows, count))
         return ops.concat([src, dst], axis=1), ops.scatter(ops.zeros((rows, h * w), cells), dst, slots, axis=1)
-    return cached(ops, like, ("split table", h, w, sx, sy, seed), build)
+    return cached(ops, like, ("split table", h, w, sx, sy, seed, tiling), build)
 
 
 def pick_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: Optional[int]) -> Array:
@@ -309,7 +398,7 @@ def pick_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, see
     then the leftover tokens. Built once per shape and seed and kept (:func:`cached`)."""
     def build():
         cells, leftover = _cells(ops, like, h, w, sx, sy)
-        return _with_leftover(ops, _destinations(ops, cells, _drawn_offsets(ops, like, h, w, sx, sy, seed)), leftover)
+        return _with_leftover(ops, _destinations(ops, cells, _drawn_offsets(ops, like, h, w, sx, sy, seed, None)), leftover)
     return cached(ops, like, ("pick table", h, w, sx, sy, seed), build)
 
 
@@ -350,10 +439,12 @@ class Draw(NamedTuple):
             chosen = self.drawn[key] = ops.take(table, self.rows(ops, like), axis=0)
         return chosen
 
-    def split(self, ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: int) -> Tuple[Array, Array]:
+    def split(
+        self, ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: int, tiling: Optional[Tiling] = None
+    ) -> Tuple[Array, Array]:
         """This stream's row of :func:`split_table` in this call."""
-        order, slots = split_table(ops, like, h, w, sx, sy, seed)
-        key = (h, w, sx, sy, seed)
+        order, slots = split_table(ops, like, h, w, sx, sy, seed, tiling)
+        key = (h, w, sx, sy, seed, tiling)
         return (
             self._per_call(ops, like, ("order",) + key, order)[self.stream],
             self._per_call(ops, like, ("slots",) + key, slots)[self.stream],
@@ -381,8 +472,9 @@ class Partition:
     each source's candidate destinations (:func:`neighbour_table`, local matching) and ``nearby`` each token's
     neighbours (:func:`window_table`, local matching across frames); ``reference``: the reference frame of a
     cross-frame chunk of ``frames`` frames (a Python int or a 1-element index array); ``bands``: the runs of
-    sources and the destinations each meets in a video whose frames are stacked in rows (:func:`frame_bands`;
-    None: every source meets every destination)."""
+    sources and the destinations each meets in a video whose frames are stacked in rows (:func:`frame_search`;
+    None: every source meets every destination); ``tiling``: the grid's rows tiled band by band (:data:`Tiling`;
+    None: as one)."""
 
     h: int
     w: int
@@ -402,27 +494,31 @@ class Partition:
     order: Optional[Array] = None  # [N]: ``src`` then ``dst`` end to end, where the partition was drawn from a table
     dst_slot: Optional[Array] = None  # [N]: each destination token's place among the destinations (split_table)
     picked: Optional[Array] = None  # [cells + leftover]: the token standing for each cell, then the leftovers
+    tiling: Optional[Tiling] = None
 
     @property
     def full_cells(self) -> int:
         """Destinations: one per full cell."""
-        return num_cells(self.h, self.w, self.sx, self.sy)
+        return num_cells(self.h, self.w, self.sx, self.sy, self.tiling)
 
 
 def partition_grid(
     ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, draw: Optional[Draw] = None, *,
     similarity: bool = True, picks: bool = True, window: int = 0, frames: int = 1, offsets: Optional[Array] = None,
-    reference: Any = None, frame_rows: int = 0, frame_window: Optional[int] = None,
+    reference: Any = None, frame_rows: int = 0, frame_window: Optional[int] = None, frame_offset: int = 0,
 ) -> Partition:
     """The :class:`Partition` of an ``h x w`` grid of ``sx x sy`` cells. ``draw`` places the destinations (and a
     chunk's reference frame) pseudo-randomly where the match ``picks`` a token per cell, else ``offsets`` places
     them (None: each cell's first token) and ``reference`` is the chunk's (None: its middle frame). ``similarity``:
     the match compares sources with destinations (``dst``, ``src``; within ``window`` cells when > 0); ``frames``:
-    it runs on chunks of that many frames; ``frame_rows``: the grid stacks a video's frames of that many rows, and a
-    source meets only the destinations within ``frame_window`` frames of its own (:func:`frame_bands`; not with
-    ``window``, already local)."""
-    cells, leftover = _cells(ops, like, h, w, sx, sy)
-    count = num_cells(h, w, sx, sy)
+    it runs on chunks of that many frames; ``frame_rows``: the grid stacks a video's frames of that many rows, its
+    first row being row ``frame_offset`` of its frame, and a source meets only the destinations within
+    ``frame_window`` frames of its own, the grid tiled frame by frame (:func:`frame_search`; not with ``window``,
+    already local)."""
+    search = frame_search(h, w, sx, sy, frame_rows, frame_window, frame_offset) if similarity and not window else None
+    tiling = None if search is None else search.tiling
+    cells, leftover = _cells(ops, like, h, w, sx, sy, tiling)
+    count = num_cells(h, w, sx, sy, tiling)
     full = count > 0
     tabled = offsets is None  # drawn (draw) or fixed: from the tables; explicit offsets: split here
     seed = draw.seed if draw is not None else None
@@ -433,8 +529,8 @@ def partition_grid(
     dst = src = neighbours = nearby = bands = order = dst_slot = picked = None
     if full and picks and tabled:
         if similarity:
-            order, dst_slot = draw.split(ops, like, h, w, sx, sy, seed) if draw is not None else (
-                tuple(table[0] for table in split_table(ops, like, h, w, sx, sy, None))
+            order, dst_slot = draw.split(ops, like, h, w, sx, sy, seed, tiling) if draw is not None else (
+                tuple(table[0] for table in split_table(ops, like, h, w, sx, sy, None, tiling))
             )
         else:
             picked = draw.picks(ops, like, h, w, sx, sy, seed) if draw is not None else pick_table(ops, like, h, w, sx, sy, None)[0]
@@ -442,11 +538,11 @@ def partition_grid(
         if order is not None:
             src, dst = order[: h * w - count], order[h * w - count :]
         else:
-            dst, src = split(ops, like, h, w, sx, sy, offsets)
+            dst, src = split(ops, like, h, w, sx, sy, offsets, tiling)
         neighbours = neighbour_table(ops, like, h, w, sx, sy, window) if window else None
         nearby = window_table(ops, like, h, w, window) if window and frames > 1 else None
-        bands = None if window else frame_bands(h, w, sx, sy, frame_rows, frame_window)
+        bands = None if search is None else search.bands
     return Partition(
         h, w, sx, sy, cells, leftover, offsets, dst, src, window, neighbours, nearby, frames, reference, bands, order,
-        dst_slot, picked,
+        dst_slot, picked, tiling,
     )

@@ -133,7 +133,7 @@ class ToMeState:
             return f"  no block merged: {self.why or f'the timestep is outside timestep_range={self.config.timestep_range}'}"
         lines = [_summary_line(self.active, factor, level) for factor, level in sorted(self.stats.items())]
         config = self.active
-        window, frames = config.frame_window, stacked_frames(self._latent()[0], self.frame_rows) if lines else 1
+        window, frames = config.frame_window, stacked_frames(self._latent()[0], *self._frames(self._latent())) if lines else 1
         if config.matching == "similarity" and not config.local_window and window_limits(frames, window):
             lines.append(f"  (a token meets the destinations within {window} frame{'s' * (window != 1)} of its own, of {frames})")
         if lines and self.shards is not None:
@@ -187,7 +187,7 @@ class ToMeState:
         ``shards``: how context parallelism splits the call (``latent_hw`` is then this process's piece);
         ``execution``: the call's device and execution (``Framework.execution``; None: read by the first block);
         ``frame_rows``: the latent grid stacks a video's frames of that many rows (0: one frame; a shard of context
-        parallelism counts its frames from its first row)."""
+        parallelism counts its frames from the row of the whole grid that it starts at: :meth:`_frames`)."""
         if self.config.reuse_steps == 1:
             self.cache = {}  # also where reuse_blocks keeps its matches within the call
         else:  # the call counter is read only here, so compiled models do not specialise on it otherwise
@@ -318,10 +318,13 @@ class ToMeState:
             merged = dict.fromkeys(merged, 0)
         reuse = small is None and (config.reuse_level or config.reuse_steps > 1 or config.reuse_blocks > 1)
         first = stream - stream % config.reuse_blocks  # the block whose match a run of reuse_blocks shares
-        key = (factor if config.reuse_level else ("block", first), batch, tokens, shared, block_ratio, frames)
+        # a match is reused only where its partition would be drawn alike: the same grid (not just as many tokens:
+        # a 16x12 latent then a 12x16 one), cells and frames
+        video = self._frames(place.grid)
+        key = (factor if config.reuse_level else ("block", first), batch, tokens, place.grid, cell, video, shared, block_ratio, frames)
         matches = self.cache.get(key) if reuse else None
         if matches is None:
-            matches = self._match(ops, metric, place, cell, merged, first, shared, frames, config)
+            matches = self._match(ops, metric, place, cell, merged, first, shared, frames, config, video)
             if reuse:
                 self.cache[key] = matches
         return matches
@@ -350,12 +353,23 @@ class ToMeState:
             )
         return latent
 
+    def _frames(self, grid: Optional[Tuple[int, int]]) -> Tuple[int, int]:
+        """``(frame_rows, offset)``: a block on ``grid`` sees a video whose frames of ``frame_rows`` rows are stacked
+        in its rows, its first row being row ``offset`` of its frame (a process's piece under context parallelism
+        starts where the rows of the pieces before it end); ``(0, 0)``: one frame (the call's latent holds one, or
+        the block's grid is not the latent's)."""
+        if not self.frame_rows or grid is None or grid != self.latent_hw:
+            return 0, 0
+        offset = self.shards.rank * grid[0] % self.frame_rows if self.shards is not None else 0
+        return self.frame_rows, offset
+
     def _match(
         self, ops: ArrayOps, metric: Any, place: Place, cell: Tuple[int, int], merged: Dict[str, int], stream: int,
-        shared: bool, frames: int, config: ToMeConfig,
+        shared: bool, frames: int, config: ToMeConfig, video: Tuple[int, int],
     ) -> Dict[str, Match]:
         """The block's matches: its partition drawn for this call (:func:`~tome_core.partition.partition_grid`),
-        then matched (:func:`~tome_core.match.match_block`); no partition where nothing merges."""
+        then matched (:func:`~tome_core.match.match_block`); no partition where nothing merges. ``video``: the
+        frames its grid stacks (:meth:`_frames`)."""
         across = int((frames - 1) * place.tokens * config.across_frames)
         part = None
         if any(merged.values()) or across:
@@ -365,7 +379,7 @@ class ToMeState:
             part = partition_grid(
                 ops, metric, h, w, *cell, draw, similarity=similarity and not self.oracle,
                 picks=similarity or config.cell_pool == "sample", window=config.local_window,
-                frames=frames if similarity else 1, frame_rows=self.frame_rows if (h, w) == self.latent_hw else 0,
+                frames=frames if similarity else 1, frame_rows=video[0], frame_offset=video[1],
                 frame_window=config.frame_window,
             )
         return match_block(
