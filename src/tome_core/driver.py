@@ -20,7 +20,7 @@ from .arrangement_rules import arrangement_error, arrangement_problem
 from .block_hooks import BlockRun, SublayerHooks, block_problem
 from .call_hooks import CallStart, PipelineWatch, call_ends, forget_generations, generations, grid_hooks
 from .config import ToMeConfig
-from .families import attends_text_only
+from .families import attends_text_only, child_at
 from .framework import Framework
 from .model_tree import check_grids, components, find_models, temporal_modules
 from .model_zoo import AUXILIARY, refusal
@@ -157,7 +157,10 @@ def check(fw: Framework, plan: ModelPlan) -> None:
     """Refuse ``plan`` before anything is attached: its model's grids, its block selection and levels, its merged
     sub-layers (:func:`check_sublayers`), its context parallelism."""
     check_grids(fw, plan.model, plan.blocks)
-    check_model(plan.config, plan.facts)
+    check_model(plan.config, plan.facts, [
+        {sublayer.kind for sublayer in family.sublayers if fw.is_module(child_at(block, sublayer.child))}
+        for block, family in plan.blocks
+    ])
     check_sublayers(fw, plan)
     shards = fw.shards(plan.model)
     if shards is not None:
@@ -209,7 +212,7 @@ def remove(fw: Framework, obj: Any, undo: Callable[[Any], None] = detach) -> Any
 
     ``undo`` runs on every module of ``obj`` (an adapter may also undo other ToMe implementations there)."""
     fw.clear_interrupted()
-    for component in components(fw, obj):
+    for component in components(fw, obj, "remove"):
         for module in fw.submodules(component):
             undo(module)
     if not fw.is_module(obj):
@@ -228,6 +231,9 @@ class Patched(NamedTuple):
         return f"Patched(model={type(self.model).__name__}, state={self.state!r})"
 
 
-def patched_models(fw: Framework, obj: Any) -> List[Patched]:
-    """The patched models inside ``obj`` with their run state (its ``stats`` describe the last call)."""
-    return [Patched(m, m.__dict__["_tome_patch"].state) for m in find_models(fw, obj) if "_tome_patch" in m.__dict__]
+def patched_models(fw: Framework, obj: Any, entry: str = "patched_models") -> List[Patched]:
+    """The patched models inside ``obj`` with their run state (its ``stats`` describe the last call). ``entry``:
+    the entry point named if ``obj`` is no pipeline or model."""
+    return [
+        Patched(m, m.__dict__["_tome_patch"].state) for m in find_models(fw, obj, entry) if "_tome_patch" in m.__dict__
+    ]

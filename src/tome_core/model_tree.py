@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .families import (
@@ -154,8 +155,9 @@ def block_metric(family: BlockFamily, block: Any) -> Tuple[str, Optional[int]]:
     return family.metric, argument_positions(forward_of(type(block)), family.metric)[family.metric]
 
 
-def components(fw: Framework, obj: Any) -> List[Any]:
-    """The modules ``obj`` consists of: itself if it is a module, else a pipeline's module components."""
+def components(fw: Framework, obj: Any, entry: str = "patch") -> List[Any]:
+    """The modules ``obj`` consists of: itself if it is a module, else a pipeline's module components. Anything
+    else is refused with :func:`not_a_model`'s error for the entry point ``entry``."""
     if fw.is_module(obj):
         return [obj]
     if isinstance(getattr(obj, "components", None), dict):
@@ -164,14 +166,45 @@ def components(fw: Framework, obj: Any) -> List[Any]:
             items = component if isinstance(component, (list, tuple)) else [component]
             found.extend(item for item in items if fw.is_module(item))
         return found
-    raise TypeError(f"ToMe can patch {fw.accepted}; got {type(obj).__module__}.{type(obj).__qualname__}")
+    raise not_a_model(fw.accepted, obj, entry)
 
 
-def find_models(fw: Framework, obj: Any) -> List[Any]:
+LOAD = "pipe = DiffusionPipeline.from_pretrained({name})"  # how a diffusers or ppdiffusers user loads a model id
+
+
+def not_a_model(accepted: str, obj: Any, entry: str = "patch", load: str = LOAD) -> TypeError:
+    """The error for an ``obj`` given to ``entry`` (``patch``, ``remove``, ``patched_models``) that is neither a
+    pipeline nor a model: what was given first (its type and value), for a name or path how to load it
+    (``load``, with ``{name}`` for it), then what ``patch`` takes (``accepted``, the adapter's words)."""
+    if entry != "patch":
+        taken = "a patched pipeline or model" if entry == "remove" else "a pipeline or a model"
+        return TypeError(f"{entry} takes {taken}; got {_shown(obj)}")
+    message = f"ToMe patches a pipeline or a model; got {_shown(obj)}"
+    if isinstance(obj, (str, os.PathLike)):
+        name = repr(os.fspath(obj))
+        message += f": a model id or folder is not a model; load it first, e.g. {load.format(name=name)}, then patch(pipe)"
+    elif isinstance(obj, type) and hasattr(obj, "from_pretrained"):
+        message += f": pass a model of it, e.g. {obj.__name__}.from_pretrained(...)"
+    return TypeError(f"{message}. It takes {accepted}")
+
+
+def _shown(obj: Any) -> str:
+    """``obj`` in a message: None, a class by its name, else its type and a short repr."""
+    if obj is None:
+        return "None"
+    if isinstance(obj, type):
+        return f"the class {obj.__module__}.{obj.__qualname__}"
+    kind = type(obj).__qualname__ if type(obj).__module__ == "builtins" else f"{type(obj).__module__}.{type(obj).__qualname__}"
+    text = " ".join(repr(obj).split())
+    return f"{kind} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def find_models(fw: Framework, obj: Any, entry: str = "patch") -> List[Any]:
     """The models to patch inside ``obj``: every UNet-like model and diffusion transformer holding blocks of a
-    known family (outermost first), else a component that holds such blocks itself."""
+    known family (outermost first), else a component that holds such blocks itself. ``entry``: the entry point
+    that asks, named if ``obj`` is no pipeline or model (:func:`components`)."""
     found: List[Any] = []
-    for component in components(fw, obj):
+    for component in components(fw, obj, entry):
         models = [
             m for m in fw.submodules(component) if (is_unet_like(m) or is_transformer_model(m)) and blocks_of(fw, m)
         ]

@@ -4,17 +4,23 @@ Every option either acts on the model or is refused before anything is attached:
 named twice, or at a level that never merges; per-block ratios of blocks outside ``blocks``; level ratios and
 cells of levels where no block merges; a ratio that a merged level's cell cannot reach; a timestep range outside
 the model's timesteps. A patch whose options are all valid but merge no token (ratios of 0, every sub-layer
-off) warns instead, naming the options that zero it. Framework-free: the driver gives each block's level
-(``None`` where the model does not tell).
+off or missing from the model's blocks) warns instead, naming the options that zero it, and so does an option
+that acts on a kind of sub-layer no merged block has (``merge_crossattn`` on Flux or SD3, whose text joins the
+image tokens in one joint attention). Framework-free: the driver gives each block's level (``None`` where the
+model does not tell) and, where it knows them, the kinds of sub-layer each block has.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import AbstractSet, Dict, List, Optional, Sequence
 
 from .config import LEVELS, SUBLAYERS, ToMeConfig
+
+
+# What each kind of sub-layer is, for messages.
+KIND_NAMES = {"attn": "self-attention", "crossattn": "cross-attention", "mlp": "a feed-forward (MLP)"}
 
 
 def scale(level: int) -> str:
@@ -80,8 +86,10 @@ class ModelFacts:
         return self.finest if config.max_downsample is None else config.max_downsample
 
 
-def check_model(config: ToMeConfig, facts: ModelFacts) -> None:
-    """Refuse options that cannot act on this model; warn when valid options merge no token."""
+def check_model(config: ToMeConfig, facts: ModelFacts, kinds: Optional[Sequence[AbstractSet[str]]] = None) -> None:
+    """Refuse options that cannot act on this model; warn when valid options merge no token, or when an option
+    acts on a kind of sub-layer that no merged block has. ``kinds``: the kinds of sub-layer (``"attn"``,
+    ``"crossattn"``, ``"mlp"``) each block has, in the order of ``facts.levels`` (None: every kind)."""
     count = len(facts.levels)
     chosen = selected_blocks(config, count, facts.where)
     ratios = block_ratios(config, count, facts.where)
@@ -124,7 +132,7 @@ def check_model(config: ToMeConfig, facts: ModelFacts) -> None:
             if at > deepest:
                 continue
             for sublayer in SUBLAYERS:
-                if not config.sublayers[sublayer]:
+                if not config.sublayers[sublayer] or (kinds is not None and sublayer not in kinds[block]):
                     continue
                 ratio, option = _ratio_and_option(config, sublayer, at, ratios.get(block), block)
                 if ratio > config.max_ratio_at(at) + 1e-12:
@@ -138,10 +146,21 @@ def check_model(config: ToMeConfig, facts: ModelFacts) -> None:
                     merges = True
                 else:
                     zeroed.add(f"{option}={ratio!r}")
+    merged_blocks = [block for block in chosen if facts.levels[block] is None or facts.levels[block] <= deepest]
+    have = set().union(*(kinds[block] for block in merged_blocks)) if kinds is not None else set(SUBLAYERS)
     if merges:
+        _absent(config, facts, have)
         return
-    if not any(config.sublayers.values()):
+    on = [sublayer for sublayer in SUBLAYERS if config.sublayers[sublayer]]
+    if not on:
         reason = "merge_attn, merge_crossattn and merge_mlp are all False"
+    elif merged_blocks and not have.intersection(on):
+        off = [f"merge_{sublayer}=False" for sublayer in SUBLAYERS if sublayer not in on]
+        reason = (
+            (" and ".join(off) + ", and " if off else "") + " and ".join(f"merge_{sublayer}=True" for sublayer in on)
+            + f" act{'s' if len(on) == 1 else ''} on {' and '.join(KIND_NAMES[sublayer] for sublayer in on)}, which no "
+            f"merged block of {facts.where} has"
+        )
     elif config.matching == "cell":
         reason = "matching='cell' with 1x1 cells pools nothing"
     elif not chosen:
@@ -149,6 +168,23 @@ def check_model(config: ToMeConfig, facts: ModelFacts) -> None:
     else:
         reason = f"{', '.join(sorted(zeroed))} (no merged block has a ratio above 0)"
     _nothing(facts, reason)
+
+
+def _absent(config: ToMeConfig, facts: ModelFacts, have: AbstractSet[str]) -> None:
+    """Warn for each option that acts on a kind of sub-layer that no merged block of the model has (``have``: the
+    kinds they have): it changes nothing there. ``merge_attn`` is on by default, so only its ratio counts."""
+    for kind in SUBLAYERS:
+        ratio = getattr(config, f"{kind}_ratio")
+        given = ([f"merge_{kind}=True"] if kind != "attn" and config.sublayers[kind] else []) + (
+            [f"{kind}_ratio={ratio!r}"] if ratio is not None else []
+        )
+        if kind not in have and given:
+            warnings.warn(
+                f"ToMe patch on {facts.where}: {' and '.join(given)} act{'s' if len(given) == 1 else ''} on "
+                f"{KIND_NAMES[kind]}, which no merged block "
+                f"of {facts.where} has, so it changes nothing there; leave it out",
+                UserWarning, stacklevel=5,
+            )
 
 
 def _ratio_and_option(config: ToMeConfig, sublayer: str, level: int, block_ratio: Optional[float], block: int):

@@ -106,7 +106,8 @@ class BasicTransformerBlock(Module):
 
     def forward(self, hidden_states, encoder_hidden_states=None):
         hidden_states = hidden_states + self.attn1(hidden_states)
-        hidden_states = hidden_states + self.attn2(hidden_states, encoder_hidden_states=encoder_hidden_states)
+        if self.attn2 is not None:  # None: a block without cross-attention
+            hidden_states = hidden_states + self.attn2(hidden_states, encoder_hidden_states=encoder_hidden_states)
         return hidden_states + self.ff(hidden_states)
 
 
@@ -253,6 +254,37 @@ def test_a_model_without_known_blocks_is_refused_at_patch():
 
     with pytest.raises(ValueError, match=r"nothing to patch: .*Plain contains no transformer block ToMe knows"):
         driver.patch(FW, Plain(), {})
+
+
+def test_an_object_that_is_no_model_is_named_first_with_how_to_load_a_name():
+    with pytest.raises(TypeError, match=r"^ToMe patches a pipeline or a model; got None\. It takes a fake Module$"):
+        driver.patch(FW, None, {})
+    with pytest.raises(TypeError, match=(
+        r"^ToMe patches a pipeline or a model; got str 'some/model': a model id or folder is not a model; load it first, "
+        r"e\.g\. pipe = DiffusionPipeline\.from_pretrained\('some/model'\), then patch\(pipe\)\. It takes a fake Module$"
+    )):
+        driver.patch(FW, "some/model", {})
+    with pytest.raises(TypeError, match=r"^remove takes a patched pipeline or model; got None$"):
+        driver.remove(FW, None)
+    with pytest.raises(TypeError, match=r"^patched_models takes a pipeline or a model; got None$"):
+        driver.patched_models(FW, None)
+
+
+def test_cross_attention_options_on_blocks_without_it_warn_and_alone_merge_nothing():
+    model, inputs = Transformer(), _inputs(duplicated=False)
+    for block in model.blocks:
+        block.attn2 = None
+    unpatched, _ = _run(model, inputs)
+    with pytest.warns(UserWarning, match=r"^ToMe patch on Transformer: merge_crossattn=True acts on cross-attention, which no "):
+        driver.patch(FW, model, {"ratio": 0.5, "merge_crossattn": True})
+    assert _run(model, inputs)[1] == [32, 32]  # self-attention merges as without the option
+    with pytest.warns(UserWarning, match=(
+        r"^ToMe patch on Transformer merges no tokens: merge_attn=False and merge_mlp=False, and merge_crossattn=True "
+        r"acts on cross-attention, which no merged block of Transformer has$"
+    )):
+        driver.patch(FW, model, {"ratio": 0.5, "merge_attn": False, "merge_crossattn": True})
+    np.testing.assert_array_equal(_run(model, inputs)[0], unpatched)
+    driver.remove(FW, model)
 
 
 def test_a_call_outside_timestep_range_runs_unmerged_and_exactly():

@@ -144,11 +144,12 @@ def test_bad_options_raise_clear_errors(tiny, options, error, message):
 def test_objects_without_a_unet_raise_naming_what_is_accepted(tiny):
     import flax.linen as nn
 
-    with pytest.raises(TypeError, match="ToMe can patch a diffusers Flax pipeline .* got builtins.str"):
+    with pytest.raises(TypeError, match=r"^ToMe patches a pipeline or a model; got str 'unet': .*FlaxStableDiffusionPipeline"
+                                        r"\.from_pretrained\('unet'\).*It takes a diffusers Flax pipeline"):
         tome.patch("unet")
-    with pytest.raises(TypeError, match="FlaxUNet2DConditionModel or a FlaxControlNetModel; got flax.linen"):
+    with pytest.raises(TypeError, match="^ToMe patches a pipeline or a model; got flax.linen.*FlaxControlNetModel$"):
         tome.patch(nn.Dense(3))
-    with pytest.raises(TypeError, match="ToMe can patch"):
+    with pytest.raises(TypeError, match="^remove takes a patched pipeline or model; got int 42$"):
         tome.remove(42)
 
 

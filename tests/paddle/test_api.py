@@ -160,7 +160,7 @@ def test_blocks_outside_a_2d_transformer_raise_a_clear_error():
 @pytest.mark.parametrize(
     "obj, error, message",
     [
-        ("a pipeline", TypeError, "ToMe can patch a ppdiffusers DiffusionPipeline.*got builtins.str"),
+        ("a pipeline", TypeError, "ToMe patches a pipeline or a model; got str 'a pipeline'.*It takes a ppdiffusers DiffusionPipeline"),
         (paddle.nn.Linear(2, 2), ValueError, "nothing to patch: Linear contains no transformer block ToMe knows; pass a pipeline, or its UNet"),
     ],
 )

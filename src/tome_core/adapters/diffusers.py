@@ -42,11 +42,8 @@ from tome_core.shards import Shards
 from tome_core.state import ToMeState
 
 ACCEPTED = (
-    "a diffusers DiffusionPipeline, a UNet2DConditionModel, a UNet2DModel, a Kandinsky3UNet, a StableCascadeUNet, "
-    "a ControlNetModel (or MultiControlNetModel), a video UNet (UNetMotionModel, UNetSpatioTemporalConditionModel, "
-    "UNet3DConditionModel), an "
-    "SD3Transformer2DModel, FluxTransformer2DModel, PixArtTransformer2DModel or DiTTransformer2DModel (or their "
-    "ControlNets), or a torch.nn.Module containing diffusers transformer blocks"
+    "a diffusers DiffusionPipeline or one of its models (a UNet, ControlNet or diffusion transformer, image or video: "
+    "docs/models.md lists every class), or a torch.nn.Module holding diffusers transformer blocks"
 )
 # Processors that build their attention scores from a whole-batch ``attention_mask`` without calling SDPA.
 MASK_PROCESSORS = processors.CLASSIC | processors.MASKED_TWINS

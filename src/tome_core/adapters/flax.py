@@ -44,6 +44,7 @@ from tome_core.attention_bias import SizeBias
 from tome_core.config import ToMeConfig, document
 from tome_core.framework import PostHook, PreHook, argument
 from tome_core.levels import finest_attention_level
+from tome_core.model_tree import not_a_model
 from tome_core.plan import plan_model
 from tome_core.selection import ModelFacts, check_model
 from tome_core.state import ToMeState
@@ -54,6 +55,7 @@ ACCEPTED = (
     "a diffusers Flax pipeline with a FlaxUNet2DConditionModel `unet` (e.g. FlaxStableDiffusionPipeline, "
     "FlaxStableDiffusionControlNetPipeline), a FlaxUNet2DConditionModel or a FlaxControlNetModel"
 )
+LOAD = "pipe, params = FlaxStableDiffusionPipeline.from_pretrained({name})"
 # Order of a UNet's parts in the torch model's module list: the partition stream of a block is its index in
 # that order, so the same seed and timestep give the same partition in torch and in Flax.
 _TORCH_PART_ORDER = {"down_blocks": 0, "up_blocks": 1, "mid_block": 2}
@@ -443,7 +445,7 @@ def _pipeline_models(pipe: FlaxDiffusionPipeline) -> Dict[str, nn.Module]:
     }
 
 
-def _check(obj: Any) -> None:
+def _check(obj: Any, entry: str = "patch") -> None:
     if isinstance(obj, FlaxDiffusionPipeline):
         if not _pipeline_models(obj):
             raise ValueError(
@@ -451,7 +453,7 @@ def _check(obj: Any) -> None:
                 f"FlaxControlNetModel `controlnet`; ToMe can patch {ACCEPTED}"
             )
     elif not isinstance(obj, LATENT_MODELS):
-        raise TypeError(f"ToMe can patch {ACCEPTED}; got {type(obj).__module__}.{type(obj).__qualname__}")
+        raise not_a_model(ACCEPTED, obj, entry, LOAD)
 
 
 def _seed_from_key(seed: Any) -> Any:
@@ -486,7 +488,7 @@ def patch(obj: Any, **options: Any) -> Any:
 
 def remove(obj: Any) -> Any:
     """Undo :func:`patch`: a model gives back the original module, a pipeline is restored in place."""
-    _check(obj)
+    _check(obj, "remove")
     if not isinstance(obj, FlaxDiffusionPipeline):
         return _original(obj)
     for name, model in _pipeline_models(obj).items():

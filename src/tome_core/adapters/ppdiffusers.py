@@ -68,8 +68,8 @@ from tome_core.state import ToMeState
 
 Layer = paddle.nn.Layer
 ACCEPTED = (
-    "a ppdiffusers DiffusionPipeline, a UNet2DConditionModel, a ControlNetModel (or MultiControlNetModel), an "
-    "SD3Transformer2DModel or a patchified (DiT) Transformer2DModel, or a paddle.nn.Layer containing ppdiffusers "
+    "a ppdiffusers DiffusionPipeline or one of its models (a UNet, video UNet, ControlNet, SD3Transformer2DModel or "
+    "patchified (DiT) Transformer2DModel: README.md lists them), or a paddle.nn.Layer holding ppdiffusers "
     "transformer blocks"
 )
 # Processors that add a whole-batch ``attention_mask`` ([B, 1, K] is broadcast over heads and queries) to
@@ -465,7 +465,7 @@ DiT) or one such model. A model it cannot handle is refused here with an error s
 
 def remove(obj: Any) -> Any:
     """Undo :func:`patch`, or ppdiffusers' own ``apply_tome``, in place (a no-op when unpatched); return ``obj``."""
-    patched = bool(driver.patched_models(FRAMEWORK, obj))
+    patched = bool(driver.patched_models(FRAMEWORK, obj, "remove"))
     driver.remove(FRAMEWORK, obj, undo=_undo)
     if patched:
         _drop_static_programs(obj)
