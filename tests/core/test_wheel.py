@@ -37,3 +37,17 @@ def test_the_wheel_holds_the_library_alone(tmp_path):
     assert code == expected
     assert {name.split("/")[0].split("/")[0] for name in code} == {"tome_core"}
     assert not any(part in name for name in code for part in ("bench", "presets", "train", "_models"))
+
+
+def test_the_paddle_extra_pins_what_ppdiffusers_imports_with():
+    """``pip install ".[paddle]"`` alone resolved huggingface_hub 2.x, which ppdiffusers 0.29 cannot import
+    (``repo_type_and_id_from_hf_id``): the extra pins the releases the paddle test sessions install (noxfile.py),
+    and the README's install line says what it installs."""
+    tomllib = pytest.importorskip("tomllib")
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["paddle"]
+    pins = dict(requirement.split("==") for requirement in extra if "==" in requirement)
+    assert set(pins) == {"ppdiffusers", "paddlenlp", "huggingface_hub", "aistudio-sdk"}, extra
+    sessions = (ROOT / "noxfile.py").read_text()
+    for name, version in pins.items():
+        assert f'"{name}=={version}"' in sessions, (name, version)
+    assert "huggingface_hub 0.25.2" in (ROOT / "README.md").read_text()
