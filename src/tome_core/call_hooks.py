@@ -1,6 +1,7 @@
 """The hooks on a patched model: :class:`CallStart` begins each call (its timestep, its latent or token
 grid as the model's :mod:`~tome_core.grid_readers` reader places it, context parallelism), the grid hooks tell
-blocks their grid where the model's input does not. Framework-free."""
+blocks their grid where the model's input does not; on a patched pipeline, :class:`Generations` counts its
+generations and :class:`GridTeller` tags the ids it makes with their grid. Framework-free."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from .backend import get_ops
-from .families import CHANNELS_LAST_GRID_CONTAINERS, child_at, model_layout
+from .families import CHANNELS_LAST_GRID_CONTAINERS, IDS_MAKERS, IdsMaker, child_at, model_layout
 from .framework import Framework, TIMESTEPS, argument, argument_positions, forward_of
-from .grid_readers import Call, grid_reader, mixed_sizes
+from .grid_readers import Call, grid_reader, mixed_sizes, tell_grid
 from .levels import spatial_size
 from .model_tree import grid_modules, is_transformer_model, is_unet_like
 from .plan import ModelPlan
@@ -231,7 +232,8 @@ def generations(pipeline: Any) -> Optional[Generations]:
 
 
 def forget_generations(pipeline: Any) -> None:
-    """Take the counter of :func:`generations` off ``pipeline``'s scheduler (at ``remove``)."""
+    """Take what ``patch`` put on ``pipeline`` off again (at ``remove``): the counter of :func:`generations` on its
+    scheduler, and the grid tellers of :func:`tell_grids` on the pipeline."""
     scheduler = getattr(pipeline, "scheduler", None)
     counter = getattr(scheduler, "__dict__", {}).get("set_timesteps")
     if isinstance(counter, Generations):
@@ -239,6 +241,13 @@ def forget_generations(pipeline: Any) -> None:
             del scheduler.__dict__["set_timesteps"]
         else:
             scheduler.__dict__["set_timesteps"] = counter.before
+    for maker in IDS_MAKERS:
+        teller = getattr(pipeline, "__dict__", {}).get(maker.method)
+        if isinstance(teller, GridTeller):
+            if teller.before is None:
+                del pipeline.__dict__[maker.method]
+            else:
+                pipeline.__dict__[maker.method] = teller.before
 
 
 class PipelineWatch:
@@ -267,3 +276,49 @@ def generation(watch: Optional[PipelineWatch]) -> Optional[Tuple[int, int]]:
     pipeline = watch.pipeline() if watch is not None else None
     counter = generations(pipeline) if pipeline is not None else None
     return None if counter is None else (counter.serial, counter.count)
+
+
+# ------------------------------------------------------------------ grids the pipeline knows: told, not read
+
+
+class GridTeller:
+    """What a patched pipeline runs as one of its ids makers (:data:`~tome_core.families.IDS_MAKERS`; an attribute
+    of that pipeline object, its class untouched): the pipeline's own method, whose ids it then tags with the grid
+    they place (:func:`~tome_core.grid_readers.tell_grid`), from the height and width the pipeline passed. A
+    patched model called with those very ids places its tokens by that grid, with no host read of the ids, so
+    ``torch.compile(transformer, fullgraph=True)`` traces each generation's new ids."""
+
+    def __init__(self, pipeline: Any, maker: IdsMaker, before: Optional[Callable[..., Any]]):
+        self.pipeline = pipeline
+        self.maker = maker
+        self.before = before  # a maker the object itself held before this one (None: its class's)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        own = self.before or _class_method(self.pipeline, self.maker.method)
+        ids = own(*args, **kwargs)
+        given = inspect.signature(own).bind(*args, **kwargs).arguments
+        tell_grid(ids, given.get(self.maker.rows), given.get(self.maker.cols))
+        return ids
+
+
+def _class_method(obj: Any, name: str) -> Callable[..., Any]:
+    """``obj``'s method ``name`` as its class defines it (a static method as its function)."""
+    return inspect.getattr_static(type(obj), name).__get__(obj, type(obj))
+
+
+def tell_grids(fw: Framework, pipeline: Any) -> None:
+    """Put a :class:`GridTeller` on each ids maker ``pipeline`` has (at ``patch``; a model patched alone has none:
+    its ids are read on the host once per ids array). A maker without the arguments its
+    :class:`~tome_core.families.IdsMaker` names is left as it is."""
+    if fw.is_module(pipeline) or not hasattr(pipeline, "__dict__"):
+        return
+    for maker in IDS_MAKERS:
+        own = getattr(pipeline, maker.method, None)
+        if not callable(own) or isinstance(own, GridTeller):
+            continue
+        try:
+            names = inspect.signature(own).parameters
+        except (TypeError, ValueError):
+            continue
+        if maker.rows in names and maker.cols in names:
+            pipeline.__dict__[maker.method] = GridTeller(pipeline, maker, pipeline.__dict__.get(maker.method))

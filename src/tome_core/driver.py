@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, NamedTuple
 
 from .arrangement_rules import arrangement_error, arrangement_problem
 from .block_hooks import BlockRun, SublayerHooks, block_problem
-from .call_hooks import CallStart, PipelineWatch, call_ends, forget_generations, generations, grid_hooks
+from .call_hooks import CallStart, PipelineWatch, call_ends, forget_generations, generations, grid_hooks, tell_grids
 from .config import ToMeConfig
 from .families import attends_text_only, child_at
 from .framework import Framework
@@ -147,6 +147,7 @@ def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any]
     remove(fw, obj, undo)
     for plan in plans:
         attach(fw, plan)
+    tell_grids(fw, obj)  # a pipeline's ids carry their grid: no host read, so fullgraph compiles trace them
     if config.reuse_steps > 1 and not fw.is_module(obj) and generations(obj) is not None:
         for model in models:  # each call of the pipeline starts a generation (ToMeState.follow_generation)
             model.__dict__["_tome_patch"].state.pipeline = PipelineWatch(obj)

@@ -960,6 +960,22 @@ def model_layout(cls: type) -> ModelLayout:
     return _nearest(_MODEL_LAYOUTS, cls) or _DEFAULT_LAYOUT
 
 
+@dataclass(frozen=True)
+class IdsMaker:
+    """A pipeline method that makes the ids of packed image tokens, one raster grid of ``rows x cols`` tokens (its
+    arguments of those names, in tokens): ``patch`` on a pipeline wraps it on that pipeline object
+    (:func:`~tome_core.call_hooks.tell_grids`) so that the ids it returns carry their grid, and the model's reader
+    places its tokens without reading the ids on the host, a graph break that ``torch.compile(fullgraph=True)``
+    refuses (a pipeline makes new ids in every generation)."""
+
+    method: str
+    rows: str = "height"
+    cols: str = "width"
+
+
+# Flux's pipelines and their kin (Chroma, Bria, Ovis-Image; ppdiffusers' Flux): a static method of the pipeline
+IDS_MAKERS: Tuple[IdsMaker, ...] = (IdsMaker("_prepare_latent_image_ids"),)
+
 # Containers whose 4-D input ``(batch [* frames], C, H, W)`` is the token grid of the (spatial) blocks inside.
 GRID_CONTAINERS: Tuple[str, ...] = ("Transformer2DModel", "TransformerSpatioTemporalModel", "DreamLiteTransformer2DModel")
 # 2-D containers whose 4-D input is channels-last ``(batch, H, W, C)``: diffusers' Flax Transformer2DModel.

@@ -15,6 +15,7 @@ A new layout is a new reader here and a line in :func:`grid_reader`. Framework-f
 from __future__ import annotations
 
 import inspect
+import numbers
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from .backend import get_ops
@@ -79,7 +80,8 @@ class Reader:
 
 
 class PackedIds(Reader):
-    """Packed image tokens ``[B, N, C]`` placed by their ids ``[N, 3]`` (Flux's ``img_ids``)."""
+    """Packed image tokens ``[B, N, C]`` placed by their ids ``[N, 3]`` (Flux's ``img_ids``): by the grid their
+    pipeline told (:func:`told_grid`), else read on the host once per ids array."""
 
     def __init__(self, fw: Framework, model: Any):
         super().__init__(fw, model, *TOKEN_IDS)
@@ -89,6 +91,9 @@ class PackedIds(Reader):
         if ids is None:
             raise ValueError("ToMe needs img_ids to place packed image tokens on their grid")
         tokens = call.shape[1]
+        told = told_grid(ids, tokens)
+        if told is not None:
+            return Placed(told)
 
         def read(values: List[float], shape: Tuple[int, ...]) -> Optional[Placed]:
             # the output image's raster grid, then reference images' tokens (leading_raster); or the grid last,
@@ -299,6 +304,31 @@ def _frames(ids: Sequence[Sequence[float]]) -> int:
     """How many frames a run of ``(t, row, col)`` ids that :func:`~tome_core.levels.indicated_run` placed holds:
     its tokens over those of its last frame (its last time)."""
     return len(ids) // sum(1 for token in ids if token[0] == ids[-1][0])
+
+
+GRID_TAG = "_tome_grid"  # the attribute that tells the raster grid of ids a pipeline made (tell_grid)
+
+
+def tell_grid(ids: Any, rows: Any, cols: Any) -> None:
+    """Tag ``ids`` ``[..., N, k]`` that a pipeline's :class:`~tome_core.families.IdsMaker` made with their raster
+    grid, ``(rows, cols)`` as Python ints (a compiler guards on them), where ``N`` is ``rows * cols``; an array
+    type that takes no attributes is left untagged (its ids are then read on the host)."""
+    if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in (rows, cols)):
+        return
+    shape = get_ops(ids).shape(ids)
+    if len(shape) >= 2 and shape[-2] == rows * cols:
+        try:
+            setattr(ids, GRID_TAG, (int(rows), int(cols)))
+        except (AttributeError, TypeError):
+            pass
+
+
+def told_grid(ids: Any, tokens: int) -> Optional[Tuple[int, int]]:
+    """The grid :func:`tell_grid` gave ``ids``, where it places all of a call's ``tokens`` image tokens; else None."""
+    grid = getattr(ids, GRID_TAG, None)
+    if grid is None or grid[0] * grid[1] != tokens or get_ops(ids).shape(ids)[-2] != tokens:
+        return None
+    return grid
 
 
 def grid_reader(fw: Framework, model: Any) -> Reader:

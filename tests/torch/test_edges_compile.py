@@ -11,11 +11,13 @@ import warnings
 import pytest
 import torch
 import torch._dynamo
+import torch._dynamo.testing
 import torch.nn.functional as F
 
 import tome_core.torch as tome
 from tome_tools.diffusers_models import (
-    build_transformer, build_unet, build_video_transformer, transformer_inputs, video_transformer_inputs,
+    build_transformer, build_transformer_pipeline, build_unet, build_video_transformer, transformer_inputs,
+    video_transformer_inputs,
 )
 
 
@@ -161,3 +163,63 @@ def test_two_messages_of_edges_round_three_say_what_is_wrong(options, message):
     with pytest.raises((TypeError, ValueError)) as error:
         tome.patch(build_unet("tiny"), **options)
     assert message in str(error.value)
+
+
+def _flux_pipeline():
+    """A tiny FluxPipeline and ``run()``: one generation of 2 steps at 32x32 pixels (a 2x2 token grid), seeded."""
+    pipe, call = build_transformer_pipeline("flux")
+    pipe.set_progress_bar_config(disable=True)
+
+    def run():
+        with torch.no_grad():
+            return pipe(
+                height=32, width=32, num_inference_steps=2, generator=torch.Generator().manual_seed(0),
+                output_type="latent", **call,
+            ).images
+
+    return pipe, run
+
+
+def test_a_flux_pipeline_with_its_transformer_compiled_fullgraph_runs_patched():
+    """Also seen in edges round three: ``torch.compile(pipe.transformer, fullgraph=True)`` of a patched Flux
+    pipeline failed in every generation, as the transformer read each generation's new img_ids on the host (a
+    graph break). The patched pipeline now tells the ids it makes their grid: two generations trace with no break
+    and no new graph for the second, and equal the eager patched pipeline's."""
+    pipe, run = _flux_pipeline()
+    plain = run()
+    tome.patch(pipe, ratio=0.5, min_tokens=0)
+    eager = run()
+    assert not torch.allclose(eager, plain, atol=1e-3)  # it merges
+    backend = torch._dynamo.testing.CompileCounter()
+    pipe.transformer = torch.compile(pipe.transformer, backend=backend, fullgraph=True)
+    first = run()
+    graphs = backend.frame_count
+    second = run()
+    assert backend.frame_count == graphs
+    for compiled in (first, second):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_the_grid_a_flux_pipeline_tells_is_the_grid_its_ids_give_and_remove_takes_the_teller_off():
+    """The patched pipeline's ids maker, an attribute of that pipeline object, tags the ids with the grid the
+    transformer read from them before (the pipeline's output equals that of its transformer patched alone), and
+    ``remove`` leaves the pipeline's attributes exactly as they were (a maker the object held itself restored)."""
+    pipe, run = _flux_pipeline()
+    cls = type(pipe)
+    tome.patch(pipe.transformer, ratio=0.5, min_tokens=0)
+    alone = run()
+    before = dict(vars(pipe))
+    tome.patch(pipe, ratio=0.5, min_tokens=0)
+    ids = pipe._prepare_latent_image_ids(1, 3, 5, "cpu", torch.float32)
+    assert ids._tome_grid == (3, 5) and set(vars(pipe)) == set(before) | {"_prepare_latent_image_ids"}
+    assert torch.equal(run(), alone)
+    tome.remove(pipe)
+    assert vars(pipe) == before and pipe._prepare_latent_image_ids is cls._prepare_latent_image_ids
+    def own(batch_size, height, width, device, dtype):  # a maker the object holds itself
+        return cls._prepare_latent_image_ids(batch_size, height, width, device, dtype)
+
+    pipe._prepare_latent_image_ids = own
+    tome.patch(pipe, ratio=0.5, min_tokens=0)
+    assert pipe._prepare_latent_image_ids(1, 2, 2, "cpu", torch.float32)._tome_grid == (2, 2)
+    tome.remove(pipe)
+    assert pipe._prepare_latent_image_ids is own
