@@ -88,6 +88,11 @@ class Framework(Protocol):
         returns the very output object of an earlier call), or raises ValueError naming a cache that builds
         new outputs from earlier ones (those were merged by other matches)."""
 
+    def inform(self, message: str) -> None:
+        """Tell the user ``message`` where users of this framework's pipelines read what their library reports: its
+        logger, at info level (:attr:`ToMeState.inform <tome_core.state.ToMeState.inform>`; a word the user can act
+        on, not a warning: the default running a small level unmerged, where merging would not pay)."""
+
 
 def argument(args: Sequence[Any], kwargs: Dict[str, Any], name: str, position: Optional[int]) -> Any:
     """The argument ``name`` of a call: by keyword, else positional at ``position``; None where it was not passed."""

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from .backend import get_ops
 from .config import DEFAULT_FRAME_WINDOW, ToMeConfig
@@ -29,6 +30,8 @@ class LevelStats:
 
 # A block's level in a call's statistics: (downsample factor, why its options are the fallback's, or None).
 Level = Tuple[int, Optional[str]]
+
+UNPAID = "unpaid"  # in ToMeState.said: the user was told that merging would not pay at some level
 
 
 @dataclass
@@ -68,7 +71,10 @@ class ToMeState:
     held: Dict[str, int] = field(default_factory=dict)  # why: blocks this call's own arguments ran unmerged (hold)
     shards: Optional[Shards] = None  # how context parallelism splits this call's tokens (None: it does not)
     where: str = "the model"  # the patched model's class, for warnings
-    said: set = field(default_factory=set)  # warnings given (each once per patch)
+    said: set = field(default_factory=set)  # warnings given (each once per patch), and UNPAID once told
+    # where a word for the user goes (:meth:`_tell_unpaid`): the framework's ``Framework.inform`` (its library's
+    # logger at info level); Python's logger "tome_core" where no framework gave one
+    inform: Callable[[str], None] = field(default=logging.getLogger("tome_core").info, repr=False, compare=False)
     # a call of the model is in flight (from begin_call to the model's return): the blocks it lends (ModelLayout.lent)
     # run unmerged outside one, when another model that borrowed them runs them (the Z-Image ControlNet runs its
     # transformer's noise refiner); every other block, recomputed in backward after the call, merges as it did
@@ -257,6 +263,8 @@ class ToMeState:
         why = self._unpaid(place, execution, config)
         if why is not None:
             self.unpaid_block(place.factor, why, place.tokens)
+            if execution[1] != "compiled":  # a compiler's trace cannot log (dynamo refuses it in a fullgraph trace)
+                self._tell_unpaid(place.factor, why)
             return None, None, (place.factor, why, place.tokens)
         matches = self.block_matches(image, stream, shared, block_ratio, config, fallback, place=found)
         return matches, self._level(place, matches, fallback), None
@@ -271,6 +279,23 @@ class ToMeState:
         pieces = self.shards.count if self.shards is not None else 1  # decided as for the whole sequence
         device, how = execution
         return why_unpaid(place.tokens * pieces, device, how, arrangement_of(config.mode, config.matching), min_tokens)
+
+    def _tell_unpaid(self, factor: int, why: str) -> None:
+        """Tell the user once per patch (:attr:`inform`) that blocks at level ``factor`` run unmerged because of
+        ``why`` (merging would not pay there), and how to merge anyway: otherwise a patched model that merges
+        nothing looks like one that merges, unless its user reads ``summary()``."""
+        if UNPAID in self.said:
+            return
+        self.said.add(UNPAID)
+        how = (
+            "To merge there, lower min_tokens (0 merges at every size)" if self.config.min_tokens is not None else
+            "To merge at every size, pass min_tokens=0 or choose the arrangement yourself (mode='tokens' or "
+            "mode='kv', or a ratio)"
+        )
+        self.inform(
+            f"ToMe on {self.where}: its blocks at {scale(factor)} run unmerged: {why}. {how}; summary() tells what "
+            "each call merged (said once)"
+        )
 
     def hold(self, why: str) -> None:
         """Count a block that this call's own arguments run unmerged, because of ``why``, for :meth:`summary`."""

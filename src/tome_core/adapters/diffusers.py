@@ -363,6 +363,13 @@ class TorchFramework:
                 "proportional_attn=False or use an SDPA processor"
             )
 
+    def inform(self, message: str) -> None:
+        """Log ``message`` at info level under diffusers' logger, which ``diffusers.utils.logging.set_verbosity_info()``
+        shows."""
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.get_logger("diffusers.tome_core").info(message)
+
 
 FRAMEWORK = TorchFramework()
 

@@ -38,6 +38,7 @@ from diffusers.models.attention_flax import FlaxAttention
 from diffusers.models.controlnets.controlnet_flax import FlaxControlNetModel
 from diffusers.models.unets.unet_2d_condition_flax import FlaxUNet2DConditionModel
 from diffusers.pipelines.pipeline_flax_utils import FlaxDiffusionPipeline
+from diffusers.utils import logging as diffusers_logging
 
 from tome_core import driver
 from tome_core.attention_bias import SizeBias
@@ -246,6 +247,11 @@ class _CallHooks:
 
     def output_cache(self, module: nn.Module) -> None:
         return None
+
+    def inform(self, message: str) -> None:
+        """Log ``message`` at info level with Python's logging, under diffusers' logger (its Flax models are
+        diffusers'), which ``diffusers.utils.logging.set_verbosity_info()`` shows."""
+        diffusers_logging.get_logger("diffusers.tome_core").info(message)
 
 
 class _Recorder(threading.local):

@@ -42,6 +42,7 @@ ppdiffusers installs its own ToMe port (``apply_tome``, which swaps block classe
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -334,6 +335,16 @@ class PaddleFramework:
             f"of a merged attention computes attention without paddle.nn.functional.{SDPA} or a whole-batch "
             "attention_mask, so the merged tokens' sizes cannot reach it; pass proportional_attn=False"
         )
+
+    def inform(self, message: str) -> None:
+        """Log ``message`` at info level under ppdiffusers' logger, which ``ppdiffusers.utils.logging.set_verbosity_info()``
+        shows (Python's logger "tome_core" for a paddle model without ppdiffusers installed)."""
+        try:
+            from ppdiffusers.utils import logging as ppdiffusers_logging
+        except ImportError:
+            logging.getLogger("tome_core").info(message)
+            return
+        ppdiffusers_logging.get_logger("ppdiffusers.tome_core").info(message)
 
 
 FRAMEWORK = PaddleFramework()
