@@ -1,16 +1,62 @@
-"""The PyTorch snippets of the README and of the guides (docs/) run as written and do what their comments say."""
+"""The PyTorch snippets of the README and of the guides (docs/) run as written and do what their comments say,
+as a user runs them: from a directory outside the clone, with the library and diffusers alone (``tome_tools``
+cannot be imported there). The models a snippet loads by id are tiny stand-ins with random weights, saved by the
+test under that id in the snippet's working directory, where ``from_pretrained`` reads a local folder of that
+name before it would ask the Hub."""
 
 from __future__ import annotations
 
+import importlib
+import os
+import pathlib
+import sys
+
 import pytest
+
+from tome_tools.diffusers_models import build_pipeline
 
 # the snippets run as a user runs them: with the measured bounds of tome_core.cost (tiny models pass min_tokens=0)
 pytestmark = pytest.mark.cost_model
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SD = "stable-diffusion-v1-5/stable-diffusion-v1-5"
+SDXL = "stabilityai/stable-diffusion-xl-base-1.0"
 
-def test_quick_start_snippet_patches_and_restores_the_pipeline(readme_code, capsys):
-    namespace: dict = {}
-    exec(compile(readme_code("Quick start: PyTorch / diffusers"), "README.md", "exec"), namespace)
+
+@pytest.fixture
+def outside_clone(tmp_path, monkeypatch):
+    """``run(code, path, models)``: exec ``code`` (from the file ``path``) in a fresh namespace, returned, with
+    each of ``models`` (id -> pipeline or model) saved at its id under the working directory, a temporary one; the
+    clone's root off ``sys.path`` and ``tome_tools`` not importable while it runs."""
+
+    def run(code: str, path: str, models: dict) -> dict:
+        for name, model in models.items():
+            model.save_pretrained(tmp_path / name)
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".") and pathlib.Path(p).resolve() != ROOT])
+        for name in [m for m in sys.modules if m == "tome_tools" or m.startswith("tome_tools.")]:
+            monkeypatch.delitem(sys.modules, name)
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module("tome_tools")
+        namespace: dict = {}
+        exec(compile(code, path, "exec"), namespace)
+        return namespace
+
+    return run
+
+
+def test_snippets_import_only_the_library_and_what_users_install(readme_code, guide_code):
+    """No snippet of the README or of a guide imports the clone's tools."""
+    codes = [readme_code(title) for title in ("Quick start: PyTorch / diffusers", "Quick start: PaddlePaddle / ppdiffusers",
+                                              "Quick start: JAX / Flax diffusers")]
+    codes += [guide_code(page)[0] for page in ("index", "compile", "high-resolution", "training")]
+    assert all(code and "tome_tools" not in code for code in codes)
+
+
+def test_quick_start_snippet_patches_and_restores_the_pipeline(readme_code, outside_clone, capsys):
+    namespace = outside_clone(
+        readme_code("Quick start: PyTorch / diffusers"), "README.md", {SD: build_pipeline("sd"), SDXL: build_pipeline("sdxl")}
+    )
     printed = capsys.readouterr().out
     assert "1/1 scale: 3 blocks unmerged: 1024 tokens, fewer than the 4096 " in printed  # the toy, below the bound
     assert "1/2 scale: 6 blocks, 256 -> 64 keys/values (75% merged; kv, 2x2 cells)" in printed  # SDXL, min_tokens=0
@@ -24,9 +70,8 @@ def test_quick_start_snippet_patches_and_restores_the_pipeline(readme_code, caps
     assert model is pipe.unet and state.config.ratio == 0.5
 
 
-def test_home_page_snippet_patches_runs_and_removes(guide_code, capsys):
-    namespace: dict = {}
-    exec(compile(*guide_code("index"), "exec"), namespace)
+def test_home_page_snippet_patches_runs_and_removes(guide_code, outside_clone, capsys):
+    namespace = outside_clone(*guide_code("index"), {SD: build_pipeline("sd")})
     assert "1/1 scale: 3 blocks unmerged: 1024 tokens" in capsys.readouterr().out
     pipe = namespace["pipe"]
     assert not any("_tome_patch" in m.__dict__ for m in pipe.unet.modules())
@@ -40,9 +85,8 @@ def test_transformer_snippet_merges_image_tokens_and_restores(guide_code):
     assert not namespace["tome"].patched_models(pipe)  # removed again
 
 
-def test_high_resolution_snippet_runs_every_arrangement(guide_code, capsys):
-    namespace: dict = {}
-    exec(compile(*guide_code("high-resolution"), "exec"), namespace)
+def test_high_resolution_snippet_runs_every_arrangement(guide_code, outside_clone, capsys):
+    namespace = outside_clone(*guide_code("high-resolution"), {SD: build_pipeline("sd")})
     lines = capsys.readouterr().out.splitlines()
     printed = [line for line in lines if line.startswith("{")]
     assert len(printed) == 5
@@ -66,15 +110,14 @@ def test_trained_models_snippet_compares_samples(guide_code, capsys, monkeypatch
     assert not namespace["tome"].patched_models(namespace["model"].model)  # removed again
 
 
-def test_compiled_models_snippet_patch_and_remove_take_effect(guide_code):
+def test_compiled_models_snippet_patch_and_remove_take_effect(guide_code, outside_clone):
     """Compiled with dynamo's graph run as captured (backend="eager"): inductor compiles this UNet in minutes on
     two CPU cores; tests/torch/test_compile.py runs inductor on a smaller model."""
     import numpy as np
 
     code, path = guide_code("compile")
     assert "torch.compile(pipe.unet, fullgraph=True)" in code
-    namespace: dict = {}
-    exec(compile(code.replace("fullgraph=True)", 'fullgraph=True, backend="eager")'), path, "exec"), namespace)
+    namespace = outside_clone(code.replace("fullgraph=True)", 'fullgraph=True, backend="eager")'), path, {SD: build_pipeline("sd")})
     plain, merged, again = namespace["plain"], namespace["merged"], namespace["again"]
     assert np.abs(merged - plain).max() > 1e-4
     np.testing.assert_allclose(again, plain, rtol=1e-5, atol=1e-5)
@@ -98,9 +141,8 @@ def test_video_snippet_merges_per_frame_then_across_frames(guide_code, capsys):
     assert not namespace["tome"].patched_models(namespace["pipe"])
 
 
-def test_training_snippet_trains_lora_and_leaves_an_unpatched_lora_unet(guide_code):
-    namespace: dict = {}
-    exec(compile(*guide_code("training"), "exec"), namespace)
+def test_training_snippet_trains_lora_and_leaves_an_unpatched_lora_unet(guide_code, outside_clone):
+    namespace = outside_clone(*guide_code("training"), {SD: build_pipeline("sd")})
     unet, lora = namespace["unet"], namespace["lora"]
     assert lora and all("lora" in key for key in lora)
     assert not namespace["tome"].patched_models(unet)
