@@ -36,15 +36,22 @@ class SizeBias:
         """The bias as a whole-batch additive ``attention_mask`` over the merged tokens (self-attention)."""
         return self.for_keys(self.head + self.match.kept + self.tail, self.like)
 
+    def holds_image(self, keys: int) -> bool:
+        """Whether an attention over ``keys`` keys can attend to the merged image tokens. One over fewer attends to
+        other tokens, each of size 1: the leading head tokens alone (Flux.2 Klein KV's extract step, Qwen-Image 2.1's
+        prefix segments), an IP-Adapter's image prompt (the second attention of Flux's IP-Adapter processor)."""
+        return keys >= self.head + self.match.kept + self.tail
+
     def for_keys(self, keys: int, like: Any) -> Any:
-        """``[B, 1, keys]``: the log sizes where the merged image keys sit, 0 for text, head and tail keys."""
+        """``[B, 1, keys]``: the log sizes where the merged image keys sit, 0 for text, head and tail keys, and 0
+        for every key of an attention to other tokens (:meth:`holds_image`)."""
         ops = get_ops(like)
         match = self.match
+        if not self.holds_image(keys):
+            return ops.zeros((match.batch, 1, keys), like)
         sizes = size_bias(match, like)
-        if self.head and keys <= self.head:  # an attention over (leading) head tokens alone (Flux.2 Klein KV's extract
-            return ops.zeros((match.batch, 1, keys), like)  # step, Qwen-Image 2.1's prefix segments): each of size 1
         text = keys - self.head - match.kept - self.tail
-        if text < 0 or (text and self.text == TEXT_NONE):
+        if text and self.text == TEXT_NONE:
             raise RuntimeError(
                 f"size-aware attention: the attention has {keys} keys but the merged sequence has "
                 f"{self.head + match.kept + self.tail} tokens; pass proportional_attn=False"

@@ -540,7 +540,10 @@ class SublayerHooks:
         image = around_image(image, match.kept, self.run.plan.tail, self.sublayer.text, lambda x: unmerge(x, match), head)
         if index is None:
             return image
-        return type(output)(image if i == index else part for i, part in enumerate(output))
+        extra = self.sublayer.extra_outputs
+        return type(output)(
+            image if i == index else unmerge(part, match) if i in extra else part for i, part in enumerate(output)
+        )
 
     def _gather_masks(self, args, kwargs: Dict[str, Any], match: Match) -> Dict[str, Any]:
         """The sub-layer's token masks (:attr:`Sublayer.masks`) over ``[text; merged image; tail]``."""
@@ -613,6 +616,8 @@ class KernelKeys:
         part of the batch (Mochi attends item by item) holds the items from ``first`` on."""
         match = self.match
         batch, keys = get_ops(x).shape(x)[:2]
+        if not self.holds_image(keys):
+            return x
         words = keys - self.head - match.tokens - self.tail
         if words < 0 or (words and self.text == TEXT_NONE) or first + batch > match.batch:
             raise RuntimeError(
@@ -632,9 +637,17 @@ class KernelKeys:
         whole = ops.concat([*zeros(first), image, *zeros(match.batch - first - batch)], axis=0)
         return merge(whole, match)[first : first + batch]
 
+    def holds_image(self, keys: int) -> bool:
+        """Whether a kernel call over ``keys`` keys can attend to the block's image tokens. One over fewer attends
+        to other tokens, which pass as they are: the leading head tokens alone (Flux.2 Klein KV's extract step,
+        Qwen-Image 2.1's prefix segments), an IP-Adapter's image prompt (:meth:`SizeBias.holds_image`)."""
+        return keys >= self.head + self.match.tokens + self.tail
+
     def reduce_mask(self, mask: Any, axis: int) -> Any:
         """An attention mask whose ``axis`` runs over the kernel call's keys, moved to the merged keys (each
         merged key takes its destination's entry); one broadcast over the keys serves as it is."""
+        if not self.holds_image(get_ops(mask).shape(mask)[axis]):
+            return mask
         return merge_positions((mask,), self.match, axis, self.tail, text_follows(self.text), self.head)[0]
 
 

@@ -53,6 +53,8 @@ class Sublayer:
     kind: which option selects it and which ratio it uses: "attn", "crossattn" or "mlp".
     text: where text tokens sit in its input or attention (``TEXT_*``).
     output: index of the image stream when the sub-layer returns a tuple (joint attention), else None.
+    extra_outputs: indices of further image-token outputs of such a tuple, where present (an IP-Adapter processor's
+        attention to the image prompt, computed from the merged queries): unmerged like ``output``, with no text.
     attention: its keys are its own merged tokens, so size-aware attention applies.
     kv_input: the keyword argument through which the attention takes keys and values apart from its queries
         (diffusers' ``encoder_hidden_states``); the ``kv`` and ``queries`` arrangements need one.
@@ -89,6 +91,7 @@ class Sublayer:
     kind: str
     text: str = TEXT_NONE
     output: Optional[int] = None
+    extra_outputs: Tuple[int, ...] = ()
     attention: bool = False
     kv_input: Optional[str] = None
     text_if: Optional[str] = None
@@ -190,7 +193,9 @@ _SELF_CROSS_MLP = (Sublayer("attn1", "attn", attention=True), Sublayer("attn2", 
 # Wan's block (and AnyFlow's copy): the same sub-layers, its MLP named ffn.
 _WAN = (*_SELF_CROSS_MLP[:2], Sublayer("ffn", "mlp"))
 # FLUX.1's double-stream block: joint attention over [text; image] (image output first), an image MLP.
-_FLUX_DOUBLE = (Sublayer("attn", "attn", text=TEXT_BEFORE, output=0, attention=True), Sublayer("ff", "mlp"))
+_FLUX_DOUBLE = (
+    Sublayer("attn", "attn", text=TEXT_BEFORE, output=0, extra_outputs=(2,), attention=True), Sublayer("ff", "mlp"),
+)
 # FLUX.1's single-stream block: attention and MLP side by side on one normalised [text; image] sequence.
 _FLUX_SINGLE = (Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True), Sublayer("proj_mlp", "mlp", text=TEXT_PREFIX))
 

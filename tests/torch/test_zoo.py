@@ -1515,6 +1515,26 @@ def test_qwen_image_21_merges_its_target_after_the_prefix_and_its_key_cache_stay
     assert set(tokens) == {35} and seen[:2] == [35, ("mlp", 23)] and torch.isfinite(output).all()
 
 
+def test_qwen_image_21_prefix_passes_through_the_kernel_under_kv():
+    """Edges round three, 3: ``mode="kv"`` failed on Qwen-Image 2.1's prefix segments (an attention call over the
+    head of text and condition images alone: a size bias had a branch for it, the kernel's keys none). The prefix
+    now stays exact and the key cache's steps give the prefill's rows."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+    model, inputs = MERGED["QwenImage21Transformer2DModel"]()
+    with torch.no_grad():
+        reference = model(**inputs, return_dict=False)[0]
+    tome.patch(model, ratio=0.5, mode="kv")
+    cache = QwenImage21KVCache(2)
+    with torch.no_grad():
+        output = model(**inputs, return_dict=False)[0]
+        extract = model(**inputs, kv_cache=cache, kv_cache_mode="extract", return_dict=False)[0]
+        cached = model(**inputs, kv_cache=cache, kv_cache_mode="cached", return_dict=False)[0]
+    assert torch.allclose(output[:, :11], reference[:, :11], atol=1e-6)
+    assert float((output[:, 11:] - reference[:, 11:]).abs().max()) > 1e-6
+    assert torch.equal(extract, output) and torch.equal(cached, output[:, 11:])
+
+
 def _cascade_pipeline(stage: str) -> Tuple[Any, Dict[str, Any]]:
     """Stable Cascade's prior (stage C: text, pooled text and image conditions, latents from the image size) or
     decoder (stage B: pooled text, the prior's image embeddings, a tiny Paella VQ-GAN) pipeline from tiny

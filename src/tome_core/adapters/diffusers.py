@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._dynamo.callback import callback_handler, on_compile_start
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.overrides import TorchFunctionMode
 
@@ -85,8 +86,22 @@ _CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 def drop_stale_modes() -> None:
     """Take the size-bias modes of interrupted attention calls (:meth:`_AttentionMode.live`) off torch's function
-    mode stack; every other mode stays, in its order."""
-    if torch.compiler.is_compiling() or not torch._C._len_torch_function_stack():
+    mode stack; every other mode stays, in its order. Not inside traced code, which has no frames to tell: there
+    :func:`_drop_stale_before_compiling` has done it."""
+    if not torch.compiler.is_compiling():
+        _drop_stale()
+
+
+def _drop_stale_before_compiling(_: Any) -> None:
+    """Before dynamo reads torch's function mode stack to trace a frame (a leftover mode there makes every compile
+    break its graph, and ``fullgraph=True`` fail): drop the modes of interrupted attention calls. Registered again
+    by every eager attention call that arms a mode (:func:`_enter_mode`), since ``torch._dynamo.reset()`` clears
+    dynamo's callbacks."""
+    _drop_stale()
+
+
+def _drop_stale() -> None:
+    if not torch._C._len_torch_function_stack():
         return
     stack = torch.overrides._get_current_function_mode_stack()
     if not any(isinstance(mode, _AttentionMode) and (mode.owner is _STALE or not mode.live()) for mode in stack):
@@ -106,8 +121,12 @@ class _AttentionMode(TorchFunctionMode):
     the keys of every process in turn, its own among them: each process's bias over its own keys is gathered in
     that order, as diffusers gathers the keys."""
 
-    def __init__(self, bias: Optional[SizeBias], group: Any = None, owner: Any = None, keys: Optional[KernelKeys] = None):
+    def __init__(
+        self, bias: Optional[SizeBias], group: Any = None, owner: Any = None, keys: Optional[KernelKeys] = None,
+        processor: Any = None,
+    ):
         super().__init__()
+        self.processor = processor  # the attention's processor, which may itself be a module it calls
         self.bias = bias
         self.keys = keys
         self.group = group
@@ -120,21 +139,38 @@ class _AttentionMode(TorchFunctionMode):
         """Whether the attention call that armed this mode is still running. It is not after a ``KeyboardInterrupt``
         (or another ``BaseException``) escaped it: torch runs post-hooks after ``Exception`` only, so the mode stayed
         on torch's stack; from then on it passes every call through unchanged, until :func:`drop_stale_modes`."""
+        return self._caller() is not _STALE
+
+    def owns_call(self) -> bool:
+        """Whether a function called now is called by the armed attention itself: by its code or its processor's,
+        not by a module it calls (a hook on ``to_q``, another model called inside it, patched or not), whose calls
+        pass through unchanged. Compiled code has no frames to tell: there every call while armed is the
+        attention's."""
+        return self._caller() is None
+
+    def _caller(self) -> Any:
+        """None where the innermost module call running now is the armed attention's (or its processor's, where the
+        processor is a module), the frame of that other module call where it is not, ``_STALE`` where the attention's
+        call is no longer running."""
         if self.owner is None:
-            return True
-        frame = sys._getframe(1)
+            return None
+        if self.owner is _STALE:
+            return _STALE
+        frame, inner = sys._getframe(2), None
         while frame is not None:
             if frame is self.owner:
-                return True
+                return inner
+            if inner is None and frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is not self.processor:
+                inner = frame
             frame = frame.f_back
         self.owner = _STALE  # and the frame, with its tensors, is let go
-        return False
+        return _STALE
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.unflatten:
             return _unflatten(*args, **kwargs)
-        if func is F.scaled_dot_product_attention and self.live():
+        if func is F.scaled_dot_product_attention and self.owns_call() and self._holds_image(args, kwargs):
             # query, key, value and attn_mask by name; every other argument (dropout_p, is_causal, scale...)
             # passes as it came
             named = dict(zip(("query", "key", "value", "attn_mask"), args))
@@ -157,6 +193,12 @@ class _AttentionMode(TorchFunctionMode):
                 return func(*qkv, mask, *rest, **kwargs)
             return func(*qkv, **kwargs, **({} if mask is None else {"attn_mask": mask}))
         return func(*args, **kwargs)
+
+    def _holds_image(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+        """Whether an SDPA call's keys can be the armed attention's own, merged image tokens: an attention to fewer
+        keys (an IP-Adapter's image prompt, a head of reference tokens alone) passes through unchanged."""
+        key = args[1] if len(args) > 1 else kwargs["key"]
+        return (self.keys or self.bias).holds_image(key.shape[-2])
 
     def _first_item(self, query: torch.Tensor, batch: int) -> int:
         """The batch item an SDPA call with this ``query`` starts at: 0 over the whole batch (or 3-D, every item's
@@ -213,7 +255,10 @@ def _enter_mode(module: torch.nn.Module, bias: Optional[SizeBias], group: Any, k
     """Arm an :class:`_AttentionMode` for the call of ``module`` now starting (:meth:`TorchFramework.size_aware_done`
     takes it off)."""
     drop_stale_modes()
-    mode = _AttentionMode(bias, group, None if torch.compiler.is_compiling() else _call_frame(), keys)
+    owner = None if torch.compiler.is_compiling() else _call_frame()
+    if owner is not None and _drop_stale_before_compiling not in callback_handler.start_callbacks:
+        on_compile_start(_drop_stale_before_compiling)
+    mode = _AttentionMode(bias, group, owner, keys, getattr(module, "processor", None))
     module.__dict__["_tome_size_bias"] = mode
     mode.__enter__()
 

@@ -1,0 +1,187 @@
+"""Edges round three, 2-7: what a merged attention's function mode acts on, and what a running call survives.
+
+The rule (docs/limits.md, "Isolation"): a merged attention's mode acts only on its own attention's calls, those made
+by its code or its processor's over keys that can hold its merged image tokens; every other call made while it runs
+(a hook on ``to_q``, another model called inside it, an IP-Adapter's attention to its image prompt, a kernel call over
+the reference tokens alone) passes through exactly.
+
+Oracles: the same SDPA call or model call made outside the merged attention, the unpatched model, the patched model
+with a plain processor.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+import tome_core.torch as tome
+from tome_tools.diffusers_models import build_transformer, build_unet, transformer_inputs
+
+
+class KeyCounts(TorchFunctionMode):
+    """Records the key count of every SDPA call under it, as the kernel gets it (entered before any patched call,
+    it sits below ToMe's modes and sees what they pass on)."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys: List[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self.keys.append((args[1] if len(args) > 1 else kwargs["key"]).shape[-2])
+        return func(*args, **kwargs)
+
+
+def unet_call():
+    generator = torch.Generator().manual_seed(0)
+    inputs = dict(
+        sample=torch.randn(2, 4, 16, 16, generator=generator), timestep=torch.tensor([500, 500]),
+        encoder_hidden_states=torch.randn(2, 7, 32, generator=generator),
+    )
+    return lambda m: m(**inputs).sample
+
+
+def merged_self_attention(model: torch.nn.Module) -> torch.nn.Module:
+    return next(m for name, m in model.named_modules() if name.endswith("attn1"))
+
+
+def test_a_hook_calling_sdpa_inside_a_merged_attention_gets_its_own_keys():
+    """Edges round three, 4: an SDPA call made by a hook on ``to_q`` of a merged attention was taken for that
+    attention's and given its size bias (a RuntimeError, or with fewer keys a wrong result). It now equals the same
+    call made outside."""
+    unet, call = build_unet("tiny"), unet_call()
+    generator = torch.Generator().manual_seed(1)
+    query, key, value = (torch.randn(2, 2, 64, 8, generator=generator) for _ in range(3))
+    outside = F.scaled_dot_product_attention(query, key, value)
+    inside = []
+    merged_self_attention(unet).to_q.register_forward_hook(
+        lambda m, a, out: inside.append(F.scaled_dot_product_attention(query, key, value))
+    )
+    tome.patch(unet, ratio=0.5)
+    with torch.no_grad():
+        call(unet)
+    assert inside and all(torch.equal(x, outside) for x in inside)
+
+
+def test_a_patched_model_called_inside_a_merged_attention_runs_as_alone():
+    """Edges round three, 4: a second patched model called from inside a merged attention of the first got the
+    first one's size bias on top of its own (off by 0.036 at ratio 0.5). Its output now equals its call alone."""
+    outer, inner, call = build_unet("tiny", seed=0), build_unet("tiny", seed=1), unet_call()
+    tome.patch(outer, ratio=0.5)
+    tome.patch(inner, ratio=0.5)
+    with torch.no_grad():
+        alone = call(inner)
+        inside = []
+        merged_self_attention(outer).to_q.register_forward_hook(lambda m, a, out: inside.append(call(inner)) if not inside else None)
+        call(outer)
+    assert inside and torch.equal(inside[0], alone)
+
+
+def flux_with_ip_adapter(scale: float):
+    """A tiny Flux whose attentions run diffusers' ``FluxIPAdapterAttnProcessor`` (random image-prompt projections,
+    4 image-prompt tokens), and its call's inputs."""
+    from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
+
+    model = build_transformer("tiny-flux")
+    inputs = transformer_inputs(model, 16, 12, batch=2, text=7)
+    width = model.config.num_attention_heads * model.config.attention_head_dim
+    generator = torch.Generator().manual_seed(3)
+    processors = {}
+    for name in model.attn_processors:
+        processor = processors[name] = FluxIPAdapterAttnProcessor(width, 16, num_tokens=(4,), scale=scale)
+        for parameter in processor.parameters():
+            parameter.data = torch.randn(parameter.shape, generator=generator) * 0.1
+    model.set_attn_processor(processors)
+    inputs["joint_attention_kwargs"] = {"ip_hidden_states": [torch.randn(2, 4, 16, generator=generator)]}
+    return model, inputs
+
+
+def run(model, inputs, image_prompt: bool = True):
+    """The model's output (a fresh copy of its attention arguments each call), with or without the image prompt."""
+    attention = dict(inputs["joint_attention_kwargs"]) if image_prompt else {}
+    with torch.no_grad():
+        return model(**{**inputs, "joint_attention_kwargs": attention}).sample
+
+
+@pytest.mark.parametrize("options", [
+    dict(ratio=0.5), dict(ratio=0.5, proportional_attn=False), dict(ratio=0.5, mode="kv"),
+], ids=["bias", "plain", "kv"])
+def test_flux_ip_adapter_merges_and_its_image_prompt_attention_passes_through(options):
+    """Edges round three, 2: Flux with diffusers' IP-Adapter processor failed at its first merged call in every mode
+    (the size bias and the kv kernel took its attention to the 4 image-prompt tokens for the block's; its image-prompt
+    output stayed merged). At scale 0 it now equals the patched model with the plain processor exactly; at scale 1 its
+    image-prompt calls keep their 4 keys and the output changes."""
+    silent, inputs = flux_with_ip_adapter(scale=0.0)
+    tome.patch(silent, **options)
+    with_ip = run(silent, inputs)
+    tome.remove(silent)
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    silent.set_attn_processor(FluxAttnProcessor())
+    tome.patch(silent, **options)
+    plain = run(silent, inputs, image_prompt=False)
+    assert torch.allclose(with_ip, plain, atol=1e-6), (with_ip - plain).abs().max()
+
+    model, inputs = flux_with_ip_adapter(scale=1.0)
+    unpatched = run(model, inputs)
+    tome.patch(model, **options)
+    with KeyCounts() as counts:
+        output = run(model, inputs)
+    assert 4 in counts.keys and torch.isfinite(output).all()
+    assert float((output - unpatched).abs().max()) > 1e-4
+
+
+def test_flux2_klein_kv_pipeline_merges_under_kv():
+    """Edges round three, 3: the Flux.2 Klein KV pipeline failed at its first call under ``mode="kv"`` ("a kernel call
+    over 1 x 256 keys does not fit"): its extract step attends over the reference image's tokens alone. Every kernel
+    call now gets at most the unpatched keys, some fewer."""
+    from tome_tools.diffusers_zoo_pipelines import build_zoo_pipeline
+
+    pipe, call = build_zoo_pipeline("flux2-klein-kv")
+    pipe.set_progress_bar_config(disable=True)
+
+    def keys():
+        with torch.no_grad(), KeyCounts() as counts:
+            output = pipe(num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="latent", **call)[0]
+        return output, counts.keys
+
+    reference, plain = keys()
+    tome.patch(pipe, ratio=0.5, mode="kv")
+    output, merged = keys()
+    assert len(merged) == len(plain) and all(m <= p for m, p in zip(merged, plain)) and merged != plain
+    assert torch.isfinite(output).all()
+
+
+def test_compiling_after_an_interrupt_inside_a_merged_attention_traces_whole():
+    """Edges round three, 5: after a Ctrl-C inside a merged attention its mode stayed on torch's stack for compiled
+    calls, which cannot clear it from inside a trace: ``fullgraph=True`` raised ``Unsupported`` and every other compile
+    broke its graph. Dynamo's compile-start callback now drops it: the compiled call traces whole and equals eager."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = build_transformer("tiny-flux")
+    inputs = transformer_inputs(model, 16, 16, batch=2)
+    tome.patch(model, ratio=0.5)
+    with torch.no_grad():
+        eager = model(**inputs).sample
+    fired = []
+
+    def interrupt_once(module, args):
+        if not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+
+    handle = next(m for name, m in model.named_modules() if name.endswith("attn")).to_k.register_forward_pre_hook(interrupt_once)
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        model(**inputs)
+    handle.remove()
+    assert torch._C._len_torch_function_stack() == 1  # the interrupted call's mode, left for the compile to meet
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="eager", fullgraph=True)(**inputs).sample
+    torch._dynamo.reset()
+    assert torch.allclose(compiled, eager, atol=1e-5) and torch._C._len_torch_function_stack() == 0
