@@ -50,6 +50,7 @@ def attach_hooks(fw: Framework, plan: ModelPlan, state: ToMeState) -> Patch:
     """Attach every hook ToMe runs the model of ``plan`` with, sharing ``state``; returns the patch holding their
     handles and the sub-layers that merge (:attr:`Patch.targets`)."""
     model = plan.model
+    state.inform = fw.inform  # a word for the user goes where the framework's users look
     patch = Patch(state)
     add = patch.handles.append
     add(fw.add_pre_hook(model, CallStart(fw, plan, state)))

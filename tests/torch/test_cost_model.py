@@ -70,12 +70,12 @@ def test_default_merges_from_the_measured_size(unet):
 
 @contextlib.contextmanager
 def _told():
-    """The records logged at info level or above by ToMe while the block runs: under diffusers' logger
-    ("diffusers.tome_core", where the torch framework informs) or Python's "tome_core"."""
+    """The records logged at info level or above by ToMe while the block runs, under diffusers' logger
+    ("diffusers.tome_core", where the torch framework informs: the driver hands it to each patch's state)."""
     records = []
     handler = logging.Handler(logging.INFO)
     handler.emit = records.append
-    loggers = [diffusers_logging.get_logger("diffusers.tome_core"), logging.getLogger("tome_core")]
+    loggers = [diffusers_logging.get_logger("diffusers.tome_core")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.addHandler(handler)
