@@ -24,9 +24,18 @@ A second property compiles the model (``torch.compile`` with the "eager" and "ao
 Oracles: the unpatched model (outputs, and the keys of every ``scaled_dot_product_attention`` call, counted by a
 ``TorchFunctionMode``), the grid the inputs were built on, plain SDPA. Models are built once per family and dtype.
 
+Five more properties (issue 59, "edges round three") each draw one dimension its findings opened, with its own
+oracle: an SDPA call a hook on ``to_q`` makes inside a merged attention (equals the same call made outside); a grid
+that changes within a generation under ``reuse_steps`` (equals a fresh patch's call); video transformers of 1 to 5
+token frames with odd rows and ``frame_window`` (every merged token within the window of its frame, read from the
+inputs' shape; a window spanning the clip equals ``frame_window=None``); IP-Adapter processors, Flux's and the
+UNet's (run, finite, at scale 0 equal to the plain processor's patched output); and ``mode="kv"`` kernel calls over
+the leading head tokens alone, Flux.2 Klein KV's and Qwen-Image 2.1's (as many keys as unpatched; their caches'
+steps agree as unpatched).
+
 Runs: the default draws one call per family (each family its own) and compiles Flux once per backend (CI's
-budget); ``TOME_EDGES_WIDE=1`` draws many more (``TOME_EDGES_EXAMPLES`` per family, ``TOME_EDGES_COMPILED`` per
-backend); ``TOME_EDGES_SURVEY=path`` records every example judged and every violation as JSON lines in ``path``
+budget); the five round-three properties draw 4 to 8 fixed calls each; ``TOME_EDGES_WIDE=1`` draws many more
+(``TOME_EDGES_EXAMPLES`` per family and per round-three property, ``TOME_EDGES_COMPILED`` per backend); ``TOME_EDGES_SURVEY=path`` records every example judged and every violation as JSON lines in ``path``
 instead of failing at the first, so one wide run lists them all.
 """
 
@@ -41,7 +50,7 @@ import re
 import sys
 import warnings
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
@@ -637,3 +646,429 @@ def test_compiled_equals_eager(backend, family, case):
             left = _clean_function_modes()
             v.check(left == 0, "torch function modes left on the stack (compiled)", f"{left} left")
     v.report()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Round three (issue 59): the dimensions its findings opened, each a property of its own with its oracle
+
+
+def _drawn(default: int) -> settings:
+    """``default`` examples, the same on every run (CI's budget); wide, ``TOME_EDGES_EXAMPLES`` drawn anew."""
+    return settings(
+        max_examples=int(os.environ.get("TOME_EDGES_EXAMPLES", 30)) if WIDE else default,
+        deadline=None,
+        derandomize=not WIDE,
+        database=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+
+
+def _patched(v: Violations, model, options: Dict[str, Any]) -> bool:
+    """``patch(model, **options)`` quietly; False where it is refused (with a clear message: checked)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tome.patch(model, **options)
+    except (ValueError, TypeError) as error:
+        v.check(len(str(error)) > 30, "patch refused without a clear message", str(error))
+        return False
+    return True
+
+
+def _quiet(model, inputs) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return zoo._run(model, inputs).float()
+
+
+def _judged(v: Violations, model, check: Callable[[], None]) -> None:
+    """Runs ``check``; a crash is a violation; the model is unpatched and torch's function-mode stack empty after."""
+    try:
+        check()
+    except Exception as error:
+        v.check(False, "crashed after patch accepted the model", f"{type(error).__name__}: {error}")
+    finally:
+        tome.remove(model)
+        left = _clean_function_modes()
+        v.check(left == 0, "torch function modes left on the stack after the example", f"{left} left")
+    v.report()
+
+
+def _query_places(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """Where a user's hook sees a merged attention's queries: every attention's ``to_q`` (or, where it fuses its
+    projections, its first linear layer)."""
+    places = []
+    for module in model.modules():
+        if "Attention" not in type(module).__name__:
+            continue
+        place = getattr(module, "to_q", None)
+        if not isinstance(place, torch.nn.Module):
+            place = next((m for m in module.children() if isinstance(m, torch.nn.Linear)), None)
+        if place is not None:
+            places.append(place)
+    return places
+
+
+@_drawn(8)
+@given(family=st.sampled_from(FAMILIES), case=cases("foreign", GRIDS, faults=[None]), like=st.integers(0, 1000))
+def test_a_foreign_sdpa_call_inside_a_merged_attention_is_exact(family, case, like):
+    """Edges round three, 4: a forward hook on every attention's ``to_q`` (merged ones included) calls
+    ``scaled_dot_product_attention`` on fixed tensors shaped like one of the call's own attention calls (``like``
+    picks it, from the unpatched and the patched calls: the key count a merged attention's mode expects). Oracles:
+    each such call equals the same call made outside, and the patched model's output is the same with the hook."""
+    note(f"{family} {case} like={like}")
+    model, inputs, _ = build_call(family, case)
+    plain, _ = _unpatched(family, case, model, inputs)
+    v = Violations("foreign-sdpa", family, case)
+    same = lambda a, b: _close(a, b, _DETERMINISTIC[family, case.dtype], case.dtype)  # noqa: E731
+
+    def check() -> None:
+        if not _patched(v, model, dict(case.options)):
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            seen, output = _call(model, inputs)
+        shapes = plain + seen
+        queries, keys = shapes[like % len(shapes)] if shapes else (9, 9)
+        made: List[Tuple[Tuple[torch.Tensor, ...], torch.Tensor]] = []
+
+        def foreign(module, args, out):
+            generator = torch.Generator().manual_seed(len(made))
+            q = torch.randn(1, 2, queries, 8, generator=generator)
+            k, v_ = (torch.randn(1, 2, keys, 8, generator=generator) for _ in range(2))
+            made.append(((q, k, v_), F.scaled_dot_product_attention(q, k, v_)))
+
+        handles = [place.register_forward_hook(foreign) for place in _query_places(model)]
+        try:
+            hooked = _quiet(model, inputs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        v.check(not handles or bool(made), "no hook on to_q ran", f"{len(handles)} hooks")
+        wrong = [i for i, (tensors, inside) in enumerate(made) if not torch.equal(inside, F.scaled_dot_product_attention(*tensors))]
+        v.check(not wrong, "an SDPA call made inside a merged attention differs from the same call outside",
+                f"{len(wrong)} of {len(made)} calls ({queries} queries x {keys} keys)")
+        v.check(same(hooked, output), "a hook's SDPA call changes the patched model's output", f"rel {_rel(hooked, output):.3g}")
+
+    _judged(v, model, check)
+
+
+@_drawn(6)
+@given(
+    family=st.sampled_from(FAMILIES), case=cases("regrid", GRIDS, faults=[None]).filter(lambda c: c.grid is not None),
+    other=st.sampled_from([None, *GRIDS]), reuse=st.integers(2, 4),
+)
+def test_a_grid_that_changes_within_a_generation_is_matched_afresh(family, case, other, reuse):
+    """Edges round three, 9: patched with ``reuse_steps``, the model is called on one grid, then, in the same
+    generation (the same timestep), on another (``other``; None: the first one transposed, as many tokens). Oracle:
+    the second call equals a fresh patch's call on that grid (a match is reused only on the grid it was made for)."""
+    second = other or (case.grid[1], case.grid[0])
+    assume(second != case.grid)
+    note(f"{family} {case} then {second}, reuse_steps={reuse}")
+    model, first_inputs, _ = build_call(family, case)
+    _, second_inputs, _ = build_call(family, replace(case, grid=second))
+    _unpatched(family, case, model, first_inputs)
+    _unpatched(family, replace(case, grid=second), model, second_inputs)
+    v = Violations("grid-within-a-generation", family, (case, second, reuse))
+    same = lambda a, b: _close(a, b, _DETERMINISTIC[family, case.dtype], case.dtype)  # noqa: E731
+    options = dict(case.options, reuse_steps=reuse)
+
+    def check() -> None:
+        if not _patched(v, model, options):
+            return
+        _quiet(model, first_inputs)
+        reusing = _quiet(model, second_inputs)
+        tome.remove(model)
+        _patched(v, model, options)
+        fresh = _quiet(model, second_inputs)
+        v.check(bool(torch.isfinite(reusing).all()), "the second grid's output is not finite")
+        v.check(same(reusing, fresh), "the second grid's call differs from a fresh patch's (a match reused off its grid)",
+                f"rel {_rel(reusing, fresh):.3g}")
+
+    _judged(v, model, check)
+
+
+
+VIDEO_FAMILIES = sorted(set(FAMILIES) & {name for name, _ in tools.VIDEO_TRANSFORMERS.values()})
+
+
+class MatchesMade:
+    """While active, ``made`` gathers ``(tokens, [(slot, representatives)...])`` of every match a patched block
+    computes: ``ToMeState.block_matches`` observed (its result returned unchanged)."""
+
+    def __enter__(self) -> "MatchesMade":
+        from tome_core.state import ToMeState
+
+        self.made: List[Tuple[int, List[Tuple[torch.Tensor, torch.Tensor]]]] = []
+        self.original = original = ToMeState.block_matches
+
+        def observed(state, metric, *args, **kwargs):
+            matches = original(state, metric, *args, **kwargs)
+            merged = [(m.slot, m.representatives) for m in matches.values() if m.merged and m.representatives is not None]
+            if merged:
+                self.made.append((metric.shape[1], merged))
+            return matches
+
+        ToMeState.block_matches = observed
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from tome_core.state import ToMeState
+
+        ToMeState.block_matches = self.original
+
+
+def _frame_patch(model: torch.nn.Module) -> int:
+    """The model's temporal patch (latent frames a token frame holds)."""
+    patch = model.config.get("patch_size")
+    if isinstance(patch, (list, tuple)) and len(patch) == 3:
+        return int(patch[0])
+    return int(model.config.get("patch_size_t") or 1)
+
+
+@_drawn(6)
+@given(
+    family=st.sampled_from(VIDEO_FAMILIES), frames=st.sampled_from([1, 2, 3, 5]), rows=st.sampled_from([3, 5, 7, 1, 2]),
+    cols=st.integers(1, 7), window=st.integers(0, 2), batch=st.integers(1, 2),
+)
+def test_a_video_transformer_merges_within_the_frame_window(family, frames, rows, cols, window, batch):
+    """Edges round three, 8, 10 and 11: a video transformer of ``frames`` token frames (1: a one-frame video) of
+    ``rows x cols`` tokens (odd rows: a frame's last row holds no cell), patched at ratio 0.5 with ``frame_window``.
+    Oracles: the frame each token lies in, from the inputs' shape (every merged token joins a destination within
+    the window of its own frame; a frame thinner than a cell's 2 rows is tiled with the next frames, which
+    reach 2 frames further: docs/video.md); a window spanning the clip (one frame included) gives the output of
+    ``frame_window=None`` exactly."""
+    note(f"{family} frames={frames} rows={rows} cols={cols} window={window} batch={batch}")
+    model, _ = _model(family, torch.float32)
+    patch = _patch_size(model)
+    try:
+        inputs = tools.video_transformer_inputs(model, frames * _frame_patch(model), rows * patch, cols * patch, batch=batch)
+    except Exception:  # noqa: BLE001 - a size this family's inputs cannot take: not the property's
+        assume(False)
+    case = Case((frames, rows, cols), batch, False, torch.float32, (("frame_window", window),), None, 0)
+    _unpatched(family, case, model, inputs)
+    v = Violations("frame-window", family, case)
+    reach = window if rows >= 2 else window + 2
+    frame_tokens = rows * cols
+
+    def check() -> None:
+        if not _patched(v, model, dict(ratio=0.5, frame_window=window)):
+            return
+        with MatchesMade() as seen:
+            windowed = _quiet(model, inputs)
+        v.check(bool(torch.isfinite(windowed).all()), "the windowed output is not finite")
+        far = []
+        for tokens, matches in seen.made:
+            if tokens != frames * frame_tokens:  # not the video's grid: nothing to judge by its frames
+                continue
+            own = torch.arange(tokens) // frame_tokens
+            for slot, representatives in matches:
+                joined = torch.gather(representatives, 1, slot)  # the token each token stands at
+                far += [int(d) for d in (own - joined // frame_tokens).abs().flatten() if d > reach]
+        v.check(not far, "a token merged into a destination outside the frame window",
+                f"{len(far)} tokens, {max(far, default=0)} frames away (window {window}, reach {reach})")
+        if window >= frames - 1:
+            tome.remove(model)
+            _patched(v, model, dict(ratio=0.5, frame_window=None))
+            whole = _quiet(model, inputs)
+            v.check(_close(windowed, whole, _DETERMINISTIC[family, torch.float32], torch.float32), "a window spanning the clip differs from frame_window=None",
+                    f"rel {_rel(windowed, whole):.3g}")
+
+    _judged(v, model, check)
+
+
+def _flux_ip_adapter(scale: Optional[float], grid: Tuple[int, int], batch: int) -> Tuple[torch.nn.Module, Dict[str, Any]]:
+    """The tiny Flux with diffusers' ``FluxIPAdapterAttnProcessor`` in every attention (random image-prompt
+    projections, 4 image-prompt tokens) at ``scale``, and a call on a ``grid`` of packed tokens with its image
+    prompt; ``scale`` None: the plain ``FluxAttnProcessor``, called without one."""
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, FluxIPAdapterAttnProcessor
+
+    model = tools.build_transformer("tiny-flux")
+    inputs = tools.transformer_inputs(model, 2 * grid[0], 2 * grid[1], batch=batch)
+    if scale is None:
+        model.set_attn_processor(FluxAttnProcessor())
+        return model, inputs
+    width = model.config.num_attention_heads * model.config.attention_head_dim
+    generator = torch.Generator().manual_seed(3)
+    processors = {}
+    for name in model.attn_processors:
+        processor = processors[name] = FluxIPAdapterAttnProcessor(width, 16, num_tokens=(4,), scale=scale)
+        for parameter in processor.parameters():
+            parameter.data = torch.randn(parameter.shape, generator=generator) * 0.1
+    model.set_attn_processor(processors)
+    inputs["joint_attention_kwargs"] = {"ip_hidden_states": [torch.randn(batch, 4, 16, generator=generator)]}
+    return model, inputs
+
+
+def _unet_ip_adapter(scale: Optional[float], grid: Tuple[int, int], batch: int) -> Tuple[torch.nn.Module, Dict[str, Any]]:
+    """The tiny UNet with an IP-Adapter loaded as ``load_ip_adapter`` does (random weights, 4 image-prompt tokens)
+    at ``scale``, and a call on a ``grid`` latent with its image embedding; ``scale`` None: no IP-Adapter."""
+    model = tools.build_unet("tiny")
+    generator = torch.Generator().manual_seed(7)
+    dim = model.config.cross_attention_dim
+    inputs = dict(
+        sample=torch.randn(batch, 4, *grid, generator=generator), timestep=torch.tensor(500),
+        encoder_hidden_states=torch.randn(batch, 7, dim, generator=generator),
+    )
+    if scale is None:
+        return model, inputs
+    randn = lambda *shape: torch.randn(*shape, generator=generator) * 0.1  # noqa: E731
+    modules = dict(model.named_modules())
+    layers = {}
+    for index, name in enumerate(model.attn_processors):
+        if name.endswith("attn2.processor"):
+            hidden = modules[name[: -len(".processor")]].to_k.out_features
+            layers.update({f"{index}.to_k_ip.weight": randn(hidden, dim), f"{index}.to_v_ip.weight": randn(hidden, dim)})
+    projection = {"proj.weight": randn(4 * dim, 16), "proj.bias": randn(4 * dim), "norm.weight": torch.ones(dim), "norm.bias": torch.zeros(dim)}
+    model._load_ip_adapter_weights([{"image_proj": projection, "ip_adapter": layers}])
+    for processor in model.attn_processors.values():
+        if hasattr(processor, "scale"):
+            processor.scale = [scale]
+    inputs["added_cond_kwargs"] = {"image_embeds": [torch.randn(batch, 1, 16, generator=generator)]}
+    return model, inputs
+
+
+IP_ADAPTERS = {"FluxIPAdapterAttnProcessor": _flux_ip_adapter, "IPAdapterAttnProcessor2_0": _unet_ip_adapter}
+IP_OPTIONS = [*OPTIONS, {"ratio": 0.5, "proportional_attn": False}, {"ratio": 0.5, "mode": "kv"}, {"ratio": 0.5, "merge_crossattn": True}]
+
+
+@_drawn(6)
+@given(
+    kind=st.sampled_from(sorted(IP_ADAPTERS)), grid=st.sampled_from([(2, 2), (3, 5), (4, 4), (6, 4), (5, 7), (8, 8)]),
+    batch=st.integers(1, 2), options=st.sampled_from(IP_OPTIONS), scale=st.sampled_from([0.0, 0.6]),
+)
+def test_an_ip_adapter_runs_merged_and_at_scale_zero_is_the_plain_processor(kind, grid, batch, options, scale):
+    """Edges round three, 2: an IP-Adapter's processors (Flux's ``FluxIPAdapterAttnProcessor``, the UNet's
+    ``IPAdapterAttnProcessor2_0``) on a grid (the UNet's latent twice its rows and columns), patched with
+    ``options``. Oracles: the call runs and is finite, its image-prompt attention keeps its 4 keys, remove gives
+    the unpatched output; at scale 0 it equals the patched model with the plain processor and no image prompt."""
+    latent = grid if kind.startswith("Flux") else (2 * grid[0], 2 * grid[1])
+    note(f"{kind} {latent} batch={batch} {options} scale={scale}")
+    model, inputs = IP_ADAPTERS[kind](scale, latent, batch)
+    v = Violations("ip-adapter", kind, (latent, batch, options, scale))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, reference = _call(model, inputs)
+
+    def check() -> None:
+        if not _patched(v, model, dict(options)):
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            seen, output = _call(model, inputs)
+        v.check(bool(torch.isfinite(output).all()), "the patched output is not finite")
+        v.check(  # diffusers' UNet processor skips its image-prompt attention at scale 0
+            (scale == 0 and kind.startswith("IP")) or any(keys == 4 for _, keys in seen),
+            "no image-prompt attention call kept its 4 keys", str(seen[:6]),
+        )
+        if scale == 0:
+            plain, plain_inputs = IP_ADAPTERS[kind](None, latent, batch)
+            _patched(v, plain, dict(options))
+            try:
+                expected = _quiet(plain, plain_inputs)
+            finally:
+                tome.remove(plain)
+            v.check(_close(output, expected, False, torch.float32), "at scale 0 it differs from the plain processor's patched output",
+                    f"rel {_rel(output, expected):.3g}")
+        tome.remove(model)
+        removed = _quiet(model, inputs)
+        v.check(_close(removed, reference, True, torch.float32), "remove is not exact", f"rel {_rel(removed, reference):.3g}")
+
+    _judged(v, model, check)
+
+
+def _klein_kv(grid: Tuple[int, int], reference: Tuple[int, int], batch: int) -> Tuple[torch.nn.Module, Dict[str, Any], Dict[str, Any], int]:
+    """A tiny Flux.2 Klein with the KV pipeline's processors, the inputs of its extract step (the reference image's
+    tokens on a ``reference`` grid, ids at time 10, before the target's on ``grid``), of a cached step (the target
+    alone), and the reference's token count."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2KVAttnProcessor, Flux2KVParallelSelfAttnProcessor
+
+    model = tools.build_transformer("tiny-flux2-klein")
+    for block in model.transformer_blocks:
+        block.attn.set_processor(Flux2KVAttnProcessor())
+    for block in model.single_transformer_blocks:
+        block.attn.set_processor(Flux2KVParallelSelfAttnProcessor())
+    target = tools.transformer_inputs(model, 2 * grid[0], 2 * grid[1], batch=batch)
+    ref = tools.transformer_inputs(model, 2 * reference[0], 2 * reference[1], batch=batch, seed=1)
+    ref_ids = ref["img_ids"].clone()
+    ref_ids[:, 0] = 10
+    head = ref["hidden_states"].shape[1]
+    extract = dict(
+        target, hidden_states=torch.cat([ref["hidden_states"], target["hidden_states"]], 1),
+        img_ids=torch.cat([ref_ids, target["img_ids"]]), kv_cache_mode="extract", num_ref_tokens=head,
+    )
+    return model, extract, target, head
+
+
+def _klein_steps(model, extract: Dict[str, Any], target: Dict[str, Any]) -> Tuple[List[Tuple[int, int]], torch.Tensor, torch.Tensor]:
+    """The key counts of every SDPA call of an extract step and a cached step, and their outputs."""
+    with torch.no_grad(), warnings.catch_warnings(), SdpaCalls() as counter:
+        warnings.simplefilter("ignore")
+        first, cache = model(**extract, return_dict=False)
+        cached = model(**target, kv_cache=cache, kv_cache_mode="cached", return_dict=False)[0]
+    return counter.lengths, first, cached
+
+
+def _qwen_image_21_steps(model, inputs: Dict[str, Any]) -> Tuple[List[Tuple[int, int]], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The key counts of every SDPA call of a plain call, an extract call and a cached call of Qwen-Image 2.1
+    (its prefix segments, text with the condition image, cached), and their outputs."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+    cache = QwenImage21KVCache(2)
+    with torch.no_grad(), warnings.catch_warnings(), SdpaCalls() as counter:
+        warnings.simplefilter("ignore")
+        output = model(**inputs, return_dict=False)[0]
+        extract = model(**inputs, kv_cache=cache, kv_cache_mode="extract", return_dict=False)[0]
+        cached = model(**inputs, kv_cache=cache, kv_cache_mode="cached", return_dict=False)[0]
+    return counter.lengths, output, extract, cached
+
+
+KV_OPTIONS = [{"ratio": 0.25}, {"ratio": 0.5}, {"ratio": 0.75}, {"ratio": 0.5, "matching": "cell"}, {"ratio": 0.75, "matching": "cell"}, {}]
+
+
+@_drawn(4)
+@given(
+    model=st.sampled_from(["flux2-klein-kv", "qwen-image-21"]), options=st.sampled_from(KV_OPTIONS),
+    grid=st.sampled_from([(4, 6), (3, 5), (6, 6), (8, 4)]), reference=st.sampled_from([(3, 3), (2, 5), (4, 4)]),
+    batch=st.integers(1, 2),
+)
+def test_kernel_calls_over_the_head_alone_pass_through_under_kv(model, options, grid, reference, batch):
+    """Edges round three, 3: under ``mode="kv"``, attention calls over the leading head tokens alone (Flux.2 Klein
+    KV's extract step, where the reference image attends to itself; Qwen-Image 2.1's prefix segments) pass through
+    the kernel. Oracles: the unpatched calls' key counts (none more, some fewer; the head's calls as many), and
+    the model's own cache (an extract step's output equals the cached step's; Qwen-Image 2.1's prefix rows equal
+    the unpatched ones, its extract call the plain call, its cached call the plain call's target rows)."""
+    options = dict(options, mode="kv")
+    note(f"{model} {options} grid={grid} reference={reference} batch={batch}")
+    v = Violations("head-only-kv", model, (options, grid, reference, batch))
+    if model == "flux2-klein-kv":
+        built, extract, target, head = _klein_kv(grid, reference, batch)
+        plain, reference_out, reference_cached = _klein_steps(built, extract, target)
+    else:
+        built, inputs = zoo.MERGED["QwenImage21Transformer2DModel"]()
+        plain, reference_out, _, reference_cached = _qwen_image_21_steps(built, inputs)
+        head = reference_out.shape[1] - reference_cached.shape[1]
+
+    def check() -> None:
+        if not _patched(v, built, options):
+            return
+        if model == "flux2-klein-kv":
+            seen, first, cached = _klein_steps(built, extract, target)
+            v.check(torch.equal(first, cached), "the extract step's output differs from the cached step's",
+                    f"rel {_rel(first, cached):.3g}")
+        else:
+            seen, output, first, cached = _qwen_image_21_steps(built, inputs)
+            v.check(torch.allclose(output[:, :head], reference_out[:, :head], atol=1e-6), "the prefix rows changed",
+                    f"rel {_rel(output[:, :head], reference_out[:, :head]):.3g}")
+            v.check(torch.equal(first, output) and torch.equal(cached, output[:, head:]),
+                    "the cache's calls differ from the plain call", f"rel {_rel(cached, output[:, head:]):.3g}")
+        v.check(bool(torch.isfinite(cached).all()), "the patched output is not finite")
+        v.check(len(seen) == len(plain), "another number of SDPA calls", f"{len(seen)} vs {len(plain)}")
+        pairs = list(zip(plain, seen))
+        v.check(all(s[1] <= p[1] for p, s in pairs) and any(s[1] < p[1] for p, s in pairs),
+                "a kernel call saw more keys than unpatched, or none fewer", f"{seen} vs {plain}")
+        heads = [(p, s) for p, s in pairs if p[1] <= head]
+        v.check(all(p == s for p, s in heads), "a call over the head alone lost keys", str(heads))
+
+    _judged(v, built, check)
