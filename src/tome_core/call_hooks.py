@@ -19,6 +19,7 @@ from .grid_readers import Call, grid_reader, mixed_sizes, tell_grid
 from .levels import spatial_size
 from .model_tree import grid_modules, is_transformer_model, is_unet_like
 from .plan import ModelPlan
+from .retyping import detach
 from .shards import check_shard_cells, check_shards, shard_grid
 from .state import ToMeState
 
@@ -48,6 +49,9 @@ class CallStart:
 
     def __call__(self, module, args, kwargs):
         self.fw.clear_interrupted()
+        if self.state.detach_after_call:  # remove() was called inside a call that never returned (interrupted)
+            detach(module)
+            return None
         where = self.where
         sample = argument(args, kwargs, "sample", where["sample"])
         if sample is None:
@@ -151,6 +155,8 @@ def call_ends(state: ToMeState, module: Any, args: Any, kwargs: Any, output: Any
     other blocks (``reuse_blocks``) stay in :attr:`ToMeState.cache`."""
     state.in_call = False
     state.drawn = {}
+    if state.detach_after_call:  # remove() was called inside this call (driver._detach_after_call)
+        detach(module)
 
 
 def grid_output(state: ToMeState, data_format: str, module: Any, args: Any, kwargs: Any, output: Any) -> None:

@@ -26,7 +26,7 @@ from .model_tree import check_grids, components, find_models, temporal_modules
 from .model_zoo import AUXILIARY, refusal
 from .partition import forget_tables
 from .plan import ModelPlan, plan_model
-from .retyping import Patch
+from .retyping import Patch, detach, other_patch
 from .selection import check_model
 from .shards import check_shards
 from .state import ToMeState
@@ -79,7 +79,10 @@ def attach_hooks(fw: Framework, plan: ModelPlan, state: ToMeState) -> Patch:
 
 def attach(fw: Framework, plan: ModelPlan) -> None:
     """Hook the model of ``plan``, for the life of the patch."""
-    plan.model.__dict__["_tome_patch"] = _retyped(attach_hooks(fw, plan, model_state(plan)))
+    patch = _retyped(attach_hooks(fw, plan, model_state(plan)))
+    for block in {id(m.block): m.block for m in plan.hooked}.values():
+        patch.mark(block)  # another model that holds it is refused (check_shared_blocks)
+    plan.model.__dict__["_tome_patch"] = patch
 
 
 def _retyped(patch: Patch) -> Patch:
@@ -100,10 +103,6 @@ def attach_oracle(fw: Framework, model: Any, config: ToMeConfig) -> Patch:
     return _retyped(attach_hooks(fw, plan, model_state(plan, oracle=True)))
 
 
-def detach(model: Any) -> None:
-    patch = model.__dict__.pop("_tome_patch", None)
-    if patch is not None:
-        patch.remove()
 
 
 def undo_tomesd(module: Any, drop_hook: Callable[[Any, Any], None]) -> None:
@@ -142,9 +141,16 @@ def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any]
             f"{type(obj).__qualname__} holds no video UNet (no temporal layers); leave frames_per_chunk out (a video "
             "transformer such as Wan runs one sequence over all frames, where a token merges with any frame's)"
         )
+    running = [model for model in models if fw.running(model)]
+    if running:
+        raise ValueError(
+            f"patch() was called inside a running call of {type(running[0]).__qualname__} (from a hook or callback "
+            "within it): its blocks would change half-way through that call; patch between calls"
+        )
     plans = [plan_model(fw, model, config) for model in models]
     for plan in plans:
         check(fw, plan)
+    check_shared_blocks(plans)
     remove(fw, obj, undo)
     for plan in plans:
         attach(fw, plan)
@@ -167,6 +173,24 @@ def check(fw: Framework, plan: ModelPlan) -> None:
     shards = fw.shards(plan.model)
     if shards is not None:
         check_shards(shards, plan.size_aware, plan.where)
+
+
+def check_shared_blocks(plans: List[ModelPlan]) -> None:
+    """Refuse a block that two models would hook: one this patch makes and one patched before (not the same model
+    patched again), or two of this patch. Each model keeps one run state, begun by its own call; a block hooked by
+    two would run the other model's hooks too, whose state no call began."""
+    hooked: Dict[int, Any] = {}
+    for plan in plans:
+        for stream, block, *_ in plan.hooked:
+            other = other_patch(block, plan.model)
+            first = hooked.setdefault(id(block), plan.model)
+            if other is not None or first is not plan.model:
+                holder = f"a patched {other.state.where}" if other is not None else f"{type(first).__qualname__}, also in this patch"
+                raise ValueError(
+                    f"ToMe cannot patch {plan.where}: its block {stream} ({type(block).__name__}) is also a block of "
+                    f"{holder}. Models that share blocks cannot both be patched, each keeps its own run state: remove "
+                    "the other model's patch first, or give each model its own blocks"
+                )
 
 
 def refuse_listed(fw: Framework, obj: Any) -> None:
@@ -216,11 +240,24 @@ def remove(fw: Framework, obj: Any, undo: Callable[[Any], None] = detach) -> Any
     fw.clear_interrupted()
     for component in components(fw, obj, "remove"):
         for module in fw.submodules(component):
-            undo(module)
+            if not _detach_after_call(fw, module):
+                undo(module)
     if not fw.is_module(obj):
         forget_generations(obj)
     forget_tables()
     return obj
+
+
+def _detach_after_call(fw: Framework, module: Any) -> bool:
+    """Whether ``module`` is a patched model whose call is running now (a hook inside it called ``remove``): it keeps
+    its hooks until that call returns, so the call ends as it began, merged and unmerged alike; its post-hook
+    (:func:`~tome_core.call_hooks.call_ends`) takes them off then, or its next call's start where that call was
+    interrupted."""
+    patch = module.__dict__.get("_tome_patch")
+    if patch is None or not fw.running(module):
+        return False
+    patch.state.detach_after_call = True
+    return True
 
 
 class Patched(NamedTuple):

@@ -5,7 +5,8 @@ Framework-free."""
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+import sys
+from typing import Any, Callable, Collection, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from .shards import Shards
 
@@ -88,10 +89,25 @@ class Framework(Protocol):
         returns the very output object of an earlier call), or raises ValueError naming a cache that builds
         new outputs from earlier ones (those were merged by other matches)."""
 
+    def running(self, module: Any) -> bool:
+        """Whether a call of ``module`` is running now: asked by ``patch`` and ``remove``, which a hook inside that
+        call may have called (:func:`call_running`)."""
+
     def inform(self, message: str) -> None:
         """Tell the user ``message`` where users of this framework's pipelines read what their library reports: its
         logger, at info level (:attr:`ToMeState.inform <tome_core.state.ToMeState.inform>`; a word the user can act
         on, not a warning: the default running a small level unmerged, where merging would not pay)."""
+
+
+def call_running(module: Any, codes: Collection[Any]) -> bool:
+    """Whether a call of ``module`` is running now: a frame of its framework's module-call function (its code one
+    of ``codes``) called on ``module`` is on the stack. Read only by ``patch`` and ``remove``, never by a hook."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in codes and frame.f_locals.get("self") is module:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def argument(args: Sequence[Any], kwargs: Dict[str, Any], name: str, position: Optional[int]) -> Any:

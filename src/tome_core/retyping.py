@@ -6,13 +6,20 @@ from __future__ import annotations
 import copyreg
 import itertools
 import weakref
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 from .state import ToMeState
 
 
 _PATCHED_CLASSES: "weakref.WeakValueDictionary[Tuple[type, int], type]" = weakref.WeakValueDictionary()
 _GENERATIONS = itertools.count()
+SHARED_MARK = "_tome_block_of"  # on a hooked block: the Patch that hooks it (copied and pickled with the model)
+
+
+def other_patch(block: Any, model: Any) -> Optional["Patch"]:
+    """The patch of another model than ``model`` that hooks ``block`` (two models that share blocks), or None."""
+    patch = block.__dict__.get(SHARED_MARK)
+    return patch if patch is not None and patch is not model.__dict__.get("_tome_patch") else None
 
 
 def patched_class(cls: type, generation: int) -> type:
@@ -39,6 +46,13 @@ def _new_patched(cls: type, generation: int, *arguments: Any) -> Any:
     return made.__new__(made, *arguments)
 
 
+def detach(model: Any) -> None:
+    """Take the patch of ``model`` off (its hooks and the classes it gave), if it has one."""
+    patch = model.__dict__.pop("_tome_patch", None)
+    if patch is not None:
+        patch.remove()
+
+
 class Patch:
     """Everything one patched model holds: its state, the handles of its hooks, and the classes it changed.
 
@@ -57,6 +71,12 @@ class Patch:
         self.generation = next(_GENERATIONS)
         self.retyped: List[Tuple[Any, type]] = []  # (module, the class it had)
         self.targets: List[Any] = []  # the sub-layers that merge
+        self.blocks: List[Any] = []  # the blocks it hooks, each marked as this patch's (SHARED_MARK)
+
+    def mark(self, block: Any) -> None:
+        """Mark ``block`` as hooked by this patch (:func:`other_patch` finds it)."""
+        block.__dict__[SHARED_MARK] = self
+        self.blocks.append(block)
 
     def retype(self, module: Any) -> None:
         """Give ``module`` this patch's class (once)."""
@@ -69,6 +89,10 @@ class Patch:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        for block in self.blocks:
+            if block.__dict__.get(SHARED_MARK) is self:
+                del block.__dict__[SHARED_MARK]
+        self.blocks.clear()
         for module, cls in self.retyped:
             if type(module) is patched_class(cls, self.generation):  # not when something else changed it since
                 module.__class__ = cls

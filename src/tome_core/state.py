@@ -79,6 +79,7 @@ class ToMeState:
     # run unmerged outside one, when another model that borrowed them runs them (the Z-Image ControlNet runs its
     # transformer's noise refiner); every other block, recomputed in backward after the call, merges as it did
     in_call: bool = False
+    detach_after_call: bool = False  # remove() was called inside a running call: the call's end takes the patch off
     streams: int = 0  # the patched model's block streams (their partitions are drawn together, partition.Draw)
     hooked: int = 0  # the blocks that carry hooks (one at a level above max_downsample never merges, and has none)
     drawn: Dict[Tuple[int, ...], Any] = field(default_factory=dict)  # this call's partitions, by grid and seed

@@ -11,6 +11,7 @@ fewer tokens; without the size bias it must not; and on random tokens it must di
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -18,6 +19,7 @@ import pytest
 
 from tome_core import driver
 from tome_core.attention_bias import SizeBias
+from tome_core.framework import call_running
 
 CHANNELS, TEXT = 8, 3
 
@@ -164,6 +166,12 @@ class FakeFramework:
 
     def clear_interrupted(self) -> None:
         pass  # this framework's post-hooks run in a ``finally``
+
+    def inform(self, message: str) -> None:
+        logging.getLogger("tome_core").info(message)
+
+    def running(self, module: Module) -> bool:
+        return call_running(module, (Module.__call__.__code__,))
 
     def kernel_keys_problem(self, module: Module) -> str:
         return "this framework has no attention kernel to reach"

@@ -185,3 +185,90 @@ def test_compiling_after_an_interrupt_inside_a_merged_attention_traces_whole():
         compiled = torch.compile(model, backend="eager", fullgraph=True)(**inputs).sample
     torch._dynamo.reset()
     assert torch.allclose(compiled, eager, atol=1e-5) and torch._C._len_torch_function_stack() == 0
+
+
+@pytest.mark.parametrize("options", [dict(ratio=0.5), dict(mode="kv", ratio=0.5)], ids=["tokens", "kv"])
+def test_remove_inside_a_running_call_takes_effect_when_the_call_returns(options):
+    """Edges round three, 6: ``remove`` from a hook inside a running call took the hooks off half-way (a raw shape
+    error; under ``mode="kv"`` ToMe's function mode stayed on torch's stack). The call now finishes as it began,
+    equal to an untouched patched call, and the model is unpatched when it returns."""
+    unet, call = build_unet("tiny"), unet_call()
+    with torch.no_grad():
+        unpatched = call(unet)
+        tome.patch(unet, **options)
+        patched = call(unet)
+        handle = merged_self_attention(unet).register_forward_hook(lambda m, a, out: tome.remove(unet) and None)
+        during = call(unet)
+        handle.remove()
+        assert torch.equal(during, patched) and torch._C._len_torch_function_stack() == 0
+        assert not tome.patched_models(unet)
+        assert torch.equal(call(unet), unpatched)
+
+
+def test_remove_inside_a_call_that_is_then_interrupted_takes_effect_at_the_next_call():
+    """A call that ``remove`` was asked inside, then interrupted (Ctrl-C: no post-hook runs), leaves its model
+    unpatched from the next call on."""
+    unet, call = build_unet("tiny"), unet_call()
+    with torch.no_grad():
+        unpatched = call(unet)
+        tome.patch(unet, ratio=0.5)
+
+        def remove_then_interrupt(module, args, output):
+            tome.remove(unet)
+            raise KeyboardInterrupt
+
+        handle = merged_self_attention(unet).register_forward_hook(remove_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            call(unet)
+        handle.remove()
+        assert torch.equal(call(unet), unpatched) and not tome.patched_models(unet)
+
+
+def test_patch_inside_a_running_call_is_refused_and_the_call_finishes():
+    """Edges round three, 6: a new ``patch`` from inside a running call replaced the hooks half-way (a raw shape
+    error). It is now refused, naming the running model, and the call finishes as patched."""
+    unet, call = build_unet("tiny"), unet_call()
+    tome.patch(unet, ratio=0.5)
+    with torch.no_grad():
+        patched = call(unet)
+        errors = []
+
+        def repatch(module, args, output):
+            try:
+                tome.patch(unet, ratio=0.3)
+            except ValueError as error:
+                errors.append(str(error))
+
+        handle = merged_self_attention(unet).register_forward_hook(repatch)
+        during = call(unet)
+        handle.remove()
+    assert errors and "UNet2DConditionModel" in errors[0] and "between calls" in errors[0]
+    assert torch.equal(during, patched)
+
+
+def test_two_models_sharing_blocks_cannot_both_be_patched():
+    """Edges round three, 7: two models holding the same transformer blocks could both be patched; the first one's
+    call then failed with a misleading "a transformer block ran before its model ... gave the latent size". The
+    second patch is now refused, naming the other model; patching the first again, or after removing it, works."""
+    first = build_transformer("tiny-pixart")
+    second = build_transformer("tiny-pixart")
+    second.transformer_blocks = first.transformer_blocks
+    tome.patch(first, ratio=0.5)
+    with pytest.raises(ValueError, match="also a block of a patched PixArtTransformer2DModel"):
+        tome.patch(second, ratio=0.5)
+    assert not tome.patched_models(second)
+    tome.patch(first, ratio=0.3)  # the same model again: its own blocks
+    tome.remove(first)
+    tome.patch(second, ratio=0.5)
+    assert tome.patched_models(second)
+
+
+def test_a_pipeline_of_two_models_sharing_blocks_is_refused_whole():
+    """Two models of one ``patch`` call that share blocks are refused before either is patched."""
+    import copy
+
+    first = build_transformer("tiny-pixart")
+    holder = torch.nn.ModuleDict({"a": first, "b": copy.copy(first)})  # a shallow copy: the same blocks
+    with pytest.raises(ValueError, match="also a block of"):
+        tome.patch(holder, ratio=0.5)
+    assert not tome.patched_models(holder)

@@ -37,7 +37,7 @@ from tome_core.attention_bias import SizeBias, unbiased_processor, unreachable_k
 from tome_core.backend import get_ops
 from tome_core.block_hooks import KernelKeys
 from tome_core.config import document
-from tome_core.framework import PostHook, PreHook, REUSED
+from tome_core.framework import PostHook, PreHook, REUSED, call_running
 from tome_core.model_tree import blocks_of, find_models
 from tome_core.shards import Shards
 from tome_core.state import ToMeState
@@ -337,6 +337,9 @@ class TorchFramework:
 
     def clear_interrupted(self) -> None:
         drop_stale_modes()
+
+    def running(self, module: torch.nn.Module) -> bool:
+        return call_running(module, (_CALL_IMPL,))
 
     def bias_problem(self, module: torch.nn.Module) -> Optional[str]:
         processor = getattr(module, "processor", None)

@@ -63,7 +63,7 @@ from tome_core.adapters import processors
 from tome_core.attention_bias import SizeBias, unbiased_processor, unreachable_kernel
 from tome_core.block_hooks import KernelKeys
 from tome_core.config import document
-from tome_core.framework import PostHook, PreHook
+from tome_core.framework import PostHook, PreHook, call_running
 from tome_core.model_tree import components
 from tome_core.state import ToMeState
 
@@ -250,6 +250,13 @@ def _needs_paddle_3(error: TypeError) -> RuntimeError:
     return RuntimeError(f"ToMe needs paddle >= 3.0 (layer hooks with keyword arguments), found {paddle.__version__}: {error}")
 
 
+# what a Layer's call runs (its __call__, and with hooks _dygraph_call_func): frames that tell a running call
+_LAYER_CALLS = frozenset(
+    function.__code__ for function in (getattr(Layer, name, None) for name in ("__call__", "_dygraph_call_func"))
+    if hasattr(function, "__code__")
+)
+
+
 class PaddleFramework:
     """paddle for :mod:`tome_core.driver`."""
 
@@ -295,6 +302,9 @@ class PaddleFramework:
 
     def clear_interrupted(self) -> None:
         _SDPA_WRAPPER.clear()
+
+    def running(self, module: Layer) -> bool:
+        return call_running(module, _LAYER_CALLS)
 
     def kernel_keys_problem(self, module: Layer) -> Optional[str]:
         return unreachable_kernel(getattr(module, "processor", None), MASK_PROCESSORS, "ppdiffusers", (SDPA,))
