@@ -302,25 +302,33 @@ PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "parallel.md"
 
 
 def _snippet_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    """One process of docs/parallel.md's snippet, as torchrun would start it (its environment variables)."""
+    """One process of docs/parallel.md's snippet, as torchrun would start it (its environment variables), as a user
+    runs it: outside the clone, in ``out_dir`` where the tiny Flux is saved under the id it loads."""
     import contextlib
     import re
     import warnings
+
+    from .test_readme import outside_the_clone
 
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     code = "\n".join(re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S))
     with open(os.path.join(out_dir, f"printed{rank}.txt"), "w") as out, contextlib.redirect_stdout(out), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        exec(compile(code, str(PAGE), "exec"), {})
+        with outside_the_clone(pathlib.Path(out_dir), {}):
+            exec(compile(code, str(PAGE), "exec"), {})
 
 
 def test_the_parallel_page_snippet_runs_as_its_comments_say(spawnable, tmp_path):
     import torch.multiprocessing as mp
 
+    from .test_readme import FLUX, flux_pipeline, printed_as_commented
+
+    flux_pipeline().save_pretrained(tmp_path / FLUX)
     mp.start_processes(_snippet_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
     printed = (tmp_path / "printed0.txt").read_text()
     comments = [line[2:] for line in PAGE.read_text().split("print(tome.patched_models")[1].splitlines()[1:3]]
     for comment in comments:
-        assert comment.strip() in printed
+        assert printed_as_commented(comment, printed), (comment, printed)
+    assert "2 blocks, 128 -> 64 tokens (50% merged; tokens, similarity)" in printed  # each process's 8 of 16 rows
     assert (tmp_path / "printed1.txt").read_text() == ""

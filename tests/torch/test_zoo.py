@@ -819,13 +819,16 @@ def test_the_models_page_lists_the_pipelines_checked_and_those_not_built():
         assert f"| {name} | {why} |" in part
 
 
-def test_the_models_page_snippet_runs_as_its_comments_say(capsys):
+def test_the_models_page_snippet_runs_as_its_comments_say(capsys, tmp_path):
+    """As a user runs it, outside the clone (tests/torch/test_readme.py), the tiny SD3 saved under the id it loads."""
+    from .test_readme import SD35, outside_the_clone
+
     code = "\n".join(re.findall(r"```python\n(.*?)```", MODELS_PAGE.read_text(), flags=re.S))
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), outside_the_clone(tmp_path, {f"{SD35}/transformer": zoo.build_transformer("tiny-sd3")}):
         warnings.simplefilter("ignore")
         exec(compile(code, str(MODELS_PAGE), "exec"), {})
     printed = capsys.readouterr().out
-    assert "2 blocks, 64 -> 32 tokens (50% merged" in printed
+    assert "2 blocks, 64 -> 32 tokens (50% merged; tokens, similarity)" in printed
     assert "ToMe cannot patch SanaTransformer2DModel: its self-attention is linear attention" in printed
 
 
