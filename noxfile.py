@@ -19,6 +19,10 @@ TORCH = [
     "accelerate==1.15.0",  # CPU-offload test
     "scikit-image==0.26.0",  # the trained models' data and sample metrics
 ]
+# The ldm package (A1111-style UIs, sdkit) from the stable-diffusion-sdkit wheel: its own pins (pytorch-lightning 1.4,
+# transformers 4.33, ...) cannot sit beside torch 2.13, so it installs --no-deps with the modules its UNet imports.
+LDM = ["einops==0.8.2", "omegaconf==2.4.0"]
+LDM_NO_DEPS = ["stable-diffusion-sdkit==2.1.5"]
 PADDLE = [
     "paddlepaddle==3.3.1",
     "huggingface_hub==0.25.2",
@@ -83,6 +87,8 @@ def tests_torch(session):
     # Speed-ups that tests/torch/test_compose.py stacks with ToMe; --no-deps: tgate pins DeepCache and pulls
     # accelerate. (HiDiffusion 0.1.10 does not import with diffusers 0.42: docs/works-with.md.)
     session.install("--no-deps", "DeepCache==0.1.1", "tgate==1.0.0")
+    session.install(*LDM)
+    session.install("--no-deps", *LDM_NO_DEPS)  # tests/torch/test_ldm.py
     session.install(".")
     run_tests(session, "numpy,torch", "tests/torch")
 

@@ -5,7 +5,9 @@ image tokens are in each one's input and output, and where text tokens sit besid
 layout (:class:`ModelLayout`) says what a model class's call and children tell beyond that: how its call places
 its tokens on a grid, which of its children never merge. The driver (:mod:`tome_core.driver`) reads both through
 :func:`block_family` and :func:`model_layout`. Classes are named, not imported, so the same tables serve diffusers
-(torch), ppdiffusers (paddle) and any library that keeps diffusers' class names.
+(torch), ppdiffusers (paddle) and any library that keeps diffusers' class names. A name written
+``"library:Class"`` (``"ldm:BasicTransformerBlock"``) means that class of the package ``library`` alone, where
+another library uses diffusers' name for something else; it wins over the bare name.
 
 Adding a model family, honestly:
 
@@ -215,6 +217,11 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
         "flax-basic",  # diffusers' Flax SD UNets and ControlNets: FlaxAttention takes its keys and values from context
         ("FlaxBasicTransformerBlock",),
         (replace(_BASIC[0], kv_input="context"), *_BASIC[1:]),
+    ),
+    BlockFamily(
+        "ldm-basic",  # the ldm UNetModel's (A1111-style UIs, sdkit): CrossAttention takes keys and values from context;
+        ("ldm:BasicTransformerBlock",),  # disable_self_attn makes attn1 attend to the context (SD 2.x's option)
+        (replace(_BASIC[0], kv_input="context", text_if="disable_self_attn"), *_BASIC[1:]),
     ),
     BlockFamily(
         "mmdit",  # SD3 / SD3.5 (attn2: SD3.5's second, image-only self-attention)
@@ -912,6 +919,7 @@ class ModelLayout:
     grid_source: a child whose 4-D output ``(B, C, h, w)`` is the grid of the blocks after it, in a model that
         flattens a feature map into its blocks' tokens itself (aMUSEd's UVit runs its transformer layers on its
         down block's output, its VQ codes' grid downsampled).
+    unet: its levels, where it is a UNet laid out otherwise than diffusers' (:class:`UNetPath`).
     """
 
     classes: Tuple[str, ...]
@@ -922,6 +930,30 @@ class ModelLayout:
     text_only: Tuple[str, ...] = ()
     lent: Tuple[str, ...] = ()
     grid_source: Optional[str] = None
+    unet: Optional["UNetPath"] = None
+
+
+@dataclass(frozen=True)
+class UNetPath:
+    """How a UNet that is not laid out as diffusers' (``down_blocks``, ``mid_block``, ``up_blocks``) runs through its
+    levels: the ``ldm`` ``UNetModel`` of A1111-style UIs and sdkit runs ``input_blocks``, ``middle_block`` and
+    ``output_blocks``, each part a sequence of layers, and a part that holds a downsampler halves the grid of the
+    parts after it (an upsampler doubles it). Its latent is its call's first input, ``(B, C, H, W)``.
+
+    parts: its children in the order its call runs them, each a module or a list of modules (the parts).
+    downsample, upsample: the class names of the layers that halve and double the grid after their part.
+    containers: its 2-D containers, whose 4-D input ``(B, C, H, W)`` is the grid of the blocks inside
+        (:data:`GRID_CONTAINERS` holds diffusers' own).
+    counted: its children in the order its blocks are counted (their indices in ``blocks``, ``block_ratios``, and
+        the partitions each block draws): as diffusers counts the same UNet's (its down blocks, up blocks, then
+        its middle block), so that the same options on the same weights merge alike in both libraries.
+    """
+
+    parts: Tuple[str, ...]
+    downsample: Tuple[str, ...]
+    upsample: Tuple[str, ...]
+    containers: Tuple[str, ...]
+    counted: Tuple[str, ...]
 
 
 _Z_IMAGE_VIDEO = GridLayout(patch_arguments=("f_patch_size", "patch_size"))
@@ -953,6 +985,10 @@ MODEL_LAYOUTS: Tuple[ModelLayout, ...] = (
     ModelLayout(("Lumina2Transformer2DModel",), text_only=("context_refiner",)),
     ModelLayout(("Flux3Transformer2DModel",), text_only=("txt_mode_blocks", "mode_blocks.image_cond")),  # (and the reference images)
     ModelLayout(("UVit2DModel",), grid_source="down_block"),
+    ModelLayout(("ldm:UNetModel",), unet=UNetPath(  # SD 1.x/2.x in A1111-style UIs and sdkit
+        ("input_blocks", "middle_block", "output_blocks"), ("Downsample",), ("Upsample",), ("SpatialTransformer",),
+        ("input_blocks", "output_blocks", "middle_block"),
+    )),
 )
 
 _MODEL_LAYOUTS: Dict[str, ModelLayout] = {name: layout for layout in MODEL_LAYOUTS for name in layout.classes}
@@ -986,6 +1022,47 @@ GRID_CONTAINERS: Tuple[str, ...] = ("Transformer2DModel", "TransformerSpatioTemp
 # 2-D containers whose 4-D input is channels-last ``(batch, H, W, C)``: diffusers' Flax Transformer2DModel.
 CHANNELS_LAST_GRID_CONTAINERS: Tuple[str, ...] = ("FlaxTransformer2DModel",)
 
+@dataclass(frozen=True)
+class OwnAttention:
+    """An attention class with no processor, whose own ``forward`` computes the attention (the ``ldm``
+    ``CrossAttention`` of A1111-style UIs and sdkit). It computes its keys and values from its sub-layer's
+    ``kv_input`` (:class:`Sublayer`), so the ``kv`` arrangement hands it the merged tokens there.
+
+    classes: its classes (library-qualified, as ``"ldm:CrossAttention"``).
+    through: what it computes attention through, named in messages.
+    softmax: its own code normalises its scores with torch's softmax over the keys (the last axis), where
+        size-aware attention adds the merged keys' log sizes to that call's input; False: a kernel that takes no
+        bias computes it, and size-aware attention is refused there at ``patch``.
+    """
+
+    classes: Tuple[str, ...]
+    through: str
+    softmax: bool
+
+
+OWN_ATTENTIONS: Tuple[OwnAttention, ...] = (
+    OwnAttention(("ldm:CrossAttention",), "einsum and Tensor.softmax", softmax=True),
+    # ldm picks it for every block when xformers imports
+    OwnAttention(("ldm:MemoryEfficientCrossAttention",), "xformers.ops.memory_efficient_attention", softmax=False),
+)
+_OWN_ATTENTIONS: Dict[str, OwnAttention] = {name: entry for entry in OWN_ATTENTIONS for name in entry.classes}
+
+
+def own_attention(cls: type) -> Optional[OwnAttention]:
+    """The :data:`OWN_ATTENTIONS` entry of an attention class (or of its nearest base class named there), or None."""
+    return _nearest(_OWN_ATTENTIONS, cls)
+
+
+def named(cls: type, names: Tuple[str, ...]) -> bool:
+    """Whether ``cls`` is one of ``names`` (a bare name, or one qualified by its library: ``"ldm:UNetModel"``)."""
+    return cls.__name__ in names or _qualified(cls) in names
+
+
+def _qualified(cls: type) -> str:
+    """``cls``'s name qualified by its top-level package: ``"ldm:BasicTransformerBlock"``."""
+    return f"{cls.__module__.split('.')[0]}:{cls.__name__}"
+
+
 def child_at(module: Any, path: str) -> Any:
     """The submodule at a dotted attribute ``path`` of ``module`` (``"video_dec_block.self_attention"``: a
     sub-layer of a block nested in the block, Kandinsky 6's; ``""``: ``module`` itself, a block that is its own
@@ -1000,7 +1077,7 @@ def child_at(module: Any, path: str) -> Any:
 def _nearest(table: Dict[str, Any], cls: type) -> Any:
     """The entry of ``table`` for ``cls`` or for the nearest of its base classes named there, or None."""
     for base in cls.__mro__:
-        entry = table.get(base.__name__)
+        entry = table.get(_qualified(base), table.get(base.__name__))
         if entry is not None:
             return entry
     return None

@@ -10,7 +10,8 @@ import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .families import (
-    BlockFamily, CHANNELS_LAST_GRID_CONTAINERS, GRID_CONTAINERS, block_family, child_at, model_layout, temporal,
+    BlockFamily, CHANNELS_LAST_GRID_CONTAINERS, GRID_CONTAINERS, UNetPath, block_family, child_at, model_layout, named,
+    temporal,
 )
 from .framework import TOKEN_IDS, Framework, argument_positions, forward_of
 from .levels import finest_attention_level
@@ -43,13 +44,20 @@ def _held(fw: Framework, model: Any, paths: Callable[[Any], Optional[Tuple[str, 
 
 
 def blocks_of(fw: Framework, model: Any) -> List[Tuple[Any, BlockFamily]]:
-    """The spatial transformer blocks of a known family inside ``model``, in module order (their stream index).
+    """The spatial transformer blocks of a known family inside ``model``, in module order (their stream index); in
+    a UNet laid out otherwise than diffusers' (:func:`unet_path`), in the order of its parts that
+    :attr:`~tome_core.families.UNetPath.counted` gives, diffusers' module order.
 
     Temporal blocks (tokens = frames: video UNets' motion modules and temporal transformers) are left out:
     they are never merged, get no hook, and count in no block index, level or statistic."""
     found = []
     skip = temporal_modules(fw, model) | text_only_modules(fw, model)
-    for module in fw.submodules(model):
+    path = unet_path(model)
+    modules = fw.submodules(model) if path is None else [
+        module for name in path.counted if fw.is_module(getattr(model, name, None))
+        for module in fw.submodules(getattr(model, name))
+    ]
+    for module in modules:
         family = block_family(type(module), type(model))
         if family is not None and id(module) not in skip:
             found.append((module, family))
@@ -65,6 +73,12 @@ def finest_level(fw: Framework, model: Any, blocks: Optional[Sequence[Tuple[Any,
         id(block) for block, family in (blocks_of(fw, model) if blocks is None else blocks)
         for sublayer in family.sublayers if sublayer.kind == "attn" and fw.is_module(child_at(block, sublayer.child))
     }
+    path = unet_path(model)
+    if path is not None:
+        ids = attending()
+        levels = _path_levels(fw, model, path)
+        down = [levels[id(m)] for m in fw.submodules(getattr(model, path.parts[0])) if id(m) in ids]
+        return min(down) if down else max(levels.values(), default=1)
     downscalers = getattr(model, "down_downscalers", None)
     if not is_unet_like(model) and downscalers is not None and hasattr(model, "down_blocks"):
         ids, factor = attending(), 1
@@ -101,6 +115,10 @@ def block_levels(
     if not is_unet_like(model):
         one = is_transformer_model(model) or model_layout(type(model)).grid_source is not None  # one grid: the model's tokens
         return [1 if one and not family.feature_map else None for _, family in blocks]
+    path = unet_path(model)
+    if path is not None:
+        levels = _path_levels(fw, model, path)
+        return [levels.get(id(block)) for block, _ in blocks]
     if not any(hasattr(down, "downsamplers") for down in model.down_blocks):
         return [None for _ in blocks]
     level: Dict[int, int] = {}
@@ -117,13 +135,45 @@ def block_levels(
     return [level.get(id(block)) for block, _ in blocks]
 
 
+def _path_levels(fw: Framework, model: Any, path: UNetPath) -> Dict[int, int]:
+    """The level (downsample factor) of every module inside the parts of a UNet laid out as ``path``: doubled after
+    each part that holds a downsampler, halved after each that holds an upsampler."""
+    level: Dict[int, int] = {}
+    factor = 1
+    for name in path.parts:
+        child = _child(model, name)
+        for part in child if isinstance(child, list) else [child] if fw.is_module(child) else []:
+            inside = fw.submodules(part)
+            for sub in inside:
+                level.setdefault(id(sub), factor)
+            if any(named(type(sub), path.downsample) for sub in inside):
+                factor *= 2
+            elif any(named(type(sub), path.upsample) for sub in inside):
+                factor = max(factor // 2, 1)
+    return level
+
+
+def _child(model: Any, name: str) -> Any:
+    """The child ``name`` of ``model``: a module, or its parts (a module list reads as its items)."""
+    child = getattr(model, name, None)
+    return list(child) if type(child).__name__ in ("ModuleList", "LayerList") else child
+
+
+def unet_path(module: Any) -> Optional[UNetPath]:
+    """How ``module``'s levels run, where it is a UNet laid out otherwise than diffusers' (the ``ldm`` UNetModel:
+    :class:`~tome_core.families.UNetPath`), else None."""
+    return model_layout(type(module)).unet
+
+
 
 
 def grid_modules(fw: Framework, model: Any) -> List[Any]:
     """The 2-D containers in ``model`` (:data:`~tome_core.families.GRID_CONTAINERS`: UNet-style
     ``Transformer2DModel``, SVD's ``TransformerSpatioTemporalModel``; channels-last, Flax's): their 4-D input
     ``(batch [* frames], C, H, W)`` is the grid of their spatial blocks."""
-    return [m for m in fw.submodules(model) if type(m).__name__ in GRID_CONTAINERS + CHANNELS_LAST_GRID_CONTAINERS]
+    path = unet_path(model)
+    names = GRID_CONTAINERS + CHANNELS_LAST_GRID_CONTAINERS + (path.containers if path is not None else ())
+    return [m for m in fw.submodules(model) if type(m).__name__ in names]
 
 
 def check_grids(fw: Framework, model: Any, blocks: Optional[Sequence[Tuple[Any, BlockFamily]]] = None) -> None:
@@ -156,8 +206,14 @@ def block_metric(family: BlockFamily, block: Any) -> Tuple[str, Optional[int]]:
 
 
 def components(fw: Framework, obj: Any, entry: str = "patch") -> List[Any]:
-    """The modules ``obj`` consists of: itself if it is a module, else a pipeline's module components. Anything
-    else is refused with :func:`not_a_model`'s error for the entry point ``entry``."""
+    """The modules ``obj`` consists of: the UNet of a latent-diffusion model (:func:`held_unet`; ``patch`` refuses one
+    holding no UNet ToMe knows), itself if it is a module, else a pipeline's module components. Anything else is
+    refused with :func:`not_a_model`'s error for the entry point ``entry``."""
+    held = held_unet(obj)
+    if held is not None:
+        if entry == "patch":
+            _check_held(fw, obj, held)
+        return [held] if fw.is_module(held) else []
     if fw.is_module(obj):
         return [obj]
     if isinstance(getattr(obj, "components", None), dict):
@@ -167,6 +223,29 @@ def components(fw: Framework, obj: Any, entry: str = "patch") -> List[Any]:
             found.extend(item for item in items if fw.is_module(item))
         return found
     raise not_a_model(fw.accepted, obj, entry)
+
+
+def held_unet(obj: Any) -> Any:
+    """The UNet of a latent-diffusion model (the ``LatentDiffusion`` of A1111-style UIs and sdkit, and anything that
+    keeps its UNet where it does, as ``tomesd.apply_patch`` reads it): ``obj.model.diffusion_model``; None where
+    ``obj`` holds nothing there."""
+    return getattr(getattr(obj, "model", None), "diffusion_model", None)
+
+
+def _check_held(fw: Framework, obj: Any, held: Any) -> None:
+    """Refuse a latent-diffusion model whose ``model.diffusion_model`` holds no UNet ToMe knows, naming what it holds."""
+    if fw.is_module(held) and any(is_unet_like(m) and blocks_of(fw, m) for m in fw.submodules(held)):
+        return
+    message = (
+        f"ToMe patches the UNet that a latent-diffusion model holds at model.diffusion_model (the ldm UNetModel of "
+        f"A1111-style UIs and sdkit, SD 1.x and 2.x), but {type(obj).__qualname__}.model.diffusion_model is "
+        f"{_shown(held)}"
+    )
+    if type(held).__module__.split(".")[0] == "sgm":
+        message += ": Stability's sgm code (SDXL in A1111 and ComfyUI-style UIs) is not supported; load SDXL with diffusers"
+    elif fw.is_module(held):
+        message += ", which holds no UNet of transformer blocks ToMe knows (docs/a1111.md)"
+    raise ValueError(message)
 
 
 LOAD = "pipe = DiffusionPipeline.from_pretrained({name})"  # how a diffusers or ppdiffusers user loads a model id
@@ -225,8 +304,9 @@ def config_value(module: Any, name: str) -> Any:
 
 
 def is_unet_like(module: Any) -> bool:
-    """UNet2DConditionModel, ControlNetModel and their kin: a ``sample`` latent in, down blocks inside."""
-    return hasattr(module, "down_blocks") and hasattr(module, "conv_in")
+    """UNet2DConditionModel, ControlNetModel and their kin: a ``sample`` latent in, down blocks inside; or a UNet
+    of another library whose levels :func:`unet_path` tells (the ``ldm`` UNetModel)."""
+    return (hasattr(module, "down_blocks") and hasattr(module, "conv_in")) or unet_path(module) is not None
 
 
 def is_transformer_model(module: Any) -> bool:

@@ -16,6 +16,11 @@ per call from the attention module's processor at that moment (so processors set
   ``torch.nn.functional.scaled_dot_product_attention`` call it makes. The bias rows follow the call's own
   batch (PAG attends over the first part of the batch only), and text keys get no size. A processor that
   never calls SDPA while armed gets a clear error after its call, never a silent plain softmax.
+
+An attention with no processor whose own code computes the attention (:data:`~tome_core.families.OWN_ATTENTIONS`:
+the ``ldm`` ``CrossAttention`` of A1111-style UIs and sdkit, einsum then ``Tensor.softmax``) runs with the same
+mode, which adds the log sizes to the scores that its own softmax call gets; one that computes it through a kernel
+taking no bias (ldm's xformers attention) is refused at ``patch`` under size-aware attention.
 """
 
 from __future__ import annotations
@@ -37,14 +42,15 @@ from tome_core.attention_bias import SizeBias, unbiased_processor, unreachable_k
 from tome_core.backend import get_ops
 from tome_core.block_hooks import KernelKeys
 from tome_core.config import document
+from tome_core.families import own_attention
 from tome_core.framework import PostHook, PreHook, REUSED, call_running
 from tome_core.model_tree import blocks_of, find_models
 from tome_core.shards import Shards
 from tome_core.state import ToMeState
 
 ACCEPTED = (
-    "a diffusers DiffusionPipeline or one of its models (a UNet, ControlNet or diffusion transformer, image or video: "
-    "docs/models.md lists every class), or a torch.nn.Module holding diffusers transformer blocks"
+    "a diffusers DiffusionPipeline or one of its models (UNet, ControlNet or diffusion transformer: docs/models.md "
+    "lists every class), a torch.nn.Module holding diffusers transformer blocks, or an ldm UNetModel (A1111, sdkit)"
 )
 # Processors that build their attention scores from a whole-batch ``attention_mask`` without calling SDPA.
 MASK_PROCESSORS = processors.CLASSIC | processors.MASKED_TWINS
@@ -112,10 +118,15 @@ def _drop_stale() -> None:
             torch._C._push_on_torch_function_stack(mode)
 
 
+# the softmax calls through which an attention that computes its scores itself (OWN_ATTENTIONS) normalises them
+_SOFTMAX = frozenset({torch.Tensor.softmax, torch.softmax, F.softmax})
+
+
 class _AttentionMode(TorchFunctionMode):
     """Merges the keys and values of every SDPA call made while it is active by a
     :class:`~tome_core.block_hooks.KernelKeys` (``keys``, if given), and adds a
-    :class:`~tome_core.attention_bias.SizeBias` (``bias``, if given) over them.
+    :class:`~tome_core.attention_bias.SizeBias` (``bias``, if given) over them; with ``softmax``, adds the bias to
+    the scores of each softmax over the keys (the last axis) that the attention's own code calls instead.
 
     Under Ulysses context parallelism (``group``: the processes that exchange heads) each SDPA call attends to
     the keys of every process in turn, its own among them: each process's bias over its own keys is gathered in
@@ -123,11 +134,12 @@ class _AttentionMode(TorchFunctionMode):
 
     def __init__(
         self, bias: Optional[SizeBias], group: Any = None, owner: Any = None, keys: Optional[KernelKeys] = None,
-        processor: Any = None,
+        processor: Any = None, softmax: bool = False,
     ):
         super().__init__()
         self.processor = processor  # the attention's processor, which may itself be a module it calls
         self.bias = bias
+        self.softmax = softmax
         self.keys = keys
         self.group = group
         self.calls = 0
@@ -170,6 +182,9 @@ class _AttentionMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.unflatten:
             return _unflatten(*args, **kwargs)
+        if self.softmax and func in _SOFTMAX and self.owns_call():
+            args, kwargs = self._biased_scores(*args, **kwargs)
+            return func(*args, **kwargs)
         if func is F.scaled_dot_product_attention and self.owns_call() and self._holds_image(args, kwargs):
             # query, key, value and attn_mask by name; every other argument (dropout_p, is_causal, scale...)
             # passes as it came
@@ -193,6 +208,16 @@ class _AttentionMode(TorchFunctionMode):
                 return func(*qkv, mask, *rest, **kwargs)
             return func(*qkv, **kwargs, **({} if mask is None else {"attn_mask": mask}))
         return func(*args, **kwargs)
+
+    def _biased_scores(self, scores: torch.Tensor, dim: Any = None, *rest: Any, **kwargs: Any) -> Tuple[Any, ...]:
+        """The arguments of a softmax call over ``scores`` ``[B*heads, L, K]`` (or ``[B, heads, L, K]``), the bias
+        added where it runs over the keys (the last axis) and they can hold the merged image tokens."""
+        dim = kwargs.pop("dim", dim)
+        if dim in (-1, scores.dim() - 1) and self.bias.holds_image(scores.shape[-1]):
+            bias = self._for_keys(scores.shape[-1], scores)
+            scores = scores + self._rows(bias, scores, self._first_item(scores, self.bias.match.batch))
+            self.calls += 1
+        return (scores, dim, *rest), kwargs
 
     def _holds_image(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
         """Whether an SDPA call's keys can be the armed attention's own, merged image tokens: an attention to fewer
@@ -258,7 +283,8 @@ def _enter_mode(module: torch.nn.Module, bias: Optional[SizeBias], group: Any, k
     owner = None if torch.compiler.is_compiling() else _call_frame()
     if owner is not None and _drop_stale_before_compiling not in callback_handler.start_callbacks:
         on_compile_start(_drop_stale_before_compiling)
-    mode = _AttentionMode(bias, group, owner, keys, getattr(module, "processor", None))
+    own = own_attention(type(module))
+    mode = _AttentionMode(bias, group, owner, keys, getattr(module, "processor", None), own is not None and own.softmax)
     module.__dict__["_tome_size_bias"] = mode
     mode.__enter__()
 
@@ -323,6 +349,9 @@ class TorchFramework:
         return args, kwargs
 
     def kernel_keys_problem(self, module: torch.nn.Module) -> Optional[str]:
+        own = own_attention(type(module))
+        if own is not None:
+            return f"{type(module).__name__} computes attention itself ({own.through}), not through scaled_dot_product_attention"
         processor = getattr(module, "processor", None)
         if getattr(getattr(processor, "_parallel_config", None), "context_parallel_config", None) is not None:
             return "its processor splits the keys across processes (context parallelism)"
@@ -342,13 +371,17 @@ class TorchFramework:
         return call_running(module, (_CALL_IMPL,))
 
     def bias_problem(self, module: torch.nn.Module) -> Optional[str]:
+        own = own_attention(type(module))
+        if own is not None:
+            return None if own.softmax else f"{type(module).__name__} computes attention through {own.through}, which takes no bias"
         processor = getattr(module, "processor", None)
         return unbiased_processor(
             processor, MASK_PROCESSORS, "diffusers", ("scaled_dot_product_attention", "dispatch_attention_fn")
         )
 
     def separate_kv(self, module: torch.nn.Module) -> bool:
-        return type(getattr(module, "processor", None)).__name__ in SEPARATE_KV_PROCESSORS
+        own = own_attention(type(module)) is not None  # its keys and values come from its kv_input (ldm's context)
+        return own or type(getattr(module, "processor", None)).__name__ in SEPARATE_KV_PROCESSORS
 
     def output_cache(self, module: torch.nn.Module) -> Any:
         registry = module.__dict__.get("_diffusers_hook")
@@ -402,6 +435,11 @@ class TorchFramework:
                 "of a merged attention computes attention without torch.nn.functional.scaled_dot_product_attention "
                 "(another attention backend?), so its keys could not be merged; pass mode='tokens' or use diffusers' "
                 "native attention backend"
+            )
+        if computed and mode.calls == 0 and not torch.compiler.is_compiling() and mode.softmax:
+            raise RuntimeError(
+                f"proportional_attn=True: the merged attention {type(module).__name__} computed attention without a "
+                "softmax over its keys, so the merged tokens' sizes could not reach it; pass proportional_attn=False"
             )
         if computed and mode.calls == 0 and not torch.compiler.is_compiling():
             raise RuntimeError(
