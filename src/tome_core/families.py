@@ -1049,8 +1049,14 @@ _OWN_ATTENTIONS: Dict[str, OwnAttention] = {name: entry for entry in OWN_ATTENTI
 
 
 def own_attention(cls: type) -> Optional[OwnAttention]:
-    """The :data:`OWN_ATTENTIONS` entry of an attention class (or of its nearest base class named there), or None."""
-    return _nearest(_OWN_ATTENTIONS, cls)
+    """The :data:`OWN_ATTENTIONS` entry of an attention class (or of its nearest base class named there), or None;
+    read at every merged attention call, so kept per class (in a plain dict: dynamo warns of ``lru_cache``)."""
+    if cls not in _OWN_BY_CLASS:
+        _OWN_BY_CLASS[cls] = _nearest(_OWN_ATTENTIONS, cls)
+    return _OWN_BY_CLASS[cls]
+
+
+_OWN_BY_CLASS: Dict[type, Optional[OwnAttention]] = {}
 
 
 def named(cls: type, names: Tuple[str, ...]) -> bool:
