@@ -18,7 +18,7 @@ and reports medians:
   paddle), when installed;
 * ``oracle``: the same token counts removed and restored with free slicing instead of matching; its time is
   the limit of what token reduction can save, and ``oracle share`` is the part of that saving a method gets.
-  It is the library's own patch with a match that keeps the first tokens (``tome_core.driver.attach_oracle``;
+  It is the library's own patch with a match that keeps the first tokens (``tome_tools.oracle.attach_oracle``;
   Flax: ``tome_tools.flax_bench.OraclePlan``), so it follows the configuration of 'ours' at the same blocks,
   levels and sizes: the counts of each level's ratio or cell (``level_cells``), and the arrangement: with
   ``mode=kv`` self-attention gets every query and

@@ -4,7 +4,7 @@
 Everything the frameworks share lives here, written once: the UNet inputs (image-like latents noised to the
 mid timestep, seeded text embeddings, SDXL's added conditions), which ToMe options each method uses, the
 level bound the peer copies from 'ours', and the DDIM loop. The oracle is the library's own hooks with a
-match that keeps the first tokens (:func:`hook_oracle`, :func:`tome_core.driver.attach_oracle`; Flax's bench
+match that keeps the first tokens (:func:`hook_oracle`, :func:`tome_tools.oracle.attach_oracle`; Flax's bench
 keeps a table of token counts, :class:`tome_tools.flax_bench.OraclePlan`). Diffusion transformers (SD3, Flux,
 PixArt, and Wan's video transformer: :data:`TRANSFORMER_SPECS`) get their own inputs (flow-matching or DDPM
 noising, Flux's packed tokens and ids) and their own scheduler.
@@ -22,10 +22,10 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import numpy as np
 
-from tome_core import driver
 from tome_core.backend import get_ops
 from tome_core.block_hooks import around_grid, image_tokens
 from tome_tools.bench_core import image_like_latents, noised, peak_memory_in_fresh_process, video_latents
+from tome_tools.oracle import attach_oracle
 from tome_core.config import ToMeConfig
 from tome_core.families import BlockFamily
 from tome_core.framework import Framework
@@ -206,11 +206,11 @@ def image_part(x: Any, family: BlockFamily, grid: Tuple[int, int], tail: int = 0
 def hook_oracle(
     fw: Framework, model: Any, config: ToMeConfig, call: Optional[Tuple[Tuple[int, int], int, bool]] = None,
 ) -> Undo:
-    """Hook the oracle of ``config`` into ``model`` (:func:`tome_core.driver.attach_oracle`: the patch's own
+    """Hook the oracle of ``config`` into ``model`` (:func:`tome_tools.oracle.attach_oracle`: the patch's own
     hooks, each match keeping the first tokens); returns what removes it. The call's grid and tail are read from
     each model call as the patch reads them; ``call=(grid, tail, grid_last)`` gives them instead (blocks run on
     their own, as ``--micro`` runs them)."""
-    patch = driver.attach_oracle(fw, model, config)
+    patch = attach_oracle(fw, model, config)
     if call is not None:
         grid, tail, grid_last = call
         patch.state.begin_call(grid, MID_TIMESTEP, tail=tail, grid_last=grid_last)

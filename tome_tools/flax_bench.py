@@ -78,7 +78,7 @@ class OracleCut:
 class OraclePlan:
     """The token counts 'ours' keeps in a UNet with one configuration, per sub-layer and token count, for the
     :class:`Oracle` (free removal of the same counts; every other framework's oracle is the library's own,
-    :func:`tome_core.driver.attach_oracle`): similarity matching merges ``int(tokens * ratio)`` (the sub-layer's,
+    :func:`tome_tools.oracle.attach_oracle`): similarity matching merges ``int(tokens * ratio)`` (the sub-layer's,
     level's and cell's ratio, at most the sources of the partition), cell matching keeps one token per full
     ``sx x sy`` cell of the level (``level_cells``) plus the leftover rows and columns. ``mode`` decides the
     arrangement of self-attention (``attn1``).
@@ -147,7 +147,7 @@ class Oracle:
     token as context (:class:`OracleCut`). Frozen (hashable), as a static argument of
     the jitted call must be: it holds the plan's table of cuts, one per sub-layer and token count.
 
-    The other frameworks' oracle is the library's own hooks (:func:`tome_core.driver.attach_oracle`). Flax's
+    The other frameworks' oracle is the library's own hooks (:func:`tome_tools.oracle.attach_oracle`). Flax's
     hooks live inside a patched module's traced call, built from its ``tome`` config field
     (:mod:`tome_core.adapters.flax`), which has no room for an oracle switch without adding one to the public
     module; so the Flax bench keeps this table (UNets only, where its counts are :class:`OraclePlan`'s)."""

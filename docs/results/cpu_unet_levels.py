@@ -8,7 +8,7 @@ call; the per-level times say where a method saves and whether it costs anything
     # rows to $OUT/cpu_<unet>_<resolution>_levels.json
 
 Methods: ``default`` (``patch(unet)``), ``oracle of default`` (free removal of the tokens the default removes:
-``tome_core.driver.attach_oracle``), ``prefer="speed"``, ``ratio=0.5`` (ToMe for SD's arrangement) and
+``tome_tools.oracle.attach_oracle``), ``prefer="speed"``, ``ratio=0.5`` (ToMe for SD's arrangement) and
 ``tomesd`` (``tomesd.apply_patch(unet, ratio=0.5)`` at the finest level with attention, as
 ``gpu_speed.py`` runs it: ``max_downsample=2`` on SDXL, where its default merges nothing). SDXL at 1024 px: about 45 s a call here.
 """

@@ -11,7 +11,7 @@ high-water mark never falls).
 Methods: ``default`` (``patch(model)``: each token compared with the destinations of its own and the neighbouring
 latent frames, ``frame_window=1``), ``frame_window=None`` (the default's arrangement searching the whole clip, the
 default before), ``oracle of default`` (free removal of the tokens the default removes:
-``tome_core.driver.attach_oracle``), ``prefer="speed"``, ``local_window=1`` (the default's arrangement, each
+``tome_tools.oracle.attach_oracle``), ``prefer="speed"``, ``local_window=1`` (the default's arrangement, each
 source compared with the destinations of its own and the 8 neighbouring cells only), and keys and values merged
 inside the attention kernel after the rotary positions (``mode="kv"``: in 2x1 or 2x2 cells, one token drawn per
 cell, or a half or three quarters of them by similarity, size-aware); ``--methods`` picks some. About 6 minutes a round and 6 for the memory on a 2-core CPU.

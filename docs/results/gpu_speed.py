@@ -48,7 +48,7 @@ Methods, each against the unpatched call of the same run:
 - ``tomesd 0.5`` (UNets; eager only, as most users run it; at its finest level with attention: max_downsample=2
   on SDXL, where its default of 1 merges nothing);
 - ``oracle of default``: free removal of the tokens the default removes in this execution, at the same levels
-  and blocks and in the same arrangement: the benchmark's oracle (``tome_core.driver.attach_oracle``: the patch's
+  and blocks and in the same arrangement: the benchmark's oracle (``tome_tools.oracle.attach_oracle``: the patch's
   own hooks with a match that keeps the first tokens), which runs each merged sub-layer on the first ``kept``
   image tokens (or, for keys/values in cells, gives self-attention the first ``kept`` tokens as keys and values)
   and restores the rest by index, so its time is attention at the merged size with no match, merge or unmerge.
@@ -357,7 +357,7 @@ def install_oracle(case: Case, model: torch.nn.Module, config: Any, deepest: int
                    call: Optional[Tuple[Any, int, bool]] = None) -> Callable[[], None]:
     """Hook into ``model`` the oracle of a patch with options ``config`` (resolved: ``ToMeState.active``) that
     merged the levels down to downsample factor ``deepest``; returns what removes it. The library's own hooks
-    with a match keeping the first tokens (``tome_core.driver.attach_oracle``, through the bench's
+    with a match keeping the first tokens (``tome_tools.oracle.attach_oracle``, through the bench's
     ``hook_oracle``), on a UNet at the levels ``<= deepest``; each call's grid is read as the
     patch reads it (``call``: (grid, tail, grid_last) for blocks run on their own)."""
     if case.kind == "unet":

@@ -285,10 +285,10 @@ class BlockRun:
         return config, None
 
     def arrangement(self, kind: str, self_attention: bool) -> Tuple[str, bool]:
-        """:meth:`ToMeConfig.arrangement` of this run's options: never size-aware in the oracle, whose kept tokens
-        each stand for themselves (:attr:`ToMeState.oracle`)."""
+        """:meth:`ToMeConfig.arrangement` of this run's options: never size-aware where the state's matcher keeps
+        tokens that each stand for themselves (:attr:`Matcher.sized <tome_core.match.Matcher.sized>` False)."""
         mode, size_aware = self.plan.config.arrangement(kind, self_attention)
-        return mode, size_aware and not self.state.oracle
+        return mode, size_aware and self.state.matcher.sized
 
     def count(self, kind: str) -> None:
         """Count this block in the call's statistics as its ``kind`` sub-layer ran with its match (once per call of

@@ -1,8 +1,7 @@
 """The patch driver: :func:`patch` finds the models in an object, checks the options against each of them before
 anything is attached (:func:`check`), attaches ToMe's hooks to each (:func:`attach_hooks`, sharing one
-:class:`~tome_core.state.ToMeState` per model) and :func:`remove` takes them off again; :func:`attach_oracle`
-attaches the same hooks as the benchmark's oracle. Framework-free: every adapter (diffusers/torch,
-ppdiffusers/paddle, Flax diffusers/jax) hands it a :class:`~tome_core.framework.Framework`.
+:class:`~tome_core.state.ToMeState` per model) and :func:`remove` takes them off again. Framework-free: every
+adapter (diffusers/torch, ppdiffusers/paddle, Flax diffusers/jax) hands it a :class:`~tome_core.framework.Framework`.
 
 What it attaches lives beside it: the hooks that begin each call of a model (its timestep and grid) in
 :mod:`~tome_core.call_hooks`, those on each transformer block and its merged sub-layers (merge, unmerge,
@@ -22,6 +21,7 @@ from .call_hooks import CallStart, PipelineWatch, call_ends, forget_generations,
 from .config import ToMeConfig
 from .families import attends_text_only, child_at
 from .framework import Framework
+from .match import TOME, Matcher
 from .model_tree import check_grids, components, find_models, temporal_modules
 from .model_zoo import AUXILIARY, refusal
 from .partition import forget_tables
@@ -32,16 +32,16 @@ from .shards import check_shards
 from .state import ToMeState
 
 __all__ = [
-    "Patched", "attach", "attach_hooks", "attach_oracle", "check", "check_sublayers", "detach", "model_state",
+    "Patched", "attach", "attach_hooks", "check", "check_sublayers", "detach", "model_state",
     "patch", "patched_models", "refuse_listed", "remove", "undo_tomesd",
 ]
 
 
-def model_state(plan: ModelPlan, oracle: bool = False) -> ToMeState:
-    """A new run state for the model of ``plan`` (``oracle``: :attr:`ToMeState.oracle`'s, free removal of the
-    tokens its config merges)."""
+def model_state(plan: ModelPlan, matcher: Matcher = TOME) -> ToMeState:
+    """A new run state for the model of ``plan``, finding its blocks' matches with ``matcher`` (ToMe's own by
+    default; another keeps ToMe's blocks, levels, counts and arrangement and chooses the tokens its own way)."""
     return ToMeState(
-        config=plan.config, finest_level=plan.finest, choices=plan.choices, where=plan.where, oracle=oracle,
+        config=plan.config, finest_level=plan.finest, choices=plan.choices, where=plan.where, matcher=matcher,
         streams=plan.streams, hooked=len({m.stream for m in plan.hooked}),
     )
 
@@ -90,19 +90,6 @@ def _retyped(patch: Patch) -> Patch:
     for target in patch.targets:
         patch.retype(target)
     return patch
-
-
-def attach_oracle(fw: Framework, model: Any, config: ToMeConfig) -> Patch:
-    """Hook ``model`` (one found by :func:`find_models`) with the oracle of ``config``: ToMe's own hooks, at the
-    blocks, levels and sizes where ``config`` merges and in its arrangement, each match keeping the first of its
-    tokens instead (:attr:`ToMeState.oracle`), so a merged sub-layer runs on as many tokens as ToMe's with no
-    match, mean or bias to compute: the limit of what token reduction saves (the benchmark's ``oracle``).
-    Returns the patch; its ``remove()`` takes the hooks off, its ``state`` is the oracle's run state."""
-    plan = plan_model(fw, model, config)
-    check(fw, plan)
-    return _retyped(attach_hooks(fw, plan, model_state(plan, oracle=True)))
-
-
 
 
 def undo_tomesd(module: Any, drop_hook: Callable[[Any, Any], None]) -> None:

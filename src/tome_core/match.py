@@ -4,16 +4,18 @@ The result is a :class:`Match`, computed once per transformer block and used by 
 ``rows[b * N + i]`` is the row that original token ``i`` of batch item ``b`` goes to in the merged batch
 flattened to ``[B * (N - r), C]`` (so merge and unmerge are one row scatter and one row gather), and
 ``sizes[b, k]`` how many original tokens slot ``k`` stands for. The merged sequence holds the unmerged sources (most
-similar first, as tomesd orders them), then the destinations in grid order.
+similar first, as tomesd orders them), then the destinations in grid order. A run finds each block's matches
+through a :class:`Matcher`, ToMe's own (:data:`TOME`) unless its caller plugs in another.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
+from .config import ToMeConfig
 from .ops import Array, ArrayOps
-from .partition import Band, Partition, cached, cell_table, partition_grid
+from .partition import Band, Draw, Partition, cached, cell_table, partition_grid
 
 
 @dataclass(frozen=True)
@@ -56,45 +58,15 @@ def identity_match(ops: ArrayOps, batch: int, tokens: int) -> Match:
     return Match(ops=ops, rows=None, sizes=None, batch=batch, tokens=tokens, merged=0)
 
 
-def first_tokens_match(ops: ArrayOps, like: Array, batch: int, tokens: int, kept: int) -> Match:
-    """A match that keeps the first ``kept`` of each batch item's ``tokens`` tokens: merge takes their rows (a
-    gather, the rest dropped), unmerge gives token ``i`` the value of slot ``i % kept``, every slot stands for one
-    token at its own position. Free token removal (no similarity, no mean): the benchmark's oracle
-    (:attr:`ToMeState.oracle <tome_core.state.ToMeState.oracle>`). A function of the shape only, built once per
-    shape and device in a call; ``kept >= tokens`` merges nothing."""
-    if kept >= tokens:
-        return identity_match(ops, batch, tokens)
-    if kept < 1:
-        raise ValueError(f"a match keeps at least one of its {tokens} tokens, not {kept}")
-    return _built_once(ops, like, ("first tokens", batch, tokens, kept), lambda: _first_tokens(ops, like, batch, tokens, kept))
-
-
 def _built_once(ops: ArrayOps, like: Array, key: Tuple, build: Callable[[], Match]) -> Match:
     """A match that depends on shapes only, built once per shape and device in a model's call
     (:func:`~tome_core.partition.cached`)."""
     return cached(ops, like, ("match",) + key, build)
 
 
-def _first_tokens(ops: ArrayOps, like: Array, batch: int, tokens: int, kept: int) -> Match:
-    item = ops.reshape(ops.arange(batch, like), (batch, 1))
-    slot = ops.reshape(ops.arange(tokens, like) % kept, (1, tokens))
-    first = ops.reshape(ops.arange(kept, like), (1, kept))
-    sizes = ops.ones((batch, kept, 1), like)
-    return Match(
-        ops=ops, rows=ops.reshape(slot + item * kept, (batch * tokens,)), sizes=sizes,
-        batch=batch, tokens=tokens, merged=tokens - kept, representatives=ops.broadcast_to(first, (batch, kept)),
-        picked=ops.reshape(first + item * tokens, (batch * kept,)),
-    )
-
-
 SIMILARITY_BLOCK = 2**24
 """Most entries of one source-by-destination similarity block per batch item (64 MiB in float32); above it
-:func:`best_destinations` takes the sources in chunks. Measured by ``docs/results/match_memory.py`` (one
-block's match, torch on a 2-core CPU, Wan 1.3B width, ``docs/results/match_memory.json``): at 9,360 tokens
-(7,020 x 2,340 = 16.4 M entries) it still runs one product, as before; chunks of 2**20 entries ran 1.29x
-slower there, and 2**22 did not reliably lower the peak at 32,760 tokens (blocks under glibc's 32 MiB mmap
-threshold come from a heap that is not always given back: a 278 MiB rise in one run, ~995 MiB in two others,
-against 443 MiB with 2**24 and 1,169 MiB for one product)."""
+:func:`best_destinations` takes the sources in chunks. How this size was chosen: ``docs/how-it-works.md``."""
 
 
 def best_destinations(
@@ -116,8 +88,7 @@ def best_destinations(
     quadratic: at HunyuanVideo's 720p (~119,000 tokens, a quarter of them destinations) it holds ~2.6 billion
     entries per batch item (9.9 GiB in float32), in every block; chunked, 159 blocks of 16.7 M entries. The
     chunk count is a Python int from the shapes, so the loop unrolls under ``torch.compile`` and ``jax.jit``;
-    inputs within one block run one product, as before. Measured at 32,760 tokens (Wan 1.3B width, torch on
-    the CPU): the match's peak memory rise falls from 1,169 to 443 MiB, its time within noise (1.02x).
+    inputs within one block run one product, as before.
 
     A chunk's similarities are the same dot products as the full product's rows, but a BLAS may round a row
     differently with a different number of rows (numpy's and torch's CPU products do), so two destinations
@@ -398,7 +369,7 @@ def partition_pooled(ops: ArrayOps, like: Array, batch: int, part: Partition) ->
 
 
 def build_cell_match(ops: ArrayOps, like: Array, batch: int, h: int, w: int, sx: int, sy: int) -> Match:
-    """:func:`cell_match` without its cache: the match built anew (the benchmark times this one-off cost)."""
+    """:func:`cell_match` without its cache: the match built anew, as on a call's first meeting of its shape."""
     cells, leftover = cell_table(ops, like, h, w, sx, sy)
     return _pooled(ops, like, batch, Partition(h, w, sx, sy, cells, leftover))
 
@@ -474,34 +445,75 @@ def bipartite_match(
 
 def match_block(
     ops: ArrayOps, metric: Array, part: Optional[Partition], merged: Dict[str, int], *, matching: str = "similarity",
-    cell_pool: str = "mean", across: int = 0, shared: bool = False, oracle: bool = False,
+    cell_pool: str = "mean", across: int = 0, shared: bool = False,
 ) -> Dict[str, Match]:
     """One match per merged sub-layer of a block, ``merged`` telling how many of the image tokens ``metric``
     ``[B, N, C]`` (``[B * K, N, C]`` in cross-frame chunks of ``K = part.frames``) each merges, on the block's
     drawn partition ``part``: ``matching="cell"`` pools each cell (``cell_pool="mean"``: :func:`cell_match`;
     ``"sample"``: :func:`sampled_cell_match`); ``"similarity"`` runs ToMe for SD's bipartite match
     (:func:`bipartite_matches`, ``shared`` as there), across frames too where the partition has ``frames > 1``
-    (:func:`chunk_matches`, ``across`` other-frame tokens merged). ``oracle``: each keeps the first of its tokens,
-    as many as that match keeps (similarity: the counts; cells: one token per full cell and the leftovers; no full
-    cell: every token), free token removal (:func:`first_tokens_match`). A sub-layer that merges nothing gets the
+    (:func:`chunk_matches`, ``across`` other-frame tokens merged). A sub-layer that merges nothing gets the
     identity match, and every one where there is no partition (``part`` None: nothing merges)."""
     batch, tokens = ops.shape(metric)[:2]
     if part is None:
         identity = identity_match(ops, batch, tokens)
         return {sublayer: identity for sublayer in merged}
-    cells = part.full_cells
-    if oracle:
-        pooled = tokens - cells * (part.sx * part.sy - 1)
-        return {
-            sublayer: first_tokens_match(
-                ops, metric, batch, tokens,
-                tokens if not count or not cells else pooled if matching == "cell" else tokens - count,
-            )
-            for sublayer, count in merged.items()
-        }
     if matching == "cell":
         found = (partition_sampled if cell_pool == "sample" else partition_pooled)(ops, metric, batch, part)
         return {sublayer: found if count else identity_match(ops, batch, tokens) for sublayer, count in merged.items()}
     if part.frames > 1:
         return dict(zip(merged, partition_chunks(ops, metric, part, list(merged.values()), across)))
     return dict(zip(merged, partition_bipartite(ops, metric, part, list(merged.values()), shared, represent=shared)))
+
+
+class Matcher(Protocol):
+    """How a run finds each block's matches: the seam where another way of choosing the tokens plugs in
+    (:attr:`ToMeState.matcher <tome_core.state.ToMeState.matcher>`, set before the hooks are attached). The run
+    decides everything else, the blocks, levels and counts, the arrangement and the statistics; the matcher is
+    called once per block that merges (or, where matches are reused, once per reuse), and its matches are merged
+    and unmerged by the same hooks. :data:`TOME` is ToMe's own."""
+
+    sized: bool  # a slot may stand for several tokens: size-aware attention weighs them (False: never armed)
+
+    def __call__(
+        self, ops: ArrayOps, metric: Array, grid: Optional[Tuple[int, int]], cell: Tuple[int, int],
+        merged: Dict[str, int], config: ToMeConfig, draw: Optional[Draw], across: int, shared: bool, frames: int,
+        video: Tuple[int, int],
+    ) -> Dict[str, Match]:
+        """One match per sub-layer of ``merged``, each merging that many of the image tokens ``metric`` ``[B, N,
+        C]`` (``[B * K, N, C]`` in cross-frame chunks of ``K = frames``, ``across`` other-frame tokens merged too)
+        of a ``grid`` (``(h, w)``; None: nothing merges) of ``cell`` ``(sx, sy)`` cells, under the options
+        ``config``. ``draw``: where this call's partitions are drawn (None: fixed); ``shared``: one match for the
+        whole batch; ``video``: ``(frame_rows, frame_offset)`` of a video whose frames the grid stacks (``(0, 0)``:
+        one frame)."""
+
+
+class ToMeMatcher:
+    """ToMe's matching (:class:`Matcher`): the block's partition drawn for this call
+    (:func:`~tome_core.partition.partition_grid`), then matched by similarity or pooled by cells
+    (:func:`match_block`)."""
+
+    sized = True
+
+    def __call__(
+        self, ops: ArrayOps, metric: Array, grid: Optional[Tuple[int, int]], cell: Tuple[int, int],
+        merged: Dict[str, int], config: ToMeConfig, draw: Optional[Draw], across: int, shared: bool, frames: int,
+        video: Tuple[int, int],
+    ) -> Dict[str, Match]:
+        part = None
+        if grid is not None:
+            similarity = config.matching == "similarity"
+            part = partition_grid(
+                ops, metric, *grid, *cell, draw, similarity=similarity,
+                picks=similarity or config.cell_pool == "sample", window=config.local_window,
+                frames=frames if similarity else 1, frame_rows=video[0], frame_offset=video[1],
+                frame_window=config.frame_window,
+            )
+        return match_block(
+            ops, metric, part, merged, matching=config.matching, cell_pool=config.cell_pool, across=across,
+            shared=shared,
+        )
+
+
+TOME = ToMeMatcher()
+"""ToMe's own :class:`Matcher`, every run state's unless its caller sets another."""

@@ -11,9 +11,9 @@ from .backend import get_ops
 from .config import DEFAULT_FRAME_WINDOW, ToMeConfig
 from .cost import arrangement_of, why_unpaid
 from .levels import Place, block_place, level_grid
-from .match import Match, match_block
+from .match import TOME, Match, Matcher
 from .ops import ArrayOps
-from .partition import Draw, partition_grid, stacked_frames, window_limits
+from .partition import Draw, stacked_frames, window_limits
 from .selection import scale
 from .shards import Shards
 
@@ -41,7 +41,8 @@ class ToMeState:
     The adapter calls :meth:`begin_call` when the model is entered, :meth:`enter_grid` when a transformer
     sees its 2-D token grid, and :meth:`block_matches` with each transformer block's input.
     ``finest_level`` is the downsample factor of the model's finest level with attention; it resolves
-    ``max_downsample=None``.
+    ``max_downsample=None``. ``matcher`` finds each block's matches (:class:`~tome_core.match.Matcher`;
+    ToMe's own by default): the state decides where and how many tokens merge, the matcher which.
     """
 
     config: ToMeConfig
@@ -86,9 +87,7 @@ class ToMeState:
     execution: Optional[Tuple[str, str]] = None  # this call's (device, execution) (Framework.execution), once read
     call_key: Any = None  # an eager call's inputs to its blocks' size decisions (begin_call; None: not eager)
     started: bool = False  # a call of the model has begun since patch (summary() describes the last one)
-    # the benchmark's oracle: every match is replaced by one keeping the first tokens (free removal of as many
-    # tokens as ToMe merges there, match.first_tokens_match), and no size-aware bias is armed (BlockRun.arrangement)
-    oracle: bool = False
+    matcher: Matcher = field(default=TOME, repr=False, compare=False)  # how each block's matches are found
     active: ToMeConfig = field(init=False, repr=False, compare=False)  # this call's options (:meth:`choose`)
 
     def __repr__(self) -> str:
@@ -96,11 +95,6 @@ class ToMeState:
         return f"ToMeState(config={self.config!r}, finest_level={self.finest_level}{'' if self.started else ', no call yet'})"
 
     def __post_init__(self) -> None:
-        if self.oracle and self.config.frames > 1:
-            raise ValueError(
-                f"the oracle removes tokens per frame and cannot follow frames_per_chunk={self.config.frames} "
-                "(cross-frame merging)"
-            )
         self.active = self.choose()
 
     def choose(self) -> ToMeConfig:
@@ -316,7 +310,7 @@ class ToMeState:
         config: Optional[ToMeConfig] = None, fallback: Optional[str] = None,
         place: Optional[Tuple[ArrayOps, Place]] = None,
     ) -> Dict[str, Match]:
-        """One match per merged sub-layer for a block's input ``metric`` ``[B, N, C]``.
+        """One match per merged sub-layer for a block's input ``metric`` ``[B, N, C]``, found by :attr:`matcher`.
 
         ``stream`` tells blocks apart (it keys their partition and, without ``reuse_level``, their reuse).
         Sub-layers share the similarity and ranking; only their ratios may differ. ``shared``: one match for
@@ -350,7 +344,12 @@ class ToMeState:
         key = (factor if config.reuse_level else ("block", first), batch, tokens, place.grid, cell, video, shared, block_ratio, frames)
         matches = self.cache.get(key) if reuse else None
         if matches is None:
-            matches = self._match(ops, metric, place, cell, merged, first, shared, frames, config, video)
+            across = int((frames - 1) * place.tokens * config.across_frames)
+            grid = _grid(place) if any(merged.values()) or across else None  # None: no partition, nothing merges
+            draw = None
+            if config.use_rand and grid is not None:  # this call's partitions, drawn per step and stream
+                draw = Draw(config.seed, self.step, first, self.streams, self.drawn)
+            matches = self.matcher(ops, metric, grid, cell, merged, config, draw, across, shared, frames, video)
             if reuse:
                 self.cache[key] = matches
         return matches
@@ -388,30 +387,6 @@ class ToMeState:
             return 0, 0
         offset = self.shards.rank * grid[0] % self.frame_rows if self.shards is not None else 0
         return self.frame_rows, offset
-
-    def _match(
-        self, ops: ArrayOps, metric: Any, place: Place, cell: Tuple[int, int], merged: Dict[str, int], stream: int,
-        shared: bool, frames: int, config: ToMeConfig, video: Tuple[int, int],
-    ) -> Dict[str, Match]:
-        """The block's matches: its partition drawn for this call (:func:`~tome_core.partition.partition_grid`),
-        then matched (:func:`~tome_core.match.match_block`); no partition where nothing merges. ``video``: the
-        frames its grid stacks (:meth:`_frames`)."""
-        across = int((frames - 1) * place.tokens * config.across_frames)
-        part = None
-        if any(merged.values()) or across:
-            h, w = _grid(place)
-            similarity = config.matching == "similarity"
-            draw = Draw(config.seed, self.step, stream, self.streams, self.drawn) if config.use_rand and not self.oracle else None
-            part = partition_grid(
-                ops, metric, h, w, *cell, draw, similarity=similarity and not self.oracle,
-                picks=similarity or config.cell_pool == "sample", window=config.local_window,
-                frames=frames if similarity else 1, frame_rows=video[0], frame_offset=video[1],
-                frame_window=config.frame_window,
-            )
-        return match_block(
-            ops, metric, part, merged, matching=config.matching, cell_pool=config.cell_pool, across=across,
-            shared=shared, oracle=self.oracle,
-        )
 
     def _too_small(
         self, place: Place, merged: Dict[str, int], frames: int, ratios: Dict[str, float], cell: Tuple[int, int],

@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tome_core import bipartite_match, cell_match, load_backend, merge, unmerge
-from tome_core.match import first_tokens_match, sampled_cell_match
+from tome_core.match import sampled_cell_match
 from tome_core.partition import random_offsets, split
+from tome_tools.oracle import FirstTokens, first_tokens_match
 
 NUMPY = load_backend("numpy")
 
@@ -372,15 +373,16 @@ def oracle_cases(draw):
 @settings(max_examples=60, deadline=None)
 @given(case=oracle_cases(), data_seed=st.integers(0, 2**32 - 1))
 def test_the_oracle_state_keeps_the_first_tokens_as_many_as_tome_keeps(xp, case, data_seed):
-    """ToMeState(oracle=True) gives each merged sub-layer the first-tokens match of the count ToMe's own match
-    keeps there (the same state, same call, same options)."""
+    """A run state whose matcher is the oracle's (tome_tools.oracle.FirstTokens) gives each merged sub-layer the
+    first-tokens match of the count ToMe's own match keeps there (the same state, same call, same options)."""
     from tome_core import ToMeConfig, ToMeState
+    from tome_core.match import TOME
 
     h, w, batch, options = case
     metric = xp.asarray(np.random.default_rng(data_seed).standard_normal((batch, h * w, 4)).astype(np.float32))
     found = []
     for oracle in (False, True):
-        state = ToMeState(config=ToMeConfig.from_options(options), oracle=oracle)
+        state = ToMeState(config=ToMeConfig.from_options(options), matcher=FirstTokens() if oracle else TOME)
         state.begin_call((h, w), 500)
         state.enter_grid((h, w))
         with warnings.catch_warnings():
