@@ -6,7 +6,7 @@ inside its attention function (:func:`unreachable_kernel`). Framework-free."""
 from __future__ import annotations
 
 import inspect
-from typing import Any, Collection, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence, Tuple
 
 from .backend import get_ops
 from .families import TEXT_NONE, text_follows
@@ -22,8 +22,12 @@ class SizeBias:
     attention over ``K`` keys, or raises if ``K`` does not fit.
     """
 
-    def __init__(self, match: Match, text: str, like: Any, tail: int = 0, head: int = 0, whole_mask: bool = True):
+    def __init__(
+        self, match: Match, text: str, like: Any, tail: int = 0, head: int = 0, whole_mask: bool = True,
+        own: Tuple[int, int] = (0, 0),
+    ):
         self.match = match
+        self.own = own  # the fewest queries and keys of the attention's own call (:func:`own_call`)
         # whether an attention_mask over the merged tokens can carry it: not where the attention merges inside
         # itself (Sublayer.projections), since it sizes its masks from its unmerged input
         self.whole_mask = whole_mask
@@ -41,6 +45,11 @@ class SizeBias:
         other tokens, each of size 1: the leading head tokens alone (Flux.2 Klein KV's extract step, Qwen-Image 2.1's
         prefix segments), an IP-Adapter's image prompt (the second attention of Flux's IP-Adapter processor)."""
         return keys >= self.head + self.match.kept + self.tail
+
+    def own_call(self, queries: int, keys: int) -> bool:
+        """Whether an attention call of ``queries`` queries over ``keys`` keys, made while the attention runs, is its
+        own (:func:`own_call`)."""
+        return own_call(self.own, self.holds_image(keys), queries, keys)
 
     def for_keys(self, keys: int, like: Any) -> Any:
         """``[B, 1, keys]``: the log sizes where the merged image keys sit, 0 for text, head and tail keys, and 0
@@ -64,6 +73,14 @@ class SizeBias:
         else:  # [text; head; image; tail]
             parts = [*zeros(text + self.head), sizes, *zeros(self.tail)]
         return parts[0] if len(parts) == 1 else ops.concat(parts, axis=2)
+
+
+def own_call(own: Tuple[int, int], holds_image: bool, queries: int, keys: int) -> bool:
+    """Whether an attention call of ``queries`` queries over ``keys`` keys, made while an attention whose own call has
+    at least ``own`` ``(queries, keys)`` runs, is that call: one over fewer keys, or from fewer queries, attends
+    elsewhere (an IP-Adapter's image prompt from the image's queries alone, a reference image's tokens alone), and so
+    does one whose keys cannot hold the merged image (``holds_image``)."""
+    return holds_image and queries >= own[0] and keys >= own[1]
 
 
 def unbiased_processor(processor: Any, trusted: Sequence[str], library: str, functions: Sequence[str]) -> Optional[str]:

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from .arrangement_rules import arrangement_error, arrangement_problem, kv_in_kernel
-from .attention_bias import SizeBias
+from .attention_bias import SizeBias, own_call
 from .backend import get_ops
 from .config import ToMeConfig
 from .families import (
-    BlockFamily, Sublayer, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, attends_text_only, child_at, text_follows,
+    BlockFamily, Sublayer, TEXT_AFTER, TEXT_BEFORE, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, attends_text_only, child_at, text_follows,
     with_text_after,
 )
 from .framework import Framework, REUSED, argument, argument_positions, arguments, forward_of, replace_argument
@@ -411,9 +411,10 @@ class SublayerHooks:
         self.head = sublayer_head(self.run, self.sublayer, get_ops(x).shape(x)[1], match.tokens)
         if mode == "kv" and kv_in_kernel(self.fw, self.sublayer, module):
             tail, text = self.run.plan.tail, self.sublayer.text
+            own = self._own_keys(args, kwargs, x, match.tokens)  # its queries keep every token
             bias = SizeBias(match, text, x, tail, self.head) if size_aware else None
             self.in_kernel = True
-            return self.fw.kernel_keys(module, args, kwargs, KernelKeys(match, text, tail, self.head), bias)
+            return self.fw.kernel_keys(module, args, kwargs, KernelKeys(match, text, tail, self.head, own), bias)
         merged = around_image(x, match.tokens, self.run.plan.tail, self.sublayer.text, lambda image: merge(image, match), self.head)
         if mode != "tokens":
             return self._arrange(module, args, kwargs, x, merged, match, mode, size_aware)
@@ -593,9 +594,18 @@ class SublayerHooks:
         return replace_argument(args, kwargs, name, at, type(rotary)(moved))
 
     def _size_aware(self, module, args, kwargs, match, merged, masked=False):
+        own = self._own_keys(args, kwargs, merged, match.kept)
         return self.fw.size_aware(
-            module, args, kwargs, SizeBias(match, self.sublayer.text, merged, self.run.plan.tail, self.head)
+            module, args, kwargs, SizeBias(match, self.sublayer.text, merged, self.run.plan.tail, self.head, own=own)
         )
+
+    def _own_keys(self, args, kwargs, keys_from: Any, queried: int) -> Tuple[int, int]:
+        """The fewest ``(queries, keys)`` of this attention's own call: its queries hold the ``queried`` image tokens,
+        its keys every token of ``keys_from`` and, for a joint attention given its text apart, at least one text token
+        (a call item by item, as Mochi's, drops an item's padded text; Nucleus-MoE's queries are the image's alone).
+        Its other calls attend to fewer keys: a reference image's tokens alone, an IP-Adapter's image prompt."""
+        joint = self.sublayer.text in (TEXT_BEFORE, TEXT_AFTER) and argument(args, kwargs, "encoder_hidden_states", None) is not None
+        return queried, get_ops(keys_from).shape(keys_from)[1] + joint
 
 
 class KernelKeys:
@@ -605,8 +615,9 @@ class KernelKeys:
     and rotary positions, merged by the block's match; its queries keep every token, so nothing unmerges. The
     adapter calls :meth:`reduce` on ``[B, K, C]`` keys and values laid out as :class:`SizeBias` reads them."""
 
-    def __init__(self, match: Match, text: str, tail: int = 0, head: int = 0):
+    def __init__(self, match: Match, text: str, tail: int = 0, head: int = 0, own: Tuple[int, int] = (0, 0)):
         self.match = match
+        self.own = own  # the fewest queries and keys of the attention's own kernel call (own_call)
         self.text = text
         self.tail = tail
         self.head = head
@@ -642,6 +653,11 @@ class KernelKeys:
         to other tokens, which pass as they are: the leading head tokens alone (Flux.2 Klein KV's extract step,
         Qwen-Image 2.1's prefix segments), an IP-Adapter's image prompt (:meth:`SizeBias.holds_image`)."""
         return keys >= self.head + self.match.tokens + self.tail
+
+    def own_call(self, queries: int, keys: int) -> bool:
+        """Whether a kernel call of ``queries`` queries over ``keys`` keys is the attention's own
+        (:func:`~tome_core.attention_bias.own_call`)."""
+        return own_call(self.own, self.holds_image(keys), queries, keys)
 
     def reduce_mask(self, mask: Any, axis: int) -> Any:
         """An attention mask whose ``axis`` runs over the kernel call's keys, moved to the merged keys (each

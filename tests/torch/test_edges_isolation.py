@@ -272,3 +272,48 @@ def test_a_pipeline_of_two_models_sharing_blocks_is_refused_whole():
     with pytest.raises(ValueError, match="also a block of"):
         tome.patch(holder, ratio=0.5)
     assert not tome.patched_models(holder)
+
+
+def _key_counts(model, inputs):
+    from tome_tools.diffusers_bench import SdpaCalls
+
+    with torch.no_grad(), SdpaCalls() as calls:
+        model(**inputs, return_dict=False)
+    return calls.lengths
+
+
+def test_a_reference_as_large_as_the_output_keeps_its_keys_under_kv():
+    """The edges property test's wide run: Flux.2 Klein KV's extract step with a reference of 16 tokens beside an
+    output of 15 gave the reference's own attention (16 keys) the output's key merge under ``mode="kv"``: a call is
+    the attention's own only over at least every token it was given (its text included). It now keeps its keys."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2KVAttnProcessor, Flux2KVParallelSelfAttnProcessor
+
+    model = build_transformer("tiny-flux2-klein")
+    for block in model.transformer_blocks:
+        block.attn.set_processor(Flux2KVAttnProcessor())
+    for block in model.single_transformer_blocks:
+        block.attn.set_processor(Flux2KVParallelSelfAttnProcessor())
+    target, reference = transformer_inputs(model, 6, 10, batch=1), transformer_inputs(model, 8, 8, batch=1, seed=1)
+    ids = reference["img_ids"].clone()
+    ids[:, 0] = 10
+    extract = dict(
+        target, hidden_states=torch.cat([reference["hidden_states"], target["hidden_states"]], 1),
+        img_ids=torch.cat([ids, target["img_ids"]]), kv_cache_mode="extract", num_ref_tokens=16,
+    )
+    plain = _key_counts(model, extract)
+    tome.patch(model, ratio=0.5, mode="kv")
+    merged = _key_counts(model, extract)
+    assert [q for q, _ in merged] == [q for q, _ in plain]
+    assert [k for (_, k), (q, _) in zip(merged, plain) if q == 16] == [16, 16]  # the reference's own calls
+    assert all(k < p for (q, k), (_, p) in zip(merged, plain) if q != 16)  # the output's calls merge
+
+
+def test_an_image_prompt_as_long_as_the_image_keeps_its_keys_under_kv():
+    """The wide run: Flux's IP-Adapter on a 2x2 grid (4 image tokens) beside 4 image-prompt tokens merged the
+    image-prompt attention's keys too under ``mode="kv"``. The joint text now counts among the attention's own keys."""
+    model, inputs = flux_with_ip_adapter(scale=1.0)
+    inputs = dict(transformer_inputs(model, 4, 4, batch=2, text=7), joint_attention_kwargs=inputs["joint_attention_kwargs"])
+    plain = _key_counts(model, {**inputs, "joint_attention_kwargs": dict(inputs["joint_attention_kwargs"])})
+    tome.patch(model, ratio=0.5, mode="kv")
+    merged = _key_counts(model, {**inputs, "joint_attention_kwargs": dict(inputs["joint_attention_kwargs"])})
+    assert [k for q, k in merged if k == 4 or q == 4] == [k for q, k in plain if q == 4] == [4]

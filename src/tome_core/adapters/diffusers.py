@@ -185,7 +185,7 @@ class _AttentionMode(TorchFunctionMode):
         if self.softmax and func in _SOFTMAX and self.owns_call():
             args, kwargs = self._biased_scores(*args, **kwargs)
             return func(*args, **kwargs)
-        if func is F.scaled_dot_product_attention and self.owns_call() and self._holds_image(args, kwargs):
+        if func is F.scaled_dot_product_attention and self.owns_call() and self._own_call(args, kwargs):
             # query, key, value and attn_mask by name; every other argument (dropout_p, is_causal, scale...)
             # passes as it came
             named = dict(zip(("query", "key", "value", "attn_mask"), args))
@@ -219,11 +219,12 @@ class _AttentionMode(TorchFunctionMode):
             self.calls += 1
         return (scores, dim, *rest), kwargs
 
-    def _holds_image(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
-        """Whether an SDPA call's keys can be the armed attention's own, merged image tokens: an attention to fewer
-        keys (an IP-Adapter's image prompt, a head of reference tokens alone) passes through unchanged."""
+    def _own_call(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+        """Whether an SDPA call is the armed attention's own (:func:`~tome_core.attention_bias.own_call`, from its query
+        and key counts): any other passes through unchanged."""
+        query = args[0] if args else kwargs["query"]
         key = args[1] if len(args) > 1 else kwargs["key"]
-        return (self.keys or self.bias).holds_image(key.shape[-2])
+        return (self.keys or self.bias).own_call(query.shape[-2], key.shape[-2])
 
     def _first_item(self, query: torch.Tensor, batch: int) -> int:
         """The batch item an SDPA call with this ``query`` starts at: 0 over the whole batch (or 3-D, every item's
