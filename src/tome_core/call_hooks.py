@@ -27,9 +27,8 @@ from .state import ToMeState
 class CallStart:
     """Pre-hook on a patched model: a new call starts, at its timestep, on its latent or token grid.
 
-    Also a documented helper for tools that read a call's grid as a patch would (the benchmark's per-block
-    timing): hooked on an unpatched model with a state of its own, it reads each call's grid into that state and
-    merges nothing."""
+    Also a documented helper for tools that read a call's grid as a patch would: hooked on an unpatched model with a
+    state of its own, it reads each call's grid into that state and merges nothing."""
 
     def __init__(self, fw: Framework, plan: ModelPlan, state: ToMeState):
         model = plan.model

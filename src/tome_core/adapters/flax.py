@@ -320,7 +320,7 @@ def _check_supported(config: ToMeConfig) -> None:
 
 def finest_level(model: nn.Module) -> int:
     """The finest level (0 = full resolution) of an unbound Flax UNet with attention, read from its block types
-    (its modules do not exist before a call); the benchmark reads it too."""
+    (its modules do not exist before a call)."""
     return finest_attention_level(["CrossAttn" in block_type for block_type in model.down_block_types])
 
 
