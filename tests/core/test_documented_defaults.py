@@ -1,6 +1,7 @@
-"""The options table of the README gives each option's default as ``ToMeConfig`` has it, and passing that
-default explicitly changes nothing: an explicit default never switches the arrangement. A value in brackets
-after the default (what ``None`` resolves to) acts as the default does too."""
+"""The options tables (the README's, of the options tomesd has, and docs/options.md's, of the others) give each
+option's default as ``ToMeConfig`` has it, and passing that default explicitly changes nothing: an explicit
+default never switches the arrangement. A value in brackets after the default (what ``None`` resolves to) acts as
+the default does too."""
 
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ import pytest
 
 from tome_core.config import ToMeConfig
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TABLES = (ROOT / "README.md", ROOT / "docs" / "options.md")
 ROW = re.compile(r"^\| ((?:`\w+`(?:, )?)+) \| `([^`]*)`(?: \(`?([^`)]*)`?\))? \|", re.M)
 
 
 def _rows():
-    """``(option, default, resolved or None)`` of every row of the README's option tables."""
-    for names, default, resolved in ROW.findall(README.read_text()):
+    """``(option, default, resolved or None)`` of every row of the option tables."""
+    for names, default, resolved in ROW.findall("\n".join(path.read_text() for path in TABLES)):
         for name in re.findall(r"`(\w+)`", names):
             yield name, ast.literal_eval(default), ast.literal_eval(resolved) if resolved else None
 

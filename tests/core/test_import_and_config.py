@@ -199,15 +199,17 @@ def test_config_prints_as_the_call_that_makes_it(options):
 
 
 def test_readme_options_tables_and_help_name_the_same_options():
-    """help() is generated from ToMeConfig; the README's two option tables must list the same names."""
+    """help() is generated from ToMeConfig; the option tables (the README's, of the options tomesd has, and
+    docs/options.md's, of the others) must list the same names."""
     import pathlib
     import re
     from dataclasses import fields
 
     from tome_core.config import options_help
 
-    text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = text.split("## Options", 1)[1].split("\n## ", 1)[0]
+    root = pathlib.Path(__file__).resolve().parents[2]
+    section = (root / "README.md").read_text().split("## Options", 1)[1].split("\n## ", 1)[0]
+    section += (root / "docs" / "options.md").read_text()
     in_tables = {name for row in re.findall(r"^\| (`[^|]*)\|", section, flags=re.M) for name in re.findall(r"`(\w+)`", row)}
     names = {f.name for f in fields(ToMeConfig)}
     assert in_tables == names

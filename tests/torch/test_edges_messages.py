@@ -1,7 +1,7 @@
 """What a user is told at the edges (issue 59): an object that is no pipeline or model is named first, with how
 to load a model id; an option that acts on a kind of sub-layer the model's blocks do not have (cross-attention on
 Flux and SD3) says so at ``patch``, and a patch that then merges nothing says that; and what a patched model keeps
-between calls is what the README says it keeps, and ``remove`` lets go of all of it.
+between calls is what docs/performance.md says it keeps, and ``remove`` lets go of all of it.
 
 Oracles: the unpatched model and the patch without the option (outputs equal bit for bit), and the bytes the
 profiler counts (``tome_tools.diffusers_bench.tensor_peak_mib``) against the bytes of what is kept."""
@@ -91,7 +91,7 @@ def test_an_option_on_a_sublayer_the_model_has_says_nothing():
 
 
 # --------------------------------------------------------------------------------------------------------
-# What a patched model keeps between calls (README, "What to expect": the paragraph on memory)
+# What a patched model keeps between calls (docs/performance.md, "Memory")
 
 
 def _bytes(value) -> int:
