@@ -218,12 +218,13 @@ def test_training_snippet_trains_lora_and_leaves_an_unpatched_lora_unet(guide_co
 
 
 def test_every_guide_with_python_has_its_snippets_run():
-    """The guides whose snippets the tests run (here, test_zoo.py and test_parallel.py): any other page with a
-    python block would go unchecked."""
+    """The guides whose snippets the tests run (here, test_zoo.py, test_parallel.py and test_ldm.py): any other
+    page with a python block would go unchecked."""
     import pathlib
 
     docs = pathlib.Path(__file__).resolve().parents[2] / "docs"
     with_code = {path.stem for path in docs.glob("*.md") if "```python" in path.read_text()}
     assert with_code == {
-        "compile", "fidelity", "high-resolution", "index", "models", "parallel", "training", "transformers", "video"
+        "a1111", "compile", "fidelity", "high-resolution", "index", "models", "parallel", "training", "transformers",
+        "video",
     }
