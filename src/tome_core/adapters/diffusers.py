@@ -516,7 +516,11 @@ def patch(obj: Any, **options: Any) -> Any:
     """Apply ToMe to ``obj`` in place and return it; patching again replaces the earlier options."""
     get_ops(torch.empty(0))  # resolve the backend now: its import cannot be traced by torch.compile later
     _check_compiled_regions(obj)
-    return driver.patch(FRAMEWORK, obj, options, undo=_undo)
+    driver.patch(FRAMEWORK, obj, options, undo=_undo)
+    for model, _ in driver.patched_models(FRAMEWORK, obj):  # each attention class is looked up now, not in a trace
+        for module in model.modules():
+            own_attention(type(module))
+    return obj
 
 
 document(patch, """
