@@ -29,7 +29,6 @@ Adding a model family, honestly:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from typing import Any, Dict, Optional, Tuple
 
 # Where a sub-layer's attention finds text tokens beside the (merged) image tokens.
@@ -172,16 +171,20 @@ class BlockFamily:
     metric: Optional[str] = None
 
 
-@lru_cache(maxsize=None)
 def with_text_after(family: BlockFamily) -> BlockFamily:
     """``family`` in a call whose text follows the image (:attr:`BlockFamily.text_after_with`): text before the
     image, in the block's stream and in its sub-layers, reads as after it (``[text; image; tail]`` as ``[image;
-    tail; text]``)."""
-    after = {TEXT_PREFIX: TEXT_SUFFIX, TEXT_BEFORE: TEXT_AFTER}
-    return replace(
-        family, stream=after.get(family.stream, family.stream), text_after_with=None,
-        sublayers=tuple(replace(s, text=after.get(s.text, s.text)) for s in family.sublayers),
-    )
+    tail; text]``). Kept per family in a plain dict (read in calls a compiler traces, which warns of lru_cache)."""
+    if family not in _TEXT_AFTER:
+        after = {TEXT_PREFIX: TEXT_SUFFIX, TEXT_BEFORE: TEXT_AFTER}
+        _TEXT_AFTER[family] = replace(
+            family, stream=after.get(family.stream, family.stream), text_after_with=None,
+            sublayers=tuple(replace(s, text=after.get(s.text, s.text)) for s in family.sublayers),
+        )
+    return _TEXT_AFTER[family]
+
+
+_TEXT_AFTER: Dict[BlockFamily, BlockFamily] = {}
 
 
 # diffusers' BasicTransformerBlock: self-attention (keys and values apart from encoder_hidden_states), cross-attention, MLP.
