@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 
 from .arrangement_rules import arrangement_error, arrangement_problem, kv_in_kernel
 from .attention_bias import SizeBias, own_call
@@ -70,6 +70,18 @@ def image_tokens(ops: ArrayOps, x: Any, stream: str, grid: Optional[Tuple[int, i
     return x[:, length - tail - grid[0] * grid[1] : length - tail]
 
 
+class Settled(NamedTuple):
+    """What a block ran unmerged for its size in an eager call (:meth:`BlockRun._repeats`): a call with the same
+    ``key`` (:attr:`ToMeState.call_key`), input ``shape``, ``family`` variant and ``config`` runs it so again,
+    counted as ``unpaid`` (its ``(level, why, tokens)`` for :meth:`ToMeState.summary`; None: not counted)."""
+
+    key: Any
+    shape: Any
+    family: BlockFamily
+    config: ToMeConfig
+    unpaid: Optional[Tuple[int, str, int]]
+
+
 class BlockRun:
     """The matches of one transformer block while it runs, shared by the hooks of its sub-layers.
 
@@ -110,7 +122,7 @@ class BlockRun:
         self.ran: Dict[int, Tuple[Any, BlockPlan]] = {}  # id(input): (weakref to it, the plan it ran with)
         # (call key, input shape, family, options, (level, why, tokens) or None) of the last eager call in which this
         # block ran unmerged for its size: a call with the same key and input decides the same (_repeats)
-        self.settled: Optional[Tuple[Any, Any, BlockFamily, ToMeConfig, Optional[Tuple[int, str, int]]]] = None
+        self.settled: Optional[Settled] = None
 
     def begin(self, module, args, kwargs):
         """Decide this block's :class:`BlockPlan` for the call now starting. The checks run cheapest first, so a
@@ -191,12 +203,12 @@ class BlockRun:
         call key, input shape, family variant and options): then it runs unmerged again, counted as then, without
         reading its sizes again (an eager GPU call is bound by the hooks' host time)."""
         settled = self.settled
-        if settled is None or settled[0] != self.state.call_key or settled[2] is not self.family or settled[3] is not config:
+        if settled is None or settled.key != self.state.call_key or settled.family is not self.family:
             return False
-        if settled[1] != ops.shape(whole):
+        if settled.config is not config or settled.shape != ops.shape(whole):
             return False
-        if settled[4] is not None:
-            self.state.unpaid_block(*settled[4])
+        if settled.unpaid is not None:
+            self.state.unpaid_block(*settled.unpaid)
         return True
 
     def _settle(self, ops: ArrayOps, whole: Any, config: ToMeConfig, unpaid: Optional[Tuple[int, str, int]]) -> None:
@@ -207,7 +219,7 @@ class BlockRun:
         if key is None or self.family.feature_map or self.lent:
             self.settled = None
             return
-        self.settled = (key, ops.shape(whole), self.family, config, unpaid)
+        self.settled = Settled(key, ops.shape(whole), self.family, config, unpaid)
 
     def _execution(self, x: Any) -> Tuple[str, str]:
         """The device and execution of the call now running (``Framework.execution``), read once per call."""
