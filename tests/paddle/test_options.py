@@ -11,6 +11,7 @@ import pytest
 
 import tome_core.paddle as tome
 from tome_core import bipartite_match, get_ops, merge, unmerge
+from tome_core.match import TOME
 from tome_core.merge import size_bias
 
 
@@ -45,11 +46,18 @@ def test_reuse_level_computes_one_match_per_level(unet, tiny_unet, inputs, call)
     tome.patch(unet, ratio=0.5, max_downsample=2, reuse_level=True)
     [(_, state)] = tome.patched_models(unet)
     computed = []
-    original = state._match
-    state._match = lambda *args, **kwargs: computed.append(args[2].factor) or original(*args, **kwargs)
+
+    class Counted:  # ToMe's own matcher, counting its calls by grid (the run state's matcher seam)
+        sized = True
+
+        def __call__(self, ops, metric, grid, *rest):
+            computed.append(grid)
+            return TOME(ops, metric, grid, *rest)
+
+    state.matcher = Counted()
     reused = call(unet, inputs)
-    # one per merged level, not one per block; the mid block (level 4, above max_downsample) computes none
-    assert sorted(computed) == [1, 2]
+    # one per merged level (16x16 and 8x8 tokens), not one per block; the mid block (above max_downsample) none
+    assert sorted(computed) == [(8, 8), (16, 16)]
     assert state.stats[1].blocks == 3 and state.stats[2].blocks == 3
     fresh = call(tome.patch(copy.deepcopy(tiny_unet), ratio=0.5, max_downsample=2), inputs)
     assert np.abs(reused - fresh).max() > 1e-6
