@@ -642,7 +642,7 @@ class KernelKeys:
         if not self.holds_image(keys):
             return x
         words = keys - self.head - match.tokens - self.tail
-        if words < 0 or (words and self.text == TEXT_NONE) or first + batch > match.batch:
+        if (words and self.text == TEXT_NONE) or first + batch > match.batch:
             raise RuntimeError(
                 f"mode='kv' inside the attention: a kernel call over {batch} x {keys} keys does not fit the block's "
                 f"{match.batch} x {self.head + match.tokens + self.tail} image tokens"
