@@ -23,17 +23,16 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "cost_model: runs with the measured bounds of tome_core.cost")
+    config.addinivalue_line("markers", "cost_model: runs with the measured bounds of tome_core.models.cost")
 
 
 @pytest.fixture(autouse=True)
 def merging_always_pays(request, monkeypatch):
-    """Tests check what merging does on tiny models, far below the sizes where it pays (tome_core.cost), so the
+    """Tests check what merging does on tiny models, far below the sizes where it pays (tome_core.models.cost), so the
     default merges at every size here; tests marked ``cost_model`` (tests/core/test_cost.py and the checks that
     the default runs small levels unmerged) keep the measured bounds."""
     if request.node.get_closest_marker("cost_model") is None:
-        from tome_core import cost
-
+        from tome_core.models import cost
         monkeypatch.setattr(cost, "MIN_TOKENS", dict.fromkeys(cost.MIN_TOKENS, 0))
 
 
@@ -330,7 +329,7 @@ class VideoChecks:
     def check_blocks_found(self, model):
         """The driver finds exactly the spatial BasicTransformerBlocks (down, mid, two up at the attention
         levels), none inside temporal layers; the model is the one to patch; its finest attention level is 1."""
-        from tome_core.model_tree import blocks_of, find_models, finest_level
+        from tome_core.models.model_tree import blocks_of, find_models, finest_level
 
         names = {id(m): n for n, m in self.modules(model)}
         found = [names[id(block)] for block, _ in blocks_of(self.framework, model)]
@@ -346,7 +345,7 @@ class VideoChecks:
         """AnimateDiff on an SDXL-like UNet (no spatial attention at full resolution, motion modules everywhere):
         the finest attention level is 2, so max_downsample=None merges there, 16 frames being 16 tokens there;
         motion modules do not count."""
-        from tome_core.model_tree import finest_level
+        from tome_core.models.model_tree import finest_level
 
         assert finest_level(self.framework, model) == 2
         plain, patched, stats = self.observe(model, 0.5, 16, 8, max_downsample=None)

@@ -22,14 +22,14 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import numpy as np
 
-from tome_core.backend import get_ops
-from tome_core.block_hooks import around_grid, image_tokens
+from tome_core.algorithm.backend import get_ops
+from tome_core.hooks.block_hooks import around_grid, image_tokens
 from tome_tools.bench_core import image_like_latents, noised, peak_memory_in_fresh_process, video_latents
 from tome_tools.oracle import attach_oracle
 from tome_core.config import ToMeConfig
-from tome_core.families import BlockFamily
+from tome_core.models.families import BlockFamily
 from tome_core.framework import Framework
-from tome_core.state import ToMeState
+from tome_core.hooks.state import ToMeState
 
 MID_TIMESTEP = 500
 # Stable Diffusion's noise schedule; every framework's DDIM scheduler takes these keyword arguments.
@@ -197,7 +197,7 @@ def draw_latents(args: Any, shape: Tuple[int, ...], image_like: Callable[..., np
 
 def image_part(x: Any, family: BlockFamily, grid: Tuple[int, int], tail: int = 0, grid_last: bool = False) -> Any:
     """The image tokens of a block's input ``x`` ``[B, L, C]``, what the patch matches on, for a call whose grid,
-    tail and ``grid_last`` are given (:func:`tome_core.block_hooks.image_tokens`)."""
+    tail and ``grid_last`` are given (:func:`tome_core.hooks.block_hooks.image_tokens`)."""
     ops = get_ops(x)
     head, tail = around_grid(ops, x, family.stream, grid, tail, grid_last)
     return image_tokens(ops, x, family.stream, grid, head, tail)

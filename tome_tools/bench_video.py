@@ -53,7 +53,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
-from tome_core.backend import get_ops
+from tome_core.algorithm.backend import get_ops
 from tome_tools.bench_core import noised, relative_l2, video_latents
 from tome_tools.bench_runner import DDIM_CONFIG, MID_TIMESTEP, NO_TRANSFORMER_PEER, draw_latents
 from tome_tools.presets import VIDEO_PRESETS, VIDEO_TRANSFORMERS, VIDEO_UNETS

@@ -30,15 +30,15 @@ import tome_core.torch as tome
 from tome_core.adapters.diffusers import FRAMEWORK
 from tome_tools import diffusers_trained as trained_models
 from tome_tools.diffusers_models import build_transformer, build_unet
-from tome_core import model_tree
-from tome_core.block_hooks import family_argument_position, family_in_call
-from tome_core.call_hooks import CallStart
+from tome_core.models import model_tree
+from tome_core.hooks.block_hooks import family_argument_position, family_in_call
+from tome_core.hooks.call_hooks import CallStart
 from tome_core.framework import argument
 from tome_tools import bench_train
 from tome_tools.bench_core import serve_peak_request
 from tome_tools.bench_runner import DDIM_CONFIG, MID_TIMESTEP, BenchRunner, Undo, hook_oracle, median_ms
-from tome_core.families import child_at
-from tome_core.plan import plan_model
+from tome_core.models.families import child_at
+from tome_core.models.plan import plan_model
 from tome_tools.presets import TRANSFORMERS, transformer_config
 from tome_tools.trained import model_info, sample_labels, shipped
 
@@ -474,7 +474,7 @@ def micro(batch: int = 2, height: int = 64, width: int = 64, channels: int = 320
     ``cell_merge_unmerge`` what ``mode='tokens'`` pays; ``cell_match_build`` is the one-off cost of building the
     match for a new shape; ``cell_vs_tomesd`` are their times over tomesd's match + merge + unmerge."""
     from tome_core import bipartite_match, get_ops, merge, unmerge
-    from tome_core.match import build_cell_match, cell_match
+    from tome_core.algorithm.match import build_cell_match, cell_match
 
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(batch, height * width, channels, generator=generator)
@@ -582,7 +582,7 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
     from tome_core import merge, unmerge
     from tome_tools.bench_runner import image_part, overhead_shares
     from tome_core.config import ToMeConfig
-    from tome_core.state import ToMeState
+    from tome_core.hooks.state import ToMeState
 
     args.options = getattr(args, "options", {})
     args.variants = getattr(args, "variants", {})

@@ -22,7 +22,7 @@ import diffusers
 
 from tome_core.adapters.diffusers import FRAMEWORK
 from tome_core.config import ToMeConfig
-from tome_core.plan import plan_model
+from tome_core.models.plan import plan_model
 from tome_tools.presets import (
     SD_PIPELINES,
     assemble_sd_pipeline,

@@ -57,7 +57,7 @@ def build(name: str, size: int):
 
 def _block_timer(model: torch.nn.Module) -> Callable[[], float]:
     """Hooks that add up the time spent inside the model's transformer blocks; returns a reader that resets."""
-    from tome_core.model_tree import blocks_of
+    from tome_core.models.model_tree import blocks_of
     from tome_core.adapters.diffusers import FRAMEWORK
 
     spent = [0.0]

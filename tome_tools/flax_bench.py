@@ -28,7 +28,7 @@ from tome_core.adapters.flax import finest_level, module_fields
 from tome_tools.flax_models import build_unet
 from tome_tools.bench_core import serve_peak_request
 from tome_core.config import ToMeConfig
-from tome_core.levels import block_grid, downsample_factor, level_grid
+from tome_core.models.levels import block_grid, downsample_factor, level_grid
 from tome_tools.bench_runner import BenchRunner, Undo, median_ms
 
 diffusers.utils.logging.set_verbosity_error()  # diffusers 0.39 warns from every Flax module setup

@@ -2,7 +2,7 @@
 
 ToMe's own hooks at the blocks, levels and sizes where a configuration merges, in its arrangement, with each match
 keeping the first of its tokens instead (:class:`FirstTokens`, plugged into the library's
-:class:`~tome_core.match.Matcher` seam): a merged sub-layer runs on as many tokens as ToMe's with no similarity,
+:class:`~tome_core.algorithm.match.Matcher` seam): a merged sub-layer runs on as many tokens as ToMe's with no similarity,
 mean or size bias to compute. So every family, rotary table, mask and layout the patch knows, the oracle knows too.
 Framework-free (the library's array ops); Flax's bench keeps a table of counts instead
 (:class:`tome_tools.flax_bench.OraclePlan`).
@@ -15,11 +15,11 @@ from typing import Any, Dict, Optional, Tuple
 from tome_core import driver
 from tome_core.config import ToMeConfig
 from tome_core.framework import Framework
-from tome_core.match import Match, identity_match
-from tome_core.ops import Array, ArrayOps
-from tome_core.partition import Draw, cached, num_cells
-from tome_core.plan import plan_model
-from tome_core.retyping import Patch
+from tome_core.algorithm.match import Match, identity_match
+from tome_core.algorithm.ops import Array, ArrayOps
+from tome_core.algorithm.partition import Draw, cached, num_cells
+from tome_core.models.plan import plan_model
+from tome_core.hooks.retyping import Patch
 
 
 def first_tokens_match(ops: ArrayOps, like: Array, batch: int, tokens: int, kept: int) -> Match:
@@ -46,7 +46,7 @@ def first_tokens_match(ops: ArrayOps, like: Array, batch: int, tokens: int, kept
 
 
 class FirstTokens:
-    """A :class:`~tome_core.match.Matcher` whose every match keeps the first tokens, as many as ToMe's keeps there
+    """A :class:`~tome_core.algorithm.match.Matcher` whose every match keeps the first tokens, as many as ToMe's keeps there
     (similarity: the counts; cells: one token per full cell and the leftovers; no full cell: every token). Its
     kept tokens each stand for themselves, so no size-aware attention is armed (``sized``)."""
 
@@ -76,7 +76,7 @@ _CHUNKS = "the oracle removes tokens per frame and cannot follow frames_per_chun
 
 
 def attach_oracle(fw: Framework, model: Any, config: ToMeConfig) -> Patch:
-    """Hook ``model`` (one found by :func:`tome_core.model_tree.find_models`) with the oracle of ``config``: the
+    """Hook ``model`` (one found by :func:`tome_core.models.model_tree.find_models`) with the oracle of ``config``: the
     patch's own hooks, checked as :func:`tome_core.driver.patch` checks them, with :class:`FirstTokens` finding
     every match. Returns the patch; its ``remove()`` takes the hooks off, its ``state`` is the oracle's run state.
     Cross-frame merging (``frames_per_chunk > 1``) is refused: the oracle removes tokens frame by frame."""

@@ -14,7 +14,7 @@ from ppdiffusers import DDIMScheduler, UNet2DConditionModel
 from ppdiffusers.patches import tomesd_patch_utils
 
 import tome_core.paddle as tome
-from tome_core import model_tree
+from tome_core.models import model_tree
 from tome_core.adapters.ppdiffusers import FRAMEWORK
 from tome_tools.ppdiffusers_models import build_unet
 from tome_tools.bench_core import serve_peak_request

@@ -30,8 +30,8 @@ import torch
 
 import tome_core.torch as tome
 from tome_core import get_ops
-from tome_core.match import batch_as_channels, best_destinations, rank_sources
-from tome_core.partition import frame_bands, split
+from tome_core.algorithm.match import batch_as_channels, best_destinations, rank_sources
+from tome_core.algorithm.partition import frame_bands, split
 from tome_tools.bench_core import relative_l2, video_latents
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -21,10 +21,10 @@ quiet_known_notices()  # before diffusers is imported
 
 import torch
 
-from tome_core import block_hooks
+from tome_core.hooks import block_hooks
 import tome_core.torch as tome
 from tome_tools.diffusers_models import build_transformer, transformer_inputs
-from tome_core.merge import merge
+from tome_core.algorithm.merge import merge
 
 
 def _mean(rotary, match, *layout):  # Flux: text first, no head or tail (the layout merge_positions takes)

@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 
 import gpu_timing as gt
-from tome_core import match as match_module
-from tome_core.backend import get_ops
-from tome_core.match import best_destinations, bipartite_matches, rank_sources
-from tome_core.partition import random_offsets, split
+from tome_core.algorithm import match as match_module
+from tome_core.algorithm.backend import get_ops
+from tome_core.algorithm.match import best_destinations, bipartite_matches, rank_sources
+from tome_core.algorithm.partition import random_offsets, split
 
 CASES = {  # frames, grid height and width, channels, heads, text tokens beside the image in self-attention
     "wan480": (21, 30, 52, 1536, 12, 0),

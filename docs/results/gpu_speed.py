@@ -36,7 +36,7 @@ a call is the ratio of its blocks, less the embedding and output layers' small s
 512 px (a classifier-free guidance batch); Wan and HunyuanVideo pipelines run the guided halves as separate calls.
 
 Methods, each against the unpatched call of the same run:
-- ``default``: ``patch(model)``, the cost model (``tome_core.cost``) leaving a level unmerged below the token
+- ``default``: ``patch(model)``, the cost model (``tome_core.models.cost``) leaving a level unmerged below the token
   count from which merging pays on this device and execution (so it may differ between eager and graph rows);
 - ``default, min_tokens=0``: the default's arrangement forced to merge at every level;
 - ``frame_window=None`` (Wan): the default's arrangement with the similarity search over the whole clip (the
@@ -104,13 +104,13 @@ import gpu_timing as gt
 import tomesd
 import tome_core.torch as tome
 from tome_core import merge, unmerge
-from tome_core.block_hooks import family_argument_position, family_in_call
+from tome_core.hooks.block_hooks import family_argument_position, family_in_call
 from tome_core.framework import argument
-from tome_core.model_tree import block_metric, blocks_of, finest_level
+from tome_core.models.model_tree import block_metric, blocks_of, finest_level
 from tome_core.adapters.diffusers import FRAMEWORK
-from tome_core.families import child_at
-from tome_core.levels import downsample_factor, level_grid
-from tome_core.merge import size_bias
+from tome_core.models.families import child_at
+from tome_core.models.levels import downsample_factor, level_grid
+from tome_core.algorithm.merge import size_bias
 from tome_tools.bench_core import image_like_latents
 from tome_tools.bench_runner import MID_TIMESTEP, hook_oracle, image_part
 from tome_tools.diffusers_models import (

@@ -1,6 +1,6 @@
 """Memory and time of one block's match (ToMe for SD: 2x2 cells, ratio 0.5, sources 3/4 of the tokens) at Wan
 1.3B width (1536 channels, batch 1, float32, torch on the CPU), with the similarity search in one product and in
-chunks of at most ``block`` entries (``tome_core.match.SIMILARITY_BLOCK``).
+chunks of at most ``block`` entries (``tome_core.algorithm.match.SIMILARITY_BLOCK``).
 
 Peak memory: the rise of the peak resident set (VmHWM, reset through /proc/self/clear_refs) over the resident
 set before the match, in a fresh process per configuration. Time: medians of paired runs in one process, the
@@ -27,8 +27,7 @@ def run_match(frames: int, block: int):
     import torch
 
     from tome_core import load_backend
-    from tome_core import match as match_module
-
+    from tome_core.algorithm import match as match_module
     torch.manual_seed(0)
     tokens = FRAME_TOKENS * frames
     metric = torch.randn(1, tokens, WIDTH)
@@ -61,8 +60,7 @@ def peak(frames: int, block: int) -> float:
 def paired_times(frames: int, blocks: list, pairs: int) -> dict:
     """Seconds of each block's match, ``pairs`` rounds alternating the blocks (one warm-up round first)."""
     runs = {block: run_match(frames, block) for block in blocks}
-    from tome_core import match as match_module
-
+    from tome_core.algorithm import match as match_module
     seconds = {block: [] for block in blocks}
     for round_ in range(pairs + 1):
         for block in blocks if round_ % 2 else blocks[::-1]:
@@ -81,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return child(*args.child)
-    from tome_core.match import SIMILARITY_BLOCK
+    from tome_core.algorithm.match import SIMILARITY_BLOCK
 
     result = {"width": WIDTH, "batch": 1, "dtype": "float32", "backend": "torch, 2 threads", "default_block": SIMILARITY_BLOCK, "sizes": []}
     # Timed: every block at 9,360 tokens; at 32,760 (~40 s a run) only the default against one product.

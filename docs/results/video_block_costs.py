@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from tome_core.config import ToMeConfig
-from tome_core.merge import merge, unmerge
-from tome_core.state import ToMeState
+from tome_core.algorithm.merge import merge, unmerge
+from tome_core.hooks.state import ToMeState
 
 torch.set_num_threads(1)
 FRAMES, H, W, C = 8, 48, 48, 320

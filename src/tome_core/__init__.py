@@ -4,11 +4,11 @@ The core (this package) imports no framework. Framework entry points: :mod:`tome
 :mod:`tome_core.paddle`, :mod:`tome_core.jax`.
 """
 
-from .backend import get_ops, load_backend
+from .algorithm.backend import get_ops, load_backend
+from .algorithm.match import Match, bipartite_match, cell_match
+from .algorithm.merge import merge, unmerge
 from .config import ToMeConfig
-from .match import Match, bipartite_match, cell_match
-from .merge import merge, unmerge
-from .state import ToMeState
+from .hooks.state import ToMeState
 
 __all__ = ["ToMeConfig", "ToMeState", "Match", "bipartite_match", "cell_match", "merge", "unmerge", "get_ops", "load_backend"]
 __version__ = "0.1.0"

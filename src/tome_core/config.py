@@ -221,7 +221,7 @@ class ToMeConfig:
     min_tokens: Optional[int] = option(None, WHERE, """merge a level only in calls where it has at least this
         many tokens (per item, the whole sequence under context parallelism); 0 merges at every size. ``None``
         (default): under the default arrangement (``mode="auto"``, ``prefer``), where measurements say merging
-        makes the call faster on this device, eager or captured or compiled (tome_core.cost: e.g. from 4,096
+        makes the call faster on this device, eager or captured or compiled (tome_core.models.cost: e.g. from 4,096
         tokens on a GPU in a CUDA graph, 16,384 or 32,768 eager); with an arrangement chosen by hand
         (``ratio``, ``mode``...), every size. Levels left unmerged for this are named in ``summary()`` with
         the reason.""")
@@ -663,7 +663,7 @@ def _check_ratio_type(name: str, ratio: Any) -> None:
 def _cells_of_ratio(acting: SimpleNamespace) -> Optional[Tuple[int, int]]:
     """The cell that bounds ``ratio`` when the options alone tell it: ``(sx, sy)``, or None when
     ``level_cells`` gives some levels other cells (then each merged level's cell bounds it, checked at
-    ``patch``, which knows the levels: :func:`tome_core.selection.check_model`)."""
+    ``patch``, which knows the levels: :func:`tome_core.models.selection.check_model`)."""
     if acting.level_cells and any(cell != (acting.sx, acting.sy) for cell in acting.level_cells.values()):
         return None
     return acting.sx, acting.sy

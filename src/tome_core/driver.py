@@ -1,13 +1,13 @@
 """The patch driver: :func:`patch` finds the models in an object, checks the options against each of them before
 anything is attached (:func:`check`), attaches ToMe's hooks to each (:func:`attach_hooks`, sharing one
-:class:`~tome_core.state.ToMeState` per model) and :func:`remove` takes them off again. Framework-free: every
+:class:`~tome_core.hooks.state.ToMeState` per model) and :func:`remove` takes them off again. Framework-free: every
 adapter (diffusers/torch, ppdiffusers/paddle, Flax diffusers/jax) hands it a :class:`~tome_core.framework.Framework`.
 
 What it attaches lives beside it: the hooks that begin each call of a model (its timestep and grid) in
-:mod:`~tome_core.call_hooks`, those on each transformer block and its merged sub-layers (merge, unmerge,
-size-aware attention) in :mod:`~tome_core.block_hooks`, the patched classes in :mod:`~tome_core.retyping`.
-Which models, blocks and sub-layers there are is read once per model into a :class:`~tome_core.plan.ModelPlan`
-(:mod:`~tome_core.plan`, through :mod:`~tome_core.model_tree` and the family tables of :mod:`~tome_core.families`),
+:mod:`~tome_core.hooks.call_hooks`, those on each transformer block and its merged sub-layers (merge, unmerge,
+size-aware attention) in :mod:`~tome_core.hooks.block_hooks`, the patched classes in :mod:`~tome_core.hooks.retyping`.
+Which models, blocks and sub-layers there are is read once per model into a :class:`~tome_core.models.plan.ModelPlan`
+(:mod:`~tome_core.models.plan`, through :mod:`~tome_core.models.model_tree` and the family tables of :mod:`~tome_core.models.families`),
 which checking and attaching read."""
 
 from __future__ import annotations
@@ -15,21 +15,21 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Callable, Dict, List, NamedTuple
 
-from .arrangement_rules import arrangement_error, arrangement_problem
-from .block_hooks import BlockRun, SublayerHooks, block_problem
-from .call_hooks import CallStart, PipelineWatch, call_ends, forget_generations, generations, grid_hooks, tell_grids
+from .algorithm.match import TOME, Matcher
+from .algorithm.partition import forget_tables
 from .config import ToMeConfig
-from .families import attends_text_only, child_at
 from .framework import Framework
-from .match import TOME, Matcher
-from .model_tree import check_grids, components, find_models, temporal_modules
-from .model_zoo import AUXILIARY, refusal
-from .partition import forget_tables
-from .plan import ModelPlan, plan_model
-from .retyping import Patch, detach, other_patch
-from .selection import check_model
+from .hooks.block_hooks import BlockRun, SublayerHooks, block_problem
+from .hooks.call_hooks import CallStart, PipelineWatch, call_ends, forget_generations, generations, grid_hooks, tell_grids
+from .hooks.retyping import Patch, detach, other_patch
+from .hooks.state import ToMeState
+from .models.arrangement_rules import arrangement_error, arrangement_problem
+from .models.families import attends_text_only, child_at
+from .models.model_tree import check_grids, components, find_models, temporal_modules
+from .models.model_zoo import AUXILIARY, refusal
+from .models.plan import ModelPlan, plan_model
+from .models.selection import check_model
 from .shards import check_shards
-from .state import ToMeState
 
 __all__ = [
     "Patched", "attach", "attach_hooks", "check", "check_sublayers", "detach", "model_state",
@@ -86,7 +86,7 @@ def attach(fw: Framework, plan: ModelPlan) -> None:
 
 
 def _retyped(patch: Patch) -> Patch:
-    """``patch`` with every sub-layer it merges given its class (:class:`~tome_core.retyping.Patch`)."""
+    """``patch`` with every sub-layer it merges given its class (:class:`~tome_core.hooks.retyping.Patch`)."""
     for target in patch.targets:
         patch.retype(target)
     return patch
@@ -181,9 +181,9 @@ def check_shared_blocks(plans: List[ModelPlan]) -> None:
 
 
 def refuse_listed(fw: Framework, obj: Any) -> None:
-    """Refuse a model of a class that :data:`~tome_core.model_zoo.REFUSED` lists, with that class's reason, and a
+    """Refuse a model of a class that :data:`~tome_core.models.model_zoo.REFUSED` lists, with that class's reason, and a
     pipeline that holds one (a pipeline is patched whole or not at all), except for auxiliary components
-    (:data:`~tome_core.model_zoo.AUXILIARY`, such as AnimateDiff's motion adapter) beside a model that merges."""
+    (:data:`~tome_core.models.model_zoo.AUXILIARY`, such as AnimateDiff's motion adapter) beside a model that merges."""
     listed = [(c, refusal(type(c))) for c in components(fw, obj)]
     listed = [(c, reason) for c, reason in listed if reason is not None]
     if not fw.is_module(obj) and find_models(fw, obj):
@@ -238,7 +238,7 @@ def remove(fw: Framework, obj: Any, undo: Callable[[Any], None] = detach) -> Any
 def _detach_after_call(fw: Framework, module: Any) -> bool:
     """Whether ``module`` is a patched model whose call is running now (a hook inside it called ``remove``): it keeps
     its hooks until that call returns, so the call ends as it began, merged and unmerged alike; its post-hook
-    (:func:`~tome_core.call_hooks.call_ends`) takes them off then, or its next call's start where that call was
+    (:func:`~tome_core.hooks.call_hooks.call_ends`) takes them off then, or its next call's start where that call was
     interrupted."""
     patch = module.__dict__.get("_tome_patch")
     if patch is None or not fw.running(module):

@@ -37,15 +37,15 @@ class Framework(Protocol):
         """A small array's values on the host, flattened (Python ints or floats)."""
 
     def size_aware(self, module: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-        """Make ``module``'s attention add ``bias`` (a :class:`~tome_core.attention_bias.SizeBias`) to its logits
+        """Make ``module``'s attention add ``bias`` (a :class:`~tome_core.hooks.attention_bias.SizeBias`) to its logits
         during this call; returns its arguments."""
 
     def kernel_keys(
         self, module: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], keys: Any, bias: Any = None
     ) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
         """Make ``module``'s attention kernel take its keys and values merged by ``keys`` (a
-        :class:`~tome_core.block_hooks.KernelKeys`) during this call, and add ``bias`` (a
-        :class:`~tome_core.attention_bias.SizeBias`, or None) over the merged keys; returns its arguments."""
+        :class:`~tome_core.hooks.block_hooks.KernelKeys`) during this call, and add ``bias`` (a
+        :class:`~tome_core.hooks.attention_bias.SizeBias`, or None) over the merged keys; returns its arguments."""
 
     def kernel_keys_problem(self, module: Any) -> Optional[str]:
         """Why :meth:`kernel_keys` cannot reach ``module``'s attention (its processor now), or None."""
@@ -55,7 +55,7 @@ class Framework(Protocol):
         is False when an output cache returned a stored output instead of running attention."""
 
     def execution(self, x: Any) -> Tuple[str, str]:
-        """Where and how a call on ``x`` runs, as :mod:`tome_core.cost` tells them apart: the device (``"cpu"`` or
+        """Where and how a call on ``x`` runs, as :mod:`tome_core.models.cost` tells them apart: the device (``"cpu"`` or
         ``"gpu"``, any accelerator) and the execution (``"eager"``, ``"captured"`` in a CUDA graph, or ``"compiled"``
         while a compiler traces)."""
 
@@ -95,7 +95,7 @@ class Framework(Protocol):
 
     def inform(self, message: str) -> None:
         """Tell the user ``message`` where users of this framework's pipelines read what their library reports: its
-        logger, at info level (:attr:`ToMeState.inform <tome_core.state.ToMeState.inform>`; a word the user can act
+        logger, at info level (:attr:`ToMeState.inform <tome_core.hooks.state.ToMeState.inform>`; a word the user can act
         on, not a warning: the default running a small level unmerged, where merging would not pay)."""
 
 

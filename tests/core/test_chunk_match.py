@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tome_core import bipartite_match, load_backend, merge, unmerge
-from tome_core.match import chunk_matches
-from tome_core.partition import random_offsets
+from tome_core.algorithm.match import chunk_matches
+from tome_core.algorithm.partition import random_offsets
 
 NUMPY = load_backend("numpy")
 

@@ -1,5 +1,5 @@
 """Every option acts or is refused (issue 35), checked on the framework-free core: the options against a model's
-block levels (:func:`tome_core.selection.check_model`), the seed's full range in the partition hash, and the
+block levels (:func:`tome_core.models.selection.check_model`), the seed's full range in the partition hash, and the
 errors that name their argument. The same checks run through every framework's ``patch`` (tests/torch,
 tests/paddle): here they are pinned against models described by their levels alone.
 """
@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tome_core import ToMeConfig, load_backend
-from tome_core.partition import random_offsets
-from tome_core.selection import ModelFacts, check_model
+from tome_core.algorithm.partition import random_offsets
+from tome_core.models.selection import ModelFacts, check_model
 
 # An SD 1.x-shaped UNet as the driver describes it: blocks in module order (down 1, 2, 4; up 4, 2, 1; middle
 # 8), each at its level; attention from the finest level on.

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tome_core import bipartite_match, cell_match, load_backend, merge, unmerge
-from tome_core.match import sampled_cell_match
-from tome_core.partition import random_offsets, split
+from tome_core.algorithm.match import sampled_cell_match
+from tome_core.algorithm.partition import random_offsets, split
 from tome_tools.oracle import FirstTokens, first_tokens_match
 
 NUMPY = load_backend("numpy")
@@ -188,7 +188,7 @@ def test_grid_must_hold_the_tokens(xp):
 def test_shared_match_follows_the_batch_mean_similarity_and_slots_stand_at_their_destination(xp, numpy_partition, case, data_seed):
     """shared=True (rotary models): one match for every item, chosen by the mean over the batch of the
     per-item cosine similarities; each slot's representative is its destination (or the kept source)."""
-    from tome_core.match import bipartite_matches
+    from tome_core.algorithm.match import bipartite_matches
 
     rng = np.random.default_rng(data_seed)
     n, r = case["h"] * case["w"], case["merged"]
@@ -348,7 +348,7 @@ def test_same_logarithm_keeps_the_logarithm_of_the_whole_count(base, whole, shor
     gives the logarithm ``whole`` queries had (where any base can: two tokens or more)."""
     import math
 
-    from tome_core.block_hooks import same_logarithm
+    from tome_core.hooks.block_hooks import same_logarithm
 
     given = same_logarithm(base, whole, short)
     if short < 2:
@@ -376,7 +376,7 @@ def test_the_oracle_state_keeps_the_first_tokens_as_many_as_tome_keeps(xp, case,
     """A run state whose matcher is the oracle's (tome_tools.oracle.FirstTokens) gives each merged sub-layer the
     first-tokens match of the count ToMe's own match keeps there (the same state, same call, same options)."""
     from tome_core import ToMeConfig, ToMeState
-    from tome_core.match import TOME
+    from tome_core.algorithm.match import TOME
 
     h, w, batch, options = case
     metric = xp.asarray(np.random.default_rng(data_seed).standard_normal((batch, h * w, 4)).astype(np.float32))

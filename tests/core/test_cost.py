@@ -1,4 +1,4 @@
-"""The cost model of the default (tome_core.cost): its bounds against every measured cell kept in docs/results.
+"""The cost model of the default (tome_core.models.cost): its bounds against every measured cell kept in docs/results.
 
 Oracle: the measurements themselves (whole calls, each ratio to the same run's unpatched call). Wherever the
 bounds let the default merge, the measured speedup is at least 0.99; the cells the bounds leave unmerged are
@@ -12,7 +12,8 @@ import pathlib
 
 import pytest
 
-from tome_core import ToMeConfig, cost
+from tome_core import ToMeConfig
+from tome_core.models import cost
 
 RESULTS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "results"
 pytestmark = pytest.mark.cost_model

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tome_core import driver
-from tome_core.attention_bias import SizeBias
+from tome_core.hooks.attention_bias import SizeBias
 from tome_core.framework import call_running
 
 CHANNELS, TEXT = 8, 3

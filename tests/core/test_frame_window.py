@@ -15,8 +15,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tome_core import load_backend
-from tome_core.match import best_destinations, match_block
-from tome_core.partition import Draw, cell_table, frame_bands, frame_search, partition_grid, split
+from tome_core.algorithm.match import best_destinations, match_block
+from tome_core.algorithm.partition import Draw, cell_table, frame_bands, frame_search, partition_grid, split
 
 from .test_match_memory import exact_tokens, reference
 
@@ -188,7 +188,7 @@ def test_a_process_piece_that_starts_mid_frame_counts_its_frames_from_the_whole_
     source joins a destination of its own frame of the whole video (counted before as if each piece started one)."""
     from tome_core import ToMeConfig
     from tome_core.shards import Shards
-    from tome_core.state import ToMeState
+    from tome_core.hooks.state import ToMeState
 
     rows, cols, frame_rows = 6, 4, 4
     state = ToMeState(config=ToMeConfig(ratio=0.75, frame_window=0), streams=1)

@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tome_core import ToMeConfig
-from tome_core.levels import block_grid, downsample_factor, level_grid
+from tome_core.models.levels import block_grid, downsample_factor, level_grid
 
 
 def test_import_loads_no_framework():
     code = (
-        "import sys, tome_core, tome_core.config, tome_core.state, tome_core.levels, tome_core.driver, tome_core.families;"
+        "import sys, tome_core, tome_core.config, tome_core.hooks.state, tome_core.models.levels, tome_core.driver, tome_core.models.families;"
         "print(sorted(m for m in ('numpy', 'torch', 'paddle', 'jax', 'flax', 'diffusers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -12,7 +12,7 @@ from typing import Dict, List, Set
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LIBRARY = ROOT / "src" / "tome_core"
 FOLDERS = {
-    "tome_core": LIBRARY, "tome_core.adapters": LIBRARY / "adapters", "tome_core.backends": LIBRARY / "backends",
+    "tome_core": LIBRARY, **{f"tome_core.{sub}": LIBRARY / sub for sub in ("adapters", "algorithm", "backends", "hooks", "models")},
     "tome_tools": ROOT / "tome_tools",
 }
 PACKAGES = ("tome_core", "tome_tools")
@@ -82,8 +82,8 @@ def reach(graph: Dict[str, Set[str]]) -> Dict[str, Set[str]]:
 
 def test_relative_imports_are_edges():
     graph = import_graph()
-    assert {"tome_core.framework", "tome_core.families"} <= graph["tome_core.model_tree"]
-    assert "tome_core.ops" in graph["tome_core.backend"]
+    assert {"tome_core.framework", "tome_core.models.families"} <= graph["tome_core.models.model_tree"]
+    assert "tome_core.algorithm.ops" in graph["tome_core.algorithm.backend"]
 
 
 def test_the_library_imports_no_tool():

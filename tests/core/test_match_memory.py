@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tome_core import load_backend
-from tome_core import match as match_module
-from tome_core.match import best_destinations, bipartite_matches, chunk_matches
+from tome_core.algorithm import match as match_module
+from tome_core.algorithm.match import best_destinations, bipartite_matches, chunk_matches
 
 NUMPY = load_backend("numpy")
 

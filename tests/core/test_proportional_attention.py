@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tome_core import bipartite_match, merge, unmerge
-from tome_core.merge import size_bias
+from tome_core.algorithm.merge import size_bias
 
 
 def attention(q, k, v, bias=None):

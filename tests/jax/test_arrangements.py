@@ -24,8 +24,8 @@ from diffusers.models.attention_flax import FlaxAttention, FlaxBasicTransformerB
 import tome_core.jax as tome
 from tome_core import bipartite_match, get_ops, merge, unmerge
 from tome_core.adapters.flax import _size_aware_attention, config_key
-from tome_core.attention_bias import SizeBias
-from tome_core.families import TEXT_NONE
+from tome_core.hooks.attention_bias import SizeBias
+from tome_core.models.families import TEXT_NONE
 from tome_tools.flax_models import TWO_LEVELS, build_pipeline, build_unet, random_params
 
 LATENT = (16, 16)  # the small UNet: attn1 at 1/1 (down 0, up 1 x2: 256 tokens) and in the middle (1/2: 64)

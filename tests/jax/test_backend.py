@@ -16,9 +16,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from tome_core import get_ops, load_backend
-from tome_core.match import bipartite_matches
-from tome_core.merge import merge, unmerge
-from tome_core.partition import neighbour_table, random_offsets, split
+from tome_core.algorithm.match import bipartite_matches
+from tome_core.algorithm.merge import merge, unmerge
+from tome_core.algorithm.partition import neighbour_table, random_offsets, split
 
 NUMPY, JAX = load_backend("numpy"), load_backend("jax")
 

@@ -11,8 +11,8 @@ from diffusers.models.attention_flax import FlaxAttention
 import tome_core.jax as tome
 from tome_core import bipartite_match, get_ops, merge, unmerge
 from tome_core.adapters.flax import _size_aware_attention
-from tome_core.attention_bias import SizeBias
-from tome_core.families import TEXT_NONE
+from tome_core.hooks.attention_bias import SizeBias
+from tome_core.models.families import TEXT_NONE
 from tome_tools.flax_models import build_unet
 
 

@@ -28,8 +28,8 @@ from diffusers.models.attention import BasicTransformerBlock  # noqa: E402
 from tome_core import load_backend  # noqa: E402
 from tome_tools.diffusers_models import build_unet as build_torch_unet  # noqa: E402
 from tome_tools.flax_models import TWO_LEVELS, TWO_LEVELS_XL, params_from_torch  # noqa: E402
-from tome_core.levels import downsample_factor, level_grid  # noqa: E402
-from tome_core.partition import random_offsets, split  # noqa: E402
+from tome_core.models.levels import downsample_factor, level_grid  # noqa: E402
+from tome_core.algorithm.partition import random_offsets, split  # noqa: E402
 from tome_tools.presets import unet_config  # noqa: E402
 
 NUMPY = load_backend("numpy")

@@ -46,8 +46,8 @@ import tome_core.paddle as tome
 from tome_core import bipartite_match, get_ops, merge, unmerge
 from tome_core.adapters.ppdiffusers import FRAMEWORK, MASK_PROCESSORS
 from tome_tools.ppdiffusers_models import build_pipeline
-from tome_core.attention_bias import SizeBias
-from tome_core.families import TEXT_NONE
+from tome_core.hooks.attention_bias import SizeBias
+from tome_core.models.families import TEXT_NONE
 
 pytestmark = pytest.mark.usefixtures("sdpa_shim")
 

@@ -11,8 +11,8 @@ import pytest
 
 import tome_core.paddle as tome
 from tome_core import bipartite_match, get_ops, merge, unmerge
-from tome_core.match import TOME
-from tome_core.merge import size_bias
+from tome_core.algorithm.match import TOME
+from tome_core.algorithm.merge import size_bias
 
 
 def token_counts(model, names=("attn1", "attn2", "ff")):

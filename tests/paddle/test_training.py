@@ -29,7 +29,7 @@ from ppdiffusers import Transformer2DModel
 
 import tome_core.paddle as tome
 from tome_tools.ppdiffusers_models import build_unet
-from tome_core.state import ToMeState
+from tome_core.hooks.state import ToMeState
 
 Batch = Tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor, paddle.Tensor]  # latent, timesteps, text, target
 Grads = Dict[str, np.ndarray]

@@ -15,7 +15,7 @@ import pytest
 from ppdiffusers.models import attention_processor
 
 import tome_core.paddle as tome
-from tome_core.model_tree import blocks_of, is_transformer_model, is_unet_like
+from tome_core.models.model_tree import blocks_of, is_transformer_model, is_unet_like
 from tome_core.adapters.ppdiffusers import FRAMEWORK
 from tome_tools.ppdiffusers_models import (
     TRANSFORMER_PIPELINES,
@@ -23,11 +23,11 @@ from tome_tools.ppdiffusers_models import (
     build_transformer_pipeline,
     transformer_inputs,
 )
-from tome_core.backend import get_ops
-from tome_core.attention_bias import SizeBias
-from tome_core.families import TEXT_AFTER, TEXT_NONE, block_family
-from tome_core.match import bipartite_matches
-from tome_core.merge import merge, unmerge
+from tome_core.algorithm.backend import get_ops
+from tome_core.hooks.attention_bias import SizeBias
+from tome_core.models.families import TEXT_AFTER, TEXT_NONE, block_family
+from tome_core.algorithm.match import bipartite_matches
+from tome_core.algorithm.merge import merge, unmerge
 
 pytestmark = pytest.mark.usefixtures("sdpa_shim")
 

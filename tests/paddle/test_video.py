@@ -17,7 +17,7 @@ import pytest
 
 import ppdiffusers
 import tome_core.paddle as tome
-from tome_core import families
+from tome_core.models import families
 from tome_core.adapters.ppdiffusers import FRAMEWORK
 from tome_tools.ppdiffusers_models import (
     VIDEO_PIPELINES,

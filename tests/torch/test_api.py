@@ -135,7 +135,7 @@ def test_a_refusal_is_short_and_says_what_to_pass():
     the library's classes: a pipeline's text encoder, and every class the registry refuses with its reason."""
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from tome_core.model_zoo import REFUSED
+    from tome_core.models.model_zoo import REFUSED
 
     encoder = CLIPTextModel(CLIPTextConfig(hidden_size=32, intermediate_size=37, num_attention_heads=4, num_hidden_layers=2))
     with pytest.raises(ValueError) as refused:

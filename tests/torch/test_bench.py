@@ -15,7 +15,7 @@ import torch
 from tome_tools import bench, bench_video
 from tome_tools import bench_core
 from tome_core.config import ToMeConfig
-from tome_core.families import child_at
+from tome_core.models.families import child_at
 from tome_tools.diffusers_bench import Runner, SdpaCalls, count_ops, micro
 
 MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "models")
@@ -175,7 +175,7 @@ def transformer_runner(request):
 
 def _attention_modules(runner):
     """Every merged self-attention sub-layer of the runner's model, as ``(child name, module)``."""
-    from tome_core.model_tree import blocks_of
+    from tome_core.models.model_tree import blocks_of
     from tome_core.adapters.diffusers import FRAMEWORK
 
     return [
@@ -294,7 +294,7 @@ def new_family_runner(request):
 
 def _merged_sublayers(runner, options):
     """Every sub-layer ``options`` merge in the runner's model, as ``(block index/child, module)``."""
-    from tome_core.model_tree import blocks_of
+    from tome_core.models.model_tree import blocks_of
     from tome_core.adapters.diffusers import FRAMEWORK
 
     config = ToMeConfig.from_options({"ratio": 0.5, **options})
@@ -401,7 +401,7 @@ def test_the_oracle_gives_every_merged_sublayer_of_the_zoo_the_shapes_of_ours(na
     the patch does): every sub-layer call gets inputs of the shapes ours gives it (tokens, rotary tables, masks),
     attention alone and with the MLPs."""
     import tome_core.torch as tome
-    from tome_core.model_tree import blocks_of
+    from tome_core.models.model_tree import blocks_of
     from tome_core.adapters.diffusers import FRAMEWORK
     from tome_tools.bench_runner import hook_oracle
 

@@ -1,7 +1,7 @@
 """torch.compile in every order with patch, remove and re-patch (issue 16).
 
 torch.compile guards on a module's class but not on its hooks, so each patch gives the modules it hooks a
-same-named subclass of their class (:func:`tome_core.retyping.patched_class`) and ``remove`` restores the class.
+same-named subclass of their class (:func:`tome_core.hooks.retyping.patched_class`) and ``remove`` restores the class.
 Oracle: the eager model in the same state (unpatched, or patched with the same options), to float tolerance.
 Compilations are counted by a backend that runs dynamo's graph as it is (``fullgraph=True`` everywhere, so a
 graph break raises): only graphs of the model's own layers count (a hook's small frame, compiled once per

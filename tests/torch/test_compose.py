@@ -30,8 +30,8 @@ import tome_core.torch as tome
 from tome_core import bipartite_match, get_ops, merge, unmerge
 from tome_core.adapters.diffusers import FRAMEWORK, MASK_PROCESSORS
 from tome_tools.diffusers_models import build_pipeline
-from tome_core.attention_bias import SizeBias
-from tome_core.families import TEXT_NONE
+from tome_core.hooks.attention_bias import SizeBias
+from tome_core.models.families import TEXT_NONE
 
 SIZE = 32  # image pixels: the tiny VAE downsamples 2x, so 16x16 latents
 # Tokens of the finest level with attention at that size: SD's is the latent grid, tiny SDXL's is 2x down.

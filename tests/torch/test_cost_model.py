@@ -1,4 +1,4 @@
-"""The default runs a level unmerged where merging would not pay (tome_core.cost), says so in summary() and once
+"""The default runs a level unmerged where merging would not pay (tome_core.models.cost), says so in summary() and once
 at info level in diffusers' logger, and merges there with ``min_tokens=0`` or an arrangement chosen by hand. Oracle:
 the unpatched model, and the keys each SDPA call really sees."""
 

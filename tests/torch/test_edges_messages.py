@@ -16,7 +16,7 @@ import torch
 from diffusers import UNet2DConditionModel
 
 import tome_core.torch as tome
-from tome_core import partition
+from tome_core.algorithm import partition
 from tome_tools.diffusers_bench import tensor_peak_mib
 from tome_tools.diffusers_models import build_transformer, build_unet, transformer_inputs
 

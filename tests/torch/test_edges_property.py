@@ -798,7 +798,7 @@ class MatchesMade:
     computes: ``ToMeState.block_matches`` observed (its result returned unchanged)."""
 
     def __enter__(self) -> "MatchesMade":
-        from tome_core.state import ToMeState
+        from tome_core.hooks.state import ToMeState
 
         self.made: List[Tuple[int, List[Tuple[torch.Tensor, torch.Tensor]]]] = []
         self.original = original = ToMeState.block_matches
@@ -814,7 +814,7 @@ class MatchesMade:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        from tome_core.state import ToMeState
+        from tome_core.hooks.state import ToMeState
 
         ToMeState.block_matches = self.original
 

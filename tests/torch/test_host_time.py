@@ -59,7 +59,7 @@ def _python_calls(unet, args, kwargs) -> int:
 def test_an_eager_call_that_merges_nothing_adds_few_python_calls(name):
     torch.manual_seed(0)
     unet = build_unet("tiny", **SHAPES[name]).eval()
-    args, kwargs = _inputs(name, 16)  # 256 tokens at the finest level: below every bound of tome_core.cost
+    args, kwargs = _inputs(name, 16)  # 256 tokens at the finest level: below every bound of tome_core.models.cost
     unpatched = _python_calls(unet, args, kwargs)
     tome.patch(unet)
     try:

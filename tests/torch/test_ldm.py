@@ -26,7 +26,7 @@ import tome_core.torch as tome  # noqa: E402
 from ldm.modules.attention import MemoryEfficientCrossAttention  # noqa: E402
 from tome_core.adapters.diffusers import FRAMEWORK  # noqa: E402
 from tome_core.config import ToMeConfig  # noqa: E402
-from tome_core.plan import plan_model  # noqa: E402
+from tome_core.models.plan import plan_model  # noqa: E402
 from tome_tools.ldm_models import (  # noqa: E402
     LAYOUTS, TRAINED_UNET, CalledAsDiffusers, LatentDiffusionShell, build_ldm_unet, from_diffusers, ldm_inputs,
     to_diffusers,

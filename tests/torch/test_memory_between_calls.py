@@ -1,5 +1,5 @@
 """Between calls a patched model holds only the index tables that depend on shapes and the seed alone
-(``tome_core.partition.cached``: built by the first call, read by every later one, so that a call launches only the
+(``tome_core.algorithm.partition.cached``: built by the first call, read by every later one, so that a call launches only the
 kernels of its own arithmetic), and ``remove`` lets them go: whatever else a call's merging builds (its choice of
 partitions, matches) is let go as it returns. Oracle: the unpatched model's own retained bytes, counted exactly
 from the profiler's allocation events (``tome_tools.diffusers_bench.tensor_peak_mib``), in a call that drops its
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tome_core.torch as tome
-from tome_core import partition
+from tome_core.algorithm import partition
 from tome_tools.diffusers_bench import tensor_peak_mib
 from tome_tools.diffusers_models import build_unet, build_video_transformer
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import tome_core.torch as tome
-from tome_core.match import TOME
+from tome_core.algorithm.match import TOME
 from tome_core import bipartite_match, get_ops, merge, unmerge
 from tome_tools.diffusers_models import build_unet
-from tome_core.merge import size_bias
+from tome_core.algorithm.merge import size_bias
 
 
 def call(model, inputs, timestep=None):

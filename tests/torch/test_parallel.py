@@ -150,8 +150,7 @@ def _pipelines(world: int) -> Dict[str, Any]:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, full: bool) -> None:
-    from tome_core import cost
-
+    from tome_core.models import cost
     cost.MIN_TOKENS = dict.fromkeys(cost.MIN_TOKENS, 0)  # tiny models merge, as tests/conftest.py has it
     with cpu_process_group(rank, world, port, datetime.timedelta(seconds=120)):
         # Ulysses hands each process a share of the heads: as many heads as processes at least

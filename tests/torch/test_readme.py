@@ -19,7 +19,7 @@ import torch
 
 from tome_tools.diffusers_models import build_pipeline, build_transformer, build_transformer_pipeline, build_video_pipeline
 
-# the snippets run as a user runs them: with the measured bounds of tome_core.cost (tiny models pass min_tokens=0)
+# the snippets run as a user runs them: with the measured bounds of tome_core.models.cost (tiny models pass min_tokens=0)
 pytestmark = pytest.mark.cost_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -375,9 +375,9 @@ def test_torch_compile_equals_eager_without_graph_breaks_or_per_step_recompiles(
 
 
 def test_compiling_a_freshly_patched_model_in_a_fresh_process_has_no_graph_break(monkeypatch):
-    import tome_core.backend
+    import tome_core.algorithm.backend
 
-    monkeypatch.setattr(tome_core.backend, "_cache", {})  # as in a process that never ran ToMe eagerly
+    monkeypatch.setattr(tome_core.algorithm.backend, "_cache", {})  # as in a process that never ran ToMe eagerly
     torch.manual_seed(0)
     transformer = Transformer2DModel(
         num_attention_heads=2, attention_head_dim=16, in_channels=32, norm_num_groups=32, cross_attention_dim=32

@@ -39,7 +39,7 @@ from torch.func import functional_call
 import tome_core.torch as tome
 from tome_tools.diffusers_parallel_bench import cpu_process_group, free_port
 from tome_tools.diffusers_models import build_unet
-from tome_core.state import ToMeState
+from tome_core.hooks.state import ToMeState
 
 Batch = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # latent, timesteps, text, target
 Grads = Dict[str, torch.Tensor]

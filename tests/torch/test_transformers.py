@@ -17,11 +17,11 @@ from tome_tools.diffusers_models import (
     build_transformer_pipeline,
     transformer_inputs,
 )
-from tome_core.attention_bias import SizeBias
-from tome_core.block_hooks import merge_positions
-from tome_core.families import TEXT_AFTER, TEXT_BEFORE, TEXT_NONE, TEXT_PREFIX
-from tome_core.backend import get_ops
-from tome_core.merge import merge, unmerge
+from tome_core.hooks.attention_bias import SizeBias
+from tome_core.hooks.block_hooks import merge_positions
+from tome_core.models.families import TEXT_AFTER, TEXT_BEFORE, TEXT_NONE, TEXT_PREFIX
+from tome_core.algorithm.backend import get_ops
+from tome_core.algorithm.merge import merge, unmerge
 
 PRESETS = ["tiny-sd3", "tiny-flux", "tiny-pixart"]
 # Latent 16x12: a non-square grid (8x6 tokens after SD3's and PixArt's 2x2 patches and Flux's packing).
@@ -198,7 +198,7 @@ def test_block_ratios_set_each_blocks_ratio():
 
 
 def test_reuse_blocks_shares_one_match_between_consecutive_blocks(monkeypatch):
-    import tome_core.match as match_module
+    import tome_core.algorithm.match as match_module
 
     model = build_transformer("tiny-sd3", num_layers=4)
     inputs = transformer_inputs(model, HEIGHT, WIDTH, batch=2)
@@ -221,7 +221,7 @@ def _match(batch: int, shared: bool = False):
     generator = torch.Generator().manual_seed(3)
     metric = torch.randn(batch, TOKENS, 16, generator=generator)
     ops = get_ops(metric)
-    from tome_core.match import bipartite_matches
+    from tome_core.algorithm.match import bipartite_matches
 
     return bipartite_matches(ops, metric, 8, 6, 2, 2, [int(TOKENS * 0.6)], None, 0, shared)[0]
 
@@ -452,7 +452,7 @@ def test_caches_that_extrapolate_merged_outputs_are_refused_clearly(cache):
 
 def test_fractional_timesteps_give_each_step_its_own_partition():
     """Flux passes t / 1000 in [0, 1]: the partition must still change from step to step."""
-    from tome_core.partition import random_offsets
+    from tome_core.algorithm.partition import random_offsets
 
     ops = get_ops(torch.zeros(1))
     like = torch.zeros(1)
@@ -573,7 +573,7 @@ def test_ids_that_are_no_raster_grid_run_unmerged_and_say_so_once(ids):
 
 
 def test_leading_raster_reads_grids_and_refuses_the_rest():
-    from tome_core.levels import leading_raster
+    from tome_core.models.levels import leading_raster
 
     raster = lambda index, h, w, top=0: [[index, top + i // w, i % w] for i in range(h * w)]  # noqa: E731
     assert leading_raster(raster(0, 3, 4)) == (3, 4, 0)
@@ -588,7 +588,7 @@ def test_leading_raster_reads_grids_and_refuses_the_rest():
 
 
 def test_indicated_run_reads_the_image_run_from_token_roles_and_refuses_other_packings():
-    from tome_core.levels import indicated_run
+    from tome_core.models.levels import indicated_run
 
     image = [[65536, 65536 + i // 4, 65536 + i % 4] for i in range(12)]  # a 3x4 grid, Ideogram 4's offset ids
     text = lambda n: [[i, i, i] for i in range(n)]  # noqa: E731
@@ -608,7 +608,7 @@ def test_indicated_run_reads_the_image_run_from_token_roles_and_refuses_other_pa
 
 
 def test_trailing_readers_find_the_grid_after_conditioning_tokens():
-    from tome_core.levels import trailing_frames, trailing_raster
+    from tome_core.models.levels import trailing_frames, trailing_raster
 
     raster = lambda index, h, w: [[index, i // w, i % w] for i in range(h * w)]  # noqa: E731
     assert trailing_raster(raster(10, 2, 2) + raster(0, 3, 4)) == (3, 4, 4)  # Flux.2 Klein KV: references first

@@ -15,7 +15,7 @@ import torch
 
 import diffusers
 import tome_core.torch as tome
-from tome_core import families
+from tome_core.models import families
 from tome_core.adapters.diffusers import FRAMEWORK
 from tome_tools.diffusers_models import (
     VIDEO_PIPELINES, VIDEO_UNETS, build_video_pipeline, build_video_transformer, build_video_unet, video_transformer_inputs,

@@ -18,8 +18,8 @@ import torch
 
 import tome_core.torch as tome
 from tome_core import bipartite_match, get_ops
-from tome_core.match import Match, assign, batch_as_channels, rank_sources
-from tome_core.partition import split
+from tome_core.algorithm.match import Match, assign, batch_as_channels, rank_sources
+from tome_core.algorithm.partition import split
 from tome_tools.diffusers_models import build_video_transformer, build_wan_pipeline
 
 FRAMES, HEIGHT, WIDTH = 3, 8, 12  # latent: 3 frames of 4x6 tokens after the (1, 2, 2) patch

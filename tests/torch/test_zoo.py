@@ -2,7 +2,7 @@
 
 The zoo is enumerated from the installed diffusers, so a release that adds a model class fails here until the
 class is classified: merged (a tiny builder below, checked against the unpatched model) or refused (a reason in
-:data:`tome_core.model_zoo.REFUSED`, which ``patch`` gives). Oracles: the unpatched model (``ratio=0`` and
+:data:`tome_core.models.model_zoo.REFUSED`, which ``patch`` gives). Oracles: the unpatched model (``ratio=0`` and
 ``remove`` exact), the token counts that the attention modules really see, the text they see.
 """
 
@@ -24,14 +24,14 @@ from diffusers.models.attention_processor import Attention
 
 import tome_core.torch as tome
 from tome_core.adapters.diffusers import FRAMEWORK
-from tome_core.backend import get_ops
-from tome_core.attention_bias import SizeBias
-from tome_core.model_tree import blocks_of
-from tome_core.families import TEXT_SUFFIX
-from tome_core.match import bipartite_matches
-from tome_core.merge import merge, unmerge
+from tome_core.algorithm.backend import get_ops
+from tome_core.hooks.attention_bias import SizeBias
+from tome_core.models.model_tree import blocks_of
+from tome_core.models.families import TEXT_SUFFIX
+from tome_core.algorithm.match import bipartite_matches
+from tome_core.algorithm.merge import merge, unmerge
 from tome_tools import diffusers_models as zoo
-from tome_core.model_zoo import NOT_GENERATION, REFUSED, refusal
+from tome_core.models.model_zoo import NOT_GENERATION, REFUSED, refusal
 from tome_tools.presets import TRANSFORMERS, VIDEO_TRANSFORMERS
 
 ZOO_PACKAGES = ("transformers", "unets", "controlnets")

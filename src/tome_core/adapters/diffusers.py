@@ -1,7 +1,7 @@
 """Patch diffusers (torch) models and pipelines: torch's module hooks under :mod:`tome_core.driver`.
 
 The driver finds the models (UNets, ControlNets, SD3 / Flux / PixArt / DiT transformers and their
-ControlNets), reads :mod:`tome_core.families` and attaches its hooks through this module's
+ControlNets), reads :mod:`tome_core.models.families` and attaches its hooks through this module's
 :class:`TorchFramework`; no forward is copied or replaced, classes and state dicts stay as they were, and
 :func:`remove` detaches every hook.
 
@@ -17,7 +17,7 @@ per call from the attention module's processor at that moment (so processors set
   batch (PAG attends over the first part of the batch only), and text keys get no size. A processor that
   never calls SDPA while armed gets a clear error after its call, never a silent plain softmax.
 
-An attention with no processor whose own code computes the attention (:data:`~tome_core.families.OWN_ATTENTIONS`:
+An attention with no processor whose own code computes the attention (:data:`~tome_core.models.families.OWN_ATTENTIONS`:
 the ``ldm`` ``CrossAttention`` of A1111-style UIs and sdkit, einsum then ``Tensor.softmax``) runs with the same
 mode, which adds the log sizes to the scores that its own softmax call gets; one that computes it through a kernel
 taking no bias (ldm's xformers attention) is refused at ``patch`` under size-aware attention.
@@ -38,15 +38,15 @@ from torch.overrides import TorchFunctionMode
 
 from tome_core import driver
 from tome_core.adapters import processors
-from tome_core.attention_bias import SizeBias, unbiased_processor, unreachable_kernel
-from tome_core.backend import get_ops
-from tome_core.block_hooks import KernelKeys
+from tome_core.hooks.attention_bias import SizeBias, unbiased_processor, unreachable_kernel
+from tome_core.algorithm.backend import get_ops
+from tome_core.hooks.block_hooks import KernelKeys
 from tome_core.config import document
-from tome_core.families import own_attention
+from tome_core.models.families import own_attention
 from tome_core.framework import PostHook, PreHook, REUSED, call_running
-from tome_core.model_tree import blocks_of, find_models
+from tome_core.models.model_tree import blocks_of, find_models
 from tome_core.shards import Shards
-from tome_core.state import ToMeState
+from tome_core.hooks.state import ToMeState
 
 ACCEPTED = (
     "a diffusers DiffusionPipeline or one of its models (UNet, ControlNet or diffusion transformer: docs/models.md "
@@ -124,8 +124,8 @@ _SOFTMAX = frozenset({torch.Tensor.softmax, torch.softmax, F.softmax})
 
 class _AttentionMode(TorchFunctionMode):
     """Merges the keys and values of every SDPA call made while it is active by a
-    :class:`~tome_core.block_hooks.KernelKeys` (``keys``, if given), and adds a
-    :class:`~tome_core.attention_bias.SizeBias` (``bias``, if given) over them; with ``softmax``, adds the bias to
+    :class:`~tome_core.hooks.block_hooks.KernelKeys` (``keys``, if given), and adds a
+    :class:`~tome_core.hooks.attention_bias.SizeBias` (``bias``, if given) over them; with ``softmax``, adds the bias to
     the scores of each softmax over the keys (the last axis) that the attention's own code calls instead.
 
     Under Ulysses context parallelism (``group``: the processes that exchange heads) each SDPA call attends to
@@ -220,7 +220,7 @@ class _AttentionMode(TorchFunctionMode):
         return (scores, dim, *rest), kwargs
 
     def _own_call(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
-        """Whether an SDPA call is the armed attention's own (:func:`~tome_core.attention_bias.own_call`, from its query
+        """Whether an SDPA call is the armed attention's own (:func:`~tome_core.hooks.attention_bias.own_call`, from its query
         and key counts): any other passes through unchanged."""
         query = args[0] if args else kwargs["query"]
         key = args[1] if len(args) > 1 else kwargs["key"]

@@ -5,13 +5,13 @@ model's class (same fields, same ``config``, same parameter tree) whose ``__call
 under the shared driver (:mod:`tome_core.driver`), as the torch and paddle adapters do. Flax modules take no
 hooks and exist, bound with their submodules, only inside a call: so each patched call attaches the driver's
 hooks to its bound module tree (:class:`_CallHooks`) and runs them from :func:`flax.linen.intercept_methods`.
-The block family table (:mod:`tome_core.families`: ``FlaxBasicTransformerBlock``'s ``attn1`` takes its keys
-and values from ``context``), the arrangements and size-aware attention's bias (:class:`~tome_core.attention_bias.SizeBias`)
+The block family table (:mod:`tome_core.models.families`: ``FlaxBasicTransformerBlock``'s ``attn1`` takes its keys
+and values from ``context``), the arrangements and size-aware attention's bias (:class:`~tome_core.hooks.attention_bias.SizeBias`)
 are the driver's; ``FlaxAttention`` takes no bias, so an armed ``attn1`` runs :func:`_size_aware_attention`
 over its own layers instead of its ``__call__``.
 
 Everything happens while jax traces the call: shapes (N, r, grid) are Python ints, the timestep may be a
-tracer (options that read it on the host are refused), and a fresh :class:`~tome_core.state.ToMeState` is used
+tracer (options that read it on the host are refused), and a fresh :class:`~tome_core.hooks.state.ToMeState` is used
 per call, so nothing traced outlives the trace. The patched module works under ``jax.jit``, ``pmap`` and the
 pipelines' ``jit=True`` path.
 
@@ -41,14 +41,14 @@ from diffusers.pipelines.pipeline_flax_utils import FlaxDiffusionPipeline
 from diffusers.utils import logging as diffusers_logging
 
 from tome_core import driver
-from tome_core.attention_bias import SizeBias
+from tome_core.hooks.attention_bias import SizeBias
 from tome_core.config import ToMeConfig, document
 from tome_core.framework import PostHook, PreHook, argument
-from tome_core.levels import finest_attention_level
-from tome_core.model_tree import not_a_model
-from tome_core.plan import plan_model
-from tome_core.selection import ModelFacts, check_model
-from tome_core.state import ToMeState
+from tome_core.models.levels import finest_attention_level
+from tome_core.models.model_tree import not_a_model
+from tome_core.models.plan import plan_model
+from tome_core.models.selection import ModelFacts, check_model
+from tome_core.hooks.state import ToMeState
 
 LATENT_MODELS = (FlaxUNet2DConditionModel, FlaxControlNetModel)
 PIPELINE_MODELS = ("unet", "controlnet")

@@ -1,7 +1,7 @@
 """Patch ppdiffusers (paddle) models and pipelines: paddle's layer hooks under :mod:`tome_core.driver`.
 
 The paddle twin of :mod:`tome_core.adapters.diffusers`. The driver finds the models (UNets, ControlNets,
-``SD3Transformer2DModel``, the patchified DiT ``Transformer2DModel``), reads :mod:`tome_core.families` (matched
+``SD3Transformer2DModel``, the patchified DiT ``Transformer2DModel``), reads :mod:`tome_core.models.families` (matched
 by class name, so ppdiffusers' ``BasicTransformerBlock`` and ``JointTransformerBlock`` are found) and attaches
 its hooks through :class:`PaddleFramework`: paddle >= 3.0 layer hooks with keyword arguments, so keyword-only
 calls work and nothing is copied or replaced.
@@ -23,7 +23,7 @@ queries keep every token; both routes size the bias by the keys, so they serve i
 The ``queries`` arrangement needs a processor that takes keys and values from that argument
 (:data:`SEPARATE_KV_PROCESSORS`); with any other the call raises a clear error. ``kv`` asked for by name runs
 with any other processor that calls that function (SD3's joint attention) inside it: the wrapper merges each
-call's image keys and values (:class:`~tome_core.block_hooks.KernelKeys`).
+call's image keys and values (:class:`~tome_core.hooks.block_hooks.KernelKeys`).
 
 ppdiffusers installs its own ToMe port (``apply_tome``, which swaps block classes); :func:`patch` and
 :func:`remove` also undo that port wherever they find it, so the two never stack.
@@ -60,12 +60,12 @@ except ImportError:  # pragma: no cover - older paddle
 
 from tome_core import driver
 from tome_core.adapters import processors
-from tome_core.attention_bias import SizeBias, unbiased_processor, unreachable_kernel
-from tome_core.block_hooks import KernelKeys
+from tome_core.hooks.attention_bias import SizeBias, unbiased_processor, unreachable_kernel
+from tome_core.hooks.block_hooks import KernelKeys
 from tome_core.config import document
 from tome_core.framework import PostHook, PreHook, call_running
-from tome_core.model_tree import components
-from tome_core.state import ToMeState
+from tome_core.models.model_tree import components
+from tome_core.hooks.state import ToMeState
 
 Layer = paddle.nn.Layer
 ACCEPTED = (
@@ -411,7 +411,7 @@ def _refuse_fused_models(obj: Any) -> None:
 
 
 # Model classes that merge on torch but not yet here, with the reason ``patch`` gives (the shared table of
-# refusals, :data:`tome_core.model_zoo.REFUSED`, holds the classes refused everywhere).
+# refusals, :data:`tome_core.models.model_zoo.REFUSED`, holds the classes refused everywhere).
 _INSIDE = (
     "merge inside the attention, at its query, key and value projections; on torch this is tested against the "
     "unpatched model, while ppdiffusers' processors would size their attention mask and proportional attention "

@@ -1,1 +1,1 @@
-"""Array backends: one module per framework implementing :class:`tome_core.ops.ArrayOps`."""
+"""Array backends: one module per framework implementing :class:`tome_core.algorithm.ops.ArrayOps`."""

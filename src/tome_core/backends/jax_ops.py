@@ -2,7 +2,7 @@
 
 Pure and traceable: every op is a jax.numpy / lax call on static shapes, so the whole match, merge and
 unmerge run under ``jax.jit`` (and inside ``pmap``/``vmap``) without host round trips. The index dtype is
-jax's default integer (int32 unless ``jax_enable_x64``); :mod:`tome_core.partition` keeps its hash below
+jax's default integer (int32 unless ``jax_enable_x64``); :mod:`tome_core.algorithm.partition` keeps its hash below
 2**31, so int32 gives the same partition as numpy's int64.
 
 Ops made of several primitives are wrapped in ``jax.jit``: inside a traced model that changes nothing (nested

@@ -1,6 +1,6 @@
 """The hooks on each transformer block and its sub-layers: the block decides its :class:`BlockPlan` as it
 starts; each merged sub-layer merges its input (and moves rotary positions and masks, and arms size-aware
-attention with a :class:`~tome_core.attention_bias.SizeBias`) and unmerges its output. Framework-free."""
+attention with a :class:`~tome_core.hooks.attention_bias.SizeBias`) and unmerges its output. Framework-free."""
 
 from __future__ import annotations
 
@@ -9,20 +9,20 @@ import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 
-from .arrangement_rules import arrangement_error, arrangement_problem, kv_in_kernel
-from .attention_bias import SizeBias, own_call
-from .backend import get_ops
-from .config import ToMeConfig
-from .families import (
-    BlockFamily, Sublayer, TEXT_AFTER, TEXT_BEFORE, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, attends_text_only, child_at, text_follows,
-    with_text_after,
+from ..algorithm.backend import get_ops
+from ..algorithm.match import Match
+from ..algorithm.merge import merge, unmerge
+from ..algorithm.ops import ArrayOps
+from ..config import ToMeConfig
+from ..framework import Framework, REUSED, argument, argument_positions, arguments, forward_of, replace_argument
+from ..models.arrangement_rules import arrangement_error, arrangement_problem, kv_in_kernel
+from ..models.families import (
+    BlockFamily, Sublayer, TEXT_AFTER, TEXT_BEFORE, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, attends_text_only, child_at,
+    text_follows, with_text_after,
 )
-from .framework import Framework, REUSED, argument, argument_positions, arguments, forward_of, replace_argument
-from .match import Match
-from .merge import merge, unmerge
-from .model_tree import block_metric
-from .ops import ArrayOps
-from .shards import CONTEXT_PARALLEL
+from ..models.model_tree import block_metric
+from ..shards import CONTEXT_PARALLEL
+from .attention_bias import SizeBias, own_call
 from .state import Level, ToMeState, shown_sublayer
 
 
@@ -47,7 +47,7 @@ def around_grid(
 ) -> Tuple[int, int]:
     """``(head, tail)``: the tokens before and after the grid's in a block's image stream ``x`` ``[B, L, C]``. The
     tail: the call's (reference tokens its model put in the stream), or, in a stream of image tokens alone
-    (``stream`` :data:`~tome_core.families.TEXT_NONE`), every token past the grid (FLUX.3's joint blocks get the
+    (``stream`` :data:`~tome_core.models.families.TEXT_NONE`), every token past the grid (FLUX.3's joint blocks get the
     reference images' tokens after the output's, which its earlier blocks ran apart). Where the call's grid comes
     last (``grid_last``: FramePack), those tokens are the head."""
     if stream != TEXT_NONE or grid is None:
@@ -298,7 +298,7 @@ class BlockRun:
 
     def arrangement(self, kind: str, self_attention: bool) -> Tuple[str, bool]:
         """:meth:`ToMeConfig.arrangement` of this run's options: never size-aware where the state's matcher keeps
-        tokens that each stand for themselves (:attr:`Matcher.sized <tome_core.match.Matcher.sized>` False)."""
+        tokens that each stand for themselves (:attr:`Matcher.sized <tome_core.algorithm.match.Matcher.sized>` False)."""
         mode, size_aware = self.plan.config.arrangement(kind, self_attention)
         return mode, size_aware and self.state.matcher.sized
 
@@ -332,7 +332,7 @@ def family_argument_position(family: BlockFamily, block: Any) -> Optional[int]:
 
 def family_in_call(family: BlockFamily, at: Optional[int], args, kwargs) -> BlockFamily:
     """``family`` as a block call with these arguments runs it: with its text after the image where the call gives
-    its ``text_after_with`` argument (at position ``at``, :func:`~tome_core.families.with_text_after`)."""
+    its ``text_after_with`` argument (at position ``at``, :func:`~tome_core.models.families.with_text_after`)."""
     if family.text_after_with is None or argument(args, kwargs, family.text_after_with, at) is None:
         return family
     return with_text_after(family)
@@ -668,7 +668,7 @@ class KernelKeys:
 
     def own_call(self, queries: int, keys: int) -> bool:
         """Whether a kernel call of ``queries`` queries over ``keys`` keys is the attention's own
-        (:func:`~tome_core.attention_bias.own_call`)."""
+        (:func:`~tome_core.hooks.attention_bias.own_call`)."""
         return own_call(self.own, self.holds_image(keys), queries, keys)
 
     def reduce_mask(self, mask: Any, axis: int) -> Any:
@@ -693,7 +693,7 @@ def rotary_arguments(family: BlockFamily) -> Tuple[str, ...]:
 
 def same_logarithm(base: float, whole: int, short: int) -> float:
     """The base under which the logarithm of ``short`` is that of ``whole`` under ``base``
-    (:attr:`~tome_core.families.Sublayer.log_bases`): ``base ** (ln short / ln whole)``. ``base`` itself where no
+    (:attr:`~tome_core.models.families.Sublayer.log_bases`): ``base ** (ln short / ln whole)``. ``base`` itself where no
     base can hold it (fewer than two tokens)."""
     if short < 2 or whole < 2 or short == whole:
         return base

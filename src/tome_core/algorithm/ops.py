@@ -14,7 +14,7 @@ Array = Any
 
 
 class ArrayOps(Protocol):
-    """Array operations used by :mod:`tome_core.partition`, :mod:`tome_core.match` and :mod:`tome_core.merge`."""
+    """Array operations used by :mod:`tome_core.algorithm.partition`, :mod:`tome_core.algorithm.match` and :mod:`tome_core.algorithm.merge`."""
 
     name: str
 

@@ -16,7 +16,7 @@ import warnings
 from dataclasses import dataclass
 from typing import AbstractSet, Dict, List, Optional, Sequence
 
-from .config import LEVELS, SUBLAYERS, ToMeConfig
+from ..config import LEVELS, SUBLAYERS, ToMeConfig
 
 
 # What each kind of sub-layer is, for messages.

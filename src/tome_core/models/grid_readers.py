@@ -1,5 +1,5 @@
 """How a diffusion transformer's call places its tokens on a grid: one reader per layout, chosen once per model
-at ``patch`` (:func:`grid_reader`) and run by :class:`~tome_core.call_hooks.CallStart` as each call begins.
+at ``patch`` (:func:`grid_reader`) and run by :class:`~tome_core.hooks.call_hooks.CallStart` as each call begins.
 
 A reader returns where the call's image tokens sit (:class:`Placed`: the grid, the tokens after it, ...) or why
 no grid is known (a call that then runs unmerged, said once). The layouts:
@@ -7,8 +7,8 @@ no grid is known (a call that then runs unmerged, said once). The layouts:
 * :class:`LatentGrid`: the latent's shape over the config's ``patch_size`` (4-D images, 5-D and 6-D videos), or
   packed tokens placed by their ``img_ids`` (:class:`PackedIds`);
 * :class:`ShapeListGrid`: per-item image shapes the call gives (Qwen-Image's ``img_shapes``);
-* :class:`VideoGrid`: a video transformer's frame-major sequence (:attr:`ModelLayout.video <tome_core.families.ModelLayout>`);
-* :class:`RolesGrid`: packed rows whose image tokens a per-token role tells (:attr:`ModelLayout.roles <tome_core.families.ModelLayout>`).
+* :class:`VideoGrid`: a video transformer's frame-major sequence (:attr:`ModelLayout.video <tome_core.models.families.ModelLayout>`);
+* :class:`RolesGrid`: packed rows whose image tokens a per-token role tells (:attr:`ModelLayout.roles <tome_core.models.families.ModelLayout>`).
 
 A new layout is a new reader here and a line in :func:`grid_reader`. Framework-free."""
 
@@ -18,9 +18,9 @@ import inspect
 import numbers
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
-from .backend import get_ops
+from ..algorithm.backend import get_ops
+from ..framework import SHAPE_LISTS, TOKEN_IDS, Framework, argument, argument_positions, forward_of
 from .families import GridLayout, TokenRoles, model_layout
-from .framework import SHAPE_LISTS, TOKEN_IDS, Framework, argument, argument_positions, forward_of
 from .levels import indicated_run, leading_raster, spatial_size, trailing_frames, trailing_raster
 from .model_tree import config_value
 
@@ -118,7 +118,7 @@ class PackedIds(Reader):
 
 class LatentGrid(Reader):
     """The latent's shape over the config's ``patch_size``: ``(B, C, H, W)`` images (plus any
-    ``context_latents`` (:class:`~tome_core.families.ModelLayout`) after them, a tail), ``(B, C, F, H, W)`` videos (with a 2-D patch
+    ``context_latents`` (:class:`~tome_core.models.families.ModelLayout`) after them, a tail), ``(B, C, F, H, W)`` videos (with a 2-D patch
     each frame is an item of the blocks' batch, as in video UNets, Latte; with a 3-D patch the frames' grids
     stack in one sequence, Wan), ``(B, items, C, F, H, W)`` (the first item the output, the rest a tail:
     JoyImage-Edit); packed tokens are placed by their ids (:class:`PackedIds`)."""
@@ -156,7 +156,7 @@ class LatentGrid(Reader):
 
 class ShapeListGrid(Reader):
     """Per-item shapes of the images in the sequence (:data:`~tome_core.framework.SHAPE_LISTS`), the output's
-    first (or last, ``grid_last``, :class:`~tome_core.families.ModelLayout`): :func:`shapes_grid`; a call without them is read by
+    first (or last, ``grid_last``, :class:`~tome_core.models.families.ModelLayout`): :func:`shapes_grid`; a call without them is read by
     ``otherwise``."""
 
     def __init__(self, fw: Framework, model: Any, otherwise: Reader):
@@ -175,7 +175,7 @@ class ShapeListGrid(Reader):
 
 class VideoGrid(Reader):
     """A video transformer's frame-major sequence of ``frames x rows x cols`` tokens, the frames' grids stacked in
-    rows (:class:`~tome_core.families.GridLayout`): sizes from its 5-D latent, the call's size arguments or its
+    rows (:class:`~tome_core.models.families.GridLayout`): sizes from its 5-D latent, the call's size arguments or its
     tokens' coordinates; condition frames its frame types mark pass through as a tail."""
 
     def __init__(self, fw: Framework, model: Any, layout: GridLayout):
@@ -246,7 +246,7 @@ class VideoGrid(Reader):
 
     def _coords_grid(self, coords: Any) -> Optional[Tuple[int, int, int, int]]:
         """``(frames, rows, cols, head)`` of tokens from their coordinates ``[B, 3, N]`` (batch item 0)
-        (:func:`~tome_core.levels.trailing_frames`)."""
+        (:func:`~tome_core.models.levels.trailing_frames`)."""
 
         def read(values: List[float], shape: Tuple[int, ...]) -> Optional[Tuple[int, int, int, int]]:
             axes, tokens = shape[-2], shape[-1]
@@ -256,8 +256,8 @@ class VideoGrid(Reader):
 
 
 class RolesGrid(Reader):
-    """Packed rows whose image tokens a per-token role indicator tells (:class:`~tome_core.families.TokenRoles`,
-    :func:`~tome_core.levels.indicated_run`): the image's last run in every row is the grid, the tokens before it
+    """Packed rows whose image tokens a per-token role indicator tells (:class:`~tome_core.models.families.TokenRoles`,
+    :func:`~tome_core.models.levels.indicated_run`): the image's last run in every row is the grid, the tokens before it
     the blocks' text in front, those after it a tail."""
 
     def __init__(self, fw: Framework, model: Any, roles: TokenRoles):
@@ -301,7 +301,7 @@ class RolesGrid(Reader):
 
 
 def _frames(ids: Sequence[Sequence[float]]) -> int:
-    """How many frames a run of ``(t, row, col)`` ids that :func:`~tome_core.levels.indicated_run` placed holds:
+    """How many frames a run of ``(t, row, col)`` ids that :func:`~tome_core.models.levels.indicated_run` placed holds:
     its tokens over those of its last frame (its last time)."""
     return len(ids) // sum(1 for token in ids if token[0] == ids[-1][0])
 
@@ -310,7 +310,7 @@ GRID_TAG = "_tome_grid"  # the attribute that tells the raster grid of ids a pip
 
 
 def tell_grid(ids: Any, rows: Any, cols: Any) -> None:
-    """Tag ``ids`` ``[..., N, k]`` that a pipeline's :class:`~tome_core.families.IdsMaker` made with their raster
+    """Tag ``ids`` ``[..., N, k]`` that a pipeline's :class:`~tome_core.models.families.IdsMaker` made with their raster
     grid, ``(rows, cols)`` as Python ints (a compiler guards on them), where ``N`` is ``rows * cols``; an array
     type that takes no attributes is left untagged (its ids are then read on the host)."""
     if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in (rows, cols)):
@@ -332,7 +332,7 @@ def told_grid(ids: Any, tokens: int) -> Optional[Tuple[int, int]]:
 
 
 def grid_reader(fw: Framework, model: Any) -> Reader:
-    """The reader of a diffusion transformer's calls, by its :class:`~tome_core.families.ModelLayout`: its token
+    """The reader of a diffusion transformer's calls, by its :class:`~tome_core.models.families.ModelLayout`: its token
     roles or video layout, else its latent's shape, first from a shape list where a call gives one."""
     layout = model_layout(type(model))
     if layout.roles is not None:
@@ -357,7 +357,7 @@ def shapes_grid(img_shapes: Sequence[Any], tokens: int, last: bool = False) -> O
     JoyImage-Edit-Plus's ``shape_list``): per batch item, the ``(frames, h, w)`` of each image in the sequence (or
     one such tuple), the output's first; the images after it (Edit's references, Layered's further layers and
     condition) and any padding are the tail. With ``last`` the output's is each item's last (Qwen-Image 2.1's,
-    after its condition images: the blocks' head, ``grid_last``, :class:`~tome_core.families.ModelLayout`), and the tail is 0. None
+    after its condition images: the blocks' head, ``grid_last``, :class:`~tome_core.models.families.ModelLayout`), and the tail is 0. None
     where the items' outputs differ in size."""
     outputs = [tuple(item[-1 if last else 0] if isinstance(item[0], (tuple, list)) else item) for item in img_shapes]
     if any(output != outputs[0] for output in outputs):

@@ -1,6 +1,6 @@
 """Which model classes of diffusers ToMe refuses, and why (framework-free; classes are named, not imported).
 
-A model class merges when it holds transformer blocks of a family in :mod:`tome_core.families` (and the driver
+A model class merges when it holds transformer blocks of a family in :mod:`tome_core.models.families` (and the driver
 can tell their token grid); every other image or video generation class diffusers exports is listed here with
 the reason ``patch`` gives for refusing it. The zoo test (``tests/torch/test_zoo.py``) enumerates diffusers'
 model classes and fails on one that is neither merged-and-tested nor listed here, so a diffusers release that

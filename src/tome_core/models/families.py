@@ -16,12 +16,12 @@ Adding a model family, honestly:
    has too: the named tuple they share, such as ``_SELF_CROSS_MLP``).
 3. A model class whose call places its tokens otherwise than its latent's shape over its config's
    ``patch_size`` or its packed tokens' ids: one :class:`ModelLayout` in :data:`MODEL_LAYOUTS`; a placement that
-   no reader of :mod:`tome_core.grid_readers` knows yet: one reader there, and its line in ``grid_reader``.
+   no reader of :mod:`tome_core.models.grid_readers` knows yet: one reader there, and its line in ``grid_reader``.
 4. A module class whose blocks attend across frames: a :class:`Temporal` entry; a 2-D container whose input is
    its blocks' grid: :data:`GRID_CONTAINERS`. A class ToMe must refuse: its reason in
-   :data:`tome_core.model_zoo.REFUSED`.
+   :data:`tome_core.models.model_zoo.REFUSED`.
 5. A mechanism no family has yet (a new way text sits beside the image, a new kind of mask) is code in
-   :mod:`tome_core.block_hooks`, built once for every family that names it.
+   :mod:`tome_core.hooks.block_hooks`, built once for every family that names it.
 6. Tests: a tiny config in ``tests/torch/test_zoo.py`` (``MERGED``, checked against the unpatched model and by
    counting the tokens attention sees) and a row in ``docs/models.md`` (the zoo test reads both).
 """
@@ -902,7 +902,7 @@ class TokenRoles:
 @dataclass(frozen=True)
 class ModelLayout:
     """What a model class's call and children tell beyond its blocks' families, in one record (the model's
-    :mod:`~tome_core.grid_readers` reader is chosen from it). A model class named nowhere here has the default:
+    :mod:`~tome_core.models.grid_readers` reader is chosen from it). A model class named nowhere here has the default:
     its grid is its latent's shape over its config's ``patch_size``, or its packed tokens' ids.
 
     video: its tokens are a frame-major video sequence (:class:`GridLayout`).
@@ -1008,7 +1008,7 @@ def model_layout(cls: type) -> ModelLayout:
 class IdsMaker:
     """A pipeline method that makes the ids of packed image tokens, one raster grid of ``rows x cols`` tokens (its
     arguments of those names, in tokens): ``patch`` on a pipeline wraps it on that pipeline object
-    (:func:`~tome_core.call_hooks.tell_grids`) so that the ids it returns carry their grid, and the model's reader
+    (:func:`~tome_core.hooks.call_hooks.tell_grids`) so that the ids it returns carry their grid, and the model's reader
     places its tokens without reading the ids on the host, a graph break that ``torch.compile(fullgraph=True)``
     refuses (a pipeline makes new ids in every generation)."""
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from ..framework import Framework
 from .families import Sublayer, TEXT_NONE, attends_text_only
-from .framework import Framework
 
 
 def arrangement_problem(fw: Framework, block: Any, sublayer: Sublayer, module: Any, mode: str = "kv", kernel: bool = True) -> Optional[str]:
@@ -25,7 +25,7 @@ def arrangement_problem(fw: Framework, block: Any, sublayer: Sublayer, module: A
 
 def kv_in_kernel(fw: Framework, sublayer: Sublayer, module: Any) -> bool:
     """Whether the ``kv`` arrangement of this self-attention, which :func:`arrangement_problem` let run, merges
-    its keys and values inside its attention kernel (:class:`~tome_core.block_hooks.KernelKeys`): it has no
+    its keys and values inside its attention kernel (:class:`~tome_core.hooks.block_hooks.KernelKeys`): it has no
     ``kv_input``, or its processor takes no keys from it. Read on every merged call, so it tests only what tells
     the two routes apart."""
     return sublayer.kv_input is None or not fw.separate_kv(module)

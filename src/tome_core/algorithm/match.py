@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
-from .config import ToMeConfig
+from ..config import ToMeConfig
 from .ops import Array, ArrayOps
 from .partition import Band, Draw, Partition, cached, cell_table, partition_grid
 
@@ -60,7 +60,7 @@ def identity_match(ops: ArrayOps, batch: int, tokens: int) -> Match:
 
 def _built_once(ops: ArrayOps, like: Array, key: Tuple, build: Callable[[], Match]) -> Match:
     """A match that depends on shapes only, built once per shape and device in a model's call
-    (:func:`~tome_core.partition.cached`)."""
+    (:func:`~tome_core.algorithm.partition.cached`)."""
     return cached(ops, like, ("match",) + key, build)
 
 
@@ -76,7 +76,7 @@ def best_destinations(
     """Each source's highest cosine similarity to a destination and that destination: ``[B, S]`` twice.
 
     ``neighbours [S, W]`` (destination indices) restricts each source to those candidates (local matching);
-    ``bands`` (:func:`~tome_core.partition.frame_bands`, runs of sources covering them all in order) restricts
+    ``bands`` (:func:`~tome_core.algorithm.partition.frame_bands`, runs of sources covering them all in order) restricts
     each run to a contiguous run of destinations (a video's nearby frames); with neither, a source meets every
     destination. A zero vector has similarity 0 to everything (tomesd would produce NaN there). ``order``: ``src``
     and ``dst`` end to end, where the caller holds them so (:attr:`Partition.order`): the tokens are then gathered
@@ -214,7 +214,7 @@ def bipartite_matches(
     of ``merged`` (how many sources each merges into destinations): the similarity and the ranking are
     shared, only the cut differs.
 
-    ``offsets`` places the destination in each cell (see :func:`tome_core.partition.split`); ``window > 0``
+    ``offsets`` places the destination in each cell (see :func:`tome_core.algorithm.partition.split`); ``window > 0``
     compares each source only with destinations within ``window`` cells. ``shared`` gives every batch item
     the same match, chosen by the similarity summed over the batch (each merged token then has one position
     for the whole batch, as rotary position embeddings need). A count must not exceed the number of sources;
@@ -227,9 +227,9 @@ def bipartite_matches(
 def partition_bipartite(
     ops: ArrayOps, metric: Array, part: Partition, merged: Sequence[int], shared: bool = False, represent: bool = True,
 ) -> List[Match]:
-    """:func:`bipartite_matches` on a drawn :class:`~tome_core.partition.Partition`. ``represent``: the matches
+    """:func:`bipartite_matches` on a drawn :class:`~tome_core.algorithm.partition.Partition`. ``represent``: the matches
     record the token each slot stands at (:attr:`Match.representatives`, what rotary positions and token masks
-    follow); a partition from the tables (:attr:`~tome_core.partition.Partition.dst_slot`) skips it otherwise."""
+    follow); a partition from the tables (:attr:`~tome_core.algorithm.partition.Partition.dst_slot`) skips it otherwise."""
     batch, tokens, _ = ops.shape(metric)
     if part.h * part.w != tokens:
         raise ValueError(f"grid {part.h}x{part.w} has {part.h * part.w} tokens but the metric has {tokens}")
@@ -265,8 +265,8 @@ def _assign_drawn(
 ) -> Match:
     """:func:`assign` on a partition from the tables, in the fewest array operations (an eager GPU call is bound by
     their launches): each token's row is written at once into the partition's destination slots
-    (:attr:`~tome_core.partition.Partition.dst_slot`) by one scatter of the ranked sources' slots, and every
-    array that depends on shapes alone is kept (:func:`~tome_core.partition.cached`). Slots as :func:`assign`'s."""
+    (:attr:`~tome_core.algorithm.partition.Partition.dst_slot`) by one scatter of the ranked sources' slots, and every
+    array that depends on shapes alone is kept (:func:`~tome_core.algorithm.partition.cached`). Slots as :func:`assign`'s."""
     batch, num_src = ops.shape(order)
     tokens = part.h * part.w
     kept = tokens - merged
@@ -320,7 +320,7 @@ def chunk_matches(
 
 
 def partition_chunks(ops: ArrayOps, metric: Array, part: Partition, within: Sequence[int], across: int) -> List[Match]:
-    """:func:`chunk_matches` on a drawn :class:`~tome_core.partition.Partition` (its ``frames`` and ``reference``)."""
+    """:func:`chunk_matches` on a drawn :class:`~tome_core.algorithm.partition.Partition` (its ``frames`` and ``reference``)."""
     frames, reference = part.frames, part.reference
     batch_frames, tokens, channels = ops.shape(metric)
     if batch_frames % frames:
@@ -362,7 +362,7 @@ def cell_match(ops: ArrayOps, like: Array, batch: int, h: int, w: int, sx: int, 
 
 
 def partition_pooled(ops: ArrayOps, like: Array, batch: int, part: Partition) -> Match:
-    """:func:`cell_match` on a drawn :class:`~tome_core.partition.Partition` (its cells)."""
+    """:func:`cell_match` on a drawn :class:`~tome_core.algorithm.partition.Partition` (its cells)."""
     if not part.full_cells or part.sx * part.sy == 1:
         return identity_match(ops, batch, part.h * part.w)
     return _built_once(ops, like, ("cell match", batch, part.h, part.w, part.sx, part.sy), lambda: _pooled(ops, like, batch, part))
@@ -415,7 +415,7 @@ def sampled_cell_match(
 
 
 def partition_sampled(ops: ArrayOps, like: Array, batch: int, part: Partition) -> Match:
-    """:func:`sampled_cell_match` on a drawn :class:`~tome_core.partition.Partition`."""
+    """:func:`sampled_cell_match` on a drawn :class:`~tome_core.algorithm.partition.Partition`."""
     pooled = partition_pooled(ops, like, batch, part)
     if pooled.merged == 0:
         return pooled
@@ -468,7 +468,7 @@ def match_block(
 
 class Matcher(Protocol):
     """How a run finds each block's matches: the seam where another way of choosing the tokens plugs in
-    (:attr:`ToMeState.matcher <tome_core.state.ToMeState.matcher>`, set before the hooks are attached). The run
+    (:attr:`ToMeState.matcher <tome_core.hooks.state.ToMeState.matcher>`, set before the hooks are attached). The run
     decides everything else, the blocks, levels and counts, the arrangement and the statistics; the matcher is
     called once per block that merges (or, where matches are reused, once per reuse), and its matches are merged
     and unmerged by the same hooks. :data:`TOME` is ToMe's own."""
@@ -490,7 +490,7 @@ class Matcher(Protocol):
 
 class ToMeMatcher:
     """ToMe's matching (:class:`Matcher`): the block's partition drawn for this call
-    (:func:`~tome_core.partition.partition_grid`), then matched by similarity or pooled by cells
+    (:func:`~tome_core.algorithm.partition.partition_grid`), then matched by similarity or pooled by cells
     (:func:`match_block`)."""
 
     sized = True

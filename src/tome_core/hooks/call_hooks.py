@@ -1,5 +1,5 @@
 """The hooks on a patched model: :class:`CallStart` begins each call (its timestep, its latent or token
-grid as the model's :mod:`~tome_core.grid_readers` reader places it, context parallelism), the grid hooks tell
+grid as the model's :mod:`~tome_core.models.grid_readers` reader places it, context parallelism), the grid hooks tell
 blocks their grid where the model's input does not; on a patched pipeline, :class:`Generations` counts its
 generations and :class:`GridTeller` tags the ids it makes with their grid. Framework-free."""
 
@@ -12,15 +12,15 @@ import weakref
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from .backend import get_ops
-from .families import CHANNELS_LAST_GRID_CONTAINERS, IDS_MAKERS, IdsMaker, child_at, model_layout
-from .framework import Framework, TIMESTEPS, argument, argument_positions, forward_of
-from .grid_readers import Call, grid_reader, mixed_sizes, tell_grid
-from .levels import spatial_size
-from .model_tree import grid_modules, is_transformer_model, is_unet_like
-from .plan import ModelPlan
+from ..algorithm.backend import get_ops
+from ..framework import Framework, TIMESTEPS, argument, argument_positions, forward_of
+from ..models.families import CHANNELS_LAST_GRID_CONTAINERS, IDS_MAKERS, IdsMaker, child_at, model_layout
+from ..models.grid_readers import Call, grid_reader, mixed_sizes, tell_grid
+from ..models.levels import spatial_size
+from ..models.model_tree import grid_modules, is_transformer_model, is_unet_like
+from ..models.plan import ModelPlan
+from ..shards import check_shard_cells, check_shards, shard_grid
 from .retyping import detach
-from .shards import check_shard_cells, check_shards, shard_grid
 from .state import ToMeState
 
 
@@ -150,7 +150,7 @@ def call_ends(state: ToMeState, module: Any, args: Any, kwargs: Any, output: Any
     model that borrowed it (:attr:`ToMeState.in_call`). The call's choice of partitions is let go (a block
     recomputed in backward, gradient checkpointing, chooses the same ones again from the call's seed and step);
     the index tables that depend on shapes and the seed alone stay for the next call, until ``remove``
-    (:func:`~tome_core.partition.cached`). Matches kept for the next calls (``reuse_steps``) or for the call's
+    (:func:`~tome_core.algorithm.partition.cached`). Matches kept for the next calls (``reuse_steps``) or for the call's
     other blocks (``reuse_blocks``) stay in :attr:`ToMeState.cache`."""
     state.in_call = False
     state.drawn = {}
@@ -159,7 +159,7 @@ def call_ends(state: ToMeState, module: Any, args: Any, kwargs: Any, output: Any
 
 
 def grid_output(state: ToMeState, data_format: str, module: Any, args: Any, kwargs: Any, output: Any) -> None:
-    """Post-hook on a model's ``grid_source`` child (:class:`~tome_core.families.ModelLayout`): its 4-D output is the grid of the
+    """Post-hook on a model's ``grid_source`` child (:class:`~tome_core.models.families.ModelLayout`): its 4-D output is the grid of the
     blocks the model runs after it on that map's flattened pixels."""
     if len(get_ops(output).shape(output)) == 4:
         state.enter_grid(spatial_size(output, data_format))
@@ -183,7 +183,7 @@ class GridHook:
 def grid_hooks(fw: Framework, model: Any, state: ToMeState, blocks: Optional[Set[int]] = None) -> List[Any]:
     """Hook the modules of ``model`` that tell ``state`` its blocks' grid where its call's input does not: the 2-D
     containers of a UNet-style model (their 4-D input; only those holding one of ``blocks``, ids of the hooked
-    blocks, where given) and its ``grid_source`` child (:class:`~tome_core.families.ModelLayout`) (its 4-D output); returns the
+    blocks, where given) and its ``grid_source`` child (:class:`~tome_core.models.families.ModelLayout`) (its 4-D output); returns the
     handles."""
     data_format = getattr(model, "data_format", "NCHW")
     handles = []
@@ -287,9 +287,9 @@ def generation(watch: Optional[PipelineWatch]) -> Optional[Tuple[int, int]]:
 
 
 class GridTeller:
-    """What a patched pipeline runs as one of its ids makers (:data:`~tome_core.families.IDS_MAKERS`; an attribute
+    """What a patched pipeline runs as one of its ids makers (:data:`~tome_core.models.families.IDS_MAKERS`; an attribute
     of that pipeline object, its class untouched): the pipeline's own method, whose ids it then tags with the grid
-    they place (:func:`~tome_core.grid_readers.tell_grid`), from the height and width the pipeline passed. A
+    they place (:func:`~tome_core.models.grid_readers.tell_grid`), from the height and width the pipeline passed. A
     patched model called with those very ids places its tokens by that grid, with no host read of the ids, so
     ``torch.compile(transformer, fullgraph=True)`` traces each generation's new ids."""
 
@@ -314,7 +314,7 @@ def _class_method(obj: Any, name: str) -> Callable[..., Any]:
 def tell_grids(fw: Framework, pipeline: Any) -> None:
     """Put a :class:`GridTeller` on each ids maker ``pipeline`` has (at ``patch``; a model patched alone has none:
     its ids are read on the host once per ids array). A maker without the arguments its
-    :class:`~tome_core.families.IdsMaker` names is left as it is."""
+    :class:`~tome_core.models.families.IdsMaker` names is left as it is."""
     if fw.is_module(pipeline) or not hasattr(pipeline, "__dict__"):
         return
     for maker in IDS_MAKERS:

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, FrozenSet, NamedTuple, Optional, Tuple
 
-from .config import ToMeConfig
+from ..config import ToMeConfig
+from ..framework import Framework
 from .families import BlockFamily, Sublayer, child_at, model_layout
-from .framework import Framework
 from .model_tree import block_levels, blocks_of, finest_level, is_unet_like
 from .selection import ModelFacts, block_ratios, selected_blocks
 
@@ -78,13 +78,13 @@ class ModelPlan:
 
     @property
     def facts(self) -> ModelFacts:
-        """What :func:`~tome_core.selection.check_model` checks the options against."""
+        """What :func:`~tome_core.models.selection.check_model` checks the options against."""
         timesteps = max((family.timesteps for _, family in self.blocks), default=None)
         return ModelFacts(self.where, self.finest, self.levels, timesteps)
 
 
 def plan_model(fw: Framework, model: Any, config: ToMeConfig) -> ModelPlan:
-    """The plan of ``model`` (one found by :func:`~tome_core.model_tree.find_models`) under ``config``; block
+    """The plan of ``model`` (one found by :func:`~tome_core.models.model_tree.find_models`) under ``config``; block
     indices of ``blocks`` and ``block_ratios`` outside the model raise here."""
     blocks = tuple(blocks_of(fw, model))
     levels = tuple(block_levels(fw, model, blocks))

@@ -1,6 +1,6 @@
 """What a model holds, read through a :class:`~tome_core.framework.Framework`: its blocks of a known family
 (temporal ones left out), their levels and grids, the models inside a pipeline, and what kind of model one is
-(UNet-like, or a diffusion transformer). :func:`~tome_core.plan.plan_model` reads a model through these once per
+(UNet-like, or a diffusion transformer). :func:`~tome_core.models.plan.plan_model` reads a model through these once per
 ``patch``. Framework-free."""
 
 from __future__ import annotations
@@ -9,16 +9,19 @@ import inspect
 import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from ..framework import TOKEN_IDS, Framework, argument_positions, forward_of
 from .families import (
-    BlockFamily, CHANNELS_LAST_GRID_CONTAINERS, GRID_CONTAINERS, UNetPath, block_family, child_at, model_layout, named,
-    temporal,
+
+    BlockFamily, CHANNELS_LAST_GRID_CONTAINERS, GRID_CONTAINERS, UNetPath, block_family, child_at, model_layout,
+
+    named, temporal,
+
 )
-from .framework import TOKEN_IDS, Framework, argument_positions, forward_of
 from .levels import finest_attention_level
 
 
 def temporal_modules(fw: Framework, model: Any) -> set:
-    """The ids of the modules inside ``model`` that attend across frames (:data:`~tome_core.families.TEMPORAL`):
+    """The ids of the modules inside ``model`` that attend across frames (:data:`~tome_core.models.families.TEMPORAL`):
     those containers' blocks (or the blocks under their listed children) and everything inside them."""
     return _held(fw, model, lambda module: (
         None if temporal(type(module)) is None else temporal(type(module)).children or ("",)
@@ -27,7 +30,7 @@ def temporal_modules(fw: Framework, model: Any) -> set:
 
 def text_only_modules(fw: Framework, model: Any) -> set:
     """The ids of the modules inside ``model`` under a model's ``text_only`` children
-    (:class:`~tome_core.families.ModelLayout`): blocks that never merge through this model."""
+    (:class:`~tome_core.models.families.ModelLayout`): blocks that never merge through this model."""
     return _held(fw, model, lambda module: model_layout(type(module)).text_only or None)
 
 
@@ -46,7 +49,7 @@ def _held(fw: Framework, model: Any, paths: Callable[[Any], Optional[Tuple[str, 
 def blocks_of(fw: Framework, model: Any) -> List[Tuple[Any, BlockFamily]]:
     """The spatial transformer blocks of a known family inside ``model``, in module order (their stream index); in
     a UNet laid out otherwise than diffusers' (:func:`unet_path`), in the order of its parts that
-    :attr:`~tome_core.families.UNetPath.counted` gives, diffusers' module order.
+    :attr:`~tome_core.models.families.UNetPath.counted` gives, diffusers' module order.
 
     Temporal blocks (tokens = frames: video UNets' motion modules and temporal transformers) are left out:
     they are never merged, get no hook, and count in no block index, level or statistic."""
@@ -105,7 +108,7 @@ def block_levels(
     fw: Framework, model: Any, blocks: Optional[Sequence[Tuple[Any, BlockFamily]]] = None
 ) -> List[Optional[int]]:
     """The level (downsample factor) of each block of :func:`blocks_of`: 1 in a diffusion transformer (and after a
-    model's ``grid_source`` child (:class:`~tome_core.families.ModelLayout`), whose grid its blocks' tokens are); in a
+    model's ``grid_source`` child (:class:`~tome_core.models.families.ModelLayout`), whose grid its blocks' tokens are); in a
     UNet-like model, doubled after each down block that downsamples and halved after each up block that
     upsamples (the middle block at the deepest level); ``None`` where the model does not tell: blocks on a
     feature map outside a UNet (Stable Cascade's levels), and UNets whose down blocks resample inside their
@@ -161,14 +164,14 @@ def _child(model: Any, name: str) -> Any:
 
 def unet_path(module: Any) -> Optional[UNetPath]:
     """How ``module``'s levels run, where it is a UNet laid out otherwise than diffusers' (the ``ldm`` UNetModel:
-    :class:`~tome_core.families.UNetPath`), else None."""
+    :class:`~tome_core.models.families.UNetPath`), else None."""
     return model_layout(type(module)).unet
 
 
 
 
 def grid_modules(fw: Framework, model: Any) -> List[Any]:
-    """The 2-D containers in ``model`` (:data:`~tome_core.families.GRID_CONTAINERS`: UNet-style
+    """The 2-D containers in ``model`` (:data:`~tome_core.models.families.GRID_CONTAINERS`: UNet-style
     ``Transformer2DModel``, SVD's ``TransformerSpatioTemporalModel``; channels-last, Flax's): their 4-D input
     ``(batch [* frames], C, H, W)`` is the grid of their spatial blocks."""
     path = unet_path(model)
@@ -179,7 +182,7 @@ def grid_modules(fw: Framework, model: Any) -> List[Any]:
 def check_grids(fw: Framework, model: Any, blocks: Optional[Sequence[Tuple[Any, BlockFamily]]] = None) -> None:
     """Refuse a model whose blocks cannot know their grid: neither a UNet, a ControlNet or a diffusion
     transformer, nor inside a 2-D container (``Transformer2DModel``, ``TransformerSpatioTemporalModel``), nor after
-    a child whose output gives it (``grid_source``, :class:`~tome_core.families.ModelLayout`)."""
+    a child whose output gives it (``grid_source``, :class:`~tome_core.models.families.ModelLayout`)."""
     if is_unet_like(model) or is_transformer_model(model) or model_layout(type(model)).grid_source is not None:
         return
     inside = {id(sub) for grid in grid_modules(fw, model) for sub in fw.submodules(grid)}
@@ -311,7 +314,7 @@ def is_unet_like(module: Any) -> bool:
 
 def is_transformer_model(module: Any) -> bool:
     """A diffusion transformer (SD3, Flux, PixArt, DiT, their ControlNets): a config with a patch size, a class
-    whose call a video :class:`~tome_core.families.GridLayout` describes, or one whose call takes its tokens' ids."""
+    whose call a video :class:`~tome_core.models.families.GridLayout` describes, or one whose call takes its tokens' ids."""
     if is_unet_like(module):
         return False
     if config_value(module, "patch_size") is not None or model_layout(type(module)).video is not None:

@@ -1,4 +1,4 @@
-"""Backend selection: the :class:`~tome_core.ops.ArrayOps` for an array, chosen from its type.
+"""Backend selection: the :class:`~tome_core.algorithm.ops.ArrayOps` for an array, chosen from its type.
 
 Lazy: a backend module is imported only when an array of its framework is seen (such an array cannot exist
 unless the framework was imported), so ``import tome_core`` imports no framework.

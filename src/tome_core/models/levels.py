@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
-from .backend import get_ops
+from ..algorithm.backend import get_ops
 
 
 def downsample_factor(latent_hw: Tuple[int, int], tokens: int, seen_hw: Optional[Tuple[int, int]] = None) -> int:

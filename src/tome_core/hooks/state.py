@@ -7,15 +7,15 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from .backend import get_ops
-from .config import DEFAULT_FRAME_WINDOW, ToMeConfig
-from .cost import arrangement_of, why_unpaid
-from .levels import Place, block_place, level_grid
-from .match import TOME, Match, Matcher
-from .ops import ArrayOps
-from .partition import Draw, stacked_frames, window_limits
-from .selection import scale
-from .shards import Shards
+from ..algorithm.backend import get_ops
+from ..algorithm.match import TOME, Match, Matcher
+from ..algorithm.ops import ArrayOps
+from ..algorithm.partition import Draw, stacked_frames, window_limits
+from ..config import DEFAULT_FRAME_WINDOW, ToMeConfig
+from ..models.cost import arrangement_of, why_unpaid
+from ..models.levels import Place, block_place, level_grid
+from ..models.selection import scale
+from ..shards import Shards
 
 
 @dataclass
@@ -41,7 +41,7 @@ class ToMeState:
     The adapter calls :meth:`begin_call` when the model is entered, :meth:`enter_grid` when a transformer
     sees its 2-D token grid, and :meth:`block_matches` with each transformer block's input.
     ``finest_level`` is the downsample factor of the model's finest level with attention; it resolves
-    ``max_downsample=None``. ``matcher`` finds each block's matches (:class:`~tome_core.match.Matcher`;
+    ``max_downsample=None``. ``matcher`` finds each block's matches (:class:`~tome_core.algorithm.match.Matcher`;
     ToMe's own by default): the state decides where and how many tokens merge, the matcher which.
     """
 
@@ -217,7 +217,7 @@ class ToMeState:
     def follow_generation(self, timestep: float, generation: Any = None) -> None:
         """With ``reuse_steps > 1``, called before :meth:`begin_call` with each model call's (largest) timestep
         and, for a model patched in its pipeline, the pipeline's generation (a new one with each call of the
-        pipeline: its scheduler's ``set_timesteps``, :func:`~tome_core.call_hooks.generation`). A new generation
+        pipeline: its scheduler's ``set_timesteps``, :func:`~tome_core.hooks.call_hooks.generation`). A new generation
         drops the matches and restarts the count of calls, so that the same seed gives the same image in every
         generation. A model patched without its pipeline tells a new generation by a timestep above the
         previous call's (sampling runs from high noise to low); repeated calls at one timestep (a pipeline
@@ -246,7 +246,7 @@ class ToMeState:
         """What a block does with its image tokens ``image`` ``[B, N, C]`` in this merging call, read in one pass:
         ``(matches, level, None)`` where it merges (:meth:`block_matches`, counted at ``level``: :meth:`level`);
         ``(None, None, unpaid)`` where it runs unmerged for its size: at a level above ``max_downsample`` (``unpaid``
-        None: not counted), or where merging would not pay (:mod:`tome_core.cost`; ``unpaid``: ``(level, why,
+        None: not counted), or where merging would not pay (:mod:`tome_core.models.cost`; ``unpaid``: ``(level, why,
         tokens)``, counted for :meth:`summary`). ``execution``: the call's device and execution
         (``Framework.execution``); ``grid``: the block's own grid, entered first (:meth:`enter_grid`; a block whose
         input is a feature map); the rest as :meth:`block_matches` takes them."""
@@ -265,7 +265,7 @@ class ToMeState:
         return matches, self._level(place, matches, fallback), None
 
     def _unpaid(self, place: Place, execution: Tuple[str, str], config: ToMeConfig) -> Optional[str]:
-        """Why a block at ``place`` runs unmerged because merging would not pay there (:mod:`tome_core.cost`), or
+        """Why a block at ``place`` runs unmerged because merging would not pay there (:mod:`tome_core.models.cost`), or
         None where it merges: options that choose the arrangement by hand merge at every size unless
         ``min_tokens`` says otherwise."""
         min_tokens = self.config.min_tokens
@@ -316,7 +316,7 @@ class ToMeState:
         Sub-layers share the similarity and ranking; only their ratios may differ. ``shared``: one match for
         the whole batch (blocks whose tokens carry rotary positions). ``block_ratio``: this block's entry of
         ``block_ratios``, if any. ``config``: the block's options (default :attr:`active`); ``fallback``: why
-        they are :meth:`fallback`'s. ``place``: the metric's backend and :class:`~tome_core.levels.Place`, where
+        they are :meth:`fallback`'s. ``place``: the metric's backend and :class:`~tome_core.models.levels.Place`, where
         :meth:`decide` has read them (None: read here). Nothing is counted here: the block's hooks :meth:`count`
         it at its :meth:`level` when its merged sub-layer has run (a sub-layer may still run on all its tokens).
         """
@@ -435,7 +435,7 @@ class ToMeState:
 
 
 def _grid(place: Place) -> Tuple[int, int]:
-    """The block's grid, refused where its tokens lie on none (:class:`~tome_core.levels.Place`)."""
+    """The block's grid, refused where its tokens lie on none (:class:`~tome_core.models.levels.Place`)."""
     if place.grid is None:
         raise ValueError(place.problem)
     return place.grid

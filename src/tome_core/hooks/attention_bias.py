@@ -1,5 +1,5 @@
 """Size-aware attention's bias: what an adapter adds to the logits of an attention over merged keys
-(:class:`SizeBias`, built from a match's sizes by :func:`~tome_core.merge.size_bias`), and whether an
+(:class:`SizeBias`, built from a match's sizes by :func:`~tome_core.algorithm.merge.size_bias`), and whether an
 attention processor can take it at all (:func:`unbiased_processor`, read from its code) or have its keys merged
 inside its attention function (:func:`unreachable_kernel`). Framework-free."""
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 import inspect
 from typing import Any, Collection, Optional, Sequence, Tuple
 
-from .backend import get_ops
-from .families import TEXT_NONE, text_follows
-from .match import Match
-from .merge import size_bias
-from .partition import cached
+from ..algorithm.backend import get_ops
+from ..algorithm.match import Match
+from ..algorithm.merge import size_bias
+from ..algorithm.partition import cached
+from ..models.families import TEXT_NONE, text_follows
 
 
 class SizeBias:
