@@ -1,12 +1,9 @@
 """The ToMe options, their defaults and their validation (shared by every framework's entry point).
 
-Each option is a field of :class:`ToMeConfig` whose default is what leaving the option out means, as the user
-reads it (``ratio=None``: the default's ratio). :func:`resolve` is where each option's acting value is computed,
-from all the options as given, and checked: a bad value raises naming the option, the value and what is allowed.
-``ToMeConfig`` has its own ``__init__``, which sets every field once, to that value: a frozen dataclass's
-generated ``__init__`` stores the options as given, and resolving them in ``__post_init__`` would rewrite them.
-The fields keep their defaults and help, so ``fields()``, ``dataclasses.replace()`` (which passes acting values
-back in: each resolves to itself), equality and hashing work as for any dataclass.
+Each option is a field of :class:`ToMeConfig` whose default is what leaving it out means. :func:`resolve` computes
+and checks every option's acting value from all the options as given (a bad value raises naming the option, the
+value and what is allowed); ``ToMeConfig.__init__`` sets each field once, to that value, so ``fields()``,
+``dataclasses.replace()`` (acting values resolve to themselves), equality and hashing work as for any dataclass.
 """
 
 from __future__ import annotations
@@ -27,15 +24,10 @@ MODES = ("auto", "tokens", "kv", "queries")
 MATCHINGS = ("similarity", "cell")
 CELL_POOLS = ("mean", "sample")
 DEFAULT_RATIO = 0.5  # with similarity matching; a cell match's reduction is fixed by its cell
-# What mode="auto" runs for each ``prefer``: where self-attention takes separate keys, keys and values in (sx, sy)
-# cells chosen by the token count of the finest merged level, ((fewest tokens, cell), ...) most tokens first,
-# in UNets and in transformers (PixArt, DiT), each cell standing as one of its tokens drawn per call and block
-# (docs/fidelity.md: on learned weights a mean of the same cells at every step drifts, drawn tokens do not);
-# elsewhere ToMe for SD at the ratio. Each setting is a point of the speed-fidelity front measured on the trained
-# models and a GPU (docs/fidelity.md, "One knob"): 4x4 cells keep a UNet close (its skip connections carry the
-# unpooled tokens past the blocks) but not a transformer, where 4x2 cells are the fast point below 128x128 tokens;
-# from there "speed" takes balance's 4x4, so that the knob is monotone: at every token count, "speed" merges at
-# least as much as "balance", which merges at least as much as "fidelity" (tests/core: the table's property).
+# What mode="auto" runs for each ``prefer``: where self-attention takes separate keys, keys and values in cells
+# chosen by the finest merged level's token count, ((fewest tokens, (sx, sy)), ...) most tokens first, in UNets and
+# in transformers; elsewhere ToMe for SD at the ratio. Measured points of the speed-fidelity front, monotone in
+# ``prefer`` at every token count (docs/fidelity.md, "One knob"; tests/core: the table's property).
 PREFERENCES = {  # prefer: (UNet cells, transformer cells, ratio)
     "fidelity": (((0, (2, 1)),), ((0, (2, 1)),), 0.25),
     "balance": (((128 * 128, (4, 4)), (0, (2, 2))), ((128 * 128, (4, 4)), (0, (2, 2))), 0.5),
@@ -79,9 +71,8 @@ def _bool(name: str, value: Any) -> bool:
 
 
 def _choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
-    """``value``, refused unless it is one of ``choices`` (strings, or None), naming ``name``, the value and the
-    choices: a value of another type (a list, a set, an array, a number) is refused by its type before any
-    comparison, which would fail on it with a message of its own (``unhashable type``, an array's truth value)."""
+    """``value``, refused unless it is one of ``choices`` (strings, or None); a value of another type is refused
+    by its type before any comparison, which would fail on it (``unhashable type``, an array's truth value)."""
     allowed = ", ".join(repr(c) for c in choices if c is not None) + (" or None" if None in choices else "")
     if value is None and None in choices:
         return value
@@ -113,20 +104,19 @@ def _cell_ratio(sx: int, sy: int) -> float:
 
 @dataclass(frozen=True, init=False)
 class ToMeConfig:
-    """Token Merging options, validated on construction (bad values raise naming the option, the value and
-    what is allowed). Each field carries its own help and group (:data:`OPTION_GROUPS`): ``help()`` of every
-    entry point's ``patch`` lists them, from :func:`options_help`. Defaults follow tomesd, except
-    ``max_downsample=None``, ``proportional_attn=True`` and the arrangement ``mode="auto"`` chooses. With
+    """Token Merging options, validated on construction. Each field carries its own help and group
+    (:data:`OPTION_GROUPS`), which ``help()`` of every entry point lists (:func:`options_help`). Defaults follow
+    tomesd, except ``max_downsample=None``, ``proportional_attn=True`` and ``mode="auto"``; with
     ``use_rand=False, proportional_attn=False`` and the options beyond tomesd at their defaults, results equal
-    tomesd's (the reference configuration).
+    tomesd's.
     """
 
     ratio: Optional[float] = option(None, AMOUNT, """fraction of a merged level's tokens removed, in ``[0, 1 -
-        1/(sx*sy)]``; ``None`` (default) means 0.5 with similarity matching and ``1 - 1/(sx*sy)`` (the cell's)
-        with cell matching.""")
+        1/(sx*sy)]``; ``None`` (default): 0.5 with similarity matching, the cell's ``1 - 1/(sx*sy)`` with cell
+        matching.""")
     max_downsample: Optional[int] = option(None, WHERE, """merge blocks whose latent downsample factor is at
-        most this (1, 2, 4 or 8); ``None`` (default) means the finest level that has attention (1 on SD
-        1.x/2.x, 2 on SDXL).""")
+        most this (1, 2, 4 or 8); ``None`` (default): the finest level that has attention (1 on SD 1.x/2.x, 2 on
+        SDXL).""")
     sx: Optional[int] = option(None, ARRANGEMENT, """cell width in tokens (``None``: 2); each ``sx x sy`` cell
         of the grid keeps one destination token.""")
     sy: Optional[int] = option(None, ARRANGEMENT, "cell height in tokens (``None``: 2).")
@@ -138,26 +128,21 @@ class ToMeConfig:
     merge_mlp: bool = option(False, WHERE, "merge around the feed-forward.")
     seed: int = option(0, ARRANGEMENT, """seeds the destination placement; with the timestep it fully
         determines the partition.""")
-    attn_ratio: Optional[float] = option(None, AMOUNT, """a ratio for self-attention only (``None``: the
-        level's ratio).""")
-    crossattn_ratio: Optional[float] = option(None, AMOUNT, """a ratio for cross-attention only (``None``: the
-        level's ratio).""")
-    mlp_ratio: Optional[float] = option(None, AMOUNT, """a ratio for the feed-forward only (``None``: the
-        level's ratio).""")
+    attn_ratio: Optional[float] = option(None, AMOUNT, "a ratio for self-attention only (``None``: the level's).")
+    crossattn_ratio: Optional[float] = option(None, AMOUNT, "a ratio for cross-attention only (``None``: the level's).")
+    mlp_ratio: Optional[float] = option(None, AMOUNT, "a ratio for the feed-forward only (``None``: the level's).")
     level_ratios: Optional[Mapping[int, float]] = option(None, AMOUNT, """``{downsample factor: ratio}``
         replacing ``ratio`` at those levels (a sub-layer ratio wins).""")
     reuse_level: bool = option(False, REUSE, """compute one match per level per model call (from the level's
         first block) instead of one per block.""")
     reuse_steps: int = option(1, REUSE, """keep matches for this many consecutive model calls (denoising
-        steps); 1 = recompute every call. A new generation starts afresh: each call of a patched pipeline (its
-        scheduler's ``set_timesteps``), or, for a model patched on its own, a call whose timestep is above the
-        previous call's (the timestep is read on the host once per call).""")
+        steps); 1 = recompute every call. A new generation starts afresh: each call of a patched pipeline, or,
+        for a model patched on its own, a call whose timestep is above the previous call's.""")
     local_window: int = option(0, ARRANGEMENT, """compare each source only with destinations within this many
         cells (Chebyshev distance); 0 compares with all destinations, as tomesd does.""")
     proportional_attn: bool = option(True, ARRANGEMENT, """size-aware self-attention: each merged key's
-        attention logit gets ``log(size)``, as if every token it stands for were still there. On by default:
-        it is 2-3x closer to the unpatched model at every ratio for ~5% of the call time (docs/size-aware.md);
-        ``False`` is tomesd's arithmetic.""")
+        attention logit gets ``log(size)``, as if every token it stands for were still there: 2-3x closer to the
+        unpatched model for ~5% of the call time (docs/size-aware.md); ``False`` is tomesd's arithmetic.""")
     blocks: Optional[Tuple[int, ...]] = option(None, WHERE, """indices of the transformer blocks that merge,
         counted in the model's module order (negative from the end, as in Python); ``None`` merges every block
         the level selection allows.""")
@@ -167,20 +152,14 @@ class ToMeConfig:
         ``ratio`` (and level ratios) in those blocks (indices as in ``blocks``); a sub-layer ratio still
         wins.""")
     mode: Optional[str] = option(None, ARRANGEMENT, """the arrangement around self-attention
-        (docs/high-resolution.md). ``None`` (default): ``"tokens"`` when an option that says how many tokens
-        merge or how they are matched is given (``ratio``, ``sx``, ``sy``, ``matching``, ``level_cells``, a
-        sub-layer, level or block ratio, ``frames_per_chunk``, ``frame_ratio``), else ``"auto"`` (the other
-        options keep it). ``"auto"`` chooses by the latent size from measured speed and fidelity: where every
-        merged self-attention takes separate keys (UNets, PixArt, DiT), only self-attention merges and no
-        similarity option is set (``local_window``, ``reuse_level``, ``reuse_steps``, ``reuse_blocks``),
-        ``"kv"`` in ``prefer``'s cells (2x2, 4x4 where the finest merged level has >= 128x128 tokens), each
-        cell one of its tokens drawn per call and block (``cell_pool="sample"``); elsewhere (joint-attention
-        transformers, cross-attention or MLP merged too, a similarity option) ToMe for SD's ``"tokens"`` at
-        ``prefer``'s ratio (0.5). ``"tokens"`` merges its input and unmerges its output (ToMe for SD);
-        ``"kv"`` reduces only its keys and values (queries keep every token, nothing to unmerge; ToDo; asked
-        for by name, also in joint or rotary attention, inside its attention function);
-        ``"queries"`` merges only its queries (keys and values keep every token, output unmerged; ComfyUI's
-        arrangement). Cross-attention and MLP always merge as ``"tokens"``.""")
+        (docs/high-resolution.md): ``"tokens"`` merges its input and unmerges its output (ToMe for SD); ``"kv"``
+        reduces only its keys and values (ToDo); ``"queries"`` merges only its queries (ComfyUI's); ``"auto"``
+        chooses by the model and latent size, ``prefer``'s ``"kv"`` cells where only self-attention merges, it
+        takes separate keys and no similarity option is set, else ``"tokens"`` at ``prefer``'s ratio.
+        ``None`` (default): ``"tokens"`` when an option that says how many tokens merge or how they are
+        matched is given (``ratio``, ``sx``, ``sy``, ``matching``, ``level_cells``, a sub-layer, level or block
+        ratio, ``frames_per_chunk``, ``frame_ratio``), else ``"auto"``. Cross-attention and MLP always merge
+        as ``"tokens"``.""")
     matching: Optional[str] = option(None, ARRANGEMENT, """how tokens are grouped: ``"similarity"`` (bipartite
         soft matching) or ``"cell"`` (every token joins its own sx*sy cell: average pooling, no similarity
         computed; the reduction is fixed by the cell, so ``ratio`` may be left out).""")
@@ -188,54 +167,35 @@ class ToMeConfig:
         sy)}``: the cell at those levels instead of ``sx``, ``sy`` (with ``matching="cell"``, e.g. ``{1: 4, 2:
         2}`` pools 4x4 at the finest level and 2x2 at the next).""")
     cell_pool: Optional[str] = option(None, ARRANGEMENT, """with ``matching="cell"``, what stands for a cell's
-        tokens: ``"mean"`` (average pooling; the default with an explicit ``matching="cell"``) or
-        ``"sample"``: one of its tokens, drawn per call and block from ``seed`` and the timestep as
-        ``use_rand`` places destinations (the cell's first token with ``use_rand=False``: strided
-        downsampling). A mean is the same bias in every step; samples average out over steps, so sampling
-        loops and fine-tunes stay close to the unpatched model (docs/fidelity.md). ``None`` under
-        ``mode="auto"``: ``"sample"``; ``cell_pool="mean"`` there keeps the earlier default's mean.""")
+        tokens: ``"mean"`` (average pooling, the default there) or ``"sample"``: one of its tokens, drawn per
+        call and block from ``seed`` and the timestep (the first with ``use_rand=False``), which averages out
+        over steps (docs/fidelity.md). ``None`` under ``mode="auto"``: ``"sample"``.""")
     frames_per_chunk: Optional[int] = option(None, VIDEO, """video models: merge across this many consecutive
-        frames (VidToMe's arrangement, docs/video.md): the spatial self-attention of each chunk of frames runs
-        once, over the merged tokens of all its frames. ``None`` or 1 (default): each frame merges on its own.
-        Must divide the frame count of every call; needs ``mode="tokens"`` with similarity matching and
-        ``merge_crossattn=False``.""")
-    frame_ratio: Optional[float] = option(None, VIDEO, """with ``frames_per_chunk > 1``, the share of the
-        other frames' tokens merged into their most similar token of the chunk's reference frame (the rest
-        stay), in ``[0, 1]``; the reference frame merges by ``ratio`` as a single frame does. ``None``:
-        0.9.""")
+        frames (VidToMe's arrangement, docs/video.md); ``None`` or 1 (default): each frame on its own. Must
+        divide every call's frame count; needs ``mode="tokens"``, similarity matching, ``merge_crossattn=False``.""")
+    frame_ratio: Optional[float] = option(None, VIDEO, """with ``frames_per_chunk > 1``, the share of the other
+        frames' tokens merged into the chunk's reference frame, in ``[0, 1]``; ``None``: 0.9.""")
     frame_window: Optional[int] = option(DEFAULT_FRAME_WINDOW, VIDEO, """video transformers, whose frames share
-        one sequence (Wan, HunyuanVideo, LTX, CogVideoX and the rest: their grid stacks the frames' rows): the
-        similarity search compares each source only with the destinations of the frames within this many frames
-        of its own, so it costs linear in frames instead of quadratic (at Wan's 81 frames, 21 latent frames, 1
-        compares each token with the destinations of 3 of them). ``None``: with every destination of the clip.
-        Images, and video UNets (whose frames merge apart), have one frame: nothing changes there (a value other
-        than 1 says so once, at the first call).""")
+        one sequence (Wan, HunyuanVideo, LTX...): compare each source only with the destinations of the frames
+        within this many frames of its own, linear in frames instead of quadratic; ``None``: the whole clip.
+        Images and video UNets have one frame per sequence: nothing changes there.""")
     timestep_range: Optional[Tuple[float, float]] = option(None, WHERE, """``(low, high)``: merge only in
-        model calls whose timesteps all lie in ``[low, high]``, in the units the model receives (0-1000 for
-        diffusers UNets, SD3 and PixArt; 0-1 for Flux); other calls run the unpatched model. High timesteps
-        are high noise, where merging costs least fidelity: e.g. ``(500, 1000)`` merges in the first half of
-        sampling, or in the noisier half of training steps. A call whose batch has timesteps on both sides of
-        a bound runs unmerged (the token count is one for the whole batch). Reading the timesteps costs one
-        host sync per call when they are a device array. ``None`` (default): every call merges. Not on jax,
-        where the timestep is traced.""")
+        model calls whose timesteps all lie in ``[low, high]``, in the model's units (0-1000 for UNets, SD3 and
+        PixArt; 0-1 for Flux); other calls, and batches on both sides of a bound, run unmerged. A device-array
+        timestep costs one host sync per call. ``None`` (default): every call merges. Not on jax.""")
     min_tokens: Optional[int] = option(None, WHERE, """merge a level only in calls where it has at least this
-        many tokens (per item, the whole sequence under context parallelism); 0 merges at every size. ``None``
-        (default): under the default arrangement (``mode="auto"``, ``prefer``), where measurements say merging
-        makes the call faster on this device, eager or captured or compiled (tome_core.models.cost: e.g. from 4,096
-        tokens on a GPU in a CUDA graph, 16,384 or 32,768 eager); with an arrangement chosen by hand
-        (``ratio``, ``mode``...), every size. Levels left unmerged for this are named in ``summary()`` with
-        the reason.""")
+        many tokens (per item); 0 merges at every size. ``None`` (default): under ``mode="auto"``, where
+        measurements say merging makes the call faster on this device and execution (tome_core.models.cost),
+        else every size; ``summary()`` names the levels left unmerged and why.""")
     prefer: Optional[str] = option(None, KNOB, """the one knob of the default (``mode="auto"``):
-        ``"fidelity"``, ``"balance"`` or ``"speed"``, each a point of the measured speed-fidelity front per
-        model kind (docs/fidelity.md, "One knob"): keys and values in 2x1 / 2x2 (4x4 from 128x128 tokens) /
-        4x4 cells (4x2 in transformers below 128x128 tokens) where self-attention takes them apart from its
-        queries, ToMe for SD at 0.25 / 0.5 / 0.75 where it cannot. Monotone: at every size each setting merges
-        at least as much as the one before it. ``None`` (default): ``"balance"``. Options that choose the
-        arrangement themselves (``ratio``, ``mode``...) leave it out.""")
+        ``"fidelity"``, ``"balance"`` or ``"speed"``, measured points of the speed-fidelity front per model kind
+        (docs/fidelity.md, "One knob"), each merging at least as much as the one before it at every size.
+        ``None`` (default): ``"balance"``. Options that choose the arrangement (``ratio``, ``mode``...) leave it
+        out.""")
 
     def __init__(self, **options: Any) -> None:
-        """Set each option once, to its acting value (:func:`resolve`: unknown names raise TypeError listing
-        the valid ones), then check the ratios against ``level_cells`` level by level, with :meth:`ratio_for`."""
+        """Set each option once, to its acting value (:func:`resolve`), then check the ratios against
+        ``level_cells`` level by level."""
         for name, value in resolve(options).items():
             object.__setattr__(self, name, value)
         self._check_level_cells()
@@ -265,11 +225,10 @@ class ToMeConfig:
                     )
 
     def auto_choices(self, kv_input: bool, unet: bool = True) -> Tuple[Tuple[int, "ToMeConfig"], ...]:
-        """What ``mode="auto"`` runs: ``((fewest tokens at the finest merged level, options), ...)``, most
-        tokens first. ``kv_input``: every merged self-attention takes keys and values apart from its queries;
-        ``unet``: the model is a UNet (else a transformer: the cells of ``speed`` differ).
-        Keys and values pooled in cells where that holds and nothing else merges (cross-attention and MLP
-        would be pooled too) and no similarity option is set; else ToMe for SD's arrangement (``tokens``)."""
+        """What ``mode="auto"`` runs: ``((fewest tokens at the finest merged level, options), ...)``, most tokens
+        first: keys and values pooled in cells where every merged self-attention takes them apart from its queries
+        (``kv_input``), nothing else merges and no similarity option is set, else ``tokens``. ``unet``: a UNet,
+        else a transformer (the cells of ``speed`` differ)."""
         if self.mode != "auto":
             return ((0, self),)
         similarity_only = self.reuse_level or self.reuse_steps > 1 or self.reuse_blocks > 1 or self.local_window
@@ -281,13 +240,8 @@ class ToMeConfig:
                 self, mode="kv", matching="cell", ratio=_cell_ratio(sx, sy), sx=sx, sy=sy, cell_pool=pool, prefer=None,
                 frame_window=DEFAULT_FRAME_WINDOW,  # cells search nothing (a window given here: said at the call)
             ))
-            for tokens, (sx, sy) in PREFERENCES[self.preference][0 if unet else 1]
+            for tokens, (sx, sy) in PREFERENCES[self.prefer or DEFAULT_PREFERENCE][0 if unet else 1]
         )
-
-    @property
-    def preference(self) -> str:
-        """``prefer``, its default resolved."""
-        return self.prefer or DEFAULT_PREFERENCE
 
     def tokens(self, **changes: Any) -> "ToMeConfig":
         """These options in ToMe for SD's arrangement (``mode="tokens"``, similarity matching): what
@@ -302,10 +256,9 @@ class ToMeConfig:
         return all(low <= t <= high for t in timesteps)
 
     def arrangement(self, kind: str, self_attention: bool) -> Tuple[str, bool]:
-        """How a sub-layer of ``kind`` ("attn", "crossattn", "mlp") runs: its mode (cross-attention and MLP
-        always "tokens"), and whether size-aware attention applies: a self-attention (``self_attention``: its
-        keys are its own tokens) whose keys are merged by similarity, so not under "queries" (keys are every
-        token) nor with cell pooling (every key stands for one cell)."""
+        """How a sub-layer of ``kind`` ("attn", "crossattn", "mlp") runs: its mode (else "tokens"), and whether
+        size-aware attention applies: a self-attention (``self_attention``) whose keys are merged by similarity,
+        so not under "queries" (keys are every token) nor with cell pooling (every key stands for one cell)."""
         mode = self.mode if kind == "attn" else "tokens"
         return mode, self_attention and self.proportional_attn and mode != "queries" and self.matching == "similarity"
 
@@ -365,12 +318,10 @@ class ToMeConfig:
 
 
 def resolve(options: Mapping[str, Any]) -> Dict[str, Any]:
-    """Every option's acting value (what each field of :class:`ToMeConfig` holds), from ``options`` as given
-    (an option left out: its field's default), each checked as it is computed. Group by group, as
-    :data:`OPTION_GROUPS` (the amounts last: the cells bound them), so that of several bad options the first in
-    this order is named. ``None`` stays where what it means is known only with the model (``max_downsample``,
-    ``min_tokens``) or is read through a property (``prefer``: :attr:`~ToMeConfig.preference`,
-    ``frames_per_chunk``: :attr:`~ToMeConfig.frames`, ``frame_ratio``: :attr:`~ToMeConfig.across_frames`)."""
+    """Every option's acting value (what each field of :class:`ToMeConfig` holds) from ``options`` as given, each
+    checked as it is computed, group by group (the amounts last: the cells bound them), so that of several bad
+    options the first in this order is named. ``None`` stays where its meaning needs the model (``max_downsample``,
+    ``min_tokens``) or a property reads it (:attr:`~ToMeConfig.frames`, :attr:`~ToMeConfig.across_frames`)."""
     given = _given(options)
     # every field given: a config's own acting values passed back in with some changed (dataclasses.replace)
     given.every = set(options) >= {f.name for f in fields(ToMeConfig)}
@@ -515,8 +466,7 @@ def _level_cells(level_cells: Any) -> Optional[Dict[int, Tuple[int, int]]]:
         raise TypeError(f"level_cells must be a dict {{level: n or (sx, sy)}}, got {level_cells!r}")
     cells = {}
     for level, cell in level_cells.items():
-        if level not in LEVELS or isinstance(level, bool):
-            raise ValueError(f"level_cells keys must be levels 1, 2, 4 or 8, got {level!r}")
+        _check_level("level_cells", level)
         pair = (cell, cell) if isinstance(cell, numbers.Integral) and not isinstance(cell, bool) else cell
         if not isinstance(pair, (tuple, list)) or len(pair) != 2:
             raise TypeError(f"level_cells[{level}] must be an int n (an n x n cell) or a pair (sx, sy), got {cell!r}")
@@ -631,7 +581,7 @@ def _sublayer_ratio(name: str, ratio: Any, acting: SimpleNamespace) -> Optional[
 
 
 def _ratio_map(
-    name: str, ratios: Any, key: str, check_key: Callable[[Any], None], acting: SimpleNamespace
+    name: str, ratios: Any, key: str, check_key: Callable[[str, Any], None], acting: SimpleNamespace
 ) -> Optional[Dict[int, float]]:
     """``ratios``: None, or a ``{key: ratio}`` mapping (``level_ratios``, ``block_ratios``) as int keys and float
     ratios, each key passed by ``check_key`` and each ratio checked."""
@@ -640,19 +590,19 @@ def _ratio_map(
     if not isinstance(ratios, Mapping):
         raise TypeError(f"{name} must be a dict {{{key}: ratio}}, got {ratios!r}")
     for k, ratio in ratios.items():
-        check_key(k)
+        check_key(name, k)
         _check_ratio(f"{name}[{k}]", ratio, acting)
     return {int(k): float(v) for k, v in ratios.items()}
 
 
-def _check_level(level: Any) -> None:
+def _check_level(name: str, level: Any) -> None:
     if level not in LEVELS or isinstance(level, bool):
-        raise ValueError(f"level_ratios keys must be levels 1, 2, 4 or 8, got {level!r}")
+        raise ValueError(f"{name} keys must be levels 1, 2, 4 or 8, got {level!r}")
 
 
-def _check_block(index: Any) -> None:
+def _check_block(name: str, index: Any) -> None:
     if isinstance(index, bool) or not isinstance(index, numbers.Integral):
-        raise TypeError(f"block_ratios keys must be block indices (ints), got {index!r}")
+        raise TypeError(f"{name} keys must be block indices (ints), got {index!r}")
 
 
 def _check_ratio_type(name: str, ratio: Any) -> None:
@@ -661,18 +611,16 @@ def _check_ratio_type(name: str, ratio: Any) -> None:
 
 
 def _cells_of_ratio(acting: SimpleNamespace) -> Optional[Tuple[int, int]]:
-    """The cell that bounds ``ratio`` when the options alone tell it: ``(sx, sy)``, or None when
-    ``level_cells`` gives some levels other cells (then each merged level's cell bounds it, checked at
-    ``patch``, which knows the levels: :func:`tome_core.models.selection.check_model`)."""
+    """The cell that bounds ``ratio`` when the options alone tell it, ``(sx, sy)``; None when ``level_cells``
+    gives some levels other cells (``patch`` checks each merged level's cell)."""
     if acting.level_cells and any(cell != (acting.sx, acting.sy) for cell in acting.level_cells.values()):
         return None
     return acting.sx, acting.sy
 
 
 def _check_ratio(name: str, ratio: Any, acting: SimpleNamespace, cell: Optional[Tuple[int, int]] = None) -> None:
-    """A ratio's type and range, and that keeping one token per ``cell`` leaves room for it (None: the
-    largest cell of the options, ``(sx, sy)`` without ``level_cells``; each merged level's own cell is
-    checked at ``patch``)."""
+    """A ratio's type and range, and that keeping one token per ``cell`` leaves room for it (None: the options'
+    largest cell; each merged level's own cell is checked at ``patch``)."""
     _check_ratio_type(name, ratio)
     if cell is None:
         cell = max([(acting.sx, acting.sy), *(acting.level_cells or {}).values()], key=lambda c: c[0] * c[1])
