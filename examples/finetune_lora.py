@@ -139,7 +139,7 @@ class Run:
 
     def merging(self) -> bool:
         """Whether the last model call merged."""
-        return any(state.merging for _, state in tome.patched_models(self.unet))
+        return any(state.call.merging for _, state in tome.patched_models(self.unet))
 
     def step(self, batch) -> None:
         """One optimizer step (timed: forward, backward, clipping, AdamW)."""

@@ -17,7 +17,6 @@ quiet_known_notices()  # before diffusers is imported
 
 import numpy as np
 import torch
-from diffusers.models.attention import BasicTransformerBlock
 
 import tome_core.torch as tome
 from tome_tools.diffusers_models import build_pipeline
@@ -46,7 +45,7 @@ def main(argv=None) -> dict:
     result = paired_runs(lambda: generate(pipe, args), lambda: tome.patch(pipe, **options), lambda: tome.remove(pipe), args.repeats)
     how = "patch(pipe) (the default)" if args.ratio is None else f"ratio={args.ratio}"
     title = f"ToMe {how} on a {args.size}x{args.size} pipeline, {args.steps} steps"
-    print_report(title, tome.patched_models(pipe), lambda m: sum(isinstance(b, BasicTransformerBlock) for b in m.modules()), result)
+    print_report(title, tome.patched_models(pipe), result)
     return {**result, "models": tome.patched_models(pipe)}
 
 

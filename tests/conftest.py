@@ -319,7 +319,7 @@ class VideoChecks:
         patched, handles = self.record_attention(model)  # after ToMe's hooks: they see the merged inputs
         try:
             self.call(model, frames, hw, hw, 2)
-            stats = dict(self.tome.patched_models(model)[0].state.stats)
+            stats = dict(self.tome.patched_models(model)[0].state.ledger.stats)
         finally:
             self.tome.remove(model)
             for handle in handles:
@@ -463,7 +463,7 @@ class VideoChecks:
         assert np.isfinite(patched).all()
         assert np.abs(patched - plain).max() > 1e-4
         np.testing.assert_array_equal(run(pipe), patched)
-        stats = self.tome.patched_models(pipe)[0].state.stats
+        stats = self.tome.patched_models(pipe)[0].state.ledger.stats
         chunk = options.get("frames_per_chunk", 1)
         kept = self.chunk_tokens(chunk, 64, 0.5) if chunk > 1 else 32
         assert {level: (s.blocks, s.tokens, s.kept) for level, s in stats.items()} == {1: (3, 64 * chunk, kept)}
@@ -484,7 +484,7 @@ def _check_sdxl(tome, pipe, run, attn1_token_counts) -> None:
     tome.patch(pipe)  # mode="auto": level 2's keys and values pooled in 2x2 cells
     run(pipe)
     [(_, state)] = tome.patched_models(pipe)
-    assert {factor: (level.tokens, level.kept) for factor, level in state.stats.items()} == {2: (256, 64)}
+    assert {factor: (level.tokens, level.kept) for factor, level in state.ledger.stats.items()} == {2: (256, 64)}
     tome.patch(pipe, ratio=0.5)
     counts = attn1_token_counts(pipe.unet)
     run(pipe)

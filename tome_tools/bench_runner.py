@@ -29,6 +29,7 @@ from tome_tools.oracle import attach_oracle
 from tome_core.config import ToMeConfig
 from tome_core.models.families import BlockFamily
 from tome_core.framework import Framework
+from tome_core.hooks.call import CallFacts
 from tome_core.hooks.state import ToMeState
 
 MID_TIMESTEP = 500
@@ -213,7 +214,7 @@ def hook_oracle(
     patch = attach_oracle(fw, model, config)
     if call is not None:
         grid, tail, grid_last = call
-        patch.state.begin_call(grid, MID_TIMESTEP, tail=tail, grid_last=grid_last)
+        patch.state.begin_call(CallFacts(grid, MID_TIMESTEP, tail=tail, grid_last=grid_last))
         patch.state.enter_grid(grid)
     return patch.remove
 
@@ -558,7 +559,7 @@ class BenchRunner:
         else:  # the patch sees a transformer's grid of 2x2 latent patches as its latent
             latent_hw, finest = (self.latent_hw[0] // 2, self.latent_hw[1] // 2), 1
         choices = config.auto_choices(self.spec is None or self.spec.separate_kv, self.spec is None)
-        return ToMeState(config=config, finest_level=finest, latent_hw=latent_hw, choices=choices).active
+        return ToMeState(config=config, finest_level=finest, call=CallFacts(latent_hw), choices=choices).active
 
     def effective(self, name: str, ratio: float) -> Tuple[float, str]:
         """The ratio a row of method ``name`` shows, and a note: 'ours' and the oracle with cell matching show

@@ -582,6 +582,7 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
     from tome_core import merge, unmerge
     from tome_tools.bench_runner import image_part, overhead_shares
     from tome_core.config import ToMeConfig
+    from tome_core.hooks.call import CallFacts
     from tome_core.hooks.state import ToMeState
 
     args.options = getattr(args, "options", {})
@@ -631,7 +632,7 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
         def ours(reused: bool, stream=stream, hidden=hidden, shared=shared, **extra):
             tome.patch(model, **{**options, **extra}, reuse_blocks=10**6 if reused else 1)
             state = tome.patched_models(model)[0][1]
-            state.begin_call(grid, MID_TIMESTEP, tail=tail, grid_last=grid_last)
+            state.begin_call(CallFacts(grid, MID_TIMESTEP, tail=tail, grid_last=grid_last))
             state.enter_grid(grid)
             if reused:  # the match a run of blocks shares is there already
                 state.block_matches(hidden, stream, shared=shared)
@@ -649,7 +650,7 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
                 undo()
 
         state = ToMeState(config=config)
-        state.begin_call(grid, MID_TIMESTEP, tail=tail, grid_last=grid_last)
+        state.begin_call(CallFacts(grid, MID_TIMESTEP, tail=tail, grid_last=grid_last))
         state.enter_grid(grid)
         match = state.block_matches(hidden, stream, shared=shared)["attn"]
         run_block = lambda block=block, a=block_args, k=block_kwargs: block(*a, **k)

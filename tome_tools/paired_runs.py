@@ -33,14 +33,11 @@ def paired_runs(generate: Callable[[], np.ndarray], patch: Callable[[], Any], re
     }
 
 
-def print_report(title: str, models: Iterable[Tuple[Any, Any]], blocks: Callable[[Any], int], result: Dict[str, Any]) -> None:
-    """The blocks each patched model hooked, what ran on fewer tokens in the last call, time and image change."""
+def print_report(title: str, models: Iterable[Tuple[Any, Any]], result: Dict[str, Any]) -> None:
+    """What each patched model ran on fewer tokens in its last call, time and image change."""
     print(title)
     for model, state in models:
-        print(
-            f"{type(model).__name__}: {state.hooked} of {blocks(model)} transformer blocks hooked (the others sit at levels "
-            "above max_downsample); in the last call:"
-        )
+        print(f"{type(model).__name__}, in the last call:")
         print(state.summary())
     low, high = result["spread"]
     print(f"pipeline time: unpatched {result['plain_s']:.2f}s, ToMe {result['tome_s']:.2f}s (medians of "

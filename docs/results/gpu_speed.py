@@ -346,9 +346,9 @@ def did_of(model: torch.nn.Module) -> Did:
     (_, state), = tome.patched_models(model)
     return Did(
         state.active,
-        tuple(sorted((f, s.blocks, s.tokens, s.kept, s.frames) for f, s in state.stats.items())),
-        tuple(sorted((f, why) for f, (_, why) in state.unpaid.items())),
-        tuple(sorted((f, why, s.blocks) for (f, why), s in state.fallbacks.items())),
+        tuple(sorted((f, s.blocks, s.tokens, s.kept, s.frames) for f, s in state.ledger.stats.items())),
+        tuple(sorted((f, why) for f, (_, why) in state.ledger.unpaid.items())),
+        tuple(sorted((f, why, s.blocks) for (f, why), s in state.ledger.fallbacks.items())),
         state.summary(),
     )
 
@@ -502,9 +502,7 @@ def measure_block(case: Case, turns: Turns, call: Callable[[], torch.Tensor], de
     seen: Dict[str, Any] = {}
 
     def reach(module, args, kwargs):
-        seen.update(args=args, kwargs=kwargs, grid=state.grid_hw, call=dict(
-            latent_hw=state.latent_hw, step=state.step, videos=state.videos, merging=state.merging, tail=state.tail,
-            why=state.why, grid_last=state.grid_last, shards=state.shards))
+        seen.update(args=args, kwargs=kwargs, grid=state.grid_hw, call=state.call._replace(execution=None))
         raise _Reached
 
     handle = block.register_forward_pre_hook(reach, with_kwargs=True)
@@ -519,13 +517,13 @@ def measure_block(case: Case, turns: Turns, call: Callable[[], torch.Tensor], de
 
     def resume(on) -> None:
         """Put a state where the call stood when it reached the block."""
-        on.begin_call(**seen["call"])
+        on.begin_call(seen["call"])
         if grid is not None:
             on.enter_grid(grid)
 
     resume(state)
     config = state.active
-    call_grid = (grid, seen["call"]["tail"], seen["call"]["grid_last"])
+    call_grid = (grid, seen["call"].tail, seen["call"].grid_last)
     family = family_in_call(family, family_argument_position(family, block), args, kwargs)
     metric, at = block_metric(family, block)
     image = image_part(argument(args, kwargs, metric, at), family, *call_grid)
@@ -535,7 +533,7 @@ def measure_block(case: Case, turns: Turns, call: Callable[[], torch.Tensor], de
     sublayers = [s for s in family.sublayers if child_at(block, s.child) is not None and config.sublayers[s.kind]]
     mode, biased = config.arrangement("attn", True)
     merged = merge(image, match)
-    level = downsample_factor(seen["call"]["latent_hw"] or grid, match.tokens, grid)
+    level = downsample_factor(seen["call"].latent_hw or grid, match.tokens, grid)
     current: List[Any] = []  # the state of the patch the block now runs under (none: unpatched, the oracle)
 
     def run_block() -> None:

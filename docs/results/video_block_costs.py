@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from tome_core.config import ToMeConfig
 from tome_core.algorithm.merge import merge, unmerge
+from tome_core.hooks.call import CallFacts
 from tome_core.hooks.state import ToMeState
 
 torch.set_num_threads(1)
@@ -31,7 +32,7 @@ CONFIGS = {
 
 def run(options):
     state = ToMeState(config=ToMeConfig(**options))
-    state.begin_call((H, W), 500, videos=1 if options.get("frames_per_chunk") else None)
+    state.begin_call(CallFacts((H, W), 500, videos=1 if options.get("frames_per_chunk") else None))
     start = time.perf_counter()
     match = state.block_matches(x, 0)["attn"]
     matched = time.perf_counter()

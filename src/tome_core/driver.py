@@ -21,6 +21,8 @@ from .config import ToMeConfig
 from .framework import Framework
 from .hooks.block_hooks import BlockRun, SublayerHooks, block_problem
 from .hooks.call_hooks import CallStart, PipelineWatch, call_ends, forget_generations, generations, grid_hooks, tell_grids
+from .hooks.ledger import Ledger
+from .hooks.matching import Matching
 from .hooks.retyping import Patch, detach, other_patch
 from .hooks.state import ToMeState
 from .models.arrangement_rules import arrangement_error, arrangement_problem
@@ -41,8 +43,8 @@ def model_state(plan: ModelPlan, matcher: Matcher = TOME) -> ToMeState:
     """A new run state for the model of ``plan``, finding its blocks' matches with ``matcher`` (ToMe's own by
     default; another keeps ToMe's blocks, levels, counts and arrangement and chooses the tokens its own way)."""
     return ToMeState(
-        config=plan.config, finest_level=plan.finest, choices=plan.choices, where=plan.where, matcher=matcher,
-        streams=plan.streams, hooked=len({m.stream for m in plan.hooked}),
+        config=plan.config, finest_level=plan.finest, choices=plan.choices,
+        matching=Matching(matcher, streams=plan.streams), ledger=Ledger(where=plan.where),
     )
 
 
@@ -50,7 +52,7 @@ def attach_hooks(fw: Framework, plan: ModelPlan, state: ToMeState) -> Patch:
     """Attach every hook ToMe runs the model of ``plan`` with, sharing ``state``; returns the patch holding their
     handles and the sub-layers that merge (:attr:`Patch.targets`)."""
     model = plan.model
-    state.inform = fw.inform  # a word for the user goes where the framework's users look
+    state.ledger.inform = fw.inform  # a word for the user goes where the framework's users look
     patch = Patch(state)
     add = patch.handles.append
     add(fw.add_pre_hook(model, CallStart(fw, plan, state)))
@@ -144,7 +146,7 @@ def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any]
     tell_grids(fw, obj)  # a pipeline's ids carry their grid: no host read, so fullgraph compiles trace them
     if config.reuse_steps > 1 and not fw.is_module(obj) and generations(obj) is not None:
         for model in models:  # each call of the pipeline starts a generation (ToMeState.follow_generation)
-            model.__dict__["_tome_patch"].state.pipeline = PipelineWatch(obj)
+            model.__dict__["_tome_patch"].state.matching.pipeline = PipelineWatch(obj)
     return obj
 
 
@@ -172,7 +174,7 @@ def check_shared_blocks(plans: List[ModelPlan]) -> None:
             other = other_patch(block, plan.model)
             first = hooked.setdefault(id(block), plan.model)
             if other is not None or first is not plan.model:
-                holder = f"a patched {other.state.where}" if other is not None else f"{type(first).__qualname__}, also in this patch"
+                holder = f"a patched {other.state.ledger.where}" if other is not None else f"{type(first).__qualname__}, also in this patch"
                 raise ValueError(
                     f"ToMe cannot patch {plan.where}: its block {stream} ({type(block).__name__}) is also a block of "
                     f"{holder}. Models that share blocks cannot both be patched, each keeps its own run state: remove "

@@ -95,7 +95,7 @@ class Framework(Protocol):
 
     def inform(self, message: str) -> None:
         """Tell the user ``message`` where users of this framework's pipelines read what their library reports: its
-        logger, at info level (:attr:`ToMeState.inform <tome_core.hooks.state.ToMeState.inform>`; a word the user can act
+        logger, at info level (:attr:`Ledger.inform <tome_core.hooks.ledger.Ledger.inform>`; a word the user can act
         on, not a warning: the default running a small level unmerged, where merging would not pay)."""
 
 

@@ -138,19 +138,21 @@ def test_a_grid_smaller_than_one_cell_says_so_once_and_merges_nothing():
     """Wan's pipelines at 16x16 px give a latent one token wide: no full 2x2 cell, nothing can merge (issue 33:
     it did so without a word)."""
     from tome_core import ToMeState
+    from tome_core.hooks.call import CallFacts
+    from tome_core.hooks.ledger import Ledger
 
-    state = ToMeState(config=ToMeConfig(ratio=0.5), where="WanTransformer3DModel")
+    state = ToMeState(config=ToMeConfig(ratio=0.5), ledger=Ledger(where="WanTransformer3DModel"))
     metric = np.random.default_rng(0).standard_normal((2, 8, 4)).astype(np.float32)
     with pytest.warns(UserWarning, match=r"WanTransformer3DModel: a 8x1 token grid is smaller than one 2x2 cell"):
-        state.begin_call((8, 1), 500)
+        state.begin_call(CallFacts((8, 1), 500))
         state.enter_grid((8, 1))
         matches = state.block_matches(metric, 0)
     # summary() counts no block as merged there (attention sees all 8 tokens) and says why
-    assert matches["attn"].merged == 0 and not state.stats
+    assert matches["attn"].merged == 0 and not state.ledger.stats
     assert "1/1 scale: no block merged: a 8x1 token grid is smaller than one 2x2 cell" in state.summary()
     assert state.level(8, matches) is None  # not counted as a block that ran merged
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        state.begin_call((8, 1), 400)
+        state.begin_call(CallFacts((8, 1), 400))
         state.enter_grid((8, 1))
         state.block_matches(metric, 1)  # said once per patch

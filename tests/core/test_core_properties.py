@@ -376,14 +376,16 @@ def test_the_oracle_state_keeps_the_first_tokens_as_many_as_tome_keeps(xp, case,
     """A run state whose matcher is the oracle's (tome_tools.oracle.FirstTokens) gives each merged sub-layer the
     first-tokens match of the count ToMe's own match keeps there (the same state, same call, same options)."""
     from tome_core import ToMeConfig, ToMeState
+    from tome_core.hooks.call import CallFacts
+    from tome_core.hooks.matching import Matching
     from tome_core.algorithm.match import TOME
 
     h, w, batch, options = case
     metric = xp.asarray(np.random.default_rng(data_seed).standard_normal((batch, h * w, 4)).astype(np.float32))
     found = []
     for oracle in (False, True):
-        state = ToMeState(config=ToMeConfig.from_options(options), matcher=FirstTokens() if oracle else TOME)
-        state.begin_call((h, w), 500)
+        state = ToMeState(config=ToMeConfig.from_options(options), matching=Matching(FirstTokens() if oracle else TOME))
+        state.begin_call(CallFacts((h, w), 500))
         state.enter_grid((h, w))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a grid too small to merge says so

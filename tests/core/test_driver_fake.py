@@ -230,7 +230,7 @@ def test_merging_duplicated_tokens_is_exact_and_attention_sees_fewer(name):
     patched, seen = _run(model, inputs)
     assert seen == [keys, keys]
     np.testing.assert_allclose(patched, unpatched, rtol=0, atol=1e-12)
-    assert driver.patched_models(FW, model)[0].state.stats[1].blocks == 2
+    assert driver.patched_models(FW, model)[0].state.ledger.stats[1].blocks == 2
 
 
 def test_without_the_size_bias_merged_duplicates_are_not_exact():

@@ -188,11 +188,13 @@ def test_a_process_piece_that_starts_mid_frame_counts_its_frames_from_the_whole_
     source joins a destination of its own frame of the whole video (counted before as if each piece started one)."""
     from tome_core import ToMeConfig
     from tome_core.shards import Shards
+    from tome_core.hooks.call import CallFacts
+    from tome_core.hooks.matching import Matching
     from tome_core.hooks.state import ToMeState
 
     rows, cols, frame_rows = 6, 4, 4
-    state = ToMeState(config=ToMeConfig(ratio=0.75, frame_window=0), streams=1)
-    state.begin_call((rows, cols), 0, shards=Shards(count=3, rank=rank), frame_rows=frame_rows, execution=("cpu", "eager"))
+    state = ToMeState(config=ToMeConfig(ratio=0.75, frame_window=0), matching=Matching(streams=1))
+    state.begin_call(CallFacts((rows, cols), 0, shards=Shards(count=3, rank=rank), execution=("cpu", "eager"), frame_rows=frame_rows))
     metric = xp.asarray(np.random.default_rng(rank).standard_normal((1, rows * cols, 4)).astype(np.float32))
     match = state.block_matches(metric, 0, shared=True)["attn"]
     joined = xp.numpy(match.representatives)[0][xp.numpy(match.slot)[0]]

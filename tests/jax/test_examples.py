@@ -12,5 +12,5 @@ def test_quickstart_reports_patched_blocks_merged_tokens_speed_and_change(capsys
     assert "FlaxUNet2DConditionModel: 7 transformer blocks hooked" in out
     assert "1/1 scale: 3 blocks, 256 -> 128 tokens (50% merged; tokens, similarity)" in out
     assert "jitted UNet call: unpatched" in out and "speedup" in out
-    assert result["blocks"] == 7 and result["state"].stats[1].kept == 128
+    assert result["blocks"] == 7 and result["state"].ledger.stats[1].kept == 128
     assert 0 < result["change"] < 1 and result["speedup"] > 0

@@ -216,7 +216,7 @@ def test_default_auto_pools_keys_and_values_by_the_latent_size(tiny):
         auto = tome.patch(unet).apply({"params": params}, sample, jnp.ones((2,)), context).sample
     [(_, state)] = calls
     assert (state.active.mode, state.active.matching, state.active.sx, state.active.cell_pool) == ("kv", "cell", 2, "sample")
-    assert {factor: (level.tokens, level.kept) for factor, level in state.stats.items()} == {1: (256, 64)}
+    assert {factor: (level.tokens, level.kept) for factor, level in state.ledger.stats.items()} == {1: (256, 64)}
     explicit = tome.patch(unet, mode="kv", matching="cell", cell_pool="sample").apply({"params": params}, sample, jnp.ones((2,)), context).sample
     np.testing.assert_array_equal(np.asarray(auto), np.asarray(explicit))
 

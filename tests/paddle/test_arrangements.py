@@ -195,7 +195,7 @@ def test_kv_lengths_inside_attn1_follow_the_cell_of_each_level(unet, inputs, cal
     # queries N; keys N / (sx * sy): 256 / 16 at level 1 (4x4), 64 / 4 at level 2 (2x2); the mid block (4x4
     # tokens, level 4) is not reduced and attends to itself.
     assert sorted(seen, key=str) == sorted([(256, 16)] * 3 + [(64, 16)] * 3 + [(16, None)], key=str)
-    stats = patched_state(unet).stats
+    stats = patched_state(unet).ledger.stats
     assert (stats[1].tokens, stats[1].kept, stats[2].tokens, stats[2].kept) == (256, 16, 64, 16)
 
 
@@ -204,7 +204,7 @@ def test_the_knob_pools_the_finest_level_in_its_cells(unet, inputs, call, prefer
     """``prefer`` (docs/fidelity.md, "One knob"): 2x1, 2x2, 4x4 cells of the 16x16 finest level, as on torch."""
     tome.patch(unet, prefer=prefer)
     call(unet, inputs)
-    stats = patched_state(unet).stats
+    stats = patched_state(unet).ledger.stats
     assert (stats[1].tokens, stats[1].kept) == (256, kept) and set(stats) == {1}
 
 

@@ -227,7 +227,7 @@ def test_feature_composes_with_tome_in_either_order(kind, name, order, matrix):
     states = {type(model).__name__: state for model, state in tome.patched_models(target)}
     assert set(states) == set(seen)
     for state in states.values():
-        level = state.stats[factor]
+        level = state.ledger.stats[factor]
         assert (level.tokens, level.kept) == (full, full // 2)
 
     tome.remove(target)

@@ -84,8 +84,8 @@ def test_controlnet_blocks_are_merged():
     # 64x64 images give 32x32 latents: the finest level (1024 tokens) runs on 512, deeper levels unmerged.
     assert set(controlnet_counts) == {512, 256, 64} and set(unet_counts) == {512, 256, 64}
     states = {type(model).__name__: state for model, state in tome.patched_models(pipe)}
-    assert states["ControlNetModel"].stats[1].kept == 512 and states["ControlNetModel"].stats[1].tokens == 1024
-    assert states["UNet2DConditionModel"].stats[1].blocks == 3  # one down, two up transformer blocks
+    assert states["ControlNetModel"].ledger.stats[1].kept == 512 and states["ControlNetModel"].ledger.stats[1].tokens == 1024
+    assert states["UNet2DConditionModel"].ledger.stats[1].blocks == 3  # one down, two up transformer blocks
 
 
 def test_multi_controlnet_patches_every_net():
@@ -117,4 +117,4 @@ def test_keyword_only_unet_call_inside_a_pipeline_step():
         positional = pipe.unet(sample, paddle.to_tensor(981), text).sample.numpy()
         keywords = pipe.unet(sample=sample, timestep=paddle.to_tensor(981), encoder_hidden_states=text).sample
     np.testing.assert_array_equal(keywords.numpy(), positional)
-    assert tome.patched_models(pipe)[0][1].stats[1].kept == 512
+    assert tome.patched_models(pipe)[0][1].ledger.stats[1].kept == 512

@@ -193,7 +193,7 @@ def test_blocks_selects_which_blocks_merge(model_and_inputs):
         tome.patch(model, ratio=0.5, blocks=blocks)
         call(model, inputs)
         (state,) = [s for _, s in tome.patched_models(model)]
-        assert state.stats[1].blocks == merged
+        assert state.ledger.stats[1].blocks == merged
     with pytest.raises(ValueError, match=f"blocks: index 2 is out of range for {name}, which has 2"):
         tome.patch(model, ratio=0.5, blocks=[2])
     assert tome.patched_models(model)[0][1].config.blocks is None  # the earlier patch stays
@@ -310,7 +310,7 @@ def test_pipelines_patch_their_transformer(kind):
     assert pipe.apply_tome(ratio=0.5) is pipe
     patched = _run(pipe, kind)
     [(model, state)] = tome.patched_models(pipe)
-    assert model is pipe.transformer and state.stats[1].kept < state.stats[1].tokens
+    assert model is pipe.transformer and state.ledger.stats[1].kept < state.ledger.stats[1].tokens
     assert np.isfinite(patched).all() and np.abs(patched - reference).max() > 1e-4
     np.testing.assert_array_equal(_run(pipe, kind), patched)
     assert pipe.remove_tome() is pipe and tome.patched_models(pipe) == []

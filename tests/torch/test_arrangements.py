@@ -273,7 +273,7 @@ def test_pipelines_run_in_kv_mode_and_remove_restores(kind):
     tome.patch(pipe, mode="kv", matching="cell")
     merged = run()
     assert 0 < np.abs(merged - reference).max() < 0.5
-    assert all(state.stats for _, state in tome.patched_models(pipe))
+    assert all(state.ledger.stats for _, state in tome.patched_models(pipe))
     tome.remove(pipe)
     np.testing.assert_array_equal(run(), reference)
 

@@ -218,12 +218,12 @@ def test_feature_composes_with_tome_in_either_order(kind, name, order, patched, 
     level = 1 if kind == "sd" else 2
     if patched == "ratio=0.5":
         assert (full // 2, full // 2) in pairs and not {(full, full), (full, full // 4)} & pairs, sorted(set(seen))
-        assert (state.stats[level].tokens, state.stats[level].kept) == (full, full // 2)
+        assert (state.ledger.stats[level].tokens, state.ledger.stats[level].kept) == (full, full // 2)
     else:
         fallback = name in ("pag", "fused_qkv")
         assert (full, full) not in pairs and (full // 2, full // 2) in pairs or not fallback, sorted(set(seen))
         assert ((full, full // 4) in pairs) == (name != "fused_qkv"), sorted(set(seen))
-        counted = [*state.stats.items(), *((lv, stats) for (lv, _), stats in state.fallbacks.items())]
+        counted = [*state.ledger.stats.items(), *((lv, stats) for (lv, _), stats in state.ledger.fallbacks.items())]
         assert {(lv, s.tokens, s.kept) for lv, s in counted} >= ({(level, full, full // 2)} if fallback else {(level, full, full // 4)})
         assert ("so ToMe for SD's arrangement runs there" in state.summary()) == fallback
     if name == "pag":  # PAG's own processor (set for the call) ran on the merged tokens

@@ -209,7 +209,7 @@ def test_reuse_steps_gives_the_same_output_in_every_generation(unet, inputs, opt
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     # the matches are still reused within a generation: its second step equals step 900's match at step 500
     state = tome.patched_models(model)[0].state
-    assert state.calls == len(STEPS)
+    assert state.matching.calls == len(STEPS)
 
 
 def test_reuse_steps_on_animatediff_gives_the_same_output_in_every_generation():

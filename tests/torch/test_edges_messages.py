@@ -126,8 +126,8 @@ def test_between_calls_a_patched_model_keeps_what_the_readme_says_and_remove_let
     tome.patch(model, **options)
     kept = call(grad)
     (_, state), = tome.patched_models(model)
-    tokens, blocks = max(s.tokens for s in state.stats.values()), sum(s.blocks for s in state.stats.values())
-    tables, matches = _bytes(dict(partition._CACHE)), _bytes(state.cache)
+    tokens, blocks = max(s.tokens for s in state.ledger.stats.values()), sum(s.blocks for s in state.ledger.stats.values())
+    tables, matches = _bytes(dict(partition._CACHE)), _bytes(state.matching.cache)
     del state
     assert tables > 0 and (matches > 0) == reused
     beyond = kept - tables - matches  # with gradients on: each merged block's last matches

@@ -109,7 +109,7 @@ def test_reuse_steps_on_a_model_patched_alone_follows_the_timestep():
         run = lambda: [unet(sample, t, text).sample for t in (900, 500, 900, 500)]
         first, again = run(), run()
     [(_, state)] = tome.patched_models(unet)
-    assert state.pipeline is None and state.calls == 2
+    assert state.matching.pipeline is None and state.matching.calls == 2
     for a, b in zip(first, again):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch.testing.assert_close(first[0], first[2], rtol=0, atol=0)  # the third call started a generation

@@ -21,11 +21,11 @@ def test_quickstart_reports_merged_tokens_and_a_real_change(capsys):
     assert 0 < result["change"] < 1
     result = import_module("examples.torch_quickstart").main(["--preset", "tiny", "--size", "64", "--steps", "1", "--repeats", "1", "--ratio", "0.5"])
     out = capsys.readouterr().out
-    assert "UNet2DConditionModel: 3 of 7 transformer blocks hooked" in out  # the finest level's
+    assert "UNet2DConditionModel, in the last call:" in out
     assert "1/1 scale: 3 blocks, 1024 -> 512 tokens (50% merged; tokens, similarity)" in out
     assert 0 < result["change"] < 1 and result["speedup"] > 0
     [(model, state)] = result["models"]
-    assert state.stats[1].kept == 512
+    assert state.ledger.stats[1].kept == 512
 
 
 def test_finetune_lora_prints_finite_curves_that_differ_and_ratio_zero_equals_unpatched(capsys, monkeypatch):

@@ -59,13 +59,13 @@ def test_a_patched_model_keeps_only_its_tables_between_calls(kind, options):
     tome.patch(model, **options)
     patched = _retained_mib(run)
     (_, state), = tome.patched_models(model)
-    assert state.stats and all(stats.kept < stats.tokens for stats in state.stats.values()), state.summary()
+    assert state.ledger.stats and all(stats.kept < stats.tokens for stats in state.ledger.stats.values()), state.summary()
     tables = sum(_bytes(value) for value in partition._CACHE.values()) / 2**20
     assert tables > 0
     # the first call builds the tables and keeps them; the second builds and keeps nothing more
     assert patched[0] - unpatched[0] == pytest.approx(tables, abs=1e-6) and patched[1] == unpatched[1]
     # ~600 bytes a token of the merged grid at most (31 drawn partitions, two int64 rows each: 496)
-    tokens = max(stats.tokens for stats in state.stats.values())
+    tokens = max(stats.tokens for stats in state.ledger.stats.values())
     assert tables * 2**20 <= 600 * tokens, (tables, tokens)
     tome.remove(model)
     assert not partition._CACHE and _retained_mib(run) == unpatched

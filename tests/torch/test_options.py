@@ -56,11 +56,11 @@ def test_reuse_level_computes_one_match_per_level(unet, inputs):
             computed.append(grid)
             return TOME(ops, metric, grid, *rest)
 
-    state.matcher = Counted()
+    state.matching.matcher = Counted()
     call(model, inputs)
     # one per merged level (16x16 and 8x8 tokens), not one per block; the mid block (above max_downsample) none
     assert sorted(computed) == [(8, 8), (16, 16)]
-    assert state.stats[1].blocks == 3 and state.stats[2].blocks == 3
+    assert state.ledger.stats[1].blocks == 3 and state.ledger.stats[2].blocks == 3
     assert not torch.equal(call(model, inputs), call(tome.patch(copy.deepcopy(unet), ratio=0.5, max_downsample=2), inputs))
 
 

@@ -91,7 +91,7 @@ def _model_scenarios(build: Callable[[], torch.nn.Module], inputs: Dict[str, Any
     tome.patch(model, ratio=0.5)
     seen["cpp"] = _call(model, inputs)
     state = tome.patched_models(model)[0].state
-    seen["grid"], seen["stats"], seen["summary"] = state.grid_hw, dict(state.stats), state.summary()
+    seen["grid"], seen["stats"], seen["summary"] = state.grid_hw, dict(state.ledger.stats), state.summary()
     tome.patch(model)
     seen["cpd"] = _call(model, inputs)
     tome.remove(model)

@@ -63,7 +63,7 @@ def test_controlnet_blocks_are_merged():
     # 64x64 images give 32x32 latents: the finest level (1024 tokens) runs on 512, deeper levels unmerged.
     assert set(controlnet_counts) == {512, 256, 64} and set(unet_counts) == {512, 256, 64}
     states = {type(model).__name__: state for model, state in tome.patched_models(pipe)}
-    assert states["ControlNetModel"].stats[1].kept == 512
+    assert states["ControlNetModel"].ledger.stats[1].kept == 512
 
 
 def test_multi_controlnet_patches_every_net():

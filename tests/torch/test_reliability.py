@@ -328,7 +328,7 @@ def test_model_cpu_offload_hooks_keep_working_with_the_patch():
     assert hasattr(pipe.unet, "_hf_hook")
     np.testing.assert_array_equal(_run_pipe(pipe), patched)
     (_, state), = tome.patched_models(pipe)
-    assert state.stats and state.stats[1].kept < state.stats[1].tokens  # merging ran under the offload hooks
+    assert state.ledger.stats and state.ledger.stats[1].kept < state.ledger.stats[1].tokens  # merging ran under the offload hooks
 
     tome.patch(pipe, ratio=0.5)  # patching a pipeline whose models already carry offload hooks
     np.testing.assert_array_equal(_run_pipe(pipe), patched)

@@ -158,7 +158,7 @@ def test_blocks_selects_which_blocks_merge():
         tome.patch(model, ratio=0.5, blocks=blocks)
         call(model, inputs)
         (state,) = [s for _, s in tome.patched_models(model)]
-        assert state.stats[1].blocks == merged
+        assert state.ledger.stats[1].blocks == merged
     with pytest.raises(ValueError, match="blocks: index 2 is out of range for FluxTransformer2DModel, which has 2"):
         tome.patch(model, ratio=0.5, blocks=[2])
     with pytest.raises(TypeError, match="blocks must hold block indices"):
@@ -339,7 +339,7 @@ def test_pipelines_patch_their_transformer_and_controlnet(kind):
     assert [type(m).__name__ for m, _ in models][0] == type(pipe.transformer).__name__
     assert len(models) == (2 if "controlnet" in kind else 1)
     for _, state in models:
-        assert state.stats[1].kept < state.stats[1].tokens
+        assert state.ledger.stats[1].kept < state.ledger.stats[1].tokens
     assert torch.isfinite(patched).all() and rel(patched, reference) > 1e-4
     assert torch.equal(_run(pipe, call_kwargs), patched)
     pipe.remove_tome()
@@ -477,7 +477,7 @@ def test_pag_pipelines_of_transformers_run_merged_and_remove_exactly(kind, pag_c
     tome.patch(pipe, ratio=0.5)
     patched = run()
     [(_, state)] = tome.patched_models(pipe)
-    assert (state.stats[1].blocks, state.stats[1].tokens, state.stats[1].kept) == (2, 64, 32)
+    assert (state.ledger.stats[1].blocks, state.ledger.stats[1].tokens, state.ledger.stats[1].kept) == (2, 64, 32)
     assert torch.isfinite(patched).all() and rel(patched, reference) > 1e-4
     tome.remove(pipe)
     assert torch.equal(run(), reference)
@@ -540,7 +540,7 @@ def test_kontext_reference_tokens_pass_through_and_the_output_grid_merges():
     for h in handles:
         h.remove()
     (_, state), = tome.patched_models(model)
-    assert (state.stats[1].tokens, state.stats[1].kept) == (grid, grid // 2)  # the output's grid only
+    assert (state.ledger.stats[1].tokens, state.ledger.stats[1].kept) == (grid, grid // 2)  # the output's grid only
     double = [x for n, x in seen if n.startswith("transformer_blocks")]
     single = [x for n, x in seen if n.startswith("single_transformer_blocks")]
     assert {x.shape[1] for x in double} == {grid // 2 + grid}  # merged output tokens, then every reference token

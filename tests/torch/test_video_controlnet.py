@@ -85,7 +85,7 @@ def observe(pipe, kwargs, **options):
         finally:
             for handle in handles:
                 handle.remove()
-        stats = {type(p.model).__name__: dict(p.state.stats) for p in tome.patched_models(pipe)}
+        stats = {type(p.model).__name__: dict(p.state.ledger.stats) for p in tome.patched_models(pipe)}
     finally:
         tome.remove(pipe)
     return plain, patched, stats, temporal_hooked
@@ -285,7 +285,7 @@ def test_multi_controlnet(video_checks):
         across = run(multi, kwargs)
         patched = tome.patched_models(multi)
         assert [p.model for p in patched] == [multi.unet, *multi.controlnet.nets]
-        stats = [{level: (s.blocks, s.tokens, s.kept, s.frames) for level, s in p.state.stats.items()} for p in patched]
+        stats = [{level: (s.blocks, s.tokens, s.kept, s.frames) for level, s in p.state.ledger.stats.items()} for p in patched]
     finally:
         tome.remove(multi)
     chunk_kept = video_checks.chunk_tokens(2, TOKENS, 0.5)

@@ -1113,7 +1113,7 @@ def test_z_image_list_of_lists_runs_unmerged_and_says_so():
         except Exception:
             pass
     assert sum("list of lists" in str(w.message) for w in caught) == 1
-    assert not state.merging
+    assert not state.call.merging
 
 
 def _feed_forward_calls(blocks, child):
@@ -1579,7 +1579,7 @@ def _pipeline_end_to_end(pipe: Any, call: Callable[[], Any]) -> None:
         tome.patch(pipe, **options)
         output = torch.as_tensor(call())
         assert torch.isfinite(output).all() and float((output - reference).abs().max()) > 1e-6
-        assert tome.patched_models(pipe)[0].state.stats
+        assert tome.patched_models(pipe)[0].state.ledger.stats
     tome.remove(pipe)
     assert torch.equal(torch.as_tensor(call()), reference)
 
@@ -1657,7 +1657,7 @@ def test_amused_pipeline_merges_end_to_end():
                 tome.patch(pipe, **options)
                 image, merged = call()
                 assert image.shape == reference.shape and torch.isfinite(image).all() and torch.isfinite(merged).all()
-                assert _rel(merged, plain) > 1e-6 and tome.patched_models(pipe)[0].state.stats
+                assert _rel(merged, plain) > 1e-6 and tome.patched_models(pipe)[0].state.ledger.stats
             tome.remove(pipe)
             image, unpatched = call()
     finally:
@@ -1764,7 +1764,7 @@ def test_stable_cascade_stage_b_merges_from_its_finest_level_with_attention():
         model = zoo.random_transformer("StableCascadeUNet", config, 0)
         tome.patch(model, ratio=0.5, **options)
         _run(model, inputs)
-        stats = tome.patched_models(model)[0].state.stats
+        stats = tome.patched_models(model)[0].state.ledger.stats
         assert set(stats) == levels and all(level.blocks == (2 if config is stage_b else 4) for level in stats.values())
 
 

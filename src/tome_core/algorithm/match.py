@@ -468,7 +468,7 @@ def match_block(
 
 class Matcher(Protocol):
     """How a run finds each block's matches: the seam where another way of choosing the tokens plugs in
-    (:attr:`ToMeState.matcher <tome_core.hooks.state.ToMeState.matcher>`, set before the hooks are attached). The run
+    (:attr:`Matching.matcher <tome_core.hooks.matching.Matching.matcher>`, set before the hooks are attached). The run
     decides everything else, the blocks, levels and counts, the arrangement and the statistics; the matcher is
     called once per block that merges (or, where matches are reused, once per reuse), and its matches are merged
     and unmerged by the same hooks. :data:`TOME` is ToMe's own."""

@@ -23,7 +23,8 @@ from ..models.families import (
 from ..models.model_tree import block_metric
 from ..shards import CONTEXT_PARALLEL
 from .attention_bias import SizeBias, own_call
-from .state import Level, ToMeState, shown_sublayer
+from .ledger import Level, shown_sublayer
+from .state import ToMeState
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def image_tokens(ops: ArrayOps, x: Any, stream: str, grid: Optional[Tuple[int, i
 
 class Settled(NamedTuple):
     """What a block ran unmerged for its size in an eager call (:meth:`BlockRun._repeats`): a call with the same
-    ``key`` (:attr:`ToMeState.call_key`), input ``shape``, ``family`` variant and ``config`` runs it so again,
+    ``key`` (:attr:`CallFacts.key <tome_core.hooks.call.CallFacts.key>`), input ``shape``, ``family`` variant and ``config`` runs it so again,
     counted as ``unpaid`` (its ``(level, why, tokens)`` for :meth:`ToMeState.summary`; None: not counted)."""
 
     key: Any
@@ -174,7 +175,7 @@ class BlockRun:
         """The plan of this call: the block's image tokens read off its input ``whole`` here, then what
         :meth:`ToMeState.decide` makes of them. ``unmerged_by``: its call's ``unmerged_with`` argument."""
         state = self.state
-        deciding = state.merging and not self._unmerged(unmerged_by)  # else a call that runs unmerged, said there
+        deciding = state.call.merging and not self._unmerged(unmerged_by)  # else a call that runs unmerged, said there
         config, fallback = self._arrangement(state.active) if deciding else (None, None)
         if deciding and self._repeats(ops, whole, config):
             return self.idle
@@ -187,11 +188,9 @@ class BlockRun:
         if not deciding:
             return self.idle
         image = self._image(ops, metric, grid, head, tail)
-        execution = self._execution(image)
+        self._read_execution(image)
         shared = self.family.rotary is not None or self.masks
-        matches, level, unmerged = state.decide(
-            image, execution, self.stream, shared, self.ratio, config, fallback, own_grid
-        )
+        matches, level, unmerged = state.decide(image, self.stream, shared, self.ratio, config, fallback, own_grid)
         if matches is None:  # it runs unmerged for its size: a level above max_downsample, or merging would not pay
             self._settle(ops, whole, config, unmerged)
             return self.idle
@@ -203,29 +202,29 @@ class BlockRun:
         call key, input shape, family variant and options): then it runs unmerged again, counted as then, without
         reading its sizes again (an eager GPU call is bound by the hooks' host time)."""
         settled = self.settled
-        if settled is None or settled.key != self.state.call_key or settled.family is not self.family:
+        if settled is None or settled.key != self.state.call.key or settled.family is not self.family:
             return False
         if settled.config is not config or settled.shape != ops.shape(whole):
             return False
         if settled.unpaid is not None:
-            self.state.unpaid_block(*settled.unpaid)
+            self.state.ledger.unpaid_block(*settled.unpaid)
         return True
 
     def _settle(self, ops: ArrayOps, whole: Any, config: ToMeConfig, unpaid: Optional[Tuple[int, str, int]]) -> None:
         """Remember that this block runs unmerged for its size in this call (``unpaid``: its count in
         :meth:`ToMeState.summary`), for :meth:`_repeats`: only in an eager call, not for a block whose grid it reads
         itself (``feature_map``) or that another model may run (``lent``)."""
-        key = self.state.call_key
+        key = self.state.call.key
         if key is None or self.family.feature_map or self.lent:
             self.settled = None
             return
         self.settled = Settled(key, ops.shape(whole), self.family, config, unpaid)
 
-    def _execution(self, x: Any) -> Tuple[str, str]:
-        """The device and execution of the call now running (``Framework.execution``), read once per call."""
-        if self.state.execution is None:
-            self.state.execution = self.fw.execution(x)
-        return self.state.execution
+    def _read_execution(self, x: Any) -> None:
+        """Read the device and execution of the call now running (``Framework.execution``) where its start did not."""
+        state = self.state
+        if state.call.execution is None:
+            state.call = state.call._replace(execution=self.fw.execution(x))
 
     def _ran_on(self, x: Any) -> Optional[Tuple[Any, BlockPlan]]:
         """What an earlier run of this block on ``x`` used, if this is a recomputation of it: on ``x`` itself
@@ -239,7 +238,7 @@ class BlockRun:
     def _own_piece(self, ops: ArrayOps, x: Any) -> Any:
         """This process's piece of a block input that context parallelism splits inside the block's own call
         (:attr:`Shards.split_inside`); ``x`` itself otherwise."""
-        shards = self.state.shards
+        shards = self.state.call.shards
         if shards is None or id(self.block) not in shards.split_inside:
             return x
         if self.family.stream != TEXT_NONE:
@@ -256,19 +255,19 @@ class BlockRun:
         if given is None:
             return False
         name, why = self.family.unmerged_with
-        self.state.say_once(f"ToMe on {self.where}: calls whose blocks get {name} ({why}) run unmerged in those blocks")
-        self.state.hold(f"they got {name} ({why})")
+        self.state.ledger.say_once(f"ToMe on {self.where}: calls whose blocks get {name} ({why}) run unmerged in those blocks")
+        self.state.ledger.hold(f"they got {name} ({why})")
         return True
 
     def _around(self, ops: ArrayOps, x: Any, grid: Optional[Tuple[int, int]]) -> Tuple[int, int]:
         """``(head, tail)`` of this block's image stream around its ``grid`` (:func:`around_grid`), refused under
         context parallelism where tokens of other images sit beside the grid."""
-        state = self.state
-        head, tail = around_grid(ops, x, self.family.stream, grid, state.tail, state.grid_last)
-        if head + tail > state.tail and state.shards is not None:
+        call = self.state.call
+        head, tail = around_grid(ops, x, self.family.stream, grid, call.tail, call.grid_last)
+        if head + tail > call.tail and call.shards is not None:
             raise ValueError(
                 f"ToMe cannot merge {self.where} {CONTEXT_PARALLEL}: its {type(self.block).__name__}s get "
-                f"{head + tail - state.tail} tokens of other images beside the output's grid, which the split divides "
+                f"{head + tail - call.tail} tokens of other images beside the output's grid, which the split divides "
                 "together with it"
             )
         return head, tail
@@ -300,14 +299,14 @@ class BlockRun:
         """:meth:`ToMeConfig.arrangement` of this run's options: never size-aware where the state's matcher keeps
         tokens that each stand for themselves (:attr:`Matcher.sized <tome_core.algorithm.match.Matcher.sized>` False)."""
         mode, size_aware = self.plan.config.arrangement(kind, self_attention)
-        return mode, size_aware and self.state.matcher.sized
+        return mode, size_aware and self.state.matching.matcher.sized
 
     def count(self, kind: str) -> None:
         """Count this block in the call's statistics as its ``kind`` sub-layer ran with its match (once per call of
         the block, and only for the sub-layer its summary line shows): what that sub-layer's attention saw."""
         plan = self.plan
         if plan.level is not None and kind == shown_sublayer(plan.matches):
-            self.state.count(plan.level, plan.matches[kind])
+            self.state.ledger.count(plan.level, plan.matches[kind])
             self.plan = replace(plan, level=None)
 
     def passed(self, kind: str, child: str, why: str) -> None:
@@ -315,7 +314,7 @@ class BlockRun:
         its tokens because of ``why``."""
         plan = self.plan
         if plan.level is not None and kind == shown_sublayer(plan.matches):
-            self.state.passed(plan.level, child, why, plan.matches[kind].tokens)
+            self.state.ledger.passed(plan.level, child, why, plan.matches[kind].tokens)
             self.plan = replace(plan, level=None)
 
     def end(self, module, args, kwargs, output):
@@ -497,7 +496,7 @@ class SublayerHooks:
         if mask is None or self.sublayer.kind != "attn" or (placed and gatherable(mask, argument(args, kwargs, "hidden_states", 0))):
             return False
         why = "it is given an attention_mask over its tokens, which merging cannot follow"
-        run.state.say_once(
+        run.state.ledger.say_once(
             f"ToMe on {run.where}: {type(run.block).__name__}.{child} {why.removeprefix('it ')}; it runs on all its "
             "tokens (its block's other sub-layers still merge) in such calls"
         )
@@ -589,7 +588,7 @@ class SublayerHooks:
         family, after = self.run.family, text_follows(self.sublayer.text)
         if isinstance(rotary, dict):  # tables by name (AnyFlow's query and key frequencies)
             moved = merge_positions(
-                tuple(rotary.values()), match, family.rotary_axis, self.run.plan.tail, after, self.head, self.run.state.drawn
+                tuple(rotary.values()), match, family.rotary_axis, self.run.plan.tail, after, self.head, self.run.state.matching.drawn
             )
             return replace_argument(args, kwargs, name, at, type(rotary)(zip(rotary, moved)))
         if not isinstance(rotary, (tuple, list)):  # one table (Z-Image's complex frequencies)
@@ -598,7 +597,7 @@ class SublayerHooks:
         items = family.rotary_items
         moved = merge_positions(
             [table for i, table in enumerate(rotary) if items is None or i in items], match, family.rotary_axis,
-            self.run.plan.tail, after, self.head, self.run.state.drawn,
+            self.run.plan.tail, after, self.head, self.run.state.matching.drawn,
         )
         if items is not None:
             moved = iter(moved)
@@ -734,7 +733,7 @@ def merge_positions(
     of the token it stands at (its destination). The match is shared by the batch, so batch item 0 tells every
     item's positions. A table of one entry along ``axis`` gives every token that entry (it broadcasts, as the
     rotary tables of diffusers' HunyuanDiT model test do): it serves the merged tokens as it is. ``memo``: the
-    call's arrays (:attr:`ToMeState.drawn`), where tables of one shape that every block of the call gets (a
+    call's arrays (:attr:`Matching.drawn <tome_core.hooks.matching.Matching.drawn>`), where tables of one shape that every block of the call gets (a
     model's rotary positions) are stacked once, so that each block moves them in one gather instead of one each."""
     if match.representatives is None:
         return rotary

@@ -20,6 +20,7 @@ from ..models.levels import spatial_size
 from ..models.model_tree import grid_modules, is_transformer_model, is_unet_like
 from ..models.plan import ModelPlan
 from ..shards import check_shard_cells, check_shards, shard_grid
+from .call import CallFacts
 from .retyping import detach
 from .state import ToMeState
 
@@ -68,13 +69,14 @@ class CallStart:
         )
         step, merging = partition_step(timestep), self._merges_at(values)
         if config.reuse_steps > 1 and values is not None:  # matches live within one generation
-            self.state.follow_generation(-min(values) if self.rising else max(values), generation(self.state.pipeline))
+            matching = self.state.matching
+            matching.follow_generation(-min(values) if self.rising else max(values), generation(matching.pipeline))
         if not self.transformer:  # UNets give their latent; inner Transformer2DModels give the grids
             latent = spatial_size(sample, self.data_format) if self.unet else None
             shape = get_ops(sample).shape(sample) if self.unet else ()
             # a video UNet's sample is 5-D (batch first); its blocks see batch * frames items
             videos = shape[0] if len(shape) == 5 else None
-            self.state.begin_call(latent, step, videos=videos, merging=merging, execution=self.fw.execution(sample))
+            self.state.begin_call(CallFacts(latent, step, videos, merging, execution=self.fw.execution(sample)))
             return None
         if isinstance(sample, (list, tuple)):  # a list of [C, F, H, W] latents (Z-Image): one batch
             if not sample or isinstance(sample[0], (list, tuple)):
@@ -95,10 +97,8 @@ class CallStart:
             check_shards(shards, self.size_aware, self.model)
             grid = shard_grid(grid, shards, tail, videos, self.model)
         execution = self.fw.execution(sample[0] if isinstance(sample, (list, tuple)) else sample)
-        self.state.begin_call(
-            grid, step, videos=videos, merging=merging, tail=tail, grid_last=grid_last, shards=shards, execution=execution,
-            frame_rows=placed.grid[0] // frames if frames > 1 else 0,
-        )
+        frame_rows = placed.grid[0] // frames if frames > 1 else 0
+        self.state.begin_call(CallFacts(grid, step, videos, merging, None, tail, grid_last, shards, execution, frame_rows))
         self.state.enter_grid(grid)
         if shards is not None:
             check_shard_cells(grid, shards, self.state.active, self.model)
@@ -106,8 +106,8 @@ class CallStart:
 
     def _unplaced(self, step: Any, why: str) -> None:
         """Begin a call whose tokens no grid places: it runs unmerged, and ``why`` is said once."""
-        self.state.say_once(f"ToMe on {self.model}: {why}")
-        self.state.begin_call(None, step, merging=False, why=why)
+        self.state.ledger.say_once(f"ToMe on {self.model}: {why}")
+        self.state.begin_call(CallFacts(None, step, merging=False, why=why))
 
     def _merges_at(self, timesteps: Optional[List[float]]) -> bool:
         """Whether this call, at ``timesteps`` (read on the host where an option needs them), merges under
@@ -151,9 +151,9 @@ def call_ends(state: ToMeState, module: Any, args: Any, kwargs: Any, output: Any
     recomputed in backward, gradient checkpointing, chooses the same ones again from the call's seed and step);
     the index tables that depend on shapes and the seed alone stay for the next call, until ``remove``
     (:func:`~tome_core.algorithm.partition.cached`). Matches kept for the next calls (``reuse_steps``) or for the call's
-    other blocks (``reuse_blocks``) stay in :attr:`ToMeState.cache`."""
+    other blocks (``reuse_blocks``) stay (:class:`~tome_core.hooks.matching.Matching`)."""
     state.in_call = False
-    state.drawn = {}
+    state.matching.drawn = {}
     if state.detach_after_call:  # remove() was called inside this call (driver._detach_after_call)
         detach(module)
 
