@@ -56,9 +56,8 @@ class ArrayOps(Protocol):
         """Swap the last two axes."""
 
     def aligned_columns(self, x: Array) -> Array:
-        """``x`` with its last axis padded by zeros to a length this backend's :meth:`matmul` runs fastest with
-        as its right operand (the caller slices the product's extra columns off); ``x`` itself where any
-        length is as fast."""
+        """``x`` zero-padded on its last axis to a length this backend's :meth:`matmul` runs fastest with as its
+        right operand (the caller slices the extra columns off); ``x`` itself where any length is as fast."""
 
     def log(self, x: Array) -> Array:
         """Natural logarithm, elementwise."""
@@ -67,11 +66,8 @@ class ArrayOps(Protocol):
         """Mean over ``axes`` (dropped), in ``x``'s dtype."""
 
     def stop_gradient(self, x: Array) -> Array:
-        """``x`` cut from automatic differentiation (the match is a discrete choice: no gradient flows through
-        it, and nothing of its computation needs to be kept for the backward pass)."""
-
-    def vector_norm(self, x: Array) -> Array:
-        """Euclidean norm over the last axis, kept as a size-1 axis."""
+        """``x`` cut from automatic differentiation (the match is a discrete choice: nothing of it is kept for the
+        backward pass)."""
 
     def unit_vectors(self, x: Array) -> Array:
         """``x`` over its Euclidean norm along the last axis; a zero vector stays zero (divided by the dtype's

@@ -141,9 +141,6 @@ class JaxOps:
     def stop_gradient(self, x):
         return jax.lax.stop_gradient(x)
 
-    def vector_norm(self, x):
-        return _vector_norm(x)
-
     def unit_vectors(self, x):
         return x / jnp.maximum(_vector_norm(x), jnp.finfo(x.dtype).tiny)
 

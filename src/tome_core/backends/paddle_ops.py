@@ -64,13 +64,11 @@ class PaddleOps:
     def stop_gradient(self, x):
         return x.detach()
 
-    def vector_norm(self, x):
+    def unit_vectors(self, x):
         # Not sqrt(sum(x * x)): paddle's vectorised sqrt is off by an ulp from numpy's, which changes which
         # of two tied similarities wins; p_norm matches numpy bit for bit.
-        return paddle.linalg.vector_norm(x, p=2, axis=-1, keepdim=True)
-
-    def unit_vectors(self, x):
-        return x / paddle.clip(self.vector_norm(x), min=float(paddle.finfo(x.dtype).smallest_normal))
+        norm = paddle.linalg.vector_norm(x, p=2, axis=-1, keepdim=True)
+        return x / paddle.clip(norm, min=float(paddle.finfo(x.dtype).smallest_normal))
 
     def max_argmax(self, x):
         # One pass: paddle.argmax returns the first maximal index (like numpy); the value is gathered from it.

@@ -62,11 +62,8 @@ class TorchOps:
     def stop_gradient(self, x):
         return x.detach()
 
-    def vector_norm(self, x):
-        return torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-
     def unit_vectors(self, x):
-        return x / self.vector_norm(x).clamp_min(torch.finfo(x.dtype).tiny)
+        return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny)
 
     def max_argmax(self, x):
         values, index = x.max(dim=-1)
