@@ -36,15 +36,10 @@ def random_offsets(
     ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: int, step: Union[int, Array],
     stream: Union[int, Array],
 ) -> Array:
-    """Destination position inside each cell, in ``[0, sx*sy)``, shape ``[h//sy, w//sx]``; for an array of
-    ``S`` streams ``[S, h//sy, w//sx]``, row ``i`` the partition of stream ``stream[i]`` (one set of array
-    operations for every block of a call: an eager GPU call is bound by their launches).
-
-    A counter-based hash of (seed, step, stream, cell): no random-number generator state is read or
-    advanced, the same arguments give the same partition on every backend and on every run, and
-    ``step`` may be a traced or on-device number (the denoising timestep, integer or fractional) without a
-    host sync; steps that differ by at least 1/1000 give different partitions.
-    """
+    """Destination position inside each cell, in ``[0, sx*sy)``, shape ``[h//sy, w//sx]`` (``[S, h//sy, w//sx]``
+    for an array of ``S`` streams). A counter-based hash of (seed, step, stream, cell): no generator state, the same
+    partition on every backend and run, and ``step`` (the timestep, integer or fractional) may be a traced or
+    on-device number, read without a host sync; steps at least 1/1000 apart give different partitions."""
     hsy, wsx = h // sy, w // sx
     cell = ops.arange(hsy * wsx, like)
     key = (seed % _PRIME) * _MIX[0] % _PRIME
@@ -54,12 +49,9 @@ def random_offsets(
         key = ops.reshape(key, (-1, 1))
     # Flow-matching transformers (Flux) pass fractional timesteps in [0, 1]: the hash takes floor(1000 * t).
     # Computed as (floor(t) mod p) * 1000 + the fraction's thousandths, so that int32 never overflows.
-    if isinstance(step, (int, float)):
-        whole = math.floor(step)
-        step = ((whole % _PRIME) * 1000 + math.floor((step - whole) * 1000)) % _PRIME
-    else:
-        whole = ops.as_index(step)
-        step = ((whole % _PRIME) * 1000 + ops.as_index((step - whole) * 1000)) % _PRIME
+    floor = math.floor if isinstance(step, (int, float)) else ops.as_index
+    whole = floor(step)
+    step = ((whole % _PRIME) * 1000 + floor((step - whole) * 1000)) % _PRIME
     x = (step + key) * _MIX[2] % _PRIME
     x = _scramble((x + cell) % _PRIME)
     # The seed's higher digits in base p, each mixed in by a further round (none for seeds below p), so that
@@ -82,9 +74,8 @@ def cell_table(
     ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, tiling: Optional[Tiling] = None
 ) -> Tuple[Array, Optional[Array]]:
     """Token index of every position of every cell ``[cells, sx*sy]`` (row-major inside the cell), and the
-    leftover tokens outside the full cells (``None`` when the grid is tiled exactly). ``tiling``: the grid's rows
-    are tiled band by band (:data:`Tiling`): the cells band by band, and the leftover tokens of each band (its
-    leftover columns, then its leftover rows) band by band. Depends on shapes only."""
+    leftover tokens outside the full cells (its leftover columns, then rows; ``None`` when the grid is tiled
+    exactly), band by band for a ``tiling``. Depends on shapes only."""
     tiles, first = [], 0
     for rows in tiling or (h,):
         tiles.append(_tile(ops, like, rows, w, sx, sy, first * w))
@@ -118,10 +109,9 @@ def _tile(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, start: i
 
 
 def cached(ops: ArrayOps, like: Array, key: Tuple, build: Callable[[], Any]) -> Any:
-    """Index arrays that depend on shapes (and the seed) alone, kept per backend and device where the backend
-    allows it: built once, then read by every block and call, so that a call launches only the kernels of its own
-    arithmetic. At most :data:`_CACHE_SIZE` entries, the least recently built dropped first; ``remove`` clears them
-    (:func:`forget_tables`). What they hold: ``docs/results/launches.md``."""
+    """``build()``, kept per backend and device where the backend allows it: index arrays that depend on shapes and
+    the seed alone, built once, so that a call launches only the kernels of its own arithmetic. At most
+    :data:`_CACHE_SIZE`, the oldest dropped first (what they hold: ``docs/results/launches.md``)."""
     device = ops.cache_key(like)
     if device is None:
         return build()
@@ -143,12 +133,9 @@ def split(
     ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, offsets: Optional[Array],
     tiling: Optional[Tiling] = None,
 ) -> Tuple[Array, Array]:
-    """Flat token indices ``(dst [D], src [N - D])`` for an ``h x w`` grid (tiled band by band: ``tiling``).
-
-    ``offsets[i, j]`` is the destination's row-major position inside cell ``(i, j)``; ``None`` means the
-    cell's first position. Destinations come out in cell order (row-major over cells); sources cell by
-    cell, then the leftover columns and rows (:func:`cell_table`).
-    """
+    """Flat token indices ``(dst [D], src [N - D])`` for an ``h x w`` grid: ``offsets[i, j]`` is the destination's
+    row-major position inside cell ``(i, j)`` (``None``: its first). Destinations in cell order, sources cell by
+    cell, then the leftover tokens (:func:`cell_table`)."""
     if offsets is None:  # the fixed partition: the one row of its table
         order = split_table(ops, like, h, w, sx, sy, None, tiling)[0][0]
         sources = h * w - num_cells(h, w, sx, sy, tiling)
@@ -202,13 +189,11 @@ def _neighbours(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, wi
     hsy, wsx = h // sy, w // sx
     per_cell = sx * sy - 1
     cell = ops.arange(hsy * wsx * per_cell, like) // per_cell
-    rows, cols = [cell // wsx], [cell % wsx]
+    row, col = cell // wsx, cell % wsx
     _, leftover = cell_table(ops, like, h, w, sx, sy)
     if leftover is not None:
-        rows.append(_clamp(ops, leftover // w // sy, hsy - 1))
-        cols.append(_clamp(ops, leftover % w // sx, wsx - 1))
-    row = ops.concat(rows, axis=0) if len(rows) > 1 else rows[0]
-    col = ops.concat(cols, axis=0) if len(cols) > 1 else cols[0]
+        row = ops.concat([row, _clamp(ops, leftover // w // sy, hsy - 1)], axis=0)
+        col = ops.concat([col, _clamp(ops, leftover % w // sx, wsx - 1)], axis=0)
     return _within(ops, like, row, col, hsy, wsx, window)
 
 
@@ -224,7 +209,8 @@ def frame_pieces(h: int, frame_rows: int, offset: int = 0) -> Tiling:
     if not 0 <= offset < frame_rows:
         raise ValueError(f"offset must be a row of a {frame_rows}-row frame (0 to {frame_rows - 1}), got {offset}")
     first = min(h, frame_rows - offset)
-    return (first,) + (frame_rows,) * ((h - first) // frame_rows) + (((h - first) % frame_rows,) if (h - first) % frame_rows else ())
+    whole, rest = divmod(h - first, frame_rows)
+    return (first,) + (frame_rows,) * whole + ((rest,) if rest else ())
 
 
 def stacked_frames(h: int, frame_rows: int, offset: int = 0) -> int:
@@ -252,22 +238,13 @@ class FrameSearch(NamedTuple):
 def frame_search(
     h: int, w: int, sx: int, sy: int, frame_rows: int, window: Optional[int], offset: int = 0
 ) -> Optional[FrameSearch]:
-    """For a video whose frames of ``frame_rows`` token rows are stacked in the ``h x w`` grid's rows (its first
-    row being row ``offset`` of its frame): the grid tiled frame by frame, and which destinations each source may
-    be compared with, so that a source meets exactly the destinations of the frames within ``window`` frames of its
-    own (and the similarity costs linear instead of quadratic in frames).
-
-    Each frame is tiled with its own cells, so no cell spans two frames: the rows and columns of a frame that no
-    full cell covers are its leftover sources, and they meet the same destinations as the frame's cells. A frame
-    with fewer rows than a cell (``sy``; a frame thinner than a cell, or the piece of a frame that a process's
-    piece of the sequence holds) is tiled together with the next frames until the group holds ``sy`` rows (a short
-    last group joins the one before): a group's tokens meet the destinations of the groups whose frames all lie
-    within ``window`` of one of its frames, so such a group's tokens reach up to its span further. One band of
-    sources per group's cells, then one per group's leftovers.
-
-    None where every source meets every destination: no frames (``frame_rows`` 0 or the whole grid), ``window``
-    None, a window that spans the video, or a grid without a full cell; the grid is then tiled as one. Depends on
-    shapes only (Python ints)."""
+    """For a video whose frames of ``frame_rows`` token rows are stacked in the ``h x w`` grid's rows (the first
+    row being row ``offset`` of its frame): the grid tiled frame by frame, so that no cell spans two frames, and
+    the destinations each run of sources meets: those of the frames within ``window`` frames of its own (the
+    similarity then costs linear, not quadratic, in frames). A frame's leftover tokens meet what its cells meet; a
+    frame (or a process's piece of one) thinner than a cell is grouped with the next frames until the group holds
+    ``sy`` rows (a short last group joins the one before). None where every source meets every destination (no
+    frames, ``window`` None or spanning the video, no full cell). Depends on shapes only (Python ints)."""
     key = (h, w, sx, sy, frame_rows, window, offset)
     if key not in _BANDS:
         if len(_BANDS) >= 256:
@@ -350,15 +327,13 @@ def _clamp(ops: ArrayOps, x: Array, high: int) -> Array:
 
 
 DRAWS = 31
-"""Partitions drawn per grid and seed (a prime): a call's step picks one of them for each block stream
-(:class:`Draw`). 31 distinct partitions cycle through a 50-step generation (its timesteps 20 apart land on
-distinct draws), each a fresh pseudo-random placement, for a fixed memory of ``2 * DRAWS`` index rows per grid."""
+"""Partitions drawn per grid and seed (a prime, so a 50-step generation's timesteps 20 apart land on distinct
+draws): a call's step picks one for each block stream (:class:`Draw`), for ``2 * DRAWS`` index rows per grid."""
 
 
 def draw_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: int) -> Array:
-    """``[DRAWS, h//sy, w//sx]``: the destination's position inside each cell in each of the grid's drawn
-    partitions under ``seed`` (row ``i``: :func:`random_offsets` of stream ``i`` at step 0). Depends on shapes and
-    the seed only: built once and kept (:func:`cached`)."""
+    """``[DRAWS, h//sy, w//sx]``: each cell's destination position in each drawn partition under ``seed`` (row
+    ``i``: :func:`random_offsets` of stream ``i`` at step 0), kept (:func:`cached`)."""
     return cached(ops, like, ("draws", h, w, sx, sy, seed), lambda: random_offsets(
         ops, like, h, w, sx, sy, seed, 0, ops.arange(DRAWS, like)
     ))
@@ -379,11 +354,9 @@ def _drawn_offsets(
 def split_table(
     ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: Optional[int], tiling: Optional[Tiling] = None
 ) -> Tuple[Array, Array]:
-    """``(order [R, N], dst_slot [R, N])`` for the grid's drawn partitions (``R = DRAWS``; ``seed`` None: the one
-    fixed partition, each cell's first token, ``R = 1``; ``tiling``: the grid tiled band by band, :data:`Tiling`):
-    ``order`` lists each partition's sources, then its destinations (:func:`split`'s two arrays end to end), and
-    ``dst_slot`` holds at each destination token its place among the destinations (0 at sources). Built once per
-    shape and seed and kept (:func:`cached`)."""
+    """``(order [R, N], dst_slot [R, N])`` for the grid's ``R = DRAWS`` drawn partitions (``seed`` None: the fixed
+    one, ``R = 1``): ``order`` is :func:`split`'s sources then destinations, ``dst_slot`` each destination token's
+    place among the destinations (0 at sources). Kept (:func:`cached`)."""
     def build():
         cells, leftover = _cells(ops, like, h, w, sx, sy, tiling)
         dst, src = _split_rows(ops, cells, leftover, _drawn_offsets(ops, like, h, w, sx, sy, seed, tiling))
@@ -403,11 +376,9 @@ def pick_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, see
 
 
 class Draw(NamedTuple):
-    """Which drawn partition each block stream uses in one call: the step's key (its thousandths: flow-matching
-    transformers pass timesteps in [0, 1]) plus the stream's own offset, modulo :data:`DRAWS`; one small set of array operations per call, then one gather per grid for
-    every stream at once (an eager GPU call is bound by kernel launches), and nothing read on the host. ``seed``,
-    ``step``, the block's ``stream`` among the model's ``streams``, and ``drawn``: the call's arrays by grid and
-    seed."""
+    """Which drawn partition each block stream uses in one call: the step's thousandths plus the stream's own
+    offset, modulo :data:`DRAWS`; one gather per grid for every stream at once, nothing read on the host. The
+    block's ``stream`` among the model's ``streams``; ``drawn``: the call's arrays by grid and seed."""
 
     seed: int
     step: Union[int, Array]
@@ -420,16 +391,12 @@ class Draw(NamedTuple):
         streams = max(self.streams, self.stream + 1)
         key = ("rows", self.seed, streams)
         rows = self.drawn.get(key)
-        if rows is None or ops.shape(rows)[0] <= self.stream:
+        if rows is None:
             offsets = cached(ops, like, ("stream offsets", self.seed, streams), lambda: (
                 ops.arange(streams, like) * _STREAM_SPREAD + (self.seed % _PRIME) * _MIX[0]
             ) % DRAWS)
-            step = self.step  # keyed by its thousandths, the same for an int, a float and an array of either
-            if isinstance(step, (int, float)):
-                rows = (offsets + math.floor(step * 1000)) % DRAWS
-            else:
-                rows = (offsets + ops.as_index(step * 1000)) % DRAWS
-            self.drawn[key] = rows
+            floor = math.floor if isinstance(self.step, (int, float)) else ops.as_index
+            rows = self.drawn[key] = (offsets + floor(self.step * 1000)) % DRAWS
         return rows
 
     def _per_call(self, ops: ArrayOps, like: Array, key: Tuple, table: Array) -> Array:
@@ -466,15 +433,10 @@ _STREAM_SPREAD = 7  # consecutive blocks land 7 draws apart (coprime with DRAWS:
 
 @dataclass(frozen=True)
 class Partition:
-    """One block's ``h x w`` grid split for one call: everything its match reads of the grid, built at once by
-    :func:`partition_grid`. ``cells`` and ``leftover``: :func:`cell_table`; ``offsets``: each cell's destination
-    position (None: its first token); ``dst`` and ``src``: :func:`split` (similarity matching); ``neighbours``:
-    each source's candidate destinations (:func:`neighbour_table`, local matching) and ``nearby`` each token's
-    neighbours (:func:`window_table`, local matching across frames); ``reference``: the reference frame of a
-    cross-frame chunk of ``frames`` frames (a Python int or a 1-element index array); ``bands``: the runs of
-    sources and the destinations each meets in a video whose frames are stacked in rows (:func:`frame_search`;
-    None: every source meets every destination); ``tiling``: the grid's rows tiled band by band (:data:`Tiling`;
-    None: as one)."""
+    """One block's ``h x w`` grid split for one call, all its match reads of the grid (:func:`partition_grid`):
+    ``cells``, ``leftover`` (:func:`cell_table`), ``dst``, ``src`` (:func:`split`), ``neighbours``
+    (:func:`neighbour_table`) and ``nearby`` (:func:`window_table`) for local matching, the ``reference`` frame of
+    a chunk of ``frames`` (an int or a 1-element index array), ``bands`` and ``tiling`` (:func:`frame_search`)."""
 
     h: int
     w: int
@@ -508,13 +470,10 @@ def partition_grid(
     reference: Any = None, frame_rows: int = 0, frame_window: Optional[int] = None, frame_offset: int = 0,
 ) -> Partition:
     """The :class:`Partition` of an ``h x w`` grid of ``sx x sy`` cells. ``draw`` places the destinations (and a
-    chunk's reference frame) pseudo-randomly where the match ``picks`` a token per cell, else ``offsets`` places
-    them (None: each cell's first token) and ``reference`` is the chunk's (None: its middle frame). ``similarity``:
-    the match compares sources with destinations (``dst``, ``src``; within ``window`` cells when > 0); ``frames``:
-    it runs on chunks of that many frames; ``frame_rows``: the grid stacks a video's frames of that many rows, its
-    first row being row ``frame_offset`` of its frame, and a source meets only the destinations within
-    ``frame_window`` frames of its own, the grid tiled frame by frame (:func:`frame_search`; not with ``window``,
-    already local)."""
+    chunk's reference frame) pseudo-randomly where the match ``picks`` a token per cell, else ``offsets`` (None:
+    each cell's first token) and ``reference`` (None: the middle frame). ``similarity``: sources are compared with
+    destinations (within ``window`` cells when > 0); ``frames``: in chunks of that many frames; ``frame_rows``,
+    ``frame_window``, ``frame_offset``: :func:`frame_search` (not with ``window``, already local)."""
     search = frame_search(h, w, sx, sy, frame_rows, frame_window, frame_offset) if similarity and not window else None
     tiling = None if search is None else search.tiling
     cells, leftover = _cells(ops, like, h, w, sx, sy, tiling)
@@ -522,7 +481,7 @@ def partition_grid(
     full = count > 0
     tabled = offsets is None  # drawn (draw) or fixed: from the tables; explicit offsets: split here
     seed = draw.seed if draw is not None else None
-    if draw is not None and frames > 1:  # the reference frame of every chunk: drawn like a destination in a 1 x K cell, from the next seed
+    if draw is not None and frames > 1:  # each chunk's reference: a destination in a 1 x K cell, the next seed
         reference = ops.reshape(draw.offsets(ops, like, 1, frames, frames, 1, draw.seed + 1), (1,))
     if frames > 1 and reference is None:
         reference = frames // 2
