@@ -1,29 +1,22 @@
 """What ToMe needs to know about each transformer block family and model class, as data (framework-free).
 
-A block family (:class:`BlockFamily`) says which of a block's sub-layers are wrapped in merge/unmerge, where the
-image tokens are in each one's input and output, and where text tokens sit beside them in its attention. A model
-layout (:class:`ModelLayout`) says what a model class's call and children tell beyond that: how its call places
-its tokens on a grid, which of its children never merge. The driver (:mod:`tome_core.driver`) reads both through
-:func:`block_family` and :func:`model_layout`. Classes are named, not imported, so the same tables serve diffusers
-(torch), ppdiffusers (paddle) and any library that keeps diffusers' class names. A name written
-``"library:Class"`` (``"ldm:BasicTransformerBlock"``) means that class of the package ``library`` alone, where
-another library uses diffusers' name for something else; it wins over the bare name.
+A :class:`BlockFamily` says which sub-layers of a block merge and where image and text tokens sit in them; a
+:class:`ModelLayout` says what a model class's call and children tell beyond that (its grid, children that never
+merge). The driver reads both through :func:`block_family` and :func:`model_layout`. Classes are named, not imported,
+so the tables serve diffusers, ppdiffusers and any library that keeps diffusers' class names; ``"library:Class"``
+(``"ldm:BasicTransformerBlock"``) names that library's class alone and wins over the bare name.
 
-Adding a model family, honestly:
+Adding a model family:
 
-1. A block class laid out as an existing family's: its name in that family's ``classes`` (one line).
-2. A new block layout: one :class:`BlockFamily` in :data:`BLOCK_FAMILIES` (sub-layers that another family
-   has too: the named tuple they share, such as ``_SELF_CROSS_MLP``).
-3. A model class whose call places its tokens otherwise than its latent's shape over its config's
-   ``patch_size`` or its packed tokens' ids: one :class:`ModelLayout` in :data:`MODEL_LAYOUTS`; a placement that
-   no reader of :mod:`tome_core.models.grid_readers` knows yet: one reader there, and its line in ``grid_reader``.
-4. A module class whose blocks attend across frames: a :class:`Temporal` entry; a 2-D container whose input is
-   its blocks' grid: :data:`GRID_CONTAINERS`. A class ToMe must refuse: its reason in
-   :data:`tome_core.models.model_zoo.REFUSED`.
-5. A mechanism no family has yet (a new way text sits beside the image, a new kind of mask) is code in
-   :mod:`tome_core.hooks.block_hooks`, built once for every family that names it.
-6. Tests: a tiny config in ``tests/torch/test_zoo.py`` (``MERGED``, checked against the unpatched model and by
-   counting the tokens attention sees) and a row in ``docs/models.md`` (the zoo test reads both).
+1. A block class laid out as an existing family's: its name in that family's ``classes``; a new layout: one
+   :class:`BlockFamily` in :data:`BLOCK_FAMILIES` (shared sub-layers as a named tuple, such as ``_SELF_CROSS_MLP``).
+2. A model class whose call places its tokens otherwise than its latent's shape over ``patch_size`` or its packed
+   ids: one :class:`ModelLayout` in :data:`MODEL_LAYOUTS`, and a new reader in :mod:`tome_core.models.grid_readers`
+   where none knows the placement.
+3. Blocks that attend across frames: :data:`TEMPORAL`; a 2-D container whose input is its blocks' grid:
+   :data:`GRID_CONTAINERS`; a class ToMe must refuse: :data:`tome_core.models.model_zoo.REFUSED`.
+4. A mechanism no family has yet is code in :mod:`tome_core.hooks.block_hooks`, built once for every family.
+5. Tests: a tiny config in ``tests/torch/test_zoo.py`` (``MERGED``) and a row in ``docs/models.md``.
 """
 
 from __future__ import annotations
@@ -49,43 +42,28 @@ def text_follows(text: str) -> bool:
 class Sublayer:
     """One sub-layer of a block that runs on merged image tokens.
 
-    child: the block's attribute holding the sub-layer module; a dotted path where the block holds it in a nested
-        block whose own ``forward`` it never calls (Kandinsky 6's ``video_dec_block.self_attention``).
-    kind: which option selects it and which ratio it uses: "attn", "crossattn" or "mlp".
+    child: the block's attribute holding it; a dotted path into a nested block whose own ``forward`` is never called
+        (Kandinsky 6's ``video_dec_block.self_attention``); ``""``: the block itself.
+    kind: the option that selects it and the ratio it uses: "attn", "crossattn" or "mlp".
     text: where text tokens sit in its input or attention (``TEXT_*``).
-    output: index of the image stream when the sub-layer returns a tuple (joint attention), else None.
-    extra_outputs: indices of further image-token outputs of such a tuple, where present (an IP-Adapter processor's
-        attention to the image prompt, computed from the merged queries): unmerged like ``output``, with no text.
+    output: index of the image stream when it returns a tuple (joint attention), else None.
+    extra_outputs: further image-token outputs of that tuple (an IP-Adapter processor's), unmerged like ``output``.
     attention: its keys are its own merged tokens, so size-aware attention applies.
-    kv_input: the keyword argument through which the attention takes keys and values apart from its queries
-        (diffusers' ``encoder_hidden_states``); the ``kv`` and ``queries`` arrangements need one.
-    text_if: a flag of the block that, when true, makes this attention attend to the text instead of its own
-        tokens (``BasicTransformerBlock.only_cross_attention``): it has no self-attention keys to arrange.
-    text_unless: a flag of the block that, when false, makes this attention attend to the text alone (Stable
-        Cascade's ``SDCascadeAttnBlock.self_attn``: without it the keys are the condition's tokens only, not
-        [image; condition]): as with ``text_if``, a cross-attention then, merged as ``crossattn``.
-    masks: ``(argument, token axes)`` of masks over the sub-layer's ``[text; image; tail]`` tokens (Chroma's
-        ``attention_mask`` ``[B, 1, L, L]``: axes -2 and -1): gathered like the rotary positions, each merged token
-        taking its destination's entry (image entries are all true, so the gather is exact). No axes: a mask
-        over the text only, which the processor extends over the image tokens itself.
-        A self-attention given an ``attention_mask`` not listed here runs unmerged in that call.
-    once: the block runs it on its image tokens and then again on other tokens (CogView4's ``ff`` on the text):
-        only the block's first call merges.
-    aligned: arguments that carry the same tokens as its input (Lumina 2's self-attention gets its input again as
-        ``encoder_hidden_states``; Nucleus-MoE's router the unmodulated tokens): merged alike.
-    counts: arguments that give how many of its input's tokens are the grid's (Helios' ``original_context_length``,
-        from which its attention tells the history before them): given the merged count.
-    log_bases: arguments that give the base ``b`` of a logarithm of its query count by which its attention scales
-        the softmax (Lumina-Next's ``base_sequence_length``: ``sqrt(log_b(queries))``): given the base under which
-        the merged count's logarithm is the whole count's, so that the scale stays the unmerged model's.
-    projections: ``(query, key, value, output)``: the children (dotted paths) of an attention that keeps its own
-        norm and residual inside itself (diffusers' ``Attention`` over a feature map, with a group norm and a
-        residual connection: UNet2DModel's). Its own input and output are left as they are; ToMe merges inside it,
-        at the inputs of its projections, and unmerges the output projection's output, so the norm's statistics
-        and the residual see every token. ``kv`` merges the key and value projections' inputs alone, ``tokens``
-        the query's too. Keys and values count as its own tokens where they are the very tensor its queries get
-        (or, with ``text`` set, its image part); else the call is a cross-attention, merged as ``crossattn``.
-        ``child`` "" names the block itself (such an attention is a block of its own).
+    kv_input: the keyword through which the attention takes keys and values apart from its queries (diffusers'
+        ``encoder_hidden_states``); the ``kv`` and ``queries`` arrangements need one.
+    text_if: a block flag that, when true, makes it attend to the text, not its own tokens (``only_cross_attention``).
+    text_unless: a block flag that does so when false (Stable Cascade's ``self_attn``); merged as ``crossattn`` then.
+    masks: ``(argument, token axes)`` of masks over its ``[text; image; tail]`` tokens (Chroma's ``attention_mask``
+        ``[B, 1, L, L]``: axes -2 and -1), gathered like the rotary positions. No axes: a text-only mask that the
+        processor extends itself. A self-attention given an ``attention_mask`` not listed runs unmerged.
+    once: the block runs it on its image tokens, then on others (CogView4's ``ff`` on the text): only the first merges.
+    aligned: arguments carrying the same tokens as its input (Lumina 2's ``encoder_hidden_states``): merged alike.
+    counts: arguments giving how many of its input's tokens are the grid's (Helios' ``original_context_length``).
+    log_bases: arguments giving the base of a logarithm of its query count that scales its softmax (Lumina-Next's
+        ``base_sequence_length``): given the base under which the merged count keeps the unmerged model's scale.
+    projections: ``(query, key, value, output)`` children of an attention that keeps its norm and residual inside
+        itself (UNet2DModel's): ToMe merges at its projections' inputs and unmerges the output projection's output,
+        so the norm and residual see every token (``kv``: key and value only; ``tokens``: the query's too).
     """
 
     child: str
@@ -115,42 +93,25 @@ def attends_text_only(block: Any, sublayer: Sublayer) -> bool:
 
 @dataclass(frozen=True)
 class BlockFamily:
-    """A transformer block class (by name) and the sub-layers ToMe wraps.
+    """A transformer block class (by name) and the sub-layers ToMe wraps; the match is computed from its first input.
 
-    The block's first input (``hidden_states``) is its image stream: the match is computed from it.
-    rotary: argument of the sub-layers carrying rotary position embeddings ``(cos, sin)`` of ``[text; image]``
-        tokens (by keyword or at its place in the sub-layer's ``forward``); merged tokens then take their
-        destination's position, and the match is shared by the batch so that every merged token has one
-        position.
-    key_rotary: argument of the sub-layers carrying the keys' rotary table apart from the queries' (``rotary``),
-        laid out alike (Lumina-Next's ``key_rotary_emb``); moved as ``rotary``'s where given.
+    rotary: the sub-layers' argument carrying rotary embeddings ``(cos, sin)`` of ``[text; image]`` tokens: merged
+        tokens take their destination's position, and the batch shares one match.
+    key_rotary: the keys' own rotary table, laid out as ``rotary``'s (Lumina-Next's ``key_rotary_emb``).
     rotary_axis: the token axis of those tables (Flux: ``[tokens, dim]``; Wan: ``[1, tokens, 1, dim]``).
-    rotary_items: which items of the rotary tuple hold token positions (None: all). A table's leading rows
-        beyond the image's and the tail's are text (none in Qwen-Image's image table, whose text table is the
-        second item and stays as it is).
-    timesteps_rise: its model's timestep rises while sampling (Z-Image's and Lumina 2's 0 is pure noise), so a
-        falling one starts a new generation (``reuse_steps``).
-    unmerged_with: ``(argument, why)``: a block argument whose presence means the image tokens cannot be placed
-        (Lumina 2 passes its attention mask when the captions before the image differ in length): such calls of
-        the block run unmerged, said once.
-    stream: where text sits in the block's own input: ``TEXT_NONE`` (image tokens, then a tail),
-        ``TEXT_PREFIX`` (``[text; image; tail]`` in one tensor, as Flux.2's and Chroma's single blocks get it) or
-        ``TEXT_SUFFIX`` (``[image; text]``, Z-Image's); the match is computed from the image part.
-    timesteps: the largest timestep a model of this family receives from its pipeline (1000 for DDPM-style
-        and most flow-matching models; 1 where the pipeline passes sigmas, as Flux's do): ``timestep_range``
-        outside ``[0, timesteps]`` is refused.
+    rotary_items: which items of the rotary tuple hold token positions (None: all; Qwen-Image: its image table).
+    stream: where text sits in the block's own input (``TEXT_NONE``, ``TEXT_PREFIX`` or ``TEXT_SUFFIX``).
+    timesteps: the largest timestep its pipeline passes (1 where it passes sigmas): bounds ``timestep_range``.
+    timesteps_rise: its timestep rises while sampling (Z-Image), so a falling one starts a generation.
+    unmerged_with: ``(argument, why)``: a block argument whose presence leaves the image tokens unplaced (Lumina 2's
+        mask for captions of different lengths): such calls run unmerged, said once.
     sequence_first: the block's own input is ``[S, B, C]`` (ERNIE-Image's); its sub-layers get theirs batch-first.
-    text_after_with: a block argument whose presence (not None) puts the text after the image in that call
-        (:func:`with_text_after`): Bria-FIBO 2 moves its gist tokens behind the image, under a key mask, when the
-        batch pads them.
-    feature_map: the block's own input is a channels-first feature map ``(B, C, H, W)`` (the ResNet-style blocks of
-        UNet2DModel, Kandinsky 3 and Stable Cascade): it gives the block's grid, and its pixels are the tokens the
-        match is computed from.
-    models: the family's classes are blocks only inside models of these classes (a class it shares with the
-        sub-layers of other families, such as diffusers' ``Attention``); empty: everywhere.
-    metric: the block argument whose tokens the match is computed from, where its first input is not the stream
-        of the grid (Z-Image's ControlNet blocks get a stack of the earlier hints first and the main stream ``x``
-        second: they merge their control tokens on the main stream's match); None: the first input.
+    text_after_with: a block argument whose presence puts the text after the image in that call
+        (:func:`with_text_after`; Bria-FIBO 2's padded gist).
+    feature_map: the block's input is a ``(B, C, H, W)`` feature map, which gives its grid and its tokens.
+    models: the model classes inside which alone its classes are blocks (diffusers' ``Attention``); empty: everywhere.
+    metric: the block argument the match is computed from where its first input is not the grid's stream (Z-Image's
+        ControlNet blocks: ``x``); None: the first input.
     """
 
     name: str
@@ -203,6 +164,15 @@ _FLUX_DOUBLE = (
 )
 # FLUX.1's single-stream block: attention and MLP side by side on one normalised [text; image] sequence.
 _FLUX_SINGLE = (Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True), Sublayer("proj_mlp", "mlp", text=TEXT_PREFIX))
+# HunyuanVideo's double block: joint attention over [image; text] with a key mask over both; an image MLP.
+_HUNYUAN_DOUBLE = (
+    Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True, masks=(("attention_mask", (-1,)),)),
+    Sublayer("ff", "mlp"),
+)
+_HUNYUAN_SINGLE = (_HUNYUAN_DOUBLE[0], Sublayer("proj_mlp", "mlp", text=TEXT_SUFFIX))  # the MLP on [image; text]
+_KEY_MASK = (("attention_mask", (-1,)),)
+_PADDED = ("hidden_states_masks", "a non-square latent padded to the largest size, the padding masked")
+_Q_K_V_OUT = ("to_q", "to_k", "to_v", "to_out.0")
 
 
 def _masked(sublayers: Tuple[Sublayer, ...], mask: Tuple[str, Tuple[int, ...]]) -> Tuple[Sublayer, ...]:
@@ -210,135 +180,92 @@ def _masked(sublayers: Tuple[Sublayer, ...], mask: Tuple[str, Tuple[int, ...]]) 
     return tuple(replace(s, masks=(mask,)) if s.kind == "attn" else s for s in sublayers)
 
 
+_Z_IMAGE = BlockFamily(  # Z-Image: one stream [image; padding; caption; padding]
+    "z-image", ("ZImageTransformerBlock",),
+    (
+        Sublayer("attention", "attn", text=TEXT_SUFFIX, attention=True, masks=_KEY_MASK),
+        Sublayer("feed_forward", "mlp", text=TEXT_SUFFIX),
+    ),
+    rotary="freqs_cis", rotary_axis=1,  # complex, one per token [B, L, d/2]
+    stream=TEXT_SUFFIX, timesteps=1.0, timesteps_rise=True,
+)
+
 BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
-    BlockFamily(
-        "basic",  # SD 1.x/2.x/XL UNets, ControlNets, PixArt, DiT; DreamLite's variant (attn1 may be absent)
-        ("BasicTransformerBlock", "BasicTransformerBlockDreamLite"),
-        _BASIC,
-    ),
-    BlockFamily(
-        "flax-basic",  # diffusers' Flax SD UNets and ControlNets: FlaxAttention takes its keys and values from context
-        ("FlaxBasicTransformerBlock",),
-        (replace(_BASIC[0], kv_input="context"), *_BASIC[1:]),
-    ),
-    BlockFamily(
-        "ldm-basic",  # the ldm UNetModel's (A1111-style UIs, sdkit): CrossAttention takes keys and values from context;
-        ("ldm:BasicTransformerBlock",),  # disable_self_attn makes attn1 attend to the context (SD 2.x's option)
+    # SD 1.x/2.x/XL UNets, ControlNets, PixArt, DiT; DreamLite's variant (attn1 may be absent)
+    BlockFamily("basic", ("BasicTransformerBlock", "BasicTransformerBlockDreamLite"), _BASIC),
+    # diffusers' Flax SD UNets and ControlNets: FlaxAttention takes its keys and values from context
+    BlockFamily("flax-basic", ("FlaxBasicTransformerBlock",), (replace(_BASIC[0], kv_input="context"), *_BASIC[1:])),
+    BlockFamily(  # the ldm UNetModel's (A1111-style UIs, sdkit): disable_self_attn makes attn1 attend to the context
+        "ldm-basic", ("ldm:BasicTransformerBlock",),
         (replace(_BASIC[0], kv_input="context", text_if="disable_self_attn"), *_BASIC[1:]),
     ),
-    BlockFamily(
-        "mmdit",  # SD3 / SD3.5 (attn2: SD3.5's second, image-only self-attention)
-        ("JointTransformerBlock",),
+    BlockFamily(  # SD3 / SD3.5 (attn2: SD3.5's second, image-only self-attention)
+        "mmdit", ("JointTransformerBlock",),
         (
             Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True),
             Sublayer("attn2", "attn", attention=True),
             Sublayer("ff", "mlp"),
         ),
     ),
-    BlockFamily(
-        "flux-double",  # FLUX.1 and the models that copy its blocks: LongCat-Image, Ovis-Image
-        ("FluxTransformerBlock", "LongCatImageTransformerBlock", "OvisImageTransformerBlock"),
-        _FLUX_DOUBLE,
-        rotary="image_rotary_emb",
-        timesteps=1.0,
+    BlockFamily(  # FLUX.1 and the models that copy its blocks: LongCat-Image, Ovis-Image
+        "flux-double", ("FluxTransformerBlock", "LongCatImageTransformerBlock", "OvisImageTransformerBlock"),
+        _FLUX_DOUBLE, rotary="image_rotary_emb", timesteps=1.0,
     ),
     BlockFamily(
-        "flux-single",  # attention and MLP side by side on one normalised [text; image] sequence
+        "flux-single",
         ("FluxSingleTransformerBlock", "LongCatImageSingleTransformerBlock", "OvisImageSingleTransformerBlock"),
-        _FLUX_SINGLE,
-        rotary="image_rotary_emb",
-        timesteps=1.0,
+        _FLUX_SINGLE, rotary="image_rotary_emb", timesteps=1.0,
     ),
     # Bria: FLUX.1's blocks; its pipelines pass the scheduler's timesteps (0-1000)
     BlockFamily("bria-double", ("BriaTransformerBlock",), _FLUX_DOUBLE, rotary="image_rotary_emb"),
     BlockFamily("bria-single", ("BriaSingleTransformerBlock",), _FLUX_SINGLE, rotary="image_rotary_emb"),
-    # Bria-FIBO: a key-padding mask over [text; image] at every attention (a padded prompt); its model hands its
-    # single blocks [text; image]
+    # Bria-FIBO: a key-padding mask over [text; image] at every attention; its model hands its single blocks
+    # [text; image]
     BlockFamily(
-        "bria-fibo-double",
-        ("BriaFiboTransformerBlock",),
-        _masked(_FLUX_DOUBLE, ("attention_mask", (-1,))),
+        "bria-fibo-double", ("BriaFiboTransformerBlock",), _masked(_FLUX_DOUBLE, _KEY_MASK[0]),
         rotary="image_rotary_emb",
     ),
     BlockFamily(
-        "bria-fibo-single",
-        ("BriaFiboSingleTransformerBlock",),
-        _masked(_FLUX_SINGLE, ("attention_mask", (-1,))),
-        rotary="image_rotary_emb",
-        stream=TEXT_PREFIX,
+        "bria-fibo-single", ("BriaFiboSingleTransformerBlock",), _masked(_FLUX_SINGLE, _KEY_MASK[0]),
+        rotary="image_rotary_emb", stream=TEXT_PREFIX,
     ),
-    BlockFamily(
-        "flux2-double",  # Flux.2 (dev, Klein)
-        ("Flux2TransformerBlock",),
-        _FLUX_DOUBLE,
-        rotary="image_rotary_emb",
-        timesteps=1.0,
+    BlockFamily(  # Flux.2 (dev, Klein)
+        "flux2-double", ("Flux2TransformerBlock",), _FLUX_DOUBLE, rotary="image_rotary_emb", timesteps=1.0,
     ),
-    BlockFamily(
-        "flux2-single",  # its model hands it [text; image]; one fused attention + MLP sub-layer
-        ("Flux2SingleTransformerBlock",),
-        (Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True),),
-        rotary="image_rotary_emb",
-        stream=TEXT_PREFIX,
-        timesteps=1.0,
+    BlockFamily(  # one fused attention + MLP sub-layer
+        "flux2-single", ("Flux2SingleTransformerBlock",), (Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True),),
+        rotary="image_rotary_emb", stream=TEXT_PREFIX, timesteps=1.0,
     ),
     BlockFamily(  # Chroma: FLUX.1's blocks with an attention mask over [text; image] on both token axes
-        "chroma-double",
-        ("ChromaTransformerBlock",),
-        _masked(_FLUX_DOUBLE, ("attention_mask", (-2, -1))),
-        rotary="image_rotary_emb",
-        timesteps=1.0,
+        "chroma-double", ("ChromaTransformerBlock",), _masked(_FLUX_DOUBLE, ("attention_mask", (-2, -1))),
+        rotary="image_rotary_emb", timesteps=1.0,
     ),
     BlockFamily(
-        "chroma-single",
-        ("ChromaSingleTransformerBlock",),
-        _masked(_FLUX_SINGLE, ("attention_mask", (-2, -1))),
-        rotary="image_rotary_emb",
-        stream=TEXT_PREFIX,
-        timesteps=1.0,
+        "chroma-single", ("ChromaSingleTransformerBlock",), _masked(_FLUX_SINGLE, ("attention_mask", (-2, -1))),
+        rotary="image_rotary_emb", stream=TEXT_PREFIX, timesteps=1.0,
     ),
     BlockFamily(  # Qwen-Image (+ Edit, Layered, ControlNet): rotary (image table, text table), complex
-        "qwen-image",
-        ("QwenImageTransformerBlock",),
-        (
-            Sublayer("attn", "attn", text=TEXT_BEFORE, output=0, attention=True),
-            Sublayer("img_mlp", "mlp"),
-        ),
-        rotary="image_rotary_emb",
-        rotary_items=(0,),
-        timesteps=1.0,
+        "qwen-image", ("QwenImageTransformerBlock",),
+        (Sublayer("attn", "attn", text=TEXT_BEFORE, output=0, attention=True), Sublayer("img_mlp", "mlp")),
+        rotary="image_rotary_emb", rotary_items=(0,), timesteps=1.0,
     ),
     BlockFamily(
-        # Wan 2.1/2.2 (and its copies: Animate, ChronoEdit, SkyReels-V2): frames x height x width tokens. VACE's
-        # control blocks run on control tokens of the same grid, matched on the main stream's (their first input)
-        "wan",
-        ("WanTransformerBlock", "SkyReelsV2TransformerBlock", "WanVACETransformerBlock"),
-        _WAN,
-        rotary="rotary_emb",
-        rotary_axis=1,
+        # Wan 2.1/2.2 (and its copies: Animate, ChronoEdit, SkyReels-V2). VACE's control blocks run on control tokens
+        # of the same grid, matched on the main stream's (their first input)
+        "wan", ("WanTransformerBlock", "SkyReelsV2TransformerBlock", "WanVACETransformerBlock"),
+        _WAN, rotary="rotary_emb", rotary_axis=1,
     ),
-)
-
-_HUNYUAN_DOUBLE = (  # joint attention over [image; text] with a key mask over both; an image MLP
-    Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True, masks=(("attention_mask", (-1,)),)),
-    Sublayer("ff", "mlp"),
-)
-BLOCK_FAMILIES += (
     BlockFamily(  # HunyuanVideo (and FramePack's, which reuses its blocks); rotary over the image tokens only
-        "hunyuan-video-double",
-        ("HunyuanVideoTransformerBlock", "HunyuanVideoTokenReplaceTransformerBlock"),
-        _HUNYUAN_DOUBLE,
-        rotary="image_rotary_emb",
+        "hunyuan-video-double", ("HunyuanVideoTransformerBlock", "HunyuanVideoTokenReplaceTransformerBlock"),
+        _HUNYUAN_DOUBLE, rotary="image_rotary_emb",
     ),
-    BlockFamily(  # attention as the double block's; the MLP runs on [image; text] in one tensor
+    BlockFamily(
         "hunyuan-video-single",
         ("HunyuanVideoSingleTransformerBlock", "HunyuanVideoTokenReplaceSingleTransformerBlock"),
-        (_HUNYUAN_DOUBLE[0], Sublayer("proj_mlp", "mlp", text=TEXT_SUFFIX)),
-        rotary="image_rotary_emb",
+        _HUNYUAN_SINGLE, rotary="image_rotary_emb",
     ),
     BlockFamily(  # HunyuanVideo 1.5: its processor extends the text-only mask over the (merged) image tokens
-        "hunyuan-video-15",
-        ("HunyuanVideo15TransformerBlock",),
+        "hunyuan-video-15", ("HunyuanVideo15TransformerBlock",),
         (
             Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True, masks=(("attention_mask", ()),)),
             Sublayer("ff", "mlp"),
@@ -346,8 +273,7 @@ BLOCK_FAMILIES += (
         rotary="image_rotary_emb",
     ),
     BlockFamily(  # CogVideoX (1.0, 1.5), ConsisID: joint attention over [text; image], the MLP on [text; image]
-        "cogvideox",
-        ("CogVideoXBlock", "ConsisIDBlock"),
+        "cogvideox", ("CogVideoXBlock", "ConsisIDBlock"),
         (
             Sublayer("attn1", "attn", text=TEXT_BEFORE, output=0, attention=True),
             Sublayer("ff", "mlp", text=TEXT_PREFIX),
@@ -355,149 +281,80 @@ BLOCK_FAMILIES += (
         rotary="image_rotary_emb",
     ),
     BlockFamily(  # LTX-2: video tokens (audio in a second stream, never merged); rotary tables [B, (heads,) tokens, d]
-        "ltx2",
-        ("LTX2VideoTransformerBlock",),
+        "ltx2", ("LTX2VideoTransformerBlock",),
         (
             Sublayer("attn1", "attn", attention=True),
             Sublayer("attn2", "crossattn"),
             Sublayer("audio_to_video_attn", "crossattn"),  # video queries, audio keys
             Sublayer("ff", "mlp"),
         ),
-        rotary="query_rotary_emb",
-        rotary_axis=-2,
+        rotary="query_rotary_emb", rotary_axis=-2,
     ),
     BlockFamily(  # LTX-Video: rotary tables [B, tokens, dim]
-        "ltx",
-        ("LTXVideoTransformerBlock",),
-        _SELF_CROSS_MLP,
-        rotary="image_rotary_emb",
-        rotary_axis=1,
+        "ltx", ("LTXVideoTransformerBlock",), _SELF_CROSS_MLP, rotary="image_rotary_emb", rotary_axis=1,
     ),
-)
-
-BLOCK_FAMILIES += (
     BlockFamily(  # CogView3-Plus: joint attention over [text; image]; the MLP on [text; image]
-        "cogview3plus",
-        ("CogView3PlusTransformerBlock",),
+        "cogview3plus", ("CogView3PlusTransformerBlock",),
         (
             Sublayer("attn1", "attn", text=TEXT_BEFORE, output=0, attention=True),
             Sublayer("ff", "mlp", text=TEXT_PREFIX),
         ),
     ),
     BlockFamily(  # CogView4 (and GLM-Image's blocks): the MLP runs on the image, then on the text
-        "cogview4",
-        ("CogView4TransformerBlock", "GlmImageTransformerBlock"),
+        "cogview4", ("CogView4TransformerBlock", "GlmImageTransformerBlock"),
         (
             Sublayer("attn1", "attn", text=TEXT_BEFORE, output=0, attention=True),
             Sublayer("ff", "mlp", once=True),
         ),
         rotary="image_rotary_emb",
     ),
-    BlockFamily(  # Hunyuan-DiT: rotary positions reach the cross-attention's queries too
-        "hunyuan-dit",
-        ("HunyuanDiTBlock",),
-        _SELF_CROSS_MLP,
-        rotary="image_rotary_emb",
-    ),
+    # Hunyuan-DiT: rotary positions reach the cross-attention's queries too
+    BlockFamily("hunyuan-dit", ("HunyuanDiTBlock",), _SELF_CROSS_MLP, rotary="image_rotary_emb"),
     BlockFamily(
-        "auraflow-joint",
-        ("AuraFlowJointTransformerBlock",),
+        "auraflow-joint", ("AuraFlowJointTransformerBlock",),
         (Sublayer("attn", "attn", text=TEXT_BEFORE, output=0, attention=True), Sublayer("ff", "mlp")),
         timesteps=1.0,
     ),
     BlockFamily(  # its model hands it [registers; text; image]
-        "auraflow-single",
-        ("AuraFlowSingleTransformerBlock",),
+        "auraflow-single", ("AuraFlowSingleTransformerBlock",),
         (Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True), Sublayer("ff", "mlp", text=TEXT_PREFIX)),
-        stream=TEXT_PREFIX,
-        timesteps=1.0,
+        stream=TEXT_PREFIX, timesteps=1.0,
     ),
-    BlockFamily(  # HunyuanImage 2.1: HunyuanVideo's blocks on one frame
-        "hunyuan-image-double",
-        ("HunyuanImageTransformerBlock",),
-        _HUNYUAN_DOUBLE,
-        rotary="image_rotary_emb",
-    ),
+    # HunyuanImage 2.1: HunyuanVideo's blocks on one frame
+    BlockFamily("hunyuan-image-double", ("HunyuanImageTransformerBlock",), _HUNYUAN_DOUBLE, rotary="image_rotary_emb"),
     BlockFamily(
-        "hunyuan-image-single",
-        ("HunyuanImageSingleTransformerBlock",),
-        (_HUNYUAN_DOUBLE[0], Sublayer("proj_mlp", "mlp", text=TEXT_SUFFIX)),
-        rotary="image_rotary_emb",
+        "hunyuan-image-single", ("HunyuanImageSingleTransformerBlock",), _HUNYUAN_SINGLE, rotary="image_rotary_emb",
     ),
     BlockFamily(  # Cosmos (Predict 2 / 2.5): rotary over the image tokens; pipelines pass sigmas
-        "cosmos",
-        ("CosmosTransformerBlock",),
-        _SELF_CROSS_MLP,
-        rotary="image_rotary_emb",
-        timesteps=1.0,
+        "cosmos", ("CosmosTransformerBlock",), _SELF_CROSS_MLP, rotary="image_rotary_emb", timesteps=1.0,
     ),
-)
-
-_Z_IMAGE = BlockFamily(  # Z-Image: one stream [image; padding; caption; padding]
-    "z-image",
-    ("ZImageTransformerBlock",),
-    (
-        Sublayer("attention", "attn", text=TEXT_SUFFIX, attention=True, masks=(("attention_mask", (-1,)),)),
-        Sublayer("feed_forward", "mlp", text=TEXT_SUFFIX),
-    ),
-    rotary="freqs_cis", rotary_axis=1,  # complex, one per token [B, L, d/2]
-    stream=TEXT_SUFFIX,
-    timesteps=1.0,
-    timesteps_rise=True,
-)
-BLOCK_FAMILIES += (
     _Z_IMAGE,
     # Z-Image's ControlNet: its block's sub-layers run on the last of a stack of control streams [k, B, L, C], laid
     # out as the main stream x (its second input), on whose grid and match they merge; its hints stay whole
     replace(_Z_IMAGE, name="z-image-control", classes=("ZImageControlTransformerBlock",), metric="x"),
-)
-
-BLOCK_FAMILIES += (
     BlockFamily(  # Lumina-Image 2.0: one stream [caption; image] (its image refiner: image only)
-        "lumina2",
-        ("Lumina2TransformerBlock",),
+        "lumina2", ("Lumina2TransformerBlock",),
         (
             Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True, aligned=("encoder_hidden_states",)),
             Sublayer("feed_forward", "mlp", text=TEXT_PREFIX),
         ),
-        rotary="image_rotary_emb",
-        rotary_axis=1,
-        stream=TEXT_PREFIX,
-        timesteps=1.0,
-        timesteps_rise=True,
+        rotary="image_rotary_emb", rotary_axis=1, stream=TEXT_PREFIX, timesteps=1.0, timesteps_rise=True,
         unmerged_with=("attention_mask", "captions of different lengths put the image at a different offset per item"),
     ),
-)
-
-BLOCK_FAMILIES += (
     # HiDream-I1: rotary 2x2 rotation matrices per token [B, L, 1, d/2, 2, 2] over [image; text]; a non-square latent
     # is padded to its largest size, with a key mask over the padding (such calls run unmerged)
     BlockFamily(
-        "hidream-double",
-        ("HiDreamImageTransformerBlock",),
+        "hidream-double", ("HiDreamImageTransformerBlock",),
         (Sublayer("attn1", "attn", text=TEXT_AFTER, output=0, attention=True), Sublayer("ff_i", "mlp")),
-        rotary="image_rotary_emb",
-        rotary_axis=1,
-        unmerged_with=("hidden_states_masks", "a non-square latent padded to the largest size, the padding masked"),
+        rotary="image_rotary_emb", rotary_axis=1, unmerged_with=_PADDED,
     ),
     BlockFamily(  # its model hands it [image; text] in one tensor
-        "hidream-single",
-        ("HiDreamImageSingleTransformerBlock",),
-        (
-            Sublayer("attn1", "attn", text=TEXT_SUFFIX, attention=True),
-            Sublayer("ff_i", "mlp", text=TEXT_SUFFIX),
-        ),
-        rotary="image_rotary_emb",
-        rotary_axis=1,
-        stream=TEXT_SUFFIX,
-        unmerged_with=("hidden_states_masks", "a non-square latent padded to the largest size, the padding masked"),
+        "hidream-single", ("HiDreamImageSingleTransformerBlock",),
+        (Sublayer("attn1", "attn", text=TEXT_SUFFIX, attention=True), Sublayer("ff_i", "mlp", text=TEXT_SUFFIX)),
+        rotary="image_rotary_emb", rotary_axis=1, stream=TEXT_SUFFIX, unmerged_with=_PADDED,
     ),
-)
-
-BLOCK_FAMILIES += (
     BlockFamily(  # Mochi: joint attention over [image; text], the text mask extended by its processor
-        "mochi",
-        ("MochiTransformerBlock",),
+        "mochi", ("MochiTransformerBlock",),
         (
             Sublayer("attn1", "attn", text=TEXT_AFTER, output=0, attention=True, masks=(("attention_mask", ()),)),
             Sublayer("ff", "mlp"),
@@ -506,49 +363,33 @@ BLOCK_FAMILIES += (
         timesteps_rise=True,  # its scheduler inverts the sigmas: 1000 * (1 - sigma)
     ),
     BlockFamily(  # Allegro: rotary as coordinate tables and per-token positions [1, N] (item 1, which moves)
-        "allegro",
-        ("AllegroTransformerBlock",),
-        _SELF_CROSS_MLP,
-        rotary="image_rotary_emb",
-        rotary_axis=1,
-        rotary_items=(1,),
+        "allegro", ("AllegroTransformerBlock",), _SELF_CROSS_MLP,
+        rotary="image_rotary_emb", rotary_axis=1, rotary_items=(1,),
     ),
     BlockFamily(  # EasyAnimate: joint attention over [text; image]; blocks past its MMDiT ones run ff on the text too
-        "easyanimate",
-        ("EasyAnimateTransformerBlock",),
+        "easyanimate", ("EasyAnimateTransformerBlock",),
         (
             Sublayer("attn1", "attn", text=TEXT_BEFORE, output=0, attention=True),
             Sublayer("ff", "mlp", once=True),
         ),
         rotary="image_rotary_emb",
     ),
-)
-
-BLOCK_FAMILIES += (
     BlockFamily(  # Nucleus-MoE-Image: image queries over [image; text] keys; its MoE routes on unmodulated tokens
-        "nucleus-moe",
-        ("NucleusMoEImageTransformerBlock",),
+        "nucleus-moe", ("NucleusMoEImageTransformerBlock",),
         (
-            Sublayer("attn", "attn", text=TEXT_AFTER, attention=True, masks=(("attention_mask", (-1,)),)),
+            Sublayer("attn", "attn", text=TEXT_AFTER, attention=True, masks=_KEY_MASK),
             Sublayer("img_mlp", "mlp", aligned=("hidden_states_unmodulated",)),
         ),
-        rotary="image_rotary_emb",
-        rotary_items=(0,),
-        timesteps=1.0,
+        rotary="image_rotary_emb", rotary_items=(0,), timesteps=1.0,
     ),
-)
-
-BLOCK_FAMILIES += (
     BlockFamily(  # Kandinsky 5: its visual blocks (its text blocks run on the text alone and are never hooked)
-        "kandinsky5",
-        ("Kandinsky5TransformerDecoderBlock",),
+        "kandinsky5", ("Kandinsky5TransformerDecoderBlock",),
         (
             Sublayer("self_attention", "attn", attention=True),
             Sublayer("cross_attention", "crossattn"),
             Sublayer("feed_forward", "mlp"),
         ),
-        rotary="rotary_emb",
-        rotary_axis=1,
+        rotary="rotary_emb", rotary_axis=1,
         unmerged_with=("sparse_params", "NABLA sparse attention reorders the tokens into 8x8-token tiles"),
     ),
     BlockFamily(  # Kandinsky 6: a fused video-audio block that calls its video sub-layers inside a nested block
@@ -561,90 +402,49 @@ BLOCK_FAMILIES += (
         ),
         rotary="rotary_emb",  # [tokens, 1, d/2, 2, 2] rotation matrices
     ),
-)
-
-BLOCK_FAMILIES += (
     BlockFamily(  # PRX: image queries over [text; image] keys, a text-only mask; its MLP is inline (never merged)
-        "prx",
-        ("PRXBlock",),
+        "prx", ("PRXBlock",),
         (Sublayer("attention", "attn", text=TEXT_BEFORE, attention=True, masks=(("attention_mask", ()),)),),
-        rotary="image_rotary_emb",
-        rotary_axis=2,
-        timesteps=1.0,
+        rotary="image_rotary_emb", rotary_axis=2, timesteps=1.0,
     ),
-)
-
-BLOCK_FAMILIES += (
     BlockFamily(  # Krea 2: its model hands it [text; image] (a key-padding mask over both); ids tell the grid
-        "krea2",
-        ("Krea2TransformerBlock",),
+        "krea2", ("Krea2TransformerBlock",),
         (
-            Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True, masks=(("attention_mask", (-1,)),)),
+            Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True, masks=_KEY_MASK),
             Sublayer("ff", "mlp", text=TEXT_PREFIX),
         ),
-        rotary="image_rotary_emb",
-        stream=TEXT_PREFIX,
-        timesteps=1.0,
+        rotary="image_rotary_emb", stream=TEXT_PREFIX, timesteps=1.0,
     ),
-)
-
-BLOCK_FAMILIES += (
     BlockFamily(  # AnyFlow: Wan's blocks; rotary tables by name ({"query": ..., "key": ...}) [1, 1, tokens, d/2]
-        "anyflow",
-        ("AnyFlowTransformerBlock",),
-        _WAN,
-        rotary="rotary_emb",
-        rotary_axis=2,
+        "anyflow", ("AnyFlowTransformerBlock",), _WAN, rotary="rotary_emb", rotary_axis=2,
     ),
-)
-
-BLOCK_FAMILIES += (
     BlockFamily(  # Motif-Video: HunyuanVideo's double block, with an optional text cross-attention
-        "motif-video-double",
-        ("MotifVideoTransformerBlock",),
-        (*_HUNYUAN_DOUBLE, Sublayer("cross_attn", "crossattn")),
-        rotary="image_rotary_emb",
+        "motif-video-double", ("MotifVideoTransformerBlock",),
+        (*_HUNYUAN_DOUBLE, Sublayer("cross_attn", "crossattn")), rotary="image_rotary_emb",
     ),
     BlockFamily(  # its decoder layers take the image tokens of the main stack as their "text"
-        "motif-video-single",
-        ("MotifVideoSingleTransformerBlock",),
+        "motif-video-single", ("MotifVideoSingleTransformerBlock",),
         (_HUNYUAN_DOUBLE[0], Sublayer("cross_attn", "crossattn"), Sublayer("proj_mlp", "mlp", text=TEXT_SUFFIX)),
         rotary="image_rotary_emb",
     ),
-)
-
-BLOCK_FAMILIES += (
     BlockFamily(  # FLUX.3's per-mode blocks (the image mode's; attention and MLP side by side on the image)
-        "flux3-mode",
-        ("Flux3ModeTransformerBlock",),
-        (Sublayer("attn", "attn", attention=True), Sublayer("ff", "mlp")),
-        rotary="image_rotary_emb",
-        timesteps=1.0,
+        "flux3-mode", ("Flux3ModeTransformerBlock",),
+        (Sublayer("attn", "attn", attention=True), Sublayer("ff", "mlp")), rotary="image_rotary_emb", timesteps=1.0,
     ),
     BlockFamily(  # its joint blocks: the block gets [image; references], its sub-layers [text; image; references]
-        "flux3-single",
-        ("Flux3SingleTransformerBlock",),
+        "flux3-single", ("Flux3SingleTransformerBlock",),
         (Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True), Sublayer("ff", "mlp", text=TEXT_PREFIX)),
-        rotary="image_rotary_emb",
-        timesteps=1.0,
+        rotary="image_rotary_emb", timesteps=1.0,
     ),
-)
-
-BLOCK_FAMILIES += (
     BlockFamily(  # Helios: Wan's blocks on [history at three resolutions; current frames], rotary [B, tokens, d]
-        "helios",
-        ("HeliosTransformerBlock",),
+        "helios", ("HeliosTransformerBlock",),
         (
             Sublayer("attn1", "attn", attention=True, counts=("original_context_length",)),
             Sublayer("attn2", "crossattn", counts=("original_context_length",)),  # on the current frames alone
             Sublayer("ffn", "mlp"),
         ),
-        rotary="rotary_emb",
-        rotary_axis=1,
+        rotary="rotary_emb", rotary_axis=1,
     ),
-)
-
-BLOCK_FAMILIES += (
     BlockFamily(  # OmniGen: one stream [prompt with input images; time token; output image], its attention mask
         "omnigen",  # over all of it (both axes); the attention gets its input again as encoder_hidden_states
         ("OmniGenBlock",),
@@ -654,82 +454,55 @@ BLOCK_FAMILIES += (
             ),
             Sublayer("mlp", "mlp"),
         ),
-        rotary="image_rotary_emb",
-        timesteps=1.0,
+        rotary="image_rotary_emb", timesteps=1.0,
     ),
-)
-
-BLOCK_FAMILIES += (
     BlockFamily(  # ERNIE-Image: one [image; text] stream, sequence-first in the block; its attention gets it
         "ernie-image",  # batch-first with a key mask and one rotary table over both; its MLP runs sequence-first
         ("ErnieImageSharedAdaLNBlock",),
-        (Sublayer("self_attention", "attn", text=TEXT_SUFFIX, attention=True, masks=(("attention_mask", (-1,)),)),),
-        rotary="image_rotary_emb",
-        rotary_axis=1,
-        stream=TEXT_SUFFIX,
-        sequence_first=True,
+        (Sublayer("self_attention", "attn", text=TEXT_SUFFIX, attention=True, masks=_KEY_MASK),),
+        rotary="image_rotary_emb", rotary_axis=1, stream=TEXT_SUFFIX, sequence_first=True,
     ),
-)
-
-BLOCK_FAMILIES += (
     BlockFamily(  # JoyImage-Edit: image and text streams apart, joint attention over [image; text], an image MLP;
         "joyimage",  # rotary (cos, sin) per stream, the image's first; its edit items follow the target as a tail
         ("JoyImageTransformerBlock",),
         (Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True), Sublayer("img_mlp", "mlp")),
-        rotary="image_rotary_emb",
-        rotary_items=(0,),
+        rotary="image_rotary_emb", rotary_items=(0,),
     ),
     BlockFamily(  # JoyImage-Edit-Plus: as JoyImage-Edit, with a key mask over [image patches; text] and one rotary
         "joyimage-edit-plus",  # table (cos, sin) [B, patches, d] per batch item, over the image patches only
         ("JoyImageEditPlusTransformerBlock",),
         (
-            Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True, masks=(("attention_mask", (-1,)),)),
+            Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True, masks=_KEY_MASK),
             Sublayer("img_mlp", "mlp"),
         ),
-        rotary="image_rotary_emb",
-        rotary_axis=1,
+        rotary="image_rotary_emb", rotary_axis=1,
     ),
-)
-
-BLOCK_FAMILIES += (
     BlockFamily(  # Lumina-Next: attention and cross-attention side by side on the image, their outputs
         "lumina-next",  # [B, N, heads, d] summed before one projection; queries' and keys' rotary tables apart
         ("LuminaNextDiTBlock",),
         (
             Sublayer(
-                "attn1", "attn", attention=True, masks=(("attention_mask", (-1,)),), aligned=("encoder_hidden_states",),
+                "attn1", "attn", attention=True, masks=_KEY_MASK, aligned=("encoder_hidden_states",),
                 log_bases=("base_sequence_length",),
             ),
             Sublayer("attn2", "crossattn"),
             Sublayer("feed_forward", "mlp"),
         ),
-        rotary="query_rotary_emb",
-        key_rotary="key_rotary_emb",
-        rotary_axis=1,
-        timesteps=1.0,
+        rotary="query_rotary_emb", key_rotary="key_rotary_emb", rotary_axis=1, timesteps=1.0,
         timesteps_rise=True,  # its pipeline passes 1 - t / 1000
     ),
-)
-
-BLOCK_FAMILIES += (
     BlockFamily(  # Bria-FIBO 2: Z-Image's block on one stream [gist; image; context images], the gist a Perceiver's
         "bria-fibo2",  # summary of the text; [image; context; gist] under a key mask when the batch pads the gist
         ("BriaFibo2TransformerBlock",),
         (
-            Sublayer("attention", "attn", text=TEXT_PREFIX, attention=True, masks=(("attention_mask", (-1,)),)),
+            Sublayer("attention", "attn", text=TEXT_PREFIX, attention=True, masks=_KEY_MASK),
             Sublayer("cross_attention", "crossattn", text=TEXT_PREFIX),  # its injection blocks' (to the text)
             Sublayer("feed_forward", "mlp", text=TEXT_PREFIX),
         ),
-        rotary="freqs_cis",  # one complex table [1, tokens, d/2] over the stream
-        rotary_axis=1,
-        stream=TEXT_PREFIX,
-        timesteps=1.0,
-        text_after_with="attn_mask",
+        rotary="freqs_cis", rotary_axis=1,  # one complex table [1, tokens, d/2] over the stream
+        stream=TEXT_PREFIX, timesteps=1.0, text_after_with="attn_mask",
     ),
-)
-
-BLOCK_FAMILIES += (
-    BlockFamily(  # Qwen-Image 2.1: one stream [text with condition images; target image] (the target last: ModelLayout.grid_last),
+    BlockFamily(  # Qwen-Image 2.1: one stream [text with condition images; target image] (ModelLayout.grid_last),
         "qwen-image-21",  # its attention block-causal (the prefix never sees the target), prefilled segment by segment;
         ("QwenImage21TransformerBlock",),  # its cached steps run on the target alone, the prefix's keys cached before it
         (
@@ -738,69 +511,46 @@ BLOCK_FAMILIES += (
             ),
             Sublayer("img_mlp", "mlp"),
         ),
-        rotary="rotary_emb",  # one complex table [tokens, d/2] over the stream
-        timesteps=1.0,
+        rotary="rotary_emb", timesteps=1.0,  # one complex table [tokens, d/2] over the stream
     ),
-)
-
-BLOCK_FAMILIES += (
     BlockFamily(  # UNet2DModel (DDPM, LDM): each Attention of its ResNet-style blocks, on the 4-D feature map, with
         "unet2d-attention",  # its group norm and residual inside
         ("Attention",),
-        (Sublayer("", "attn", attention=True, projections=("to_q", "to_k", "to_v", "to_out.0")),),
-        feature_map=True,
-        models=("UNet2DModel",),
+        (Sublayer("", "attn", attention=True, projections=_Q_K_V_OUT),),
+        feature_map=True, models=("UNet2DModel",),
     ),
-)
-
-BLOCK_FAMILIES += (
     BlockFamily(  # Stable Cascade (Würstchen v3) stages B and C: an attention block on the 4-D feature map, its
         "cascade-attention",  # norm and residual in the block, the attention's own group norm absent
         ("SDCascadeAttnBlock",),
         (
             Sublayer(
-                "attention", "attn", text=TEXT_AFTER, attention=True, text_unless="self_attn",
-                projections=("to_q", "to_k", "to_v", "to_out.0"),
+                "attention", "attn", text=TEXT_AFTER, attention=True, text_unless="self_attn", projections=_Q_K_V_OUT,
             ),
         ),
         feature_map=True,
         timesteps=1.0,  # its timestep_ratio, from 1 to 0 while sampling
     ),
-)
-
-BLOCK_FAMILIES += (
     BlockFamily(  # Kandinsky 3's attention block on the 4-D feature map: conditional group norm, attention (self, or
         "kandinsky3-attention",  # cross to the text) and residual, then a 1x1-convolution MLP, all in the block
         ("Kandinsky3AttentionBlock",),
-        (Sublayer("attention", "attn", attention=True, projections=("to_q", "to_k", "to_v", "to_out.0")),),
+        (Sublayer("attention", "attn", attention=True, projections=_Q_K_V_OUT),),
         feature_map=True,
     ),
-)
-
-BLOCK_FAMILIES += (
-    BlockFamily(  # Ideogram 4: one packed stream [left padding; text; image] per row (ModelLayout.roles place the image),
-        "ideogram4",  # a segment mask over it on both axes and an MRoPE table (cos, sin) [B, tokens, d] per token
+    BlockFamily(  # Ideogram 4: one packed stream [left padding; text; image] per row (ModelLayout.roles place the
+        "ideogram4",  # image), a segment mask over it on both axes and an MRoPE table (cos, sin) [B, tokens, d]
         ("Ideogram4TransformerBlock",),
         (
             Sublayer("attention", "attn", text=TEXT_PREFIX, attention=True, masks=(("attention_mask", (-2, -1)),)),
             Sublayer("feed_forward", "mlp", text=TEXT_PREFIX),
         ),
-        rotary="image_rotary_emb",
-        rotary_axis=1,
-        stream=TEXT_PREFIX,
-        timesteps=1.0,
+        rotary="image_rotary_emb", rotary_axis=1, stream=TEXT_PREFIX, timesteps=1.0,
         timesteps_rise=True,  # its time runs from 0 (noise) to 1 (clean)
     ),
-)
-
-BLOCK_FAMILIES += (
-    BlockFamily(  # MiniMax-H3: one packed stream [text; condition frames; audio; video] (ModelLayout.roles place the video),
-        "minimax-h3",  # modulated per row outside its sub-layers; one rotary table (cos, sin) [tokens, d] for the batch
+    BlockFamily(  # MiniMax-H3: one packed stream [text; condition frames; audio; video] (ModelLayout.roles place the
+        "minimax-h3",  # video), modulated per row outside its sub-layers; one rotary table (cos, sin) [tokens, d]
         ("MiniMaxH3TransformerBlock",),
         (Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True), Sublayer("ff", "mlp", text=TEXT_PREFIX)),
-        rotary="rotary_emb",
-        stream=TEXT_PREFIX,
-        timesteps=1.0,
+        rotary="rotary_emb", stream=TEXT_PREFIX, timesteps=1.0,
         timesteps_rise=True,  # its t = 1 - sigma: 1 is clean
     ),
 )
@@ -816,11 +566,9 @@ for _family in BLOCK_FAMILIES:
 
 @dataclass(frozen=True)
 class Temporal:
-    """A module class whose transformer blocks attend across frames (tokens = frames, one sequence per pixel).
+    """A module class whose blocks attend across frames (one sequence per pixel): ToMe never hooks them.
 
-    ToMe never hooks a block inside one (nor one of these classes itself): its tokens are not a 2-D grid.
-    children: the attributes that hold its temporal blocks when the module also holds spatial ones (SVD's
-    ``TransformerSpatioTemporalModel``); empty: everything inside it is temporal.
+    children: the attributes holding its temporal blocks where it also holds spatial ones (SVD's); empty: all of it.
     """
 
     name: str
@@ -841,25 +589,23 @@ TEMPORAL: Tuple[Temporal, ...] = (
 
 _TEMPORAL: Dict[str, Temporal] = {entry.name: entry for entry in TEMPORAL}
 
+
 @dataclass(frozen=True)
 class GridLayout:
-    """How the call of a video transformer gives its token grid, where the shape of its input and a config
-    ``patch_size`` cannot tell: its tokens are one frame-major sequence of ``frames x rows x cols`` tokens, read
-    as the frames' grids stacked in rows (as Wan's).
+    """How a video transformer's call gives its grid: one frame-major sequence of ``frames x rows x cols`` tokens,
+    read as the frames' grids stacked in rows (as Wan's).
 
-    frames_axis: the frames' axis of its 5-D latent: 2 for ``(B, C, F, H, W)``, 1 for ``(B, F, C, H, W)``
-        (CogVideoX); None for packed tokens ``[B, N, C]``, whose sizes come from ``sizes``. A list of
-        ``[C, F, H, W]`` latents (Z-Image) reads as their batch.
+    frames_axis: the frames' axis of its 5-D latent (2: ``(B, C, F, H, W)``; 1: CogVideoX's ``(B, F, C, H, W)``);
+        None for packed tokens ``[B, N, C]`` sized by ``sizes``. A list of latents (Z-Image) reads as their batch.
     temporal_patch: the config key of its temporal patch size (absent, None or naming None: 1).
-    sizes: the call's arguments that give ``(frames, height, width)`` of packed tokens (latent units).
-    patch_arguments: the call's arguments that give ``(temporal, spatial)`` patch sizes (Z-Image), their
-        defaults those of the model's ``forward``; else the config's (a 3-D ``patch_size`` gives both).
-    channels_last: its latent is ``(B, F, H, W, C)`` (Kandinsky 5 and 6), frames on ``frames_axis`` 1.
-    coords: the call's argument of per-token ``(t, h, w)`` coordinates ``[B, 3, N]``, read where ``sizes`` are not
-        given: the video's frames last, after conditioning tokens (LTX-Video's condition pipeline).
-    frame_types: the call's argument of per-frame token types ``[B, F]``: the frames after the last one of type 0
-        are conditions that pass through as a tail (Kandinsky 6's image to video appends its clean reference frame,
-        of type 1, to the noisy ones).
+    sizes: the call's arguments giving ``(frames, height, width)`` of packed tokens (latent units).
+    patch_arguments: the call's arguments giving ``(temporal, spatial)`` patch sizes (Z-Image), defaulting to its
+        ``forward``'s; else the config's (a 3-D ``patch_size`` gives both).
+    channels_last: its latent is ``(B, F, H, W, C)`` (Kandinsky 5 and 6).
+    coords: the call's per-token ``(t, h, w)`` coordinates ``[B, 3, N]``, read where ``sizes`` are not given: the
+        video's frames last, after conditioning tokens (LTX-Video's condition pipeline).
+    frame_types: the call's per-frame types ``[B, F]``: frames after the last of type 0 are conditions, a tail
+        (Kandinsky 6's clean reference frame).
     """
 
     frames_axis: Optional[int] = 2
@@ -873,18 +619,14 @@ class GridLayout:
 
 @dataclass(frozen=True)
 class TokenRoles:
-    """How the call of a model on packed sequences tells which of its tokens are the image's: a per-token role
-    indicator rather than the tokens' order (Ideogram 4 packs ``[left padding; text; image]`` per row, the
-    padding's length the prompt's; MiniMax-H3 one layout ``[text; condition frames; audio; video]`` that its batch
-    shares, placed by index tables). Where every row ends its tokens of the image's role with one run at the same
-    place, in one segment, under the same ids, that run is the grid (a video's frames, read from ``ids``); every
-    token before and after it (text, audio, other samples, earlier runs of that role such as condition frames)
-    passes through unmerged. Other packings (the runs at other places per row) run unmerged, said once.
+    """How a model's call on packed sequences tells its image tokens: by a per-token role, not their order
+    (Ideogram 4's ``[left padding; text; image]`` rows, MiniMax-H3's ``[text; condition frames; audio; video]``).
+    The image role's last run, at the same place in every row and segment under the same ids, is the grid; every
+    other token passes through (:func:`~tome_core.models.levels.indicated_run`); other packings run unmerged.
 
     indicator: the call's argument of per-token roles ``[B, L]`` (or ``[L]``, one layout for the batch).
     image: the role value of the image's tokens.
-    ids: the call's argument of per-token ids ``[B, L, 3]`` (or ``[L, 3]``): ``(t, row, col)``, which place the run
-        on its grid.
+    ids: the call's argument of per-token ids ``(t, row, col)`` ``[B, L, 3]`` (or ``[L, 3]``).
     segments: the call's argument of per-token sample ids ``[B, L]`` under a block-diagonal mask (None: none).
     """
 
@@ -901,27 +643,20 @@ class TokenRoles:
 
 @dataclass(frozen=True)
 class ModelLayout:
-    """What a model class's call and children tell beyond its blocks' families, in one record (the model's
-    :mod:`~tome_core.models.grid_readers` reader is chosen from it). A model class named nowhere here has the default:
-    its grid is its latent's shape over its config's ``patch_size``, or its packed tokens' ids.
+    """What a model class's call and children tell beyond its blocks' families (its grid reader is chosen from it).
+    A class named nowhere has the default: its latent's shape over ``patch_size``, or its packed tokens' ids.
 
     video: its tokens are a frame-major video sequence (:class:`GridLayout`).
     roles: a per-token role tells which packed tokens are the image's (:class:`TokenRoles`).
-    context_latents: its call takes further images' latents as a list argument of this name (each ``(B, C, h,
-        w)``), whose tokens follow the output's in its blocks' image stream: a tail (Bria-FIBO 2's images to edit).
-    grid_last: its blocks' image stream ends with the latent's tokens, after tokens that pass through unmerged:
-        other grids (FramePack's clean and history latents, Helios' history) or the prompt (OmniGen's text, input
-        images and time token, all in one stream; Qwen-Image 2.1's text and condition images, its target the last
-        of its ``img_shapes``).
-    text_only: children (dotted paths) holding blocks of a known family that run on the text alone (Z-Image's and
-        Lumina 2's caption refiners), on other tokens than the output image's (FLUX.3's reference-image blocks),
-        or that are another model's own modules (the Z-Image ControlNet's refiners are its transformer's, given
-        by ``from_transformer``; that model's patch hooks them): never hooked through this model.
-    lent: children that another model runs inside its own call (it borrowed them: a ZImageControlNetModel built
-        ``from_transformer`` runs the transformer's noise refiner): their blocks merge only inside this model's call.
-    grid_source: a child whose 4-D output ``(B, C, h, w)`` is the grid of the blocks after it, in a model that
-        flattens a feature map into its blocks' tokens itself (aMUSEd's UVit runs its transformer layers on its
-        down block's output, its VQ codes' grid downsampled).
+    context_latents: its call's list argument of further images' latents ``(B, C, h, w)``, whose tokens follow the
+        output's as a tail (Bria-FIBO 2's images to edit).
+    grid_last: its blocks' image stream ends with the latent's tokens, after tokens that pass through (FramePack's
+        and Helios' history, OmniGen's prompt, Qwen-Image 2.1's text and condition images).
+    text_only: children (dotted paths) whose blocks never merge through this model: on the text alone (Z-Image's
+        and Lumina 2's caption refiners), on other images (FLUX.3's references), or another model's own modules.
+    lent: children that another model runs inside its own call (the Z-Image ControlNet borrows the transformer's
+        noise refiner): their blocks merge only inside this model's call.
+    grid_source: a child whose 4-D output ``(B, C, h, w)`` is the grid of the blocks after it (aMUSEd's UVit).
     unet: its levels, where it is a UNet laid out otherwise than diffusers' (:class:`UNetPath`).
     """
 
@@ -938,18 +673,15 @@ class ModelLayout:
 
 @dataclass(frozen=True)
 class UNetPath:
-    """How a UNet that is not laid out as diffusers' (``down_blocks``, ``mid_block``, ``up_blocks``) runs through its
-    levels: the ``ldm`` ``UNetModel`` of A1111-style UIs and sdkit runs ``input_blocks``, ``middle_block`` and
-    ``output_blocks``, each part a sequence of layers, and a part that holds a downsampler halves the grid of the
-    parts after it (an upsampler doubles it). Its latent is its call's first input, ``(B, C, H, W)``.
+    """How a UNet not laid out as diffusers' runs through its levels: the ``ldm`` ``UNetModel`` runs
+    ``input_blocks``, ``middle_block`` and ``output_blocks``; a part holding a downsampler halves the grid of the
+    parts after it, an upsampler doubles it. Its latent is its call's first input, ``(B, C, H, W)``.
 
-    parts: its children in the order its call runs them, each a module or a list of modules (the parts).
+    parts: its children in the order its call runs them, each a module or a list of modules.
     downsample, upsample: the class names of the layers that halve and double the grid after their part.
-    containers: its 2-D containers, whose 4-D input ``(B, C, H, W)`` is the grid of the blocks inside
-        (:data:`GRID_CONTAINERS` holds diffusers' own).
-    counted: its children in the order its blocks are counted (their indices in ``blocks``, ``block_ratios``, and
-        the partitions each block draws): as diffusers counts the same UNet's (its down blocks, up blocks, then
-        its middle block), so that the same options on the same weights merge alike in both libraries.
+    containers: its 2-D containers, whose 4-D input is the grid of the blocks inside (as :data:`GRID_CONTAINERS`).
+    counted: its children in the order its blocks are counted, as diffusers counts the same UNet's (down, up,
+        middle), so that the same options on the same weights merge alike in both libraries.
     """
 
     parts: Tuple[str, ...]
@@ -999,18 +731,15 @@ _DEFAULT_LAYOUT = ModelLayout(())
 
 
 def model_layout(cls: type) -> ModelLayout:
-    """The :data:`MODEL_LAYOUTS` record of a model class (or of its nearest base class named there), else the
-    default layout."""
+    """The :data:`MODEL_LAYOUTS` record of a model class (or of its nearest base named there), else the default."""
     return _nearest(_MODEL_LAYOUTS, cls) or _DEFAULT_LAYOUT
 
 
 @dataclass(frozen=True)
 class IdsMaker:
-    """A pipeline method that makes the ids of packed image tokens, one raster grid of ``rows x cols`` tokens (its
-    arguments of those names, in tokens): ``patch`` on a pipeline wraps it on that pipeline object
-    (:func:`~tome_core.hooks.call_hooks.tell_grids`) so that the ids it returns carry their grid, and the model's reader
-    places its tokens without reading the ids on the host, a graph break that ``torch.compile(fullgraph=True)``
-    refuses (a pipeline makes new ids in every generation)."""
+    """A pipeline method that makes packed image tokens' ids on a ``rows x cols`` raster grid (its arguments of
+    those names): ``patch`` wraps it (:func:`~tome_core.hooks.call_hooks.tell_grids`) so the ids carry their grid and
+    the reader need not read them on the host, a graph break ``torch.compile(fullgraph=True)`` refuses."""
 
     method: str
     rows: str = "height"
@@ -1025,17 +754,16 @@ GRID_CONTAINERS: Tuple[str, ...] = ("Transformer2DModel", "TransformerSpatioTemp
 # 2-D containers whose 4-D input is channels-last ``(batch, H, W, C)``: diffusers' Flax Transformer2DModel.
 CHANNELS_LAST_GRID_CONTAINERS: Tuple[str, ...] = ("FlaxTransformer2DModel",)
 
+
 @dataclass(frozen=True)
 class OwnAttention:
-    """An attention class with no processor, whose own ``forward`` computes the attention (the ``ldm``
-    ``CrossAttention`` of A1111-style UIs and sdkit). It computes its keys and values from its sub-layer's
-    ``kv_input`` (:class:`Sublayer`), so the ``kv`` arrangement hands it the merged tokens there.
+    """An attention class with no processor whose own ``forward`` computes the attention (the ``ldm``
+    ``CrossAttention``), its keys and values from its sub-layer's ``kv_input``, where ``kv`` hands it merged tokens.
 
     classes: its classes (library-qualified, as ``"ldm:CrossAttention"``).
     through: what it computes attention through, named in messages.
-    softmax: its own code normalises its scores with torch's softmax over the keys (the last axis), where
-        size-aware attention adds the merged keys' log sizes to that call's input; False: a kernel that takes no
-        bias computes it, and size-aware attention is refused there at ``patch``.
+    softmax: it normalises its scores with torch's softmax over the last axis, where size-aware attention adds the
+        merged keys' log sizes; False: a kernel that takes no bias, and size-aware attention is refused at ``patch``.
     """
 
     classes: Tuple[str, ...]
@@ -1073,9 +801,7 @@ def _qualified(cls: type) -> str:
 
 
 def child_at(module: Any, path: str) -> Any:
-    """The submodule at a dotted attribute ``path`` of ``module`` (``"video_dec_block.self_attention"``: a
-    sub-layer of a block nested in the block, Kandinsky 6's; ``""``: ``module`` itself, a block that is its own
-    sub-layer), or None."""
+    """The submodule at a dotted attribute ``path`` of ``module`` (``""``: ``module`` itself), or None."""
     for name in path.split(".") if path else ():
         module = getattr(module, name, None)
         if module is None:
@@ -1093,9 +819,8 @@ def _nearest(table: Dict[str, Any], cls: type) -> Any:
 
 
 def block_family(cls: type, model: Optional[type] = None) -> Optional[BlockFamily]:
-    """The family of a block class (or of the nearest base class named in the table), or None; with ``model``,
-    the class of the model it sits in, also the families found only inside such models
-    (:attr:`BlockFamily.models`)."""
+    """The family of a block class (or of its nearest base named in the table), or None; with ``model`` (the class
+    it sits in), also the families found only inside such models (:attr:`BlockFamily.models`)."""
     found = _nearest(_BY_CLASS, cls)
     if found is None and model is not None:
         scoped = _nearest(_SCOPED, model)
