@@ -1,7 +1,5 @@
-"""What a model holds, read through a :class:`~tome_core.framework.Framework`: its blocks of a known family
-(temporal ones left out), their levels and grids, the models inside a pipeline, and what kind of model one is
-(UNet-like, or a diffusion transformer). :func:`~tome_core.models.plan.plan_model` reads a model through these once per
-``patch``. Framework-free."""
+"""What a model holds, read through a :class:`~tome_core.framework.Framework`: its blocks of a known family, their
+levels and grids, the models inside a pipeline, and what kind of model one is. Framework-free."""
 
 from __future__ import annotations
 
@@ -11,26 +9,21 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..framework import TOKEN_IDS, Framework, argument_positions, forward_of
 from .families import (
-
     BlockFamily, CHANNELS_LAST_GRID_CONTAINERS, GRID_CONTAINERS, UNetPath, block_family, child_at, model_layout,
-
     named, temporal,
-
 )
 from .levels import finest_attention_level
 
 
 def temporal_modules(fw: Framework, model: Any) -> set:
-    """The ids of the modules inside ``model`` that attend across frames (:data:`~tome_core.models.families.TEMPORAL`):
-    those containers' blocks (or the blocks under their listed children) and everything inside them."""
+    """The ids of the modules inside ``model`` that attend across frames (``families.TEMPORAL``)."""
     return _held(fw, model, lambda module: (
         None if temporal(type(module)) is None else temporal(type(module)).children or ("",)
     ))
 
 
 def text_only_modules(fw: Framework, model: Any) -> set:
-    """The ids of the modules inside ``model`` under a model's ``text_only`` children
-    (:class:`~tome_core.models.families.ModelLayout`): blocks that never merge through this model."""
+    """The ids of the modules under a model's ``text_only`` children (``ModelLayout``)."""
     return _held(fw, model, lambda module: model_layout(type(module)).text_only or None)
 
 
@@ -47,12 +40,9 @@ def _held(fw: Framework, model: Any, paths: Callable[[Any], Optional[Tuple[str, 
 
 
 def blocks_of(fw: Framework, model: Any) -> List[Tuple[Any, BlockFamily]]:
-    """The spatial transformer blocks of a known family inside ``model``, in module order (their stream index); in
-    a UNet laid out otherwise than diffusers' (:func:`unet_path`), in the order of its parts that
-    :attr:`~tome_core.models.families.UNetPath.counted` gives, diffusers' module order.
-
-    Temporal blocks (tokens = frames: video UNets' motion modules and temporal transformers) are left out:
-    they are never merged, get no hook, and count in no block index, level or statistic."""
+    """The spatial transformer blocks of a known family inside ``model``, in module order (their stream index; in an
+    ``ldm`` UNet, :attr:`~tome_core.models.families.UNetPath.counted`'s). Temporal and text-only blocks are left
+    out: they never merge and count in no block index, level or statistic."""
     found = []
     skip = temporal_modules(fw, model) | text_only_modules(fw, model)
     path = unet_path(model)
@@ -68,10 +58,9 @@ def blocks_of(fw: Framework, model: Any) -> List[Tuple[Any, BlockFamily]]:
 
 
 def finest_level(fw: Framework, model: Any, blocks: Optional[Sequence[Tuple[Any, BlockFamily]]] = None) -> int:
-    """Downsample factor of a UNet's finest level with attention; 1 for transformers. Stable Cascade's UNet (a
-    patchified model whose levels are resampled by its ``down_downscalers``, before each level's blocks) counts
-    the downscalers that halve the grid before its first level with attention: its stage B has none at the two
-    finest levels, its stage C two levels on one grid. ``blocks``: :func:`blocks_of`'s, where already read."""
+    """Downsample factor of a UNet's finest level with attention; 1 for transformers. Stable Cascade's UNet counts
+    the ``down_downscalers`` that halve the grid before its first level with attention. ``blocks``:
+    :func:`blocks_of`'s, where already read."""
     attending = lambda: {  # noqa: E731
         id(block) for block, family in (blocks_of(fw, model) if blocks is None else blocks)
         for sublayer in family.sublayers if sublayer.kind == "attn" and fw.is_module(child_at(block, sublayer.child))
@@ -107,13 +96,11 @@ def _halves(fw: Framework, module: Any) -> bool:
 def block_levels(
     fw: Framework, model: Any, blocks: Optional[Sequence[Tuple[Any, BlockFamily]]] = None
 ) -> List[Optional[int]]:
-    """The level (downsample factor) of each block of :func:`blocks_of`: 1 in a diffusion transformer (and after a
-    model's ``grid_source`` child (:class:`~tome_core.models.families.ModelLayout`), whose grid its blocks' tokens are); in a
-    UNet-like model, doubled after each down block that downsamples and halved after each up block that
-    upsamples (the middle block at the deepest level); ``None`` where the model does not tell: blocks on a
-    feature map outside a UNet (Stable Cascade's levels), and UNets whose down blocks resample inside their
-    ResNets rather than in ``downsamplers`` (Kandinsky 3's); their merges then follow each block's grid.
-    ``blocks``: :func:`blocks_of`'s, where already read."""
+    """The level (downsample factor) of each block of :func:`blocks_of`: 1 in a diffusion transformer (or after a
+    ``grid_source`` child); in a UNet, doubled after each down block that downsamples and halved after each up
+    block that upsamples; ``None`` where the model does not tell (blocks on a feature map outside a UNet, UNets
+    that resample inside their ResNets), whose merges then follow each block's grid. ``blocks``: as
+    :func:`finest_level`'s."""
     blocks = blocks_of(fw, model) if blocks is None else blocks
     if not is_unet_like(model):
         one = is_transformer_model(model) or model_layout(type(model)).grid_source is not None  # one grid: the model's tokens
@@ -139,8 +126,7 @@ def block_levels(
 
 
 def _path_levels(fw: Framework, model: Any, path: UNetPath) -> Dict[int, int]:
-    """The level (downsample factor) of every module inside the parts of a UNet laid out as ``path``: doubled after
-    each part that holds a downsampler, halved after each that holds an upsampler."""
+    """The level of every module inside the parts of a UNet laid out as ``path`` (:class:`UNetPath`)."""
     level: Dict[int, int] = {}
     factor = 1
     for name in path.parts:
@@ -163,26 +149,21 @@ def _child(model: Any, name: str) -> Any:
 
 
 def unet_path(module: Any) -> Optional[UNetPath]:
-    """How ``module``'s levels run, where it is a UNet laid out otherwise than diffusers' (the ``ldm`` UNetModel:
-    :class:`~tome_core.models.families.UNetPath`), else None."""
+    """How ``module``'s levels run where it is a UNet laid out otherwise than diffusers' (the ``ldm`` one), else None."""
     return model_layout(type(module)).unet
 
 
-
-
 def grid_modules(fw: Framework, model: Any) -> List[Any]:
-    """The 2-D containers in ``model`` (:data:`~tome_core.models.families.GRID_CONTAINERS`: UNet-style
-    ``Transformer2DModel``, SVD's ``TransformerSpatioTemporalModel``; channels-last, Flax's): their 4-D input
-    ``(batch [* frames], C, H, W)`` is the grid of their spatial blocks."""
+    """The 2-D containers in ``model`` (:data:`~tome_core.models.families.GRID_CONTAINERS` and Flax's channels-last
+    ones), whose 4-D input is the grid of their spatial blocks."""
     path = unet_path(model)
     names = GRID_CONTAINERS + CHANNELS_LAST_GRID_CONTAINERS + (path.containers if path is not None else ())
     return [m for m in fw.submodules(model) if type(m).__name__ in names]
 
 
 def check_grids(fw: Framework, model: Any, blocks: Optional[Sequence[Tuple[Any, BlockFamily]]] = None) -> None:
-    """Refuse a model whose blocks cannot know their grid: neither a UNet, a ControlNet or a diffusion
-    transformer, nor inside a 2-D container (``Transformer2DModel``, ``TransformerSpatioTemporalModel``), nor after
-    a child whose output gives it (``grid_source``, :class:`~tome_core.models.families.ModelLayout`)."""
+    """Refuse a model whose blocks cannot know their grid: neither a UNet, a ControlNet or a diffusion transformer,
+    nor inside a 2-D container, nor after a ``grid_source`` child."""
     if is_unet_like(model) or is_transformer_model(model) or model_layout(type(model)).grid_source is not None:
         return
     inside = {id(sub) for grid in grid_modules(fw, model) for sub in fw.submodules(grid)}
@@ -194,12 +175,6 @@ def check_grids(fw: Framework, model: Any, blocks: Optional[Sequence[Tuple[Any, 
         )
 
 
-
-
-
-
-
-
 def block_metric(family: BlockFamily, block: Any) -> Tuple[str, Optional[int]]:
     """The argument of ``block``'s call whose tokens the match is computed from (:attr:`BlockFamily.metric`;
     ``hidden_states``, its first input, by default) and its position in the block's ``forward``."""
@@ -209,9 +184,8 @@ def block_metric(family: BlockFamily, block: Any) -> Tuple[str, Optional[int]]:
 
 
 def components(fw: Framework, obj: Any, entry: str = "patch") -> List[Any]:
-    """The modules ``obj`` consists of: the UNet of a latent-diffusion model (:func:`held_unet`; ``patch`` refuses one
-    holding no UNet ToMe knows), itself if it is a module, else a pipeline's module components. Anything else is
-    refused with :func:`not_a_model`'s error for the entry point ``entry``."""
+    """The modules ``obj`` consists of: a latent-diffusion model's UNet (:func:`held_unet`, checked for ``patch``),
+    itself if it is a module, else a pipeline's module components; anything else raises :func:`not_a_model`."""
     held = held_unet(obj)
     if held is not None:
         if entry == "patch":
@@ -229,9 +203,8 @@ def components(fw: Framework, obj: Any, entry: str = "patch") -> List[Any]:
 
 
 def held_unet(obj: Any) -> Any:
-    """The UNet of a latent-diffusion model (the ``LatentDiffusion`` of A1111-style UIs and sdkit, and anything that
-    keeps its UNet where it does, as ``tomesd.apply_patch`` reads it): ``obj.model.diffusion_model``; None where
-    ``obj`` holds nothing there."""
+    """The UNet of a latent-diffusion model (A1111-style UIs' and sdkit's ``LatentDiffusion``, read as
+    ``tomesd.apply_patch`` reads it): ``obj.model.diffusion_model``, or None."""
     return getattr(getattr(obj, "model", None), "diffusion_model", None)
 
 
@@ -256,8 +229,8 @@ LOAD = "pipe = DiffusionPipeline.from_pretrained({name})"  # how a diffusers or 
 
 def not_a_model(accepted: str, obj: Any, entry: str = "patch", load: str = LOAD) -> TypeError:
     """The error for an ``obj`` given to ``entry`` (``patch``, ``remove``, ``patched_models``) that is neither a
-    pipeline nor a model: what was given first (its type and value), for a name or path how to load it
-    (``load``, with ``{name}`` for it), then what ``patch`` takes (``accepted``, the adapter's words)."""
+    pipeline nor a model: what was given, how to load a name or path (``load``, with ``{name}``), then what
+    ``patch`` takes (``accepted``, the adapter's words)."""
     if entry != "patch":
         taken = "a patched pipeline or model" if entry == "remove" else "a pipeline or a model"
         return TypeError(f"{entry} takes {taken}; got {_shown(obj)}")
@@ -282,9 +255,8 @@ def _shown(obj: Any) -> str:
 
 
 def find_models(fw: Framework, obj: Any, entry: str = "patch") -> List[Any]:
-    """The models to patch inside ``obj``: every UNet-like model and diffusion transformer holding blocks of a
-    known family (outermost first), else a component that holds such blocks itself. ``entry``: the entry point
-    that asks, named if ``obj`` is no pipeline or model (:func:`components`)."""
+    """The models to patch inside ``obj``: every outermost UNet-like model and diffusion transformer holding blocks
+    of a known family, else a component holding such blocks itself. ``entry``: as :func:`components`'s."""
     found: List[Any] = []
     for component in components(fw, obj, entry):
         models = [
@@ -313,8 +285,8 @@ def is_unet_like(module: Any) -> bool:
 
 
 def is_transformer_model(module: Any) -> bool:
-    """A diffusion transformer (SD3, Flux, PixArt, DiT, their ControlNets): a config with a patch size, a class
-    whose call a video :class:`~tome_core.models.families.GridLayout` describes, or one whose call takes its tokens' ids."""
+    """A diffusion transformer: a config with a patch size, a video :class:`~tome_core.models.families.GridLayout`,
+    or a call that takes its tokens' ids."""
     if is_unet_like(module):
         return False
     if config_value(module, "patch_size") is not None or model_layout(type(module)).video is not None:
