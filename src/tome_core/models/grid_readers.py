@@ -1,16 +1,9 @@
-"""How a diffusion transformer's call places its tokens on a grid: one reader per layout, chosen once per model
-at ``patch`` (:func:`grid_reader`) and run by :class:`~tome_core.hooks.call_hooks.CallStart` as each call begins.
-
-A reader returns where the call's image tokens sit (:class:`Placed`: the grid, the tokens after it, ...) or why
-no grid is known (a call that then runs unmerged, said once). The layouts:
-
-* :class:`LatentGrid`: the latent's shape over the config's ``patch_size`` (4-D images, 5-D and 6-D videos), or
-  packed tokens placed by their ``img_ids`` (:class:`PackedIds`);
-* :class:`ShapeListGrid`: per-item image shapes the call gives (Qwen-Image's ``img_shapes``);
-* :class:`VideoGrid`: a video transformer's frame-major sequence (:attr:`ModelLayout.video <tome_core.models.families.ModelLayout>`);
-* :class:`RolesGrid`: packed rows whose image tokens a per-token role tells (:attr:`ModelLayout.roles <tome_core.models.families.ModelLayout>`).
-
-A new layout is a new reader here and a line in :func:`grid_reader`. Framework-free."""
+"""How a diffusion transformer's call places its tokens on a grid: one reader per layout, chosen once per model at
+``patch`` (:func:`grid_reader`) and run as each call begins. A reader returns where the call's image tokens sit
+(:class:`Placed`) or why no grid is known (the call then runs unmerged, said once): :class:`LatentGrid` (the
+latent's shape over ``patch_size``, or packed ids: :class:`PackedIds`), :class:`ShapeListGrid` (per-item image
+shapes), :class:`VideoGrid` (a frame-major video sequence), :class:`RolesGrid` (per-token roles). A new layout is a
+new reader here and a line in :func:`grid_reader`. Framework-free."""
 
 from __future__ import annotations
 
@@ -26,10 +19,9 @@ from .model_tree import config_value
 
 
 class Placed(NamedTuple):
-    """Where a call's image tokens sit: a ``(rows, cols)`` grid (a video's frames stacked in rows), ``tail``
-    tokens after it in each block's image stream, ``videos`` items whose frames are the blocks' batch (None: the
-    batch is the call's), ``grid_last``: the grid ends the stream, after the other tokens, and ``frames``: the
-    frames whose rows the grid stacks (1: an image, or a video whose frames are the batch)."""
+    """Where a call's image tokens sit: a ``(rows, cols)`` grid (a video's ``frames`` stacked in rows), ``tail``
+    tokens after it, ``videos`` items whose frames are the blocks' batch (None: the call's batch), and whether the
+    grid ends the stream (``grid_last``)."""
 
     grid: Tuple[int, int]
     tail: int = 0
@@ -42,8 +34,7 @@ Reading = Union[Placed, str]  # where the tokens sit, or why no grid is known
 
 
 class Call(NamedTuple):
-    """One call of the model: its arguments, its latent (``sample``, a list of latents read as their batch) and the
-    latent's shape."""
+    """One call of the model: its arguments, its latent (``sample``) and the latent's shape."""
 
     args: Tuple[Any, ...]
     kwargs: Dict[str, Any]
@@ -53,8 +44,8 @@ class Call(NamedTuple):
 
 class Reader:
     """What every reader shares: where the arguments it reads (``names``) sit in the model's ``forward``, its
-    config's ``patch_size``, and host reads of small arrays made once per array object (pipelines build ids and
-    coordinates once per generation)."""
+    ``patch_size``, and host reads of small arrays made once per array object (pipelines build them once per
+    generation)."""
 
     def __init__(self, fw: Framework, model: Any, *names: str):
         self.fw = fw
@@ -80,8 +71,8 @@ class Reader:
 
 
 class PackedIds(Reader):
-    """Packed image tokens ``[B, N, C]`` placed by their ids ``[N, 3]`` (Flux's ``img_ids``): by the grid their
-    pipeline told (:func:`told_grid`), else read on the host once per ids array."""
+    """Packed image tokens ``[B, N, C]`` placed by their ids (Flux's ``img_ids``): by the grid their pipeline told
+    (:func:`told_grid`), else read on the host once per ids array."""
 
     def __init__(self, fw: Framework, model: Any):
         super().__init__(fw, model, *TOKEN_IDS)
@@ -117,11 +108,9 @@ class PackedIds(Reader):
 
 
 class LatentGrid(Reader):
-    """The latent's shape over the config's ``patch_size``: ``(B, C, H, W)`` images (plus any
-    ``context_latents`` (:class:`~tome_core.models.families.ModelLayout`) after them, a tail), ``(B, C, F, H, W)`` videos (with a 2-D patch
-    each frame is an item of the blocks' batch, as in video UNets, Latte; with a 3-D patch the frames' grids
-    stack in one sequence, Wan), ``(B, items, C, F, H, W)`` (the first item the output, the rest a tail:
-    JoyImage-Edit); packed tokens are placed by their ids (:class:`PackedIds`)."""
+    """The latent's shape over ``patch_size``: ``(B, C, H, W)`` images (any ``context_latents`` a tail),
+    ``(B, C, F, H, W)`` videos (a 2-D patch: frames are the blocks' batch; a 3-D patch: frames stacked in one
+    sequence), ``(B, items, C, F, H, W)`` (items after the first a tail); packed tokens by :class:`PackedIds`."""
 
     def __init__(self, fw: Framework, model: Any):
         self.context = model_layout(type(model)).context_latents  # images' latents after the grid
@@ -155,9 +144,8 @@ class LatentGrid(Reader):
 
 
 class ShapeListGrid(Reader):
-    """Per-item shapes of the images in the sequence (:data:`~tome_core.framework.SHAPE_LISTS`), the output's
-    first (or last, ``grid_last``, :class:`~tome_core.models.families.ModelLayout`): :func:`shapes_grid`; a call without them is read by
-    ``otherwise``."""
+    """Per-item image shapes the call gives (:data:`~tome_core.framework.SHAPE_LISTS`, :func:`shapes_grid`); a call
+    without them is read by ``otherwise``."""
 
     def __init__(self, fw: Framework, model: Any, otherwise: Reader):
         super().__init__(fw, model, *SHAPE_LISTS)
@@ -174,9 +162,8 @@ class ShapeListGrid(Reader):
 
 
 class VideoGrid(Reader):
-    """A video transformer's frame-major sequence of ``frames x rows x cols`` tokens, the frames' grids stacked in
-    rows (:class:`~tome_core.models.families.GridLayout`): sizes from its 5-D latent, the call's size arguments or its
-    tokens' coordinates; condition frames its frame types mark pass through as a tail."""
+    """A video transformer's frame-major sequence (:class:`~tome_core.models.families.GridLayout`), sized by its 5-D
+    latent, the call's size arguments or its tokens' coordinates; marked condition frames are a tail."""
 
     def __init__(self, fw: Framework, model: Any, layout: GridLayout):
         named = tuple(name for name in (layout.coords, layout.frame_types) if name)
@@ -208,8 +195,7 @@ class VideoGrid(Reader):
         return Placed(grid, tail, None, self.grid_last, frames)
 
     def _sizes(self, call: Call) -> Optional[Tuple[int, int, int, bool]]:
-        """``(frames, rows, cols, from_coords)`` of the tokens, or None where the call does not give them;
-        ``from_coords``: read from the tokens' coordinates, after conditioning tokens."""
+        """``(frames, rows, cols, from_coords)`` of the tokens (``from_coords``: after conditioning tokens), or None."""
         layout, patch = self.layout, self.patch_size
         temporal = self.temporal_patch
         spatial = patch if isinstance(patch, int) else (patch or (1,))[-1]
@@ -229,8 +215,8 @@ class VideoGrid(Reader):
         return sizes[0] // temporal, sizes[1] // spatial, sizes[2] // spatial, False
 
     def _condition_frames(self, call: Call) -> Optional[int]:
-        """How many frames at the end of the call's video are conditions (:attr:`GridLayout.frame_types`): 0
-        where it gives no types; None where its types are not noisy frames (0) then conditions in every item."""
+        """How many frames at the end of the call's video are conditions (0 where it gives no types), or None where
+        its types are not noisy frames (0) then conditions, alike in every item."""
         types = self.get(call, self.layout.frame_types) if self.layout.frame_types else None
         if types is None:
             return 0
@@ -245,8 +231,7 @@ class VideoGrid(Reader):
         return self.read_once("types", types, read)
 
     def _coords_grid(self, coords: Any) -> Optional[Tuple[int, int, int, int]]:
-        """``(frames, rows, cols, head)`` of tokens from their coordinates ``[B, 3, N]`` (batch item 0)
-        (:func:`~tome_core.models.levels.trailing_frames`)."""
+        """``(frames, rows, cols, head)`` from item 0's coordinates ``[B, 3, N]`` (:func:`trailing_frames`)."""
 
         def read(values: List[float], shape: Tuple[int, ...]) -> Optional[Tuple[int, int, int, int]]:
             axes, tokens = shape[-2], shape[-1]
@@ -256,9 +241,8 @@ class VideoGrid(Reader):
 
 
 class RolesGrid(Reader):
-    """Packed rows whose image tokens a per-token role indicator tells (:class:`~tome_core.models.families.TokenRoles`,
-    :func:`~tome_core.models.levels.indicated_run`): the image's last run in every row is the grid, the tokens before it
-    the blocks' text in front, those after it a tail."""
+    """Packed rows whose image tokens a per-token role tells (:class:`~tome_core.models.families.TokenRoles`): the
+    image's last run in every row is the grid, the tokens after it a tail."""
 
     def __init__(self, fw: Framework, model: Any, roles: TokenRoles):
         super().__init__(fw, model, *roles.arguments)
@@ -278,9 +262,8 @@ class RolesGrid(Reader):
         return Placed((rows, cols), tail, None, self.grid_last, frames)
 
     def _indicated(self, call: Call) -> Optional[Tuple[int, int, int, int, int]]:
-        """``(rows, cols, head, tail, frames)`` of the image's last run in the call's packed rows (a video's
-        ``frames`` stacked in its rows), or None; read on the host once per set of arrays (pipelines build them
-        once per generation)."""
+        """``(rows, cols, head, tail, frames)`` of the image's last run in the call's rows (:func:`indicated_run`), or
+        None; read on the host once per set of arrays."""
         roles = self.roles
         arrays = tuple(self.get(call, name) for name in roles.arguments)
         if any(array is None for array in arrays):
@@ -301,8 +284,7 @@ class RolesGrid(Reader):
 
 
 def _frames(ids: Sequence[Sequence[float]]) -> int:
-    """How many frames a run of ``(t, row, col)`` ids that :func:`~tome_core.models.levels.indicated_run` placed holds:
-    its tokens over those of its last frame (its last time)."""
+    """How many frames a run of ``(t, row, col)`` ids holds: its tokens over those at its last time."""
     return len(ids) // sum(1 for token in ids if token[0] == ids[-1][0])
 
 
@@ -310,9 +292,9 @@ GRID_TAG = "_tome_grid"  # the attribute that tells the raster grid of ids a pip
 
 
 def tell_grid(ids: Any, rows: Any, cols: Any) -> None:
-    """Tag ``ids`` ``[..., N, k]`` that a pipeline's :class:`~tome_core.models.families.IdsMaker` made with their raster
-    grid, ``(rows, cols)`` as Python ints (a compiler guards on them), where ``N`` is ``rows * cols``; an array
-    type that takes no attributes is left untagged (its ids are then read on the host)."""
+    """Tag ``ids`` ``[..., N, k]`` that a pipeline's :class:`~tome_core.models.families.IdsMaker` made with their
+    raster grid ``(rows, cols)`` (Python ints, where ``N`` is ``rows * cols``); an array that takes no attributes
+    is left untagged."""
     if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in (rows, cols)):
         return
     shape = get_ops(ids).shape(ids)
@@ -332,8 +314,7 @@ def told_grid(ids: Any, tokens: int) -> Optional[Tuple[int, int]]:
 
 
 def grid_reader(fw: Framework, model: Any) -> Reader:
-    """The reader of a diffusion transformer's calls, by its :class:`~tome_core.models.families.ModelLayout`: its token
-    roles or video layout, else its latent's shape, first from a shape list where a call gives one."""
+    """The reader of a diffusion transformer's calls, by its :class:`~tome_core.models.families.ModelLayout`."""
     layout = model_layout(type(model))
     if layout.roles is not None:
         return RolesGrid(fw, model, layout.roles)
@@ -343,9 +324,8 @@ def grid_reader(fw: Framework, model: Any) -> Reader:
 
 
 def mixed_sizes(what: str, where: str) -> str:
-    """Why a call whose batch items give their ``what`` different sizes in ``where`` runs unmerged: a match is
-    one partition of one token grid for the whole batch, and each item's tokens sit at other places in the
-    padded sequence, so no item can merge on another's grid (Qwen-Image's shape lists, Z-Image's latents)."""
+    """Why a call whose batch items give their ``what`` different sizes in ``where`` runs unmerged: one match
+    serves the whole batch, so every item must share one token grid."""
     return (
         f"the items of its batch give their {what} different sizes in {where}, so no one token grid is known; "
         "such calls run unmerged"
@@ -353,12 +333,9 @@ def mixed_sizes(what: str, where: str) -> str:
 
 
 def shapes_grid(img_shapes: Sequence[Any], tokens: int, last: bool = False) -> Optional[Tuple[int, int, int]]:
-    """``(h, w, tail)`` of ``tokens`` tokens from a shape list (:data:`SHAPE_LISTS`: Qwen-Image's ``img_shapes``,
-    JoyImage-Edit-Plus's ``shape_list``): per batch item, the ``(frames, h, w)`` of each image in the sequence (or
-    one such tuple), the output's first; the images after it (Edit's references, Layered's further layers and
-    condition) and any padding are the tail. With ``last`` the output's is each item's last (Qwen-Image 2.1's,
-    after its condition images: the blocks' head, ``grid_last``, :class:`~tome_core.models.families.ModelLayout`), and the tail is 0. None
-    where the items' outputs differ in size."""
+    """``(h, w, tail)`` of ``tokens`` tokens from a shape list (Qwen-Image's ``img_shapes``): per batch item, the
+    ``(frames, h, w)`` of each image in the sequence (or one tuple), the output's first and the rest with any
+    padding the tail; with ``last`` the output's is last and the tail 0. None where the items' outputs differ."""
     outputs = [tuple(item[-1 if last else 0] if isinstance(item[0], (tuple, list)) else item) for item in img_shapes]
     if any(output != outputs[0] for output in outputs):
         return None
