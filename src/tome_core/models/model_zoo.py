@@ -1,10 +1,8 @@
 """Which model classes of diffusers ToMe refuses, and why (framework-free; classes are named, not imported).
 
-A model class merges when it holds transformer blocks of a family in :mod:`tome_core.models.families` (and the driver
-can tell their token grid); every other image or video generation class diffusers exports is listed here with
-the reason ``patch`` gives for refusing it. The zoo test (``tests/torch/test_zoo.py``) enumerates diffusers'
-model classes and fails on one that is neither merged-and-tested nor listed here, so a diffusers release that
-adds a model is classified before it is claimed.
+A model class merges when it holds blocks of a family in :mod:`tome_core.models.families`; every other model class
+diffusers exports is listed here with the reason ``patch`` gives. The zoo test (``tests/torch/test_zoo.py``) fails on
+a diffusers class that is neither merged-and-tested nor listed, so a new model is classified before it is claimed.
 """
 
 from __future__ import annotations
@@ -14,8 +12,8 @@ from typing import Dict, Optional
 _AUDIO = "generates audio, a 1-D sequence of tokens with no image grid to merge on"
 _NOT_A_GRID = "its tokens are not an image's: there is no spatial grid whose neighbours ToMe for SD merges"
 
-REFUSED: Dict[str, str] = {
-    # not image or video generation
+# Classes that generate neither images nor video (or cannot run alone): outside the zoo's coverage count.
+_NOT_GENERATION: Dict[str, str] = {
     "AceStepTransformer1DModel": _AUDIO,
     "StableAudioDiTModel": _AUDIO,
     "StableAudio3DiTModel": _AUDIO,
@@ -38,6 +36,11 @@ REFUSED: Dict[str, str] = {
         "cannot run by itself (diffusers runs it only inside a UNetControlNetXSModel); patch the "
         "UNetControlNetXSModel built from it (UNetControlNetXSModel.from_unet(unet, adapter)), whose blocks merge"
     ),
+}
+NOT_GENERATION = frozenset(_NOT_GENERATION)
+
+REFUSED: Dict[str, str] = {
+    **_NOT_GENERATION,
     # merging cannot pay, or cannot be right
     "SanaTransformer2DModel": (
         "its self-attention is linear attention (no attention matrix to shrink) and its feed-forward a 3x3 "
@@ -78,23 +81,11 @@ REFUSED: Dict[str, str] = {
 }
 
 
-# Listed classes that generate neither images nor video (or cannot run alone): outside the zoo's coverage count.
-NOT_GENERATION = frozenset({
-    "AceStepTransformer1DModel", "StableAudioDiTModel", "StableAudio3DiTModel", "LongCatAudioDiTTransformer",
-    "MiniMaxMusic3Transformer1DModel", "MiniMaxMusic3RVQDepthDecoder", "T5FilmDecoder", "UNet1DModel",
-    "RFD4ProteinaTransformer", "PriorTransformer", "MotionAdapter", "TransformerTemporalModel", "ControlNetXSAdapter",
-})
-
 # Listed classes that a pipeline holds beside a model that merges (AnimateDiff's motion adapter): they do not stop
 # the pipeline's patch; every other listed class does.
 AUXILIARY = frozenset({"MotionAdapter", "ControlNetXSAdapter", "TransformerTemporalModel"})
 
 
 def refusal(cls: type) -> Optional[str]:
-    """Why ``patch`` refuses a model of class ``cls`` (or of its nearest base class listed in :data:`REFUSED`),
-    or None."""
-    for base in cls.__mro__:
-        reason = REFUSED.get(base.__name__)
-        if reason is not None:
-            return reason
-    return None
+    """Why ``patch`` refuses a model of class ``cls`` (or of its nearest base listed in :data:`REFUSED`), or None."""
+    return next((REFUSED[base.__name__] for base in cls.__mro__ if base.__name__ in REFUSED), None)
