@@ -1,13 +1,8 @@
 """Which blocks of a model merge, at which level and ratio: the options checked against one model at ``patch``.
 
-Every option either acts on the model or is refused before anything is attached: block indices out of range,
-named twice, or at a level that never merges; per-block ratios of blocks outside ``blocks``; level ratios and
-cells of levels where no block merges; a ratio that a merged level's cell cannot reach; a timestep range outside
-the model's timesteps. A patch whose options are all valid but merge no token (ratios of 0, every sub-layer
-off or missing from the model's blocks) warns instead, naming the options that zero it, and so does an option
-that acts on a kind of sub-layer no merged block has (``merge_crossattn`` on Flux or SD3, whose text joins the
-image tokens in one joint attention). Framework-free: the driver gives each block's level (``None`` where the
-model does not tell) and, where it knows them, the kinds of sub-layer each block has.
+Every option either acts on the model or is refused before anything is attached; valid options that merge no
+token, or act on a kind of sub-layer no merged block has, warn instead (:func:`check_model`). Framework-free: the
+driver gives each block's level and, where it knows them, the kinds of sub-layer each block has.
 """
 
 from __future__ import annotations
@@ -28,17 +23,13 @@ def scale(level: int) -> str:
     return f"1/{level} scale"
 
 
-def _block_index(name: str, index: int, count: int, where: str) -> int:
-    if not -count <= index < count:
-        raise ValueError(f"{name}: index {index} is out of range for {where}, which has {count} transformer blocks")
-    return index % count
-
-
 def _resolve(name: str, indices: Sequence[int], count: int, where: str) -> List[int]:
     """Block indices (negative from the end) resolved against ``count``; one block named twice is refused."""
     resolved: Dict[int, int] = {}
     for index in indices:
-        block = _block_index(name, index, count, where)
+        if not -count <= index < count:
+            raise ValueError(f"{name}: index {index} is out of range for {where}, which has {count} transformer blocks")
+        block = index % count
         if block in resolved:
             raise ValueError(
                 f"{name} names block {block} of {where} twice ({resolved[block]} and {index}; it has {count} "
@@ -87,9 +78,10 @@ class ModelFacts:
 
 
 def check_model(config: ToMeConfig, facts: ModelFacts, kinds: Optional[Sequence[AbstractSet[str]]] = None) -> None:
-    """Refuse options that cannot act on this model; warn when valid options merge no token, or when an option
-    acts on a kind of sub-layer that no merged block has. ``kinds``: the kinds of sub-layer (``"attn"``,
-    ``"crossattn"``, ``"mlp"``) each block has, in the order of ``facts.levels`` (None: every kind)."""
+    """Refuse options that cannot act on this model (blocks out of range, named twice or never merging, ratios or
+    cells of levels where no block merges, unreachable ratios, a timestep range outside the model's); warn when
+    valid options merge no token, or act on a kind of sub-layer no merged block has. ``kinds``: the kinds of
+    sub-layer each block has, in the order of ``facts.levels`` (None: every kind)."""
     count = len(facts.levels)
     chosen = selected_blocks(config, count, facts.where)
     ratios = block_ratios(config, count, facts.where)
@@ -171,8 +163,8 @@ def check_model(config: ToMeConfig, facts: ModelFacts, kinds: Optional[Sequence[
 
 
 def _absent(config: ToMeConfig, facts: ModelFacts, have: AbstractSet[str]) -> None:
-    """Warn for each option that acts on a kind of sub-layer that no merged block of the model has (``have``: the
-    kinds they have): it changes nothing there. ``merge_attn`` is on by default, so only its ratio counts."""
+    """Warn for each option that acts on a kind of sub-layer no merged block has (``have``: the kinds they have).
+    ``merge_attn`` is on by default, so only its ratio counts."""
     for kind in SUBLAYERS:
         ratio = getattr(config, f"{kind}_ratio")
         given = ([f"merge_{kind}=True"] if kind != "attn" and config.sublayers[kind] else []) + (
