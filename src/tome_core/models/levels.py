@@ -10,12 +10,9 @@ from ..algorithm.backend import get_ops
 
 
 def downsample_factor(latent_hw: Tuple[int, int], tokens: int, seen_hw: Optional[Tuple[int, int]] = None) -> int:
-    """A block's level: how many times its grid was halved from the latent ``H x W``.
-
-    With the grid ``h x w`` its transformer saw, the smallest power of two ``>= max(ceil(H/h), ceil(W/w))``
-    (exact for every shape, e.g. a 1x2 grid under a 1x3 latent is level 2); otherwise tomesd's estimate
-    ``ceil(sqrt((H*W) // N))`` for ``N`` tokens. Both agree wherever the estimate is exact.
-    """
+    """A block's level: how many times its grid was halved from the latent ``H x W``. With the grid ``h x w`` its
+    transformer saw, the smallest power of two ``>= max(ceil(H/h), ceil(W/w))`` (exact for every shape); otherwise
+    tomesd's estimate ``ceil(sqrt((H*W) // N))`` for ``N`` tokens, which agrees wherever it is exact."""
     height, width = latent_hw
     if seen_hw is not None and seen_hw[0] * seen_hw[1] == tokens:
         stride = max(math.ceil(height / seen_hw[0]), math.ceil(width / seen_hw[1]))
@@ -45,8 +42,7 @@ def block_grid(
 
 
 class Place(NamedTuple):
-    """Where a block of ``tokens`` image tokens sits (:func:`block_place`): its level and its grid, or why its tokens
-    lie on no grid of the latent (``grid`` None)."""
+    """Where a block of ``tokens`` image tokens sits: its level and its grid, or why it has none (``grid`` None)."""
 
     tokens: int
     factor: int
@@ -55,8 +51,8 @@ class Place(NamedTuple):
 
 
 def block_place(latent_hw: Tuple[int, int], tokens: int, seen_hw: Optional[Tuple[int, int]]) -> Place:
-    """A block's :func:`downsample_factor` and :func:`block_grid` at once, read once per block call; the grid's
-    error is kept for where the grid is needed (a block at a level that merges nothing never needs it)."""
+    """A block's :func:`downsample_factor` and :func:`block_grid` at once; the grid's error is kept for where the
+    grid is needed (a block at a level that merges nothing never needs it)."""
     factor = downsample_factor(latent_hw, tokens, seen_hw)
     try:
         return Place(tokens, factor, block_grid(latent_hw, factor, seen_hw, tokens))
@@ -66,11 +62,9 @@ def block_place(latent_hw: Tuple[int, int], tokens: int, seen_hw: Optional[Tuple
 
 def leading_raster(ids: Sequence[Sequence[float]]) -> Optional[Tuple[int, int, int]]:
     """``(h, w, tail)`` when packed token ids ``[N, k]`` hold one image's ``h x w`` tokens in raster order, then
-    ``tail`` tokens of other images, each in raster order under a higher index; None when they do not (random
-    ids, as diffusers' own model tests pass). Columns: ``(row, col)`` where ``k == 2``; ``(index, row, col)``
-    (FLUX.1, whose Kontext appends its reference image's tokens, index 1, after the output's); ``(index, row,
-    col, layer)`` (Flux.2: references at index 10, 20...). Rows and columns step evenly, by 1 or by the scale a
-    model was trained with (FLUX.3's ids step by its ``image_rope_scale``)."""
+    ``tail`` tokens of other images, each in raster order under a higher index; else None (random ids). Columns:
+    ``(row, col)``, ``(index, row, col)`` (FLUX.1 Kontext) or ``(index, row, col, layer)`` (Flux.2); rows and columns
+    step evenly, by 1 or by a model's scale (FLUX.3's ``image_rope_scale``)."""
     if not ids:
         return None
     at = 0 if len(ids[0]) == 2 else 1  # the row's column
@@ -115,9 +109,8 @@ def trailing_raster(ids: Sequence[Sequence[float]]) -> Optional[Tuple[int, int, 
 
 def trailing_frames(coords: Sequence[Sequence[float]]) -> Optional[Tuple[int, int, int, int]]:
     """``(frames, h, w, head)`` when per-token coordinates ``(t, h, w)`` end with a video's frames, each ``h x w``
-    tokens in raster order at a later time than the frame before, after ``head`` tokens that are such frames
-    too (LTX-Video's condition pipeline puts its conditioning frames first); None otherwise (frames of one
-    token are no grid)."""
+    tokens in raster order later than the one before, after ``head`` tokens that are such frames too (LTX-Video's
+    conditioning frames); None otherwise (frames of one token are no grid)."""
     if not coords:
         return None
     last = coords[-1][0]
@@ -146,12 +139,10 @@ def indicated_run(
     roles: Sequence[Sequence[float]], image: float, ids: Sequence[Sequence[Sequence[float]]],
     segments: Optional[Sequence[Sequence[float]]] = None,
 ) -> Optional[Tuple[int, int, int, int]]:
-    """``(rows, cols, head, tail)`` of the image's last run in packed rows: per-token ``roles`` ``[B][L]`` whose
-    last run of tokens of role ``image`` sits at the same place in every row (``head`` tokens before it, earlier
-    runs of that role among them, and ``tail`` after), in one segment of ``segments`` and under the same ids
-    ``[B][L][k]`` ``(t, row, col)``: a video's frames, each in raster order at a later time than the one before
-    (:func:`trailing_frames`; one frame: an image), read as ``frames * h`` rows of ``w`` columns. None otherwise
-    (the rows' runs at other places, a run over two segments, ids of no grid)."""
+    """``(rows, cols, head, tail)`` of the image's last run in packed rows: per-token ``roles`` ``[B][L]`` whose last
+    run of role ``image`` sits at the same place in every row (``head`` tokens before it, ``tail`` after), in one
+    segment and under the same ids ``[B][L][k]`` ``(t, row, col)`` of a video's frames (:func:`trailing_frames`),
+    read as ``frames * h`` rows of ``w`` columns. None otherwise."""
     if not roles or not roles[0] or image not in roles[0]:
         return None
     end = max(i for i, role in enumerate(roles[0]) if role == image) + 1
@@ -179,10 +170,8 @@ def _near(value: float, expected: float) -> bool:
 
 
 def finest_attention_level(down_blocks_with_attention: Sequence[bool]) -> int:
-    """Downsample factor of the first UNet down block that has transformer blocks (2**index).
-
-    A model without attention in its down path (only in its middle) counts as its deepest level.
-    """
+    """Downsample factor of the first UNet down block that has transformer blocks (2**index); a model without
+    attention in its down path counts as its deepest level."""
     for index, has_attention in enumerate(down_blocks_with_attention):
         if has_attention:
             return 2**index
@@ -190,7 +179,6 @@ def finest_attention_level(down_blocks_with_attention: Sequence[bool]) -> int:
 
 
 def spatial_size(x: Any, data_format: str) -> Tuple[int, int]:
-    """The ``(h, w)`` of a feature map ``x`` laid out as ``data_format`` (``"NCHW"``, or Flax's ``"NHWC"``): a
-    latent's size, or the grid of a block's tokens where its input is a feature map."""
+    """The ``(h, w)`` of a feature map ``x`` laid out as ``data_format`` (``"NCHW"``, or Flax's ``"NHWC"``)."""
     shape = get_ops(x).shape(x)
     return (shape[1], shape[2]) if data_format == "NHWC" else (shape[-2], shape[-1])
