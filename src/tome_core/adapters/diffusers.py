@@ -1,26 +1,16 @@
 """Patch diffusers (torch) models and pipelines: torch's module hooks under :mod:`tome_core.driver`.
 
-The driver finds the models (UNets, ControlNets, SD3 / Flux / PixArt / DiT transformers and their
-ControlNets), reads :mod:`tome_core.models.families` and attaches its hooks through this module's
-:class:`TorchFramework`; no forward is copied or replaced, classes and state dicts stay as they were, and
+The driver finds the models, reads :mod:`tome_core.models.families` and attaches its hooks through
+:class:`TorchFramework`: no forward is copied or replaced, classes and state dicts stay as they were, and
 :func:`remove` detaches every hook.
 
-Size-aware attention (``proportional_attn``) reaches the attention computation in one of two ways, chosen
-per call from the attention module's processor at that moment (so processors set after ``patch`` work):
-
-* processors that compute the scores themselves from a whole-batch ``attention_mask``
-  (:data:`MASK_PROCESSORS`: diffusers' classic, sliced, xformers, IP-Adapter and custom-diffusion processors)
-  get the log sizes as that additive mask;
-* every other processor (SDPA, fused, PAG, SD3's joint and Flux's attention, user processors) runs with a
-  :class:`torch.overrides.TorchFunctionMode` that adds the log sizes to the ``attn_mask`` of each
-  ``torch.nn.functional.scaled_dot_product_attention`` call it makes. The bias rows follow the call's own
-  batch (PAG attends over the first part of the batch only), and text keys get no size. A processor that
-  never calls SDPA while armed gets a clear error after its call, never a silent plain softmax.
-
-An attention with no processor whose own code computes the attention (:data:`~tome_core.models.families.OWN_ATTENTIONS`:
-the ``ldm`` ``CrossAttention`` of A1111-style UIs and sdkit, einsum then ``Tensor.softmax``) runs with the same
-mode, which adds the log sizes to the scores that its own softmax call gets; one that computes it through a kernel
-taking no bias (ldm's xformers attention) is refused at ``patch`` under size-aware attention.
+Size-aware attention (``proportional_attn``) reaches the attention by the module's processor at each call (so
+processors set after ``patch`` work): those that score with a whole-batch ``attention_mask``
+(:data:`MASK_PROCESSORS`) get the log sizes as that mask; every other one (SDPA, joint, PAG, user processors), and
+an attention whose own code computes it (:data:`~tome_core.models.families.OWN_ATTENTIONS`: ldm's
+``CrossAttention``), runs under an :class:`_AttentionMode` that adds them to the ``attn_mask`` of each of its
+``scaled_dot_product_attention`` calls (or to the scores of its own softmax). One that never calls SDPA while
+armed gets a clear error after its call, never a silent plain softmax.
 """
 
 from __future__ import annotations
@@ -58,6 +48,7 @@ MASK_PROCESSORS = processors.CLASSIC | processors.MASKED_TWINS
 # (the ``kv`` and ``queries`` arrangements hand it the tokens to attend to there). Not the fused processor: a
 # fused self-attention has one query-key-value projection and no separate key-value one.
 SEPARATE_KV_PROCESSORS = processors.CLASSIC | {"AttnProcessor2_0", "AttnProcessorNPU"}
+_SDPA_CALLS = ("scaled_dot_product_attention", "dispatch_attention_fn")  # what an SDPA processor's code calls
 
 # diffusers' caching hooks (diffusers.hooks) on an attention module: those that hand back the stored output
 # object, and those that extrapolate new outputs from stored ones.
@@ -92,17 +83,14 @@ _CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 def drop_stale_modes() -> None:
     """Take the size-bias modes of interrupted attention calls (:meth:`_AttentionMode.live`) off torch's function
-    mode stack; every other mode stays, in its order. Not inside traced code, which has no frames to tell: there
-    :func:`_drop_stale_before_compiling` has done it."""
+    mode stack, the others staying in order; not in traced code (:func:`_drop_stale_before_compiling` did it)."""
     if not torch.compiler.is_compiling():
         _drop_stale()
 
 
 def _drop_stale_before_compiling(_: Any) -> None:
-    """Before dynamo reads torch's function mode stack to trace a frame (a leftover mode there makes every compile
-    break its graph, and ``fullgraph=True`` fail): drop the modes of interrupted attention calls. Registered again
-    by every eager attention call that arms a mode (:func:`_enter_mode`), since ``torch._dynamo.reset()`` clears
-    dynamo's callbacks."""
+    """Drop the modes of interrupted attention calls before dynamo traces a frame (a leftover mode breaks every
+    compile's graph); registered by each eager arming (:func:`_enter_mode`), as ``torch._dynamo.reset()`` clears it."""
     _drop_stale()
 
 
@@ -123,14 +111,11 @@ _SOFTMAX = frozenset({torch.Tensor.softmax, torch.softmax, F.softmax})
 
 
 class _AttentionMode(TorchFunctionMode):
-    """Merges the keys and values of every SDPA call made while it is active by a
-    :class:`~tome_core.hooks.block_hooks.KernelKeys` (``keys``, if given), and adds a
-    :class:`~tome_core.hooks.attention_bias.SizeBias` (``bias``, if given) over them; with ``softmax``, adds the bias to
-    the scores of each softmax over the keys (the last axis) that the attention's own code calls instead.
-
-    Under Ulysses context parallelism (``group``: the processes that exchange heads) each SDPA call attends to
-    the keys of every process in turn, its own among them: each process's bias over its own keys is gathered in
-    that order, as diffusers gathers the keys."""
+    """While active, merges the keys and values of the armed attention's SDPA calls by ``keys`` (a
+    :class:`~tome_core.hooks.block_hooks.KernelKeys`) and adds ``bias`` (a
+    :class:`~tome_core.hooks.attention_bias.SizeBias`) over them; with ``softmax``, adds the bias to the scores of
+    each softmax over the keys that the attention's own code calls instead. Under Ulysses context parallelism
+    (``group``) each process's bias over its own keys is gathered in process order, as diffusers gathers the keys."""
 
     def __init__(
         self, bias: Optional[SizeBias], group: Any = None, owner: Any = None, keys: Optional[KernelKeys] = None,
@@ -148,22 +133,18 @@ class _AttentionMode(TorchFunctionMode):
         self.owner = owner
 
     def live(self) -> bool:
-        """Whether the attention call that armed this mode is still running. It is not after a ``KeyboardInterrupt``
-        (or another ``BaseException``) escaped it: torch runs post-hooks after ``Exception`` only, so the mode stayed
-        on torch's stack; from then on it passes every call through unchanged, until :func:`drop_stale_modes`."""
+        """Whether the attention call that armed this mode is still running: not after a ``BaseException`` such as
+        Ctrl-C escaped it (torch runs post-hooks after ``Exception`` only), when it passes every call through."""
         return self._caller() is not _STALE
 
     def owns_call(self) -> bool:
-        """Whether a function called now is called by the armed attention itself: by its code or its processor's,
-        not by a module it calls (a hook on ``to_q``, another model called inside it, patched or not), whose calls
-        pass through unchanged. Compiled code has no frames to tell: there every call while armed is the
-        attention's."""
+        """Whether a function called now is called by the armed attention's or its processor's code, not by a
+        module it calls (whose calls pass through); in compiled code, which has no frames, every call is."""
         return self._caller() is None
 
     def _caller(self) -> Any:
-        """None where the innermost module call running now is the armed attention's (or its processor's, where the
-        processor is a module), the frame of that other module call where it is not, ``_STALE`` where the attention's
-        call is no longer running."""
+        """None where the innermost module call running now is the armed attention's (or its processor's), the
+        frame of that other module call where it is not, ``_STALE`` where the attention's call has ended."""
         if self.owner is None:
             return None
         if self.owner is _STALE:
@@ -186,8 +167,7 @@ class _AttentionMode(TorchFunctionMode):
             args, kwargs = self._biased_scores(*args, **kwargs)
             return func(*args, **kwargs)
         if func is F.scaled_dot_product_attention and self.owns_call() and self._own_call(args, kwargs):
-            # query, key, value and attn_mask by name; every other argument (dropout_p, is_causal, scale...)
-            # passes as it came
+            # query, key, value and attn_mask by name; every other argument passes as it came
             named = dict(zip(("query", "key", "value", "attn_mask"), args))
             kwargs.update(named)
             rest, positional_mask = tuple(args[4:]), len(args) > 3
@@ -227,9 +207,8 @@ class _AttentionMode(TorchFunctionMode):
         return (self.keys or self.bias).own_call(query.shape[-2], key.shape[-2])
 
     def _first_item(self, query: torch.Tensor, batch: int) -> int:
-        """The batch item an SDPA call with this ``query`` starts at: 0 over the whole batch (or 3-D, every item's
-        heads); a 4-D call over part of it takes consecutive items from where the previous partial call stopped
-        (PAG's one call over its guided leading part, Mochi's calls item by item, a processor slicing the batch)."""
+        """The batch item an SDPA call with this ``query`` starts at: 0 over the whole batch (or 3-D); a 4-D call
+        over part of it (PAG, Mochi item by item) goes on from where the previous partial call stopped."""
         rows = query.shape[0]
         if query.dim() != 4 or rows >= batch:
             return 0
@@ -332,10 +311,8 @@ class TorchFramework:
         return x.reshape(-1).tolist()
 
     def may_run_again(self, x: torch.Tensor) -> bool:
-        # an eager call that records gradients (non-reentrant checkpointing recomputes it; a LoRA's frozen block
-        # input needs none, so the forward's grad mode decides), or whose input needs them (reentrant
-        # checkpointing runs its forward without gradients, and recomputes only blocks whose input needs them);
-        # not inference, and not compiled code, which traces a checkpointed block once (no hooks in its backward)
+        # eager code recording gradients (non-reentrant checkpointing) or whose input needs them (reentrant
+        # checkpointing); not compiled code, which traces a checkpointed block once
         return (torch.is_grad_enabled() or x.requires_grad) and not torch.compiler.is_compiling()
 
     def size_aware(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: SizeBias):
@@ -356,7 +333,7 @@ class TorchFramework:
         processor = getattr(module, "processor", None)
         if getattr(getattr(processor, "_parallel_config", None), "context_parallel_config", None) is not None:
             return "its processor splits the keys across processes (context parallelism)"
-        return unreachable_kernel(processor, MASK_PROCESSORS, "diffusers", ("scaled_dot_product_attention", "dispatch_attention_fn"))
+        return unreachable_kernel(processor, MASK_PROCESSORS, "diffusers", _SDPA_CALLS)
 
     def execution(self, x: torch.Tensor) -> Tuple[str, str]:
         device = "cpu" if x.device.type == "cpu" else "gpu"
@@ -375,10 +352,7 @@ class TorchFramework:
         own = own_attention(type(module))
         if own is not None:
             return None if own.softmax else f"{type(module).__name__} computes attention through {own.through}, which takes no bias"
-        processor = getattr(module, "processor", None)
-        return unbiased_processor(
-            processor, MASK_PROCESSORS, "diffusers", ("scaled_dot_product_attention", "dispatch_attention_fn")
-        )
+        return unbiased_processor(getattr(module, "processor", None), MASK_PROCESSORS, "diffusers", _SDPA_CALLS)
 
     def separate_kv(self, module: torch.nn.Module) -> bool:
         own = own_attention(type(module)) is not None  # its keys and values come from its kv_input (ldm's context)
@@ -430,25 +404,25 @@ class TorchFramework:
         if mode is None:
             return
         mode.__exit__(None, None, None)
-        if computed and mode.calls == 0 and not torch.compiler.is_compiling() and mode.keys is not None:
+        if not computed or mode.calls or torch.compiler.is_compiling():
+            return
+        processor = type(getattr(module, "processor", None)).__name__
+        if mode.keys is not None:
             raise RuntimeError(
-                f"mode='kv' inside the attention: the attention processor {type(getattr(module, 'processor', None)).__name__} "
-                "of a merged attention computes attention without torch.nn.functional.scaled_dot_product_attention "
-                "(another attention backend?), so its keys could not be merged; pass mode='tokens' or use diffusers' "
-                "native attention backend"
+                f"mode='kv' inside the attention: the attention processor {processor} of a merged attention computes "
+                "attention without torch.nn.functional.scaled_dot_product_attention (another attention backend?), so "
+                "its keys could not be merged; pass mode='tokens' or use diffusers' native attention backend"
             )
-        if computed and mode.calls == 0 and not torch.compiler.is_compiling() and mode.softmax:
+        if mode.softmax:
             raise RuntimeError(
                 f"proportional_attn=True: the merged attention {type(module).__name__} computed attention without a "
                 "softmax over its keys, so the merged tokens' sizes could not reach it; pass proportional_attn=False"
             )
-        if computed and mode.calls == 0 and not torch.compiler.is_compiling():
-            raise RuntimeError(
-                f"proportional_attn=True: the attention processor {type(getattr(module, 'processor', None)).__name__} "
-                "of a merged attention computes attention without torch.nn.functional.scaled_dot_product_attention "
-                "or a whole-batch attention_mask, so the merged tokens' sizes cannot reach it; pass "
-                "proportional_attn=False or use an SDPA processor"
-            )
+        raise RuntimeError(
+            f"proportional_attn=True: the attention processor {processor} of a merged attention computes attention "
+            "without torch.nn.functional.scaled_dot_product_attention or a whole-batch attention_mask, so the merged "
+            "tokens' sizes cannot reach it; pass proportional_attn=False or use an SDPA processor"
+        )
 
     def inform(self, message: str) -> None:
         """Log ``message`` at info level under diffusers' logger, which ``diffusers.utils.logging.set_verbosity_info()``
@@ -480,9 +454,8 @@ def _splits_hidden_states(module: torch.nn.Module) -> bool:
 
 
 def _check_compiled_regions(obj: Any) -> None:
-    """Refuse a patch that torch.compile would refuse at the first call: transformer blocks compiled one by one
-    (``compile_repeated_blocks``, ``block.compile()``) share one compiled code object, and once patched each
-    block compiles on its own (its merges differ), so more of them than ``recompile_limit`` cannot all compile."""
+    """Refuse a patch that torch.compile would refuse at the first call: blocks compiled one by one share one code
+    object, and once patched each compiles on its own, so more of them than ``recompile_limit`` cannot."""
     limit = torch._dynamo.config.recompile_limit
     for model in find_models(FRAMEWORK, obj):
         regions = [
