@@ -1,42 +1,17 @@
 """Patch ppdiffusers (paddle) models and pipelines: paddle's layer hooks under :mod:`tome_core.driver`.
 
-The paddle twin of :mod:`tome_core.adapters.diffusers`. The driver finds the models (UNets, ControlNets,
-``SD3Transformer2DModel``, the patchified DiT ``Transformer2DModel``), reads :mod:`tome_core.models.families` (matched
-by class name, so ppdiffusers' ``BasicTransformerBlock`` and ``JointTransformerBlock`` are found) and attaches
-its hooks through :class:`PaddleFramework`: paddle >= 3.0 layer hooks with keyword arguments, so keyword-only
-calls work and nothing is copied or replaced.
+The paddle twin of :mod:`tome_core.adapters.diffusers`: the driver attaches its hooks through
+:class:`PaddleFramework` (paddle >= 3.0 layer hooks with keyword arguments; nothing is copied or replaced).
+Size-aware attention reaches processors that score with the ``attention_mask`` argument (:data:`MASK_PROCESSORS`)
+as that additive mask; every other one (SD3's joint attention) runs while paddle's :data:`SDPA` is wrapped
+(:class:`_SdpaWrapper`, per thread, restored afterwards) to add the sizes to its ``attn_mask`` and, for ``kv``
+inside the attention, merge its keys and values. A processor that
+never calls it while armed gets a clear error after its call. :func:`patch` and :func:`remove` also undo
+ppdiffusers' own ToMe port (``apply_tome``), so the two never stack.
 
-Size-aware attention (``proportional_attn``) reaches the attention computation in one of two ways, chosen per
-call from the attention layer's processor at that moment:
-
-* processors that apply the ``attention_mask`` argument to their scores (:data:`MASK_PROCESSORS`: ppdiffusers'
-  classic, 2.5, xformers, sliced, LoRA, IP-Adapter and custom-diffusion processors) get the log sizes as that
-  additive mask;
-* every other processor (SD3's joint attention, which ignores ``attention_mask``; user processors) runs while
-  ``paddle.nn.functional.scaled_dot_product_attention_`` (the function ppdiffusers' processors call) adds the
-  log sizes to the ``attn_mask`` of each call made from this thread. The wrapper is in place only while some
-  merged attention runs and is restored afterwards. A processor that never calls that function while armed
-  gets a clear error after its call, never a silent plain softmax.
-
-In the ``kv`` arrangement the merged tokens reach a self-attention as its ``encoder_hidden_states`` while its
-queries keep every token; both routes size the bias by the keys, so they serve it as they serve ``tokens``.
-The ``queries`` arrangement needs a processor that takes keys and values from that argument
-(:data:`SEPARATE_KV_PROCESSORS`); with any other the call raises a clear error. ``kv`` asked for by name runs
-with any other processor that calls that function (SD3's joint attention) inside it: the wrapper merges each
-call's image keys and values (:class:`~tome_core.hooks.block_hooks.KernelKeys`).
-
-ppdiffusers installs its own ToMe port (``apply_tome``, which swaps block classes); :func:`patch` and
-:func:`remove` also undo that port wherever they find it, so the two never stack.
-
-``paddle.jit.to_static`` (issue #16: patching a model that already ran compiled takes effect on its next call):
-
-* SOT mode (the default, ``full_graph=False``) guards on layer hooks, so it translates again after
-  :func:`patch` and :func:`remove` and reuses its unpatched code after :func:`remove`. It cannot simulate our
-  hooks (their state is a dataclass it does not model), so every hook is registered wrapped in :class:`_Eager`,
-  which asks SOT (``psdb.fallback(recursive=True)``, a no-op outside SOT) to run it as ordinary Python.
-* AST mode (``full_graph=True``) traces the hooks into its program and never looks at them again, so
-  :func:`patch` and :func:`remove` clear the cached programs of every AST static function that traced a
-  parameter of the patched models (:func:`_drop_static_programs`): its next call traces again, once.
+``paddle.jit.to_static`` (issue #16): SOT mode guards on layer hooks but cannot simulate ours, so each hook runs
+as ordinary Python (:class:`_Eager`); AST mode (``full_graph=True``) traces the hooks into its program, so
+:func:`patch` and :func:`remove` clear the programs that traced the patched models (:func:`_drop_static_programs`).
 """
 
 from __future__ import annotations
@@ -73,23 +48,16 @@ ACCEPTED = (
     "patchified (DiT) Transformer2DModel: README.md lists them), or a paddle.nn.Layer holding ppdiffusers "
     "transformer blocks"
 )
-# Processors that add a whole-batch ``attention_mask`` ([B, 1, K] is broadcast over heads and queries) to
-# their attention scores. (ppdiffusers' ``AttnProcessor2_5`` and its IP-Adapter / custom-diffusion twins are
-# aliases of the xformers classes.)
+# Processors that add a whole-batch ``attention_mask`` to their attention scores (``AttnProcessor2_5`` and its
+# twins are aliases of the xformers classes).
 LORA_PROCESSORS = frozenset({"LoRAAttnProcessor", "LoRAXFormersAttnProcessor"})  # ppdiffusers' only
 MASK_PROCESSORS = processors.CLASSIC | processors.MASKED_TWINS | LORA_PROCESSORS
 # Processors that compute keys and values from ``encoder_hidden_states`` when a self-attention is given one (the
-# ``kv`` and ``queries`` arrangements hand it the tokens to attend to there), through the same ``to_k``/``to_v`` as
-# from its own tokens, with an ``attention_mask`` sized by those keys. (``AttnProcessor2_5`` is an alias of
-# ``XFormersAttnProcessor``; LoRA reaches them through ``lora_layer``s on ``to_k``/``to_v``: ppdiffusers 0.29's
-# ``LoRA*AttnProcessor`` classes raise a deprecation error when called.) Not the custom-diffusion processors
-# (their mask is sized by the queries; with ``train_kv`` their own key/value layers replace ``to_k``/``to_v``), nor the
-# IP-Adapter ones (they read image-prompt tokens off the end of ``encoder_hidden_states``), nor the added-KV and
-# joint ones (they attend to their own tokens and ``encoder_hidden_states`` together).
+# ``kv`` and ``queries`` arrangements), through the same ``to_k``/``to_v``, with a mask sized by those keys. Not
+# custom-diffusion (mask sized by the queries), IP-Adapter (image-prompt tokens at the end), added-KV or joint ones.
 SEPARATE_KV_PROCESSORS = processors.CLASSIC
-# Attention layers that normalise only one side: ``group_norm`` and ``spatial_norm`` act on the queries' tokens
-# before the keys are taken from them, ``norm_cross`` on ``encoder_hidden_states`` only. With any of them, keys
-# computed from ``encoder_hidden_states`` are not the keys of the layer's own tokens.
+# Norms on one side only (the queries' tokens, or ``encoder_hidden_states``): with any of them, keys computed from
+# ``encoder_hidden_states`` are not the keys of the layer's own tokens.
 _ONE_SIDED_NORMS = ("group_norm", "spatial_norm", "norm_cross")
 SDPA = "scaled_dot_product_attention_"  # ppdiffusers' attention function (ppxformers / NPU), [B, L, H, D]
 # Components ppdiffusers' own ToMe port never patches.
@@ -210,11 +178,8 @@ _SDPA_WRAPPER = _SdpaWrapper()
 
 
 class _Handle:
-    """Removes one hook from the layer it was registered on.
-
-    paddle's own handle holds weak references to the hook tables of the layer it came from, so on a deep copy
-    of a patched model it would remove the original's hook; this one is copied along with its layer.
-    """
+    """Removes one hook from the layer it was registered on; unlike paddle's handle (weak references to the
+    original's tables), a deep copy of the layer copies it along."""
 
     TABLES = {
         "_forward_pre_hooks": ("_forward_pre_hooks_with_kwargs_flag",),
@@ -377,11 +342,8 @@ def _undo(layer: Layer) -> None:
 
 
 def ppdiffusers_targets(obj: Any) -> List[Layer]:
-    """The layers ppdiffusers' own ``apply_tome`` walks in ``obj`` (every component but the VAE).
-
-    Its ``apply_tome`` asks ``obj.remove_tome(only_return_self=False)`` for this list, so the methods that
-    :mod:`tome_core.paddle` installs return it to keep that function working.
-    """
+    """The layers ppdiffusers' own ``apply_tome`` walks in ``obj`` (every component but the VAE), which it asks
+    ``obj.remove_tome(only_return_self=False)`` for: :mod:`tome_core.paddle`'s methods return it."""
     if isinstance(obj, Layer):
         return [obj]
     return [
@@ -445,10 +407,8 @@ def _static_parameters(program: Any) -> List[Any]:
 
 
 def _drop_static_programs(obj: Any) -> int:
-    """Clear the cached programs of every ``paddle.jit.to_static(..., full_graph=True)`` function (a layer's
-    ``forward`` or a function calling it) that traced a parameter of ``obj``'s layers, so that its next call
-    traces again with the hooks as they are now; returns how many were cleared. Static functions that never
-    traced these layers keep their programs."""
+    """Clear the cached programs of every ``paddle.jit.to_static(..., full_graph=True)`` function that traced a
+    parameter of ``obj``'s layers, so that its next call traces the hooks as they are now; returns how many."""
     if _ASTStaticFunction is None:
         return 0
     ours = {id(t) for layer in components(FRAMEWORK, obj) for t in (*layer.parameters(), *layer.buffers())}
