@@ -1,23 +1,13 @@
 """Patch diffusers' Flax models and pipelines (diffusers 0.39.0, the last release with Flax).
 
-Flax modules are immutable, so patching a model returns a new module: an instance of a subclass of the
-model's class (same fields, same ``config``, same parameter tree) whose ``__call__`` runs the original one
-under the shared driver (:mod:`tome_core.driver`), as the torch and paddle adapters do. Flax modules take no
-hooks and exist, bound with their submodules, only inside a call: so each patched call attaches the driver's
-hooks to its bound module tree (:class:`_CallHooks`) and runs them from :func:`flax.linen.intercept_methods`.
-The block family table (:mod:`tome_core.models.families`: ``FlaxBasicTransformerBlock``'s ``attn1`` takes its keys
-and values from ``context``), the arrangements and size-aware attention's bias (:class:`~tome_core.hooks.attention_bias.SizeBias`)
-are the driver's; ``FlaxAttention`` takes no bias, so an armed ``attn1`` runs :func:`_size_aware_attention`
-over its own layers instead of its ``__call__``.
-
-Everything happens while jax traces the call: shapes (N, r, grid) are Python ints, the timestep may be a
-tracer (options that read it on the host are refused), and a fresh :class:`~tome_core.hooks.state.ToMeState` is used
-per call, so nothing traced outlives the trace. The patched module works under ``jax.jit``, ``pmap`` and the
-pipelines' ``jit=True`` path.
-
-Pipelines are patched in place (their ``unet`` and ``controlnet`` are swapped for patched modules), and the
-pipeline's hash changes with its ToMe options: the pipelines pass ``self`` to ``jax.pmap`` as a static
-argument, so a pipeline compiled before patching recompiles instead of silently reusing the unpatched UNet.
+Flax modules are immutable, so patching a model returns an instance of a subclass of its class (same fields,
+``config`` and parameter tree) whose ``__call__`` runs the original under :mod:`tome_core.driver`. Flax modules
+take no hooks and exist, bound, only inside a call: each patched call attaches the driver's hooks to its bound
+module tree (:class:`_CallHooks`) and runs them from :func:`flax.linen.intercept_methods`, all while jax traces
+(shapes are Python ints, the timestep may be a tracer, the state lives for one call), so it works under
+``jax.jit``, ``pmap`` and the pipelines' ``jit=True`` path. Pipelines are patched in place, and their hash
+follows their ToMe options: they pass ``self`` to ``jax.pmap`` as a static argument, so a pipeline compiled
+before patching recompiles instead of reusing the unpatched UNet.
 """
 
 from __future__ import annotations
@@ -111,24 +101,17 @@ def _size_aware_attention(
     deterministic: bool = True,
     keys: Optional[jax.Array] = None,
 ) -> jax.Array:
-    """``attention`` with queries from ``hidden_states`` and keys/values from the merged tokens ``keys``
-    (default: ``hidden_states`` themselves, the ``tokens`` arrangement), each key's logit raised by its
-    ``bias`` (log(its size)).
-
-    Equals the module's own attention over all tokens with every merged token repeated once per token it
-    stands for. In the ``kv`` arrangement the queries are all N tokens and ``keys`` the ``N - r`` merged ones.
-    ``FlaxAttention`` takes no bias, so this runs over its own ``query``/``key``/``value``/``proj_attn`` layers:
-    its parameters and outputs are the module's, only the softmax changes. The full ``[B, heads, queries,
-    N - r]`` logits are formed even when the module was built with ``use_memory_efficient_attention``
-    (diffusers' chunked kernel takes no bias).
-    """
+    """``attention`` with queries from ``hidden_states`` and keys/values from the merged tokens ``keys`` (default:
+    ``hidden_states``), each key's logit raised by ``bias`` (log(its size)). ``FlaxAttention`` takes no bias, so
+    this runs its own layers with only the softmax changed (full logits, also under
+    ``use_memory_efficient_attention``)."""
     keys = hidden_states if keys is None else keys
     batch, queries, _ = hidden_states.shape
     kept = keys.shape[1]
     query = jnp.reshape(attention.query(hidden_states), (batch, queries, attention.heads, -1))
     key, value = (jnp.reshape(layer(keys), (batch, kept, attention.heads, -1)) for layer in (attention.key, attention.value))
-    # Plain einsums in the module's dtype, as FlaxAttention computes: jax.nn.dot_product_attention asks for
-    # float32 accumulation, which XLA's CPU dot does not offer for float16 inputs.
+    # plain einsums in the module's dtype, as FlaxAttention computes (XLA's CPU dot has no float32 accumulation
+    # of float16, which jax.nn.dot_product_attention asks for)
     logits = jnp.einsum("bqhd,bkhd->bhqk", query, key) * attention.scale
     logits = logits + bias.for_keys(kept, logits)[:, None]  # [B, 1, 1, N - r]: every head and query
     out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), value)
@@ -146,13 +129,8 @@ def _biased_call(attention: FlaxAttention, args: Tuple[Any, ...], kwargs: Dict[s
 
 
 class _CallHooks:
-    """Flax for :mod:`tome_core.driver`, for one traced call of a patched model.
-
-    Flax modules take no hooks and exist (bound, with their submodules) only inside a call, so each patched
-    call hooks its own bound module tree afresh, and :meth:`intercept` (under :func:`flax.linen.intercept_methods`)
-    runs the hooks of each module whose ``__call__`` it sees. Nothing outlives the trace: the timestep may be a
-    tracer, and shapes are Python ints. Size-aware attention runs :func:`_size_aware_attention` instead of the
-    armed ``FlaxAttention``'s own call."""
+    """Flax for :mod:`tome_core.driver`, for one traced call of a patched model: :meth:`intercept` runs the hooks
+    of each module whose ``__call__`` it sees, and an armed ``FlaxAttention`` as :func:`_size_aware_attention`."""
 
     accepted = ACCEPTED
 
@@ -265,11 +243,8 @@ _recorder = _Recorder()
 
 
 class record:
-    """Context manager collecting ``(class name, ToMeState)`` for every patched model call traced inside it.
-
-    A state's ``stats`` tell, per downsample level, how many blocks merged and their token counts. Under
-    ``jax.jit`` a call is traced once per input shape, so stats appear only when tracing happens.
-    """
+    """Context manager collecting ``(class name, ToMeState)`` for every patched model call traced inside it
+    (under ``jax.jit`` once per input shape, so stats appear only when tracing happens)."""
 
     def __enter__(self) -> List[Tuple[str, ToMeState]]:
         self.states: List[Tuple[str, ToMeState]] = []
