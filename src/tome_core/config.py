@@ -62,7 +62,6 @@ def option(default: Any, group: str, help: str) -> Any:
     return field(default=default, metadata={"group": group, "help": " ".join(help.split())})
 
 
-
 def _bool(name: str, value: Any) -> bool:
     """``value``, refused unless it is True or False."""
     if not isinstance(value, bool):

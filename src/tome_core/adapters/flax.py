@@ -417,7 +417,6 @@ def _pipeline_class(base: type) -> type:
     return type(base.__name__, (base,), namespace)
 
 
-
 def _pipeline_models(pipe: FlaxDiffusionPipeline) -> Dict[str, nn.Module]:
     return {
         name: getattr(pipe, name)

@@ -126,10 +126,7 @@ class _SdpaWrapper:
         self.original: Any = None
 
     def stack(self) -> List[_Armed]:
-        stack = getattr(self.local, "stack", None)
-        if stack is None:
-            stack = self.local.stack = []
-        return stack
+        return vars(self.local).setdefault("stack", [])  # a threading.local's __dict__ is this thread's
 
     def __call__(self, query, key, value, attn_mask=None, *args, **kwargs):
         stack = self.stack()
@@ -456,5 +453,3 @@ def remove(obj: Any) -> Any:
 def patched_models(obj: Any) -> List[Tuple[Layer, ToMeState]]:
     """The patched models inside ``obj`` with their run state (its ``stats`` describe the last call)."""
     return driver.patched_models(FRAMEWORK, obj)
-
-
