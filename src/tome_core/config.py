@@ -17,7 +17,6 @@ from dataclasses import dataclass, field, fields, replace
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, get_type_hints
 
-MAX_DOWNSAMPLE_CHOICES = (None, 1, 2, 4, 8)
 LEVELS = (1, 2, 4, 8)
 SUBLAYERS = ("attn", "crossattn", "mlp")
 MODES = ("auto", "tokens", "kv", "queries")
@@ -111,11 +110,9 @@ class ToMeConfig:
     """
 
     ratio: Optional[float] = option(None, AMOUNT, """fraction of a merged level's tokens removed, in ``[0, 1 -
-        1/(sx*sy)]``; ``None`` (default): 0.5 with similarity matching, the cell's ``1 - 1/(sx*sy)`` with cell
-        matching.""")
+        1/(sx*sy)]``; ``None`` (default): 0.5, or the cell's ``1 - 1/(sx*sy)`` with cell matching.""")
     max_downsample: Optional[int] = option(None, WHERE, """merge blocks whose latent downsample factor is at
-        most this (1, 2, 4 or 8); ``None`` (default): the finest level that has attention (1 on SD 1.x/2.x, 2 on
-        SDXL).""")
+        most this (1, 2, 4 or 8); ``None``: the finest level with attention (1 on SD 1.x/2.x, 2 on SDXL).""")
     sx: Optional[int] = option(None, ARRANGEMENT, """cell width in tokens (``None``: 2); each ``sx x sy`` cell
         of the grid keeps one destination token.""")
     sy: Optional[int] = option(None, ARRANGEMENT, "cell height in tokens (``None``: 2).")
@@ -142,14 +139,12 @@ class ToMeConfig:
     proportional_attn: bool = option(True, ARRANGEMENT, """size-aware self-attention: each merged key's
         attention logit gets ``log(size)``, as if every token it stands for were still there: 2-3x closer to the
         unpatched model for ~5% of the call time (docs/size-aware.md); ``False`` is tomesd's arithmetic.""")
-    blocks: Optional[Tuple[int, ...]] = option(None, WHERE, """indices of the transformer blocks that merge,
-        counted in the model's module order (negative from the end, as in Python); ``None`` merges every block
-        the level selection allows.""")
+    blocks: Optional[Tuple[int, ...]] = option(None, WHERE, """indices of the transformer blocks that merge, in
+        the model's module order (negative from the end); ``None``: every block the level selection allows.""")
     reuse_blocks: int = option(1, REUSE, """one match serves this many consecutive blocks (computed in the
         first); 1 = a match per block.""")
     block_ratios: Optional[Mapping[int, float]] = option(None, AMOUNT, """``{block index: ratio}`` replacing
-        ``ratio`` (and level ratios) in those blocks (indices as in ``blocks``); a sub-layer ratio still
-        wins.""")
+        ``ratio`` and level ratios in those blocks (indices as in ``blocks``; a sub-layer ratio still wins).""")
     mode: Optional[str] = option(None, ARRANGEMENT, """the arrangement around self-attention
         (docs/high-resolution.md): ``"tokens"`` merges its input and unmerges its output (ToMe for SD); ``"kv"``
         reduces only its keys and values (ToDo); ``"queries"`` merges only its queries (ComfyUI's); ``"auto"``
@@ -347,7 +342,11 @@ def resolve(options: Mapping[str, Any]) -> Dict[str, Any]:
     acting.seed = _int("seed", given.seed, 0)
     acting.local_window = _int("local_window", given.local_window, 0)
     acting.matching = _choice("matching", "similarity" if given.matching is None else given.matching, MATCHINGS)
-    _check_mode_merges_attn(acting)
+    if acting.mode in ("kv", "queries") and not acting.merge_attn:
+        raise ValueError(
+            f"mode={acting.mode!r} arranges self-attention, but merge_attn=False leaves it alone; pass "
+            "merge_attn=True or mode='tokens'"
+        )
     acting.level_cells = _level_cells(given.level_cells)
     acting.cell_pool = _cell_pool(given.cell_pool, acting)
     _check_cell_matching(given, acting)
@@ -444,17 +443,9 @@ def _blocks(blocks: Any) -> Optional[Tuple[int, ...]]:
 def _max_downsample(value: Any) -> Optional[int]:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value not in MAX_DOWNSAMPLE_CHOICES:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value not in LEVELS:
         raise ValueError(f"max_downsample must be one of None, 1, 2, 4, 8, got {value!r}")
     return int(value)
-
-
-def _check_mode_merges_attn(acting: SimpleNamespace) -> None:
-    if acting.mode in ("kv", "queries") and not acting.merge_attn:
-        raise ValueError(
-            f"mode={acting.mode!r} arranges self-attention, but merge_attn=False leaves it alone; pass "
-            "merge_attn=True or mode='tokens'"
-        )
 
 
 def _level_cells(level_cells: Any) -> Optional[Dict[int, Tuple[int, int]]]:
