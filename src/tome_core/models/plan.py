@@ -1,10 +1,5 @@
-"""The model plan: what patching one model means, read from the model and the options once per ``patch``.
-
-:func:`plan_model` walks the model a single time for everything the driver checks and attaches (its blocks and
-their families, their levels, the sub-layers that merge with their ratios, the choices of ``mode="auto"``,
-whether size-aware attention applies, the blocks it lends). :func:`~tome_core.driver.check` refuses what the plan
-cannot run, :func:`~tome_core.driver.attach_hooks` and the call hooks read it; nothing walks the model again.
-Framework-free."""
+"""The model plan: what patching one model means, read from the model and the options once per ``patch``: the
+driver checks and attaches from it, and nothing walks the model again. Framework-free."""
 
 from __future__ import annotations
 
@@ -19,8 +14,8 @@ from .selection import ModelFacts, block_ratios, selected_blocks
 
 
 class MergedSublayer(NamedTuple):
-    """One sub-layer that merges: its block's index (the block's stream), the block, its family and level, its
-    ``block_ratios`` entry (or None), the family's description of the sub-layer and the sub-layer module."""
+    """One sub-layer that merges: its block's index (stream), block, family, level and ``block_ratios`` entry (or
+    None), the family's description of the sub-layer and the sub-layer module."""
 
     stream: int
     block: Any
@@ -50,13 +45,12 @@ class ModelPlan:
 
     @property
     def deepest(self) -> int:
-        """The coarsest level that merges: ``max_downsample``, or the finest level with attention."""
-        return self.config.max_downsample if self.config.max_downsample is not None else self.finest
+        """The coarsest level that merges (:meth:`ModelFacts.deepest`)."""
+        return self.facts.deepest(self.config)
 
     @property
     def hooked(self) -> Tuple[MergedSublayer, ...]:
-        """The merged sub-layers that get hooks: those of blocks at a level that can merge (a block above
-        ``max_downsample`` never does, and gets none, so it costs an eager call no host time)."""
+        """The merged sub-layers that get hooks: those of blocks at a level that can merge."""
         return tuple(m for m in self.merged if m.level is None or m.level <= self.deepest)
 
     @property
