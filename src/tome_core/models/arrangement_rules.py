@@ -1,7 +1,6 @@
-"""Where the ``kv`` and ``queries`` arrangements can run: they hand a self-attention keys and values apart from
-its queries, which only some attentions (and processors) take; ``kv`` asked for by name also runs inside the
-attention kernel of the others, where the framework reaches it. Read at ``patch`` (the driver's checks) and as
-each block starts (its fallback to ToMe for SD's arrangement under ``mode="auto"``). Framework-free."""
+"""Where the ``kv`` and ``queries`` arrangements can run: they hand a self-attention keys and values apart from its
+queries, which only some attentions take (``kv`` also runs inside the attention kernel of others, where the
+framework reaches it). Read at ``patch`` and as each block starts. Framework-free."""
 
 from __future__ import annotations
 
@@ -12,9 +11,8 @@ from .families import Sublayer, TEXT_NONE, attends_text_only
 
 
 def arrangement_problem(fw: Framework, block: Any, sublayer: Sublayer, module: Any, mode: str = "kv", kernel: bool = True) -> Optional[str]:
-    """Why a self-attention cannot run the ``kv`` or ``queries`` arrangement (``mode``) now (None: it can): they
-    hand it keys and values apart from its queries, through its ``kv_input``; where it has none, or its processor
-    computes keys from its own input, ``kv`` can still merge the keys inside its attention kernel
+    """Why a self-attention cannot run the ``kv`` or ``queries`` arrangement (``mode``) now, or None: where it takes
+    no keys and values through its ``kv_input``, ``kv`` can still merge them inside its attention kernel
     (:func:`kv_in_kernel`) when ``kernel`` allows it and the framework can."""
     problem = _separate_kv_problem(fw, block, sublayer, module)
     if problem is None or not kernel or mode != "kv" or sublayer.projections or attends_text_only(block, sublayer):
@@ -24,10 +22,8 @@ def arrangement_problem(fw: Framework, block: Any, sublayer: Sublayer, module: A
 
 
 def kv_in_kernel(fw: Framework, sublayer: Sublayer, module: Any) -> bool:
-    """Whether the ``kv`` arrangement of this self-attention, which :func:`arrangement_problem` let run, merges
-    its keys and values inside its attention kernel (:class:`~tome_core.hooks.block_hooks.KernelKeys`): it has no
-    ``kv_input``, or its processor takes no keys from it. Read on every merged call, so it tests only what tells
-    the two routes apart."""
+    """Whether the ``kv`` arrangement of this self-attention, which :func:`arrangement_problem` let run, merges its
+    keys and values inside its attention kernel: it has no ``kv_input``, or its processor takes no keys from it."""
     return sublayer.kv_input is None or not fw.separate_kv(module)
 
 
@@ -56,8 +52,7 @@ def _separate_kv_problem(fw: Framework, block: Any, sublayer: Sublayer, module: 
 
 
 def arrangement_error(mode: str, where: str, problem: str) -> ValueError:
-    """The error for an explicit ``kv`` or ``queries`` ``mode`` where a self-attention (in ``where``) cannot run
-    it, for the ``problem`` :func:`arrangement_problem` found."""
+    """The error for an explicit ``kv`` or ``queries`` ``mode`` that a self-attention in ``where`` cannot run."""
     return ValueError(
         f"mode={mode!r} needs self-attention that takes keys and values apart from its queries"
         f"{' (or whose attention kernel ToMe reaches)' if mode == 'kv' else ''}, and in {where} "

@@ -1,11 +1,9 @@
 """Whether merging pays: the default merges a level only where measurements say it makes the call faster.
 
-Merging trades attention over fewer keys (or tokens) for work of its own: choosing the tokens, gathering them,
-and, in eager code, the Python of the hooks and the small kernels they launch. Below some number of tokens
-per level that work costs more than attention saves, so the default (``mode="auto"``, the ``prefer`` knob)
-runs such a level unmerged and ``summary()`` says why. ``min_tokens`` sets the bound by hand (0: merge at
-every size); options that choose an arrangement themselves (``ratio``, ``mode``...) merge at every size unless
-``min_tokens`` is given.
+Merging trades attention over fewer keys (or tokens) for work of its own (choosing and gathering tokens, and in
+eager code the hooks' Python and kernel launches). Below some number of tokens per level that costs more than
+attention saves, so the default runs such a level unmerged and ``summary()`` says why. ``min_tokens`` sets the
+bound by hand (0: every size); options that choose an arrangement themselves merge at every size unless it is given.
 
 The bounds are read off paired measurements of whole calls against the same run's unpatched call
 (``docs/results/gpu_h200_defaults.json`` and ``gpu_h200_speed*.json``: H200, float16/bfloat16, SD 1.5, SDXL,
@@ -58,8 +56,7 @@ MIN_TOKENS: Dict[Tuple[str, str, str], int] = {
 
 
 def arrangement_of(mode: str, matching: str) -> str:
-    """The cost class of an arrangement: keys and values in cells cost a gather, anything matched by similarity
-    costs a similarity search and a scatter too."""
+    """The cost class of an arrangement: cells cost a gather, a similarity match a search and a scatter too."""
     return "cells" if matching == "cell" else "similarity"
 
 
