@@ -37,46 +37,41 @@ class Framework(Protocol):
         """A small array's values on the host, flattened (Python ints or floats)."""
 
     def size_aware(self, module: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], bias: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-        """Make ``module``'s attention add ``bias`` (a :class:`~tome_core.hooks.attention_bias.SizeBias`) to its logits
-        during this call; returns its arguments."""
+        """Make ``module``'s attention add ``bias`` (a ``SizeBias``) to its logits during this call; returns its
+        arguments."""
 
     def kernel_keys(
         self, module: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], keys: Any, bias: Any = None
     ) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-        """Make ``module``'s attention kernel take its keys and values merged by ``keys`` (a
-        :class:`~tome_core.hooks.block_hooks.KernelKeys`) during this call, and add ``bias`` (a
-        :class:`~tome_core.hooks.attention_bias.SizeBias`, or None) over the merged keys; returns its arguments."""
+        """Make ``module``'s attention kernel take its keys and values merged by ``keys`` (a ``KernelKeys``) during this
+        call, adding ``bias`` (a ``SizeBias``, or None) over the merged keys; returns its arguments."""
 
     def kernel_keys_problem(self, module: Any) -> Optional[str]:
         """Why :meth:`kernel_keys` cannot reach ``module``'s attention (its processor now), or None."""
 
     def size_aware_done(self, module: Any, computed: bool) -> None:
-        """The call of ``module`` armed by :meth:`size_aware` or :meth:`kernel_keys` has returned; ``computed``
-        is False when an output cache returned a stored output instead of running attention."""
+        """The call armed by :meth:`size_aware` or :meth:`kernel_keys` has returned (``computed`` False: an output
+        cache returned a stored output instead)."""
 
     def execution(self, x: Any) -> Tuple[str, str]:
-        """Where and how a call on ``x`` runs, as :mod:`tome_core.models.cost` tells them apart: the device (``"cpu"`` or
-        ``"gpu"``, any accelerator) and the execution (``"eager"``, ``"captured"`` in a CUDA graph, or ``"compiled"``
-        while a compiler traces)."""
+        """Where and how a call on ``x`` runs (:mod:`tome_core.models.cost`): ``"cpu"`` or ``"gpu"`` (any accelerator),
+        and ``"eager"``, ``"captured"`` (in a CUDA graph) or ``"compiled"`` (while a compiler traces)."""
 
     def clear_interrupted(self) -> None:
-        """Undo what attention calls interrupted by a ``BaseException`` other than ``Exception`` (Ctrl-C) left in
-        the process: post-hooks do not run then (:meth:`size_aware`'s arming). Called as each patched model's call
-        starts, and by ``remove``."""
+        """Undo the arming (:meth:`size_aware`) that attention calls interrupted by a ``BaseException`` (Ctrl-C) left,
+        their post-hooks not run; called as each patched model's call starts, and by ``remove``."""
 
     def bias_problem(self, module: Any) -> Optional[str]:
-        """Why ``module``'s attention (its processor now) cannot add a size bias to its logits, or None (it
-        can, or its processor's code does not tell): checked at ``patch`` where size-aware attention applies."""
+        """Why ``module``'s attention (its processor now) cannot add a size bias to its logits, or None (it can, or
+        its code does not tell)."""
 
     def separate_kv(self, module: Any) -> bool:
         """Whether ``module``'s attention (its processor now) computes keys and values from its ``kv_input``
         argument when one is given (the ``kv`` and ``queries`` arrangements need it)."""
 
     def may_run_again(self, x: Any) -> bool:
-        """Whether a block called on ``x`` may be run again on the very same ``x`` (or on a copy of its data) in the
-        backward pass, after its model's call returned (gradient checkpointing recomputes it then): true in eager
-        code, whether or not ``x`` or the forward records gradients (a LoRA's frozen input; reentrant checkpointing
-        runs its forward without them)."""
+        """Whether a block called on ``x`` may be run again on the same ``x`` (or a copy of its data) after its model's
+        call returned (gradient checkpointing): true in eager code, whether or not anything records gradients."""
 
     def shards(self, model: Any) -> Optional[Shards]:
         """How context parallelism splits ``model``'s tokens now (None: it does not)."""
@@ -85,23 +80,20 @@ class Framework(Protocol):
         """Whether ``b`` is ``a``'s data under another array object (a detached copy), ``a`` being alive or None."""
 
     def output_cache(self, module: Any) -> Optional[str]:
-        """How another library caches ``module``'s output across calls: None (it does not), ``REUSED`` (it
-        returns the very output object of an earlier call), or raises ValueError naming a cache that builds
-        new outputs from earlier ones (those were merged by other matches)."""
+        """How another library caches ``module``'s output across calls: None, ``REUSED`` (the very output object of an
+        earlier call), or a ValueError naming a cache that builds new outputs from earlier ones (merged otherwise)."""
 
     def running(self, module: Any) -> bool:
-        """Whether a call of ``module`` is running now: asked by ``patch`` and ``remove``, which a hook inside that
-        call may have called (:func:`call_running`)."""
+        """Whether a call of ``module`` is running now (:func:`call_running`): a hook inside it may call ``patch``."""
 
     def inform(self, message: str) -> None:
-        """Tell the user ``message`` where users of this framework's pipelines read what their library reports: its
-        logger, at info level (:attr:`Ledger.inform <tome_core.hooks.ledger.Ledger.inform>`; a word the user can act
-        on, not a warning: the default running a small level unmerged, where merging would not pay)."""
+        """Tell the user ``message`` through this framework's library's logger, at info level (a word the user can act
+        on, not a warning: :attr:`Ledger.inform <tome_core.hooks.ledger.Ledger.inform>`)."""
 
 
 def call_running(module: Any, codes: Collection[Any]) -> bool:
-    """Whether a call of ``module`` is running now: a frame of its framework's module-call function (its code one
-    of ``codes``) called on ``module`` is on the stack. Read only by ``patch`` and ``remove``, never by a hook."""
+    """Whether a frame of a module-call function (its code one of ``codes``) called on ``module`` is on the stack.
+    Read only by ``patch`` and ``remove``, never by a hook."""
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code in codes and frame.f_locals.get("self") is module:
@@ -122,9 +114,8 @@ def argument(args: Sequence[Any], kwargs: Dict[str, Any], name: str, position: O
 def arguments(
     args: Sequence[Any], kwargs: Dict[str, Any], wanted: Sequence[Tuple[Optional[str], Optional[int]]]
 ) -> Tuple[Any, ...]:
-    """Several arguments of one call, each ``(name, position)`` of ``wanted`` read as :func:`argument` reads it (a
-    name of None reads None): what a hook reads of a call, in one pass, with no call per argument (an eager GPU
-    call is bound by its hooks' host time)."""
+    """Several arguments of one call, each ``(name, position)`` of ``wanted`` read as :func:`argument` reads it, in
+    one pass with no call per argument (an eager GPU call is bound by its hooks' host time)."""
     return tuple([
         kwargs[name] if name in kwargs else args[position] if position is not None and len(args) > position else None
         for name, position in wanted
