@@ -1,10 +1,6 @@
 """Context parallelism: a model's token sequence split across processes (diffusers' ``enable_parallelism``),
-and what merging each process's piece on its own needs. Framework-free.
-
-Each process merges its own piece on that piece's grid: ``count`` equal contiguous pieces of a ``rows x cols``
-token grid are ``rows / count`` whole rows each (a video's frames stack as rows). The checks here refuse what
-that cannot follow, with the reason.
-"""
+each process merging its own piece on that piece's grid, and the checks that refuse what this cannot follow, with
+the reason. Framework-free."""
 
 from __future__ import annotations
 
@@ -14,13 +10,10 @@ from .config import ToMeConfig
 
 
 class Shards(NamedTuple):
-    """How context parallelism splits a model's token sequence across processes (diffusers'
-    ``enable_parallelism``): into ``count`` contiguous shards, this process holding shard ``rank``.
-
-    ``even``: every shard has the same length (False under ``ulysses_anything`` / ``ring_anything``);
-    ``ring``: ring attention passes keys and values around shard by shard; ``split_inside``: ids of the blocks
-    that split their own ``hidden_states`` inside their call (Wan's first block), whose pre-hook still sees
-    the whole sequence."""
+    """A model's token sequence split into ``count`` contiguous shards, this process holding shard ``rank``.
+    ``even``: every shard has the same length (False under ``ulysses_anything`` / ``ring_anything``); ``ring``: ring
+    attention; ``split_inside``: ids of the blocks that split their ``hidden_states`` inside their call (Wan's
+    first block), whose pre-hook still sees the whole sequence."""
 
     count: int
     rank: int
@@ -53,9 +46,8 @@ def check_shards(shards: Shards, size_aware: bool, where: str) -> None:
 def shard_grid(
     grid: Tuple[int, int], shards: Shards, tail: int, videos: Optional[int], where: str
 ) -> Tuple[int, int]:
-    """This process's token grid under context parallelism: ``count`` equal contiguous pieces of a ``rows x
-    cols`` grid (a video's frames stacked as rows) are ``rows / count`` whole rows each, merged on their own
-    (every process merges as many tokens, so the exchange between them keeps its size)."""
+    """This process's token grid: ``count`` equal contiguous pieces of a ``rows x cols`` grid (a video's frames
+    stacked as rows) are ``rows / count`` whole rows each (every process merges as many tokens)."""
     rows, cols = grid
     problem = None
     if tail:

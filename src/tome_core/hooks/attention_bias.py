@@ -16,11 +16,8 @@ from ..models.families import TEXT_NONE, text_follows
 
 
 class SizeBias:
-    """Log sizes of one sub-layer's keys: merged image keys get ``log(size)``, text keys 0.
-
-    ``text`` says where the text keys sit (``TEXT_*``); :meth:`for_keys` builds the ``[B, 1, K]`` bias for an
-    attention over ``K`` keys, or raises if ``K`` does not fit.
-    """
+    """Log sizes of one sub-layer's keys: merged image keys get ``log(size)``, text keys (where ``text``, a
+    ``TEXT_*``, says) 0."""
 
     def __init__(
         self, match: Match, text: str, like: Any, tail: int = 0, head: int = 0, whole_mask: bool = True,
@@ -41,19 +38,17 @@ class SizeBias:
         return self.for_keys(self.head + self.match.kept + self.tail, self.like)
 
     def holds_image(self, keys: int) -> bool:
-        """Whether an attention over ``keys`` keys can attend to the merged image tokens. One over fewer attends to
-        other tokens, each of size 1: the leading head tokens alone (Flux.2 Klein KV's extract step, Qwen-Image 2.1's
-        prefix segments), an IP-Adapter's image prompt (the second attention of Flux's IP-Adapter processor)."""
+        """Whether an attention over ``keys`` keys can attend to the merged image tokens; one over fewer attends to
+        other tokens of size 1 (the head tokens alone, an IP-Adapter's image prompt)."""
         return keys >= self.head + self.match.kept + self.tail
 
     def own_call(self, queries: int, keys: int) -> bool:
-        """Whether an attention call of ``queries`` queries over ``keys`` keys, made while the attention runs, is its
-        own (:func:`own_call`)."""
+        """:func:`own_call` for this attention."""
         return own_call(self.own, self.holds_image(keys), queries, keys)
 
     def for_keys(self, keys: int, like: Any) -> Any:
-        """``[B, 1, keys]``: the log sizes where the merged image keys sit, 0 for text, head and tail keys, and 0
-        for every key of an attention to other tokens (:meth:`holds_image`)."""
+        """``[B, 1, keys]``: the log sizes where the merged image keys sit, 0 for every other key (:meth:`holds_image`);
+        raises where ``keys`` does not fit."""
         ops = get_ops(like)
         match = self.match
         if not self.holds_image(keys):
@@ -68,26 +63,23 @@ class SizeBias:
         zeros = lambda count: [cached(  # noqa: E731
             ops, like, ("zero bias", str(getattr(like, "dtype", "")), match.batch, count), lambda: ops.zeros((match.batch, 1, count), like)
         )] if count else []
-        if text_follows(self.text):  # [head; image; tail; text]
-            parts = [*zeros(self.head), sizes, *zeros(self.tail + text)]
-        else:  # [text; head; image; tail]
-            parts = [*zeros(text + self.head), sizes, *zeros(self.tail)]
+        # [head; image; tail; text], else [text; head; image; tail]
+        before, after = (self.head, self.tail + text) if text_follows(self.text) else (text + self.head, self.tail)
+        parts = [*zeros(before), sizes, *zeros(after)]
         return parts[0] if len(parts) == 1 else ops.concat(parts, axis=2)
 
 
 def own_call(own: Tuple[int, int], holds_image: bool, queries: int, keys: int) -> bool:
     """Whether an attention call of ``queries`` queries over ``keys`` keys, made while an attention whose own call has
-    at least ``own`` ``(queries, keys)`` runs, is that call: one over fewer keys, or from fewer queries, attends
-    elsewhere (an IP-Adapter's image prompt from the image's queries alone, a reference image's tokens alone), and so
-    does one whose keys cannot hold the merged image (``holds_image``)."""
+    at least ``own`` ``(queries, keys)`` runs, is that call: one over fewer, or whose keys cannot hold the merged
+    image, attends elsewhere (an IP-Adapter's image prompt, a reference image's tokens)."""
     return holds_image and queries >= own[0] and keys >= own[1]
 
 
 def unbiased_processor(processor: Any, trusted: Sequence[str], library: str, functions: Sequence[str]) -> Optional[str]:
-    """Why an attention ``processor`` cannot take a size bias, judged from its classes' code: when none of its
-    classes is ``trusted`` by name or comes from the ``library`` (whose processors take it through an
-    attention mask or the attention ``functions`` the adapter biases) and none of their code names one of
-    ``functions``. None when it can, or when its code cannot be read."""
+    """Why an attention ``processor`` cannot take a size bias, judged from its classes: none is ``trusted`` by name or
+    from ``library``, and none of their code names one of the attention ``functions`` the adapter biases. None when
+    it can, or its code cannot be read."""
     classes = [cls for cls in type(processor).__mro__ if cls is not object]
     if not classes or any(cls.__name__ in trusted or cls.__module__.split(".")[0] == library for cls in classes):
         return None
@@ -102,9 +94,8 @@ def unbiased_processor(processor: Any, trusted: Sequence[str], library: str, fun
 
 def unreachable_kernel(processor: Any, own_scores: Collection[str], library: str, functions: Sequence[str]) -> Optional[str]:
     """Why an adapter cannot merge the keys and values of ``processor``'s attention inside the attention
-    ``functions`` it wraps, or None: processors named in ``own_scores`` compute the scores themselves, a
-    perturbed-attention guidance processor (``PAG...``) attends over part of the batch, and any other must come
-    from ``library`` or name one of ``functions`` in its code (:func:`unbiased_processor`)."""
+    ``functions`` it wraps, or None: ``own_scores`` processors and PAG processors cannot, others as
+    :func:`unbiased_processor` judges."""
     name = type(processor).__name__
     if name in own_scores:
         return f"its processor {name} computes the attention scores itself, not through {' or '.join(functions)}"

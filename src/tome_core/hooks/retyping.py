@@ -23,9 +23,8 @@ def other_patch(block: Any, model: Any) -> Optional["Patch"]:
 
 
 def patched_class(cls: type, generation: int) -> type:
-    """The class that patch number ``generation`` gives the modules of class ``cls`` it hooks: a subclass with
-    the same name, module and qualified name that overrides nothing. It pickles as a call of this function,
-    so copies and pickles of a patched model stay patched."""
+    """The class patch number ``generation`` gives the modules of class ``cls`` it hooks: a subclass of the same
+    names that overrides nothing, pickled as a call of this function (copies of a patched model stay patched)."""
     key = (cls, generation)
     made = _PATCHED_CLASSES.get(key)
     if made is None:
@@ -56,14 +55,10 @@ def detach(model: Any) -> None:
 class Patch:
     """Everything one patched model holds: its state, the handles of its hooks, and the classes it changed.
 
-    Every sub-layer that merges (an ``attn1``, ``attn2``, ``ff``...) also gets, for the life of the patch, this
-    patch's :func:`patched_class` of its class. Compilers guard on the classes of the modules they trace but not
-    on their hooks (torch.compile's default ``skip_nnmodule_hook_guards``): the new classes make any code that
-    runs these sub-layers (the whole model, or one block) and was compiled before this patch, or under an
-    earlier one, compile again, hooks included, instead of replaying a graph traced without them. :meth:`remove`
-    puts the classes back, so code compiled before patching is valid again and runs without compiling. Models
-    and blocks keep their classes: pipelines match their components' classes exactly (diffusers' ``from_pipe``),
-    and diffusers' caching hooks look blocks up by exact class."""
+    Every sub-layer that merges gets this patch's :func:`patched_class` of its class for the life of the patch:
+    compilers guard on modules' classes but not on their hooks (torch.compile's ``skip_nnmodule_hook_guards``), so
+    code compiled before this patch compiles again, hooks included; :meth:`remove` puts the classes back. Models and
+    blocks keep their classes (diffusers' ``from_pipe`` and caching hooks match classes exactly)."""
 
     def __init__(self, state: ToMeState):
         self.state = state
