@@ -1,15 +1,14 @@
 """Merge and unmerge: move a ``[B, N, C]`` sequence to the ``N - r`` slots of a :class:`Match` and back.
 
-Merge is one row scatter-add over slots divided by the slot sizes (each destination becomes the mean of
-itself and the sources merged into it), or one row gather where each slot takes one token's value (sampled
-cells); unmerge is one row gather (every token takes its slot's value).
-Both work on the batch flattened into rows, which is several times faster than gathering along axis 1.
-Trailing feature axes (an attention output ``[B, N, heads, d]``, Lumina-Next's) are carried as one ``C``.
+Merge is a scatter-add over slots divided by the slot sizes (each destination the mean of itself and its
+sources), unmerge a gather (every token takes its slot's value); both on the batch flattened into rows, several
+times faster than along axis 1. Trailing feature axes (``[B, N, heads, d]``) are carried as one ``C``.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Tuple
+import math
+from typing import Callable
 
 from .match import Match
 from .ops import Array
@@ -22,13 +21,9 @@ def _features(x: Array, match: Match, moved: Callable[[Array], Array]) -> Array:
     shape = ops.shape(x)
     if len(shape) == 3:
         return moved(x)
-    features: Tuple[int, ...] = tuple(shape[2:])
-    flat = 1
-    for size in features:
-        flat *= size
-    out = moved(ops.reshape(x, (shape[0], shape[1], flat)))
+    out = moved(ops.reshape(x, (shape[0], shape[1], math.prod(shape[2:]))))
     rows, tokens = ops.shape(out)[:2]
-    return ops.reshape(out, (rows, tokens, *features))
+    return ops.reshape(out, (rows, tokens, *shape[2:]))
 
 
 def merge(x: Array, match: Match) -> Array:
@@ -71,10 +66,7 @@ def _unmerge(x: Array, match: Match) -> Array:
 
 
 def size_bias(match: Match, like: Array) -> Array:
-    """``[B, 1, N - r]``: log of how many tokens each merged key stands for, in ``like``'s dtype.
-
-    Added to attention logits it makes attention over the merged keys equal attention over all N keys with
-    each merged token repeated once per token it stands for (proportional attention, ToMe paper eq. 1).
-    """
+    """``[B, 1, N - r]``: log of how many tokens each merged key stands for, in ``like``'s dtype: added to attention
+    logits, attention over the merged keys equals attention over all N keys (proportional attention, ToMe eq. 1)."""
     ops = match.ops
     return ops.reshape(ops.log(ops.astype_like(match.sizes, like)), (match.batch, 1, match.kept))

@@ -1,13 +1,7 @@
-"""jax implementation of the array-ops protocol.
-
-Pure and traceable: every op is a jax.numpy / lax call on static shapes, so the whole match, merge and
-unmerge run under ``jax.jit`` (and inside ``pmap``/``vmap``) without host round trips. The index dtype is
-jax's default integer (int32 unless ``jax_enable_x64``); :mod:`tome_core.algorithm.partition` keeps its hash below
-2**31, so int32 gives the same partition as numpy's int64.
-
-Ops made of several primitives are wrapped in ``jax.jit``: inside a traced model that changes nothing (nested
-jits are inlined), and on concrete arrays (eager use) each op compiles once per shape instead of once per
-primitive.
+"""jax implementation of the array-ops protocol: pure jax.numpy / lax calls on static shapes, so the match, merge
+and unmerge run under ``jax.jit`` without host round trips. The index dtype is jax's default integer (the
+partition hash stays below 2**31). Ops of several primitives are jitted: inlined inside a traced model, and
+compiled once per shape, not once per primitive, in eager use.
 """
 
 from __future__ import annotations
