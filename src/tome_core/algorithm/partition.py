@@ -399,33 +399,13 @@ class Draw(NamedTuple):
             rows = self.drawn[key] = (offsets + floor(self.step * 1000)) % DRAWS
         return rows
 
-    def _per_call(self, ops: ArrayOps, like: Array, key: Tuple, table: Array) -> Array:
-        """``table``'s rows for every stream in this call, once per call and grid."""
+    def row(self, ops: ArrayOps, like: Array, key: Tuple, table: Array) -> Array:
+        """This stream's row of ``table`` (kept drawn partitions, one per row, named by ``key``) in this call: every
+        stream's rows are taken at once, once per call and table."""
         chosen = self.drawn.get(key)
         if chosen is None:
             chosen = self.drawn[key] = ops.take(table, self.rows(ops, like), axis=0)
-        return chosen
-
-    def split(
-        self, ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: int, tiling: Optional[Tiling] = None
-    ) -> Tuple[Array, Array]:
-        """This stream's row of :func:`split_table` in this call."""
-        order, slots = split_table(ops, like, h, w, sx, sy, seed, tiling)
-        key = (h, w, sx, sy, seed, tiling)
-        return (
-            self._per_call(ops, like, ("order",) + key, order)[self.stream],
-            self._per_call(ops, like, ("slots",) + key, slots)[self.stream],
-        )
-
-    def picks(self, ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: int) -> Array:
-        """This stream's row of :func:`pick_table` in this call."""
-        table = pick_table(ops, like, h, w, sx, sy, seed)
-        return self._per_call(ops, like, ("picks", h, w, sx, sy, seed), table)[self.stream]
-
-    def offsets(self, ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: int) -> Array:
-        """This stream's destination position in each cell (``[h//sy, w//sx]``) in this call."""
-        table = draw_table(ops, like, h, w, sx, sy, seed)
-        return self._per_call(ops, like, ("offsets", h, w, sx, sy, seed), table)[self.stream]
+        return chosen[self.stream]
 
 
 _STREAM_SPREAD = 7  # consecutive blocks land 7 draws apart (coprime with DRAWS: all distinct up to DRAWS streams)
@@ -482,17 +462,20 @@ def partition_grid(
     tabled = offsets is None  # drawn (draw) or fixed: from the tables; explicit offsets: split here
     seed = draw.seed if draw is not None else None
     if draw is not None and frames > 1:  # each chunk's reference: a destination in a 1 x K cell, the next seed
-        reference = ops.reshape(draw.offsets(ops, like, 1, frames, frames, 1, draw.seed + 1), (1,))
+        table = draw_table(ops, like, 1, frames, frames, 1, seed + 1)
+        reference = ops.reshape(draw.row(ops, like, ("offsets", 1, frames, frames, 1, seed + 1), table), (1,))
     if frames > 1 and reference is None:
         reference = frames // 2
     dst = src = neighbours = nearby = bands = order = dst_slot = picked = None
     if full and picks and tabled:
+
+        def row(name: str, table: Array) -> Array:  # fixed: the table's one row; drawn: this stream's in this call
+            return table[0] if draw is None else draw.row(ops, like, (name, h, w, sx, sy, seed, tiling), table)
         if similarity:
-            order, dst_slot = draw.split(ops, like, h, w, sx, sy, seed, tiling) if draw is not None else (
-                tuple(table[0] for table in split_table(ops, like, h, w, sx, sy, None, tiling))
-            )
+            order, dst_slot = split_table(ops, like, h, w, sx, sy, seed, tiling)
+            order, dst_slot = row("order", order), row("slots", dst_slot)
         else:
-            picked = draw.picks(ops, like, h, w, sx, sy, seed) if draw is not None else pick_table(ops, like, h, w, sx, sy, None)[0]
+            picked = row("picks", pick_table(ops, like, h, w, sx, sy, seed))
     if similarity and full:
         if order is not None:
             src, dst = order[: h * w - count], order[h * w - count :]
