@@ -11,15 +11,8 @@ from typing import Any, Dict
 
 from .ops import ArrayOps
 
-# Top-level module of an array's type -> backend module in tome_core.backends.
-_MODULE_BACKENDS = {
-    "numpy": "numpy_ops",
-    "torch": "torch_ops",
-    "paddle": "paddle_ops",
-    "jax": "jax_ops",
-    "jaxlib": "jax_ops",
-}
 BACKENDS = ("numpy", "torch", "paddle", "jax")
+_MODULE_BACKENDS = {**{name: name for name in BACKENDS}, "jaxlib": "jax"}  # an array type's top-level module
 _cache: Dict[type, ArrayOps] = {}
 
 
@@ -27,7 +20,7 @@ def load_backend(name: str) -> ArrayOps:
     """The backend named ``name`` (one of :data:`BACKENDS`); imports its framework."""
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {name!r}")
-    return importlib.import_module(f"tome_core.backends.{_MODULE_BACKENDS[name]}").OPS
+    return importlib.import_module(f"tome_core.backends.{name}_ops").OPS
 
 
 def get_ops(x: Any) -> ArrayOps:
@@ -41,6 +34,5 @@ def get_ops(x: Any) -> ArrayOps:
                 f"no tome_core backend for arrays of type {cls.__module__}.{cls.__qualname__}; "
                 f"supported: {', '.join(BACKENDS)}"
             )
-        ops = importlib.import_module(f"tome_core.backends.{_MODULE_BACKENDS[root]}").OPS
-        _cache[cls] = ops
+        ops = _cache[cls] = load_backend(_MODULE_BACKENDS[root])
     return ops
