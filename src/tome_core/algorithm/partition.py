@@ -23,8 +23,7 @@ _CACHE_SIZE = 128
 
 
 Tiling = Tuple[int, ...]
-"""The rows of each band of rows that a grid is tiled in on its own, top to bottom (a video's frames, searched within a
-frame window: :func:`frame_search`); None: the whole grid is one band."""
+"""The rows of each band a grid is tiled in on its own, top to bottom (:func:`frame_search`); None: one band."""
 
 
 def num_cells(h: int, w: int, sx: int, sy: int, tiling: Optional[Tiling] = None) -> int:
@@ -201,9 +200,8 @@ Band = Tuple[int, int, int, int]  # (first source, end of sources, first destina
 
 
 def frame_pieces(h: int, frame_rows: int, offset: int = 0) -> Tiling:
-    """The rows of each frame in an ``h``-row grid that stacks frames of ``frame_rows`` rows, its first row being
-    row ``offset`` of its frame (a process's piece of the sequence under context parallelism may start mid-frame):
-    the first and last frames may be pieces. ``frame_rows`` 0: one frame, the whole grid."""
+    """The rows of each frame in an ``h``-row grid of frames of ``frame_rows`` rows (0: one frame), starting at row
+    ``offset`` of its first (a context-parallel piece may start mid-frame): the first and last may be pieces."""
     if not frame_rows:
         return (h,)
     if not 0 <= offset < frame_rows:
@@ -214,8 +212,7 @@ def frame_pieces(h: int, frame_rows: int, offset: int = 0) -> Tiling:
 
 
 def stacked_frames(h: int, frame_rows: int, offset: int = 0) -> int:
-    """The frames of ``frame_rows`` rows each that an ``h``-row grid stacks, from row ``offset`` of its first
-    (1: none, ``frame_rows`` 0 or at least ``h``; :func:`frame_pieces`)."""
+    """How many frames (or pieces of one) :func:`frame_pieces` finds."""
     return len(frame_pieces(h, frame_rows, offset))
 
 
@@ -225,10 +222,8 @@ def window_limits(frames: int, window: Optional[int]) -> bool:
 
 
 class FrameSearch(NamedTuple):
-    """How a video's similarity search keeps within a window of frames (:func:`frame_search`). ``tiling``: the
-    rows of each group of frames tiled with cells of its own (:data:`Tiling`); ``frames``: the first and last frame
-    of each group (counted from the grid's first row's); ``bands``: the runs of sources (in :func:`split`'s order,
-    covering them all in order) and the run of destinations each meets."""
+    """:func:`frame_search`'s answer: the rows of each group of frames (``tiling``), each group's first and last
+    frame (``frames``), and the runs of sources, in :func:`split`'s order, with the destinations each meets."""
 
     tiling: Tiling
     frames: Tuple[Tuple[int, int], ...]
