@@ -164,13 +164,14 @@ _FLUX_DOUBLE = (
 )
 # FLUX.1's single-stream block: attention and MLP side by side on one normalised [text; image] sequence.
 _FLUX_SINGLE = (Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True), Sublayer("proj_mlp", "mlp", text=TEXT_PREFIX))
+_KEY_MASK = (("attention_mask", (-1,)),)
 # HunyuanVideo's double block: joint attention over [image; text] with a key mask over both; an image MLP.
 _HUNYUAN_DOUBLE = (
-    Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True, masks=(("attention_mask", (-1,)),)),
-    Sublayer("ff", "mlp"),
+    Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True, masks=_KEY_MASK), Sublayer("ff", "mlp"),
 )
 _HUNYUAN_SINGLE = (_HUNYUAN_DOUBLE[0], Sublayer("proj_mlp", "mlp", text=TEXT_SUFFIX))  # the MLP on [image; text]
-_KEY_MASK = (("attention_mask", (-1,)),)
+# CogVideoX's, CogView's and EasyAnimate's joint attention over [text; image].
+_COG_JOINT = Sublayer("attn1", "attn", text=TEXT_BEFORE, output=0, attention=True)
 _PADDED = ("hidden_states_masks", "a non-square latent padded to the largest size, the padding masked")
 _Q_K_V_OUT = ("to_q", "to_k", "to_v", "to_out.0")
 
@@ -274,10 +275,7 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
     ),
     BlockFamily(  # CogVideoX (1.0, 1.5), ConsisID: joint attention over [text; image], the MLP on [text; image]
         "cogvideox", ("CogVideoXBlock", "ConsisIDBlock"),
-        (
-            Sublayer("attn1", "attn", text=TEXT_BEFORE, output=0, attention=True),
-            Sublayer("ff", "mlp", text=TEXT_PREFIX),
-        ),
+        (_COG_JOINT, Sublayer("ff", "mlp", text=TEXT_PREFIX)),
         rotary="image_rotary_emb",
     ),
     BlockFamily(  # LTX-2: video tokens (audio in a second stream, never merged); rotary tables [B, (heads,) tokens, d]
@@ -295,17 +293,11 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
     ),
     BlockFamily(  # CogView3-Plus: joint attention over [text; image]; the MLP on [text; image]
         "cogview3plus", ("CogView3PlusTransformerBlock",),
-        (
-            Sublayer("attn1", "attn", text=TEXT_BEFORE, output=0, attention=True),
-            Sublayer("ff", "mlp", text=TEXT_PREFIX),
-        ),
+        (_COG_JOINT, Sublayer("ff", "mlp", text=TEXT_PREFIX)),
     ),
     BlockFamily(  # CogView4 (and GLM-Image's blocks): the MLP runs on the image, then on the text
         "cogview4", ("CogView4TransformerBlock", "GlmImageTransformerBlock"),
-        (
-            Sublayer("attn1", "attn", text=TEXT_BEFORE, output=0, attention=True),
-            Sublayer("ff", "mlp", once=True),
-        ),
+        (_COG_JOINT, Sublayer("ff", "mlp", once=True)),
         rotary="image_rotary_emb",
     ),
     # Hunyuan-DiT: rotary positions reach the cross-attention's queries too
@@ -368,10 +360,7 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
     ),
     BlockFamily(  # EasyAnimate: joint attention over [text; image]; blocks past its MMDiT ones run ff on the text too
         "easyanimate", ("EasyAnimateTransformerBlock",),
-        (
-            Sublayer("attn1", "attn", text=TEXT_BEFORE, output=0, attention=True),
-            Sublayer("ff", "mlp", once=True),
-        ),
+        (_COG_JOINT, Sublayer("ff", "mlp", once=True)),
         rotary="image_rotary_emb",
     ),
     BlockFamily(  # Nucleus-MoE-Image: image queries over [image; text] keys; its MoE routes on unmodulated tokens
