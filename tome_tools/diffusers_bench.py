@@ -616,9 +616,9 @@ def micro_transformer(args: Any) -> Dict[str, Any]:
         model_hook.remove()
         for handle in handles:
             handle.remove()
-    grid, tail, grid_last = seen.grid_hw, seen.tail, getattr(seen, "grid_last", False)
+    grid, tail, grid_last = seen.grid_hw, seen.call.tail, seen.call.grid_last
     if grid is None:
-        raise SystemExit(f"--micro: ToMe places no token grid on this call of {type(model).__name__} ({seen.why})")
+        raise SystemExit(f"--micro: ToMe places no token grid on this call of {type(model).__name__} ({seen.call.why})")
 
     results = []
     for name, (stream, block, family) in firsts.items():
