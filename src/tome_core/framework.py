@@ -17,7 +17,8 @@ PostHook = Callable[[Any, Tuple[Any, ...], Dict[str, Any], Any], Any]
 
 
 class Framework(Protocol):
-    """What an adapter tells the driver about its framework."""
+    """What an adapter tells the driver about its framework. An adapter subclasses it; a framework without output
+    caches, context parallelism, recomputation or interruptible arming keeps the defaults."""
 
     accepted: str  # what patch accepts, for the error on anything else
 
@@ -60,6 +61,7 @@ class Framework(Protocol):
     def clear_interrupted(self) -> None:
         """Undo the arming (:meth:`size_aware`) that attention calls interrupted by a ``BaseException`` (Ctrl-C) left,
         their post-hooks not run; called as each patched model's call starts, and by ``remove``."""
+        return None
 
     def bias_problem(self, module: Any) -> Optional[str]:
         """Why ``module``'s attention (its processor now) cannot add a size bias to its logits, or None (it can, or
@@ -72,16 +74,20 @@ class Framework(Protocol):
     def may_run_again(self, x: Any) -> bool:
         """Whether a block called on ``x`` may be run again on the same ``x`` (or a copy of its data) after its model's
         call returned (gradient checkpointing): true in eager code, whether or not anything records gradients."""
+        return False
 
     def shards(self, model: Any) -> Optional[Shards]:
         """How context parallelism splits ``model``'s tokens now (None: it does not)."""
+        return None
 
     def same_data(self, a: Any, b: Any) -> bool:
         """Whether ``b`` is ``a``'s data under another array object (a detached copy), ``a`` being alive or None."""
+        return False
 
     def output_cache(self, module: Any) -> Optional[str]:
         """How another library caches ``module``'s output across calls: None, ``REUSED`` (the very output object of an
         earlier call), or a ValueError naming a cache that builds new outputs from earlier ones (merged otherwise)."""
+        return None
 
     def running(self, module: Any) -> bool:
         """Whether a call of ``module`` is running now (:func:`call_running`): a hook inside it may call ``patch``."""

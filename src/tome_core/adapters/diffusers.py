@@ -33,7 +33,7 @@ from tome_core.algorithm.backend import get_ops
 from tome_core.hooks.block_hooks import KernelKeys
 from tome_core.config import document
 from tome_core.models.families import own_attention
-from tome_core.framework import PostHook, PreHook, REUSED, call_running
+from tome_core.framework import Framework, PostHook, PreHook, REUSED, call_running
 from tome_core.models.model_tree import blocks_of, find_models
 from tome_core.shards import Shards
 from tome_core.hooks.state import ToMeState
@@ -279,7 +279,7 @@ def _unflatten(x: torch.Tensor, dim: int, sizes: Any) -> torch.Tensor:
     return x.reshape(*x.shape[:dim], *sizes, *x.shape[dim + 1 :])
 
 
-class TorchFramework:
+class TorchFramework(Framework):
     """torch for :mod:`tome_core.driver`."""
 
     accepted = ACCEPTED

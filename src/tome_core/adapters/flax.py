@@ -33,7 +33,7 @@ from diffusers.utils import logging as diffusers_logging
 from tome_core import driver
 from tome_core.hooks.attention_bias import SizeBias
 from tome_core.config import ToMeConfig, document
-from tome_core.framework import PostHook, PreHook, argument
+from tome_core.framework import Framework, PostHook, PreHook, argument
 from tome_core.models.levels import finest_attention_level
 from tome_core.models.model_tree import not_a_model
 from tome_core.models.plan import plan_model
@@ -128,7 +128,7 @@ def _biased_call(attention: FlaxAttention, args: Tuple[Any, ...], kwargs: Dict[s
     )
 
 
-class _CallHooks:
+class _CallHooks(Framework):
     """Flax for :mod:`tome_core.driver`, for one traced call of a patched model: :meth:`intercept` runs the hooks
     of each module whose ``__call__`` it sees, and an armed ``FlaxAttention`` as :func:`_size_aware_attention`."""
 
@@ -199,9 +199,6 @@ class _CallHooks:
         platform = next(iter(devices())).platform if devices is not None else jax.default_backend()
         return "cpu" if platform == "cpu" else "gpu", "compiled" if traced else "eager"
 
-    def clear_interrupted(self) -> None:
-        pass  # post-hooks run in a ``finally`` (intercept): nothing outlives an interrupted call
-
     def kernel_keys_problem(self, module: nn.Module) -> str:
         return "ToMe merges keys inside an attention kernel on diffusers and ppdiffusers only"
 
@@ -213,18 +210,6 @@ class _CallHooks:
 
     def separate_kv(self, module: nn.Module) -> bool:
         return True  # FlaxAttention computes keys and values from its context argument when given one
-
-    def may_run_again(self, x: Any) -> bool:
-        return False  # jax differentiates the trace; the hooks run once per trace
-
-    def shards(self, model: nn.Module) -> None:
-        return None
-
-    def same_data(self, a: Any, b: Any) -> bool:
-        return False
-
-    def output_cache(self, module: nn.Module) -> None:
-        return None
 
     def inform(self, message: str) -> None:
         """Log ``message`` at info level with Python's logging, under diffusers' logger (its Flax models are

@@ -38,7 +38,7 @@ from tome_core.adapters import processors
 from tome_core.hooks.attention_bias import SizeBias, unbiased_processor, unreachable_kernel
 from tome_core.hooks.block_hooks import KernelKeys
 from tome_core.config import document
-from tome_core.framework import PostHook, PreHook, call_running
+from tome_core.framework import Framework, PostHook, PreHook, call_running
 from tome_core.models.model_tree import components
 from tome_core.hooks.state import ToMeState
 
@@ -219,7 +219,7 @@ _LAYER_CALLS = frozenset(
 )
 
 
-class PaddleFramework:
+class PaddleFramework(Framework):
     """paddle for :mod:`tome_core.driver`."""
 
     accepted = ACCEPTED
@@ -282,15 +282,6 @@ class PaddleFramework:
         if type(getattr(module, "processor", None)).__name__ not in SEPARATE_KV_PROCESSORS:
             return False
         return all(getattr(module, name, None) is None for name in _ONE_SIDED_NORMS)
-
-    def output_cache(self, module: Layer) -> None:
-        return None  # ppdiffusers has no output-caching hooks
-
-    def shards(self, model: Layer) -> None:
-        return None  # ppdiffusers has no context parallelism
-
-    def same_data(self, a: Any, b: Any) -> bool:
-        return False  # a recomputation is recognised by its input object only
 
     def size_aware_done(self, module: Layer, computed: bool = True) -> None:
         armed = _SDPA_WRAPPER.disarm(module)

@@ -12,7 +12,7 @@ from ..algorithm.match import Match
 from ..algorithm.ops import ArrayOps
 from ..algorithm.partition import stacked_frames, window_limits
 from ..config import DEFAULT_FRAME_WINDOW, ToMeConfig
-from ..models.cost import arrangement_of, why_unpaid
+from ..models.cost import why_unpaid
 from ..models.levels import Place, block_place, level_grid
 from ..models.selection import scale
 from .call import CallFacts
@@ -158,7 +158,8 @@ class ToMeState:
         shards = self.call.shards
         pieces = shards.count if shards is not None else 1  # decided as for the whole sequence
         device, how = self.call.execution
-        return why_unpaid(place.tokens * pieces, device, how, arrangement_of(config.mode, config.matching), min_tokens)
+        arrangement = "cells" if config.matching == "cell" else "similarity"  # a gather; a search and a scatter too
+        return why_unpaid(place.tokens * pieces, device, how, arrangement, min_tokens)
 
     def block_matches(
         self, metric: Any, stream: int, shared: bool = False, block_ratio: Optional[float] = None,

@@ -55,11 +55,6 @@ MIN_TOKENS: Dict[Tuple[str, str, str], int] = {
 }
 
 
-def arrangement_of(mode: str, matching: str) -> str:
-    """The cost class of an arrangement: cells cost a gather, a similarity match a search and a scatter too."""
-    return "cells" if matching == "cell" else "similarity"
-
-
 def fewest_tokens(device: str, execution: str, arrangement: str) -> int:
     """The fewest tokens at a level for merging to pay, from :data:`MIN_TOKENS`."""
     for name, value, allowed in (("device", device, DEVICES), ("execution", execution, EXECUTIONS), ("arrangement", arrangement, ARRANGEMENTS)):
