@@ -29,12 +29,10 @@ from .state import ToMeState
 
 @dataclass(frozen=True)
 class BlockPlan:
-    """What one block does at one call, decided once as the block starts (:meth:`BlockRun.begin`, the one
-    place that decides it) and read by its sub-layers' hooks: the options it runs with (``mode="auto"``
-    resolved for this call, or the fallback where its attention cannot take keys apart), its matches per
-    sub-layer kind (none: the block runs unmerged), the tokens before (``head``) and after (``tail``) the
-    grid's in its image stream, and its level in the call's statistics, until it is counted there (None: it is
-    not counted, or already was)."""
+    """What one block does at one call, decided as it starts (:meth:`BlockRun.begin`) and read by its sub-layers'
+    hooks: its options (``mode="auto"`` resolved, or the fallback), its matches per sub-layer kind (none: it runs
+    unmerged), the tokens before (``head``) and after (``tail``) the grid's in its image stream, and its level in
+    the call's statistics until it is counted there (None: not counted, or already)."""
 
     config: ToMeConfig
     matches: Dict[str, Match] = field(default_factory=dict)
@@ -46,11 +44,10 @@ class BlockPlan:
 def around_grid(
     ops: ArrayOps, x: Any, stream: str, grid: Optional[Tuple[int, int]], tail: int, grid_last: bool
 ) -> Tuple[int, int]:
-    """``(head, tail)``: the tokens before and after the grid's in a block's image stream ``x`` ``[B, L, C]``. The
-    tail: the call's (reference tokens its model put in the stream), or, in a stream of image tokens alone
-    (``stream`` :data:`~tome_core.models.families.TEXT_NONE`), every token past the grid (FLUX.3's joint blocks get the
-    reference images' tokens after the output's, which its earlier blocks ran apart). Where the call's grid comes
-    last (``grid_last``: FramePack), those tokens are the head."""
+    """``(head, tail)``: the tokens before and after the grid's in a block's image stream ``x`` ``[B, L, C]``: the
+    call's ``tail``, and in a stream of image tokens alone (:data:`~tome_core.models.families.TEXT_NONE`) every
+    token past the grid too (FLUX.3's joint blocks get reference images' tokens after the output's); the head
+    instead where the call's grid comes last (``grid_last``: FramePack)."""
     if stream != TEXT_NONE or grid is None:
         return 0, tail
     extra = max(ops.shape(x)[1] - grid[0] * grid[1] - tail, 0)
@@ -58,9 +55,8 @@ def around_grid(
 
 
 def image_tokens(ops: ArrayOps, x: Any, stream: str, grid: Optional[Tuple[int, int]], head: int, tail: int) -> Any:
-    """The image tokens of a block's input ``x`` ``[B, L, C]``, what its match is computed from: without the ``head``
-    and ``tail`` around the grid (:func:`around_grid`), and without the text its family's ``stream`` puts in front
-    (``[text; image; tail]``, their count the ``grid``'s) or behind (``[image; text]``)."""
+    """The image tokens of a block's input ``x`` ``[B, L, C]``, which its match is computed from: without the
+    ``head`` and ``tail`` (:func:`around_grid`) and the text its ``stream`` puts in front or behind."""
     if stream == TEXT_NONE and not tail and not head:
         return x
     length = ops.shape(x)[1]
@@ -72,9 +68,9 @@ def image_tokens(ops: ArrayOps, x: Any, stream: str, grid: Optional[Tuple[int, i
 
 
 class Settled(NamedTuple):
-    """What a block ran unmerged for its size in an eager call (:meth:`BlockRun._repeats`): a call with the same
-    ``key`` (:attr:`CallFacts.key <tome_core.hooks.call.CallFacts.key>`), input ``shape``, ``family`` variant and ``config`` runs it so again,
-    counted as ``unpaid`` (its ``(level, why, tokens)`` for :meth:`ToMeState.summary`; None: not counted)."""
+    """What a block ran unmerged for its size in an eager call: a call with the same ``key``
+    (:attr:`CallFacts.key <tome_core.hooks.call.CallFacts.key>`), input ``shape``, ``family`` and ``config`` runs it
+    so again, counted as ``unpaid`` (``(level, why, tokens)``; None: not counted)."""
 
     key: Any
     shape: Any
@@ -86,10 +82,9 @@ class Settled(NamedTuple):
 class BlockRun:
     """The matches of one transformer block while it runs, shared by the hooks of its sub-layers.
 
-    A block that gradient checkpointing runs again in the backward pass gets its input tensor back, but the
-    model's state may by then be another call's (another timestep, latent size or arrangement): so a forward
-    that records gradients remembers, per input tensor (while it lives), the matches and options it used,
-    and a run on the same tensor takes them back instead of matching again."""
+    A block that gradient checkpointing runs again in backward gets its input back, but the state may by then be
+    another call's: so a forward that records gradients remembers, per input tensor (while it lives), the plan it
+    ran with, and a run on the same tensor takes it back instead of matching again."""
 
     def __init__(
         self, fw: Framework, state: ToMeState, family: BlockFamily, stream: int, block: Any, ratio: Optional[float],
@@ -104,11 +99,9 @@ class BlockRun:
         self.where = where
         self.attentions: List[Tuple[Sublayer, Any]] = []  # its merged self-attentions (what kv/queries arrange)
         self.merged: set = set()  # sub-layers (children) merged in this run of the block
-        # token masks are gathered like rotary positions: one match for the whole batch
-        self.masks = any(sublayer.masks for sublayer in family.sublayers)
+        self.masks = any(sublayer.masks for sublayer in family.sublayers)  # gathered like rotary positions
         self.text_after = with_text_after(family) if family.text_after_with else None  # family_in_call's variant
-        # what begin reads of the block's call, in one pass: the tokens its match is computed from, the argument that
-        # puts its text after the image (text_after_with), and the one that runs it unmerged (unmerged_with)
+        # what begin reads of the block's call: its metric, the text_after_with and the unmerged_with argument
         self.reads = (
             block_metric(family, block), _named_position(block, family.text_after_with),
             _named_position(block, family.unmerged_with[0] if family.unmerged_with else None),
@@ -116,20 +109,17 @@ class BlockRun:
         self.lent = False  # another model may run this block in its own call (ModelLayout.lent)
         self.idle = BlockPlan(state.active)  # the plan of a run that merges nothing (its options are not read)
         self.plan = self.idle
-        # the kind of each hooked sub-layer (None: one that merges inside itself, Inside), and those of this run
-        # whose merge is still to come: when none is left, the block lets go of its matches (finished)
+        # the kind of each hooked sub-layer (None: an Inside one), and the slots whose merge is still to come
         self.kinds: List[Optional[str]] = []
         self.unfinished: Optional[Set[int]] = None
         self.ran: Dict[int, Tuple[Any, BlockPlan]] = {}  # id(input): (weakref to it, the plan it ran with)
-        # (call key, input shape, family, options, (level, why, tokens) or None) of the last eager call in which this
-        # block ran unmerged for its size: a call with the same key and input decides the same (_repeats)
-        self.settled: Optional[Settled] = None
+        self.settled: Optional[Settled] = None  # the last eager call in which it ran unmerged for its size
 
     def begin(self, module, args, kwargs):
-        """Decide this block's :class:`BlockPlan` for the call now starting. The checks run cheapest first, so a
-        block that runs unmerged (most blocks of a UNet, every block below the cost model's size) costs little
-        host time: an eager GPU call is bound by it at the sizes people run."""
-        block_problem(self.block, self.state.config)
+        """Decide this block's :class:`BlockPlan` for the call now starting, cheapest checks first: an eager GPU
+        call whose blocks run unmerged is bound by the hooks' host time."""
+        if self.state.config.merge_mlp:
+            block_problem(self.block, self.state.config)
         if self.merged:  # what an interrupted call left (a BaseException skips post-hooks)
             self.merged.clear()
         whole, text_after, unmerged_by = arguments(args, kwargs, self.reads)
@@ -152,18 +142,15 @@ class BlockRun:
         return None
 
     def _start(self, plan: BlockPlan) -> None:
-        """Run this call of the block with ``plan`` (not the unmerged one, which ``begin`` sets itself), each of its
-        sub-layers that merges by it still to run."""
+        """Run this call of the block with ``plan``, each sub-layer that merges by it still to run."""
         self.plan = plan
         kinds = self.kinds
         self.unfinished = None if None in kinds else {slot for slot, kind in enumerate(kinds) if kind in plan.matches}
 
     def finished(self, slot: int) -> None:
-        """The hooked sub-layer ``slot`` has run (merged, and unmerged where it merges its queries). Once every
-        sub-layer that merges in this call has, the block lets go of its matches: what runs after them (the
-        feed-forward, where a DiT block's call peaks) holds no more memory than unpatched. A sub-layer that runs
-        again in the same call (:attr:`Sublayer.once`) then runs on all its tokens, as it would anyway. A block
-        with an :class:`Inside` sub-layer keeps them to its end."""
+        """The hooked sub-layer ``slot`` has run. Once every sub-layer that merges in this call has, the block lets
+        go of its matches: what runs after them (the feed-forward, where a DiT block peaks) holds no more memory
+        than unpatched. A block with an :class:`Inside` sub-layer keeps them to its end."""
         unfinished = self.unfinished
         if unfinished is None:
             return
@@ -172,59 +159,51 @@ class BlockRun:
             self.plan, self.unfinished = self.idle, None
 
     def _decide(self, ops: ArrayOps, whole: Any, unmerged_by: Any) -> BlockPlan:
-        """The plan of this call: the block's image tokens read off its input ``whole`` here, then what
+        """The plan of this call: the block's image tokens read off its input ``whole``, then what
         :meth:`ToMeState.decide` makes of them. ``unmerged_by``: its call's ``unmerged_with`` argument."""
-        state = self.state
-        deciding = state.call.merging and not self._unmerged(unmerged_by)  # else a call that runs unmerged, said there
+        state, family, call = self.state, self.family, self.state.call
+        deciding = call.merging and unmerged_by is None
+        if call.merging and unmerged_by is not None:  # the call runs this block unmerged: said once
+            name, why = family.unmerged_with
+            state.ledger.say_once(f"ToMe on {self.where}: calls whose blocks get {name} ({why}) run unmerged in those blocks")
+            state.ledger.hold(f"they got {name} ({why})")
         config, fallback = self._arrangement(state.active) if deciding else (None, None)
-        if deciding and self._repeats(ops, whole, config):
+        settled = self.settled
+        if deciding and settled is not None and settled.key == call.key and settled.family is family and (
+            settled.config is config and settled.shape == ops.shape(whole)
+        ):  # it repeats the eager call in which it last ran unmerged for its size: so again, counted as then
+            if settled.unpaid is not None:
+                state.ledger.unpaid_block(*settled.unpaid)
             return self.idle
         metric, grid, own_grid = whole, state.grid_hw, None
-        if self.family.feature_map:  # its grid is its input's (B, C, H, W), entered as the state decides
+        if family.feature_map:  # its grid is its input's (B, C, H, W), entered as the state decides
             grid = own_grid = tuple(ops.shape(metric)[2:])
             metric = pixels(ops, metric)
-        metric = self._own_piece(ops, _batch_first(ops, metric) if self.family.sequence_first else metric)
-        head, tail = self._around(ops, metric, grid)
+        metric = self._own_piece(ops, _batch_first(ops, metric) if family.sequence_first else metric)
+        head, tail = around_grid(ops, metric, family.stream, grid, call.tail, call.grid_last)
+        if head + tail > call.tail and call.shards is not None:
+            raise ValueError(
+                f"ToMe cannot merge {self.where} {CONTEXT_PARALLEL}: its {type(self.block).__name__}s get "
+                f"{head + tail - call.tail} tokens of other images beside the output's grid, which the split divides "
+                "together with it"
+            )
         if not deciding:
             return self.idle
-        image = self._image(ops, metric, grid, head, tail)
-        self._read_execution(image)
-        shared = self.family.rotary is not None or self.masks
-        matches, level, unmerged = state.decide(image, self.stream, shared, self.ratio, config, fallback, own_grid)
+        if family.stream != TEXT_NONE and grid is None:
+            raise ValueError(f"ToMe on {self.where}: a {type(self.block).__name__} got no token grid from its model's call")
+        image = image_tokens(ops, metric, family.stream, grid, head, tail)
+        if call.execution is None:  # its device and execution, where the call's start did not read them
+            state.call = call._replace(execution=self.fw.execution(image))
+        shared = family.rotary is not None or self.masks
+        matches, level, unpaid = state.decide(image, self.stream, shared, self.ratio, config, fallback, own_grid)
         if matches is None:  # it runs unmerged for its size: a level above max_downsample, or merging would not pay
-            self._settle(ops, whole, config, unmerged)
+            # remembered for the next call in an eager one, unless the block reads its grid itself or may be lent
+            key = state.call.key
+            remember = key is not None and not family.feature_map and not self.lent
+            self.settled = Settled(key, ops.shape(whole), family, config, unpaid) if remember else None
             return self.idle
         self.settled = None
         return BlockPlan(config, matches, head, tail, level)
-
-    def _repeats(self, ops: ArrayOps, whole: Any, config: ToMeConfig) -> bool:
-        """Whether this call repeats the eager call in which this block last ran unmerged for its size (the same
-        call key, input shape, family variant and options): then it runs unmerged again, counted as then, without
-        reading its sizes again (an eager GPU call is bound by the hooks' host time)."""
-        settled = self.settled
-        if settled is None or settled.key != self.state.call.key or settled.family is not self.family:
-            return False
-        if settled.config is not config or settled.shape != ops.shape(whole):
-            return False
-        if settled.unpaid is not None:
-            self.state.ledger.unpaid_block(*settled.unpaid)
-        return True
-
-    def _settle(self, ops: ArrayOps, whole: Any, config: ToMeConfig, unpaid: Optional[Tuple[int, str, int]]) -> None:
-        """Remember that this block runs unmerged for its size in this call (``unpaid``: its count in
-        :meth:`ToMeState.summary`), for :meth:`_repeats`: only in an eager call, not for a block whose grid it reads
-        itself (``feature_map``) or that another model may run (``lent``)."""
-        key = self.state.call.key
-        if key is None or self.family.feature_map or self.lent:
-            self.settled = None
-            return
-        self.settled = Settled(key, ops.shape(whole), self.family, config, unpaid)
-
-    def _read_execution(self, x: Any) -> None:
-        """Read the device and execution of the call now running (``Framework.execution``) where its start did not."""
-        state = self.state
-        if state.call.execution is None:
-            state.call = state.call._replace(execution=self.fw.execution(x))
 
     def _ran_on(self, x: Any) -> Optional[Tuple[Any, BlockPlan]]:
         """What an earlier run of this block on ``x`` used, if this is a recomputation of it: on ``x`` itself
@@ -249,40 +228,10 @@ class BlockRun:
         length = ops.shape(x)[1] // shards.count
         return x[:, shards.rank * length : (shards.rank + 1) * length]
 
-    def _unmerged(self, given: Any) -> bool:
-        """Whether this call of the block runs unmerged: it was ``given`` its family's
-        :attr:`~BlockFamily.unmerged_with` argument (not None); said once."""
-        if given is None:
-            return False
-        name, why = self.family.unmerged_with
-        self.state.ledger.say_once(f"ToMe on {self.where}: calls whose blocks get {name} ({why}) run unmerged in those blocks")
-        self.state.ledger.hold(f"they got {name} ({why})")
-        return True
-
-    def _around(self, ops: ArrayOps, x: Any, grid: Optional[Tuple[int, int]]) -> Tuple[int, int]:
-        """``(head, tail)`` of this block's image stream around its ``grid`` (:func:`around_grid`), refused under
-        context parallelism where tokens of other images sit beside the grid."""
-        call = self.state.call
-        head, tail = around_grid(ops, x, self.family.stream, grid, call.tail, call.grid_last)
-        if head + tail > call.tail and call.shards is not None:
-            raise ValueError(
-                f"ToMe cannot merge {self.where} {CONTEXT_PARALLEL}: its {type(self.block).__name__}s get "
-                f"{head + tail - call.tail} tokens of other images beside the output's grid, which the split divides "
-                "together with it"
-            )
-        return head, tail
-
-    def _image(self, ops: ArrayOps, x: Any, grid: Optional[Tuple[int, int]], head: int, tail: int) -> Any:
-        """The image tokens of the block's input on its ``grid`` (:func:`image_tokens`)."""
-        if self.family.stream != TEXT_NONE and grid is None:
-            raise ValueError(f"ToMe on {self.where}: a {type(self.block).__name__} got no token grid from its model's call")
-        return image_tokens(ops, x, self.family.stream, grid, head, tail)
-
     def _arrangement(self, config: ToMeConfig) -> Tuple[ToMeConfig, Optional[str]]:
-        """The options this block runs with now, and why they are a fallback (None: they are not):
-        ``config``, unless its self-attention (its processor at this call) cannot take keys and values apart
-        from its queries; then ``mode="auto"`` runs ToMe for SD's arrangement here
-        (:meth:`ToMeState.fallback`), and an explicit ``kv`` or ``queries`` is refused."""
+        """The options this block runs with now, and why they are a fallback (None: they are not): ``config``,
+        unless its self-attention (its processor now) cannot take keys and values apart from its queries; then
+        ``mode="auto"`` runs :meth:`ToMeState.fallback`, and an explicit ``kv`` or ``queries`` is refused."""
         if config.mode not in ("kv", "queries"):
             return config, None
         for sublayer, module in self.attentions:
@@ -296,25 +245,21 @@ class BlockRun:
         return config, None
 
     def arrangement(self, kind: str, self_attention: bool) -> Tuple[str, bool]:
-        """:meth:`ToMeConfig.arrangement` of this run's options: never size-aware where the state's matcher keeps
-        tokens that each stand for themselves (:attr:`Matcher.sized <tome_core.algorithm.match.Matcher.sized>` False)."""
+        """:meth:`ToMeConfig.arrangement` of this run's options: never size-aware where the matcher keeps tokens
+        that each stand for themselves (:attr:`Matcher.sized <tome_core.algorithm.match.Matcher.sized>` False)."""
         mode, size_aware = self.plan.config.arrangement(kind, self_attention)
         return mode, size_aware and self.state.matching.matcher.sized
 
-    def count(self, kind: str) -> None:
-        """Count this block in the call's statistics as its ``kind`` sub-layer ran with its match (once per call of
-        the block, and only for the sub-layer its summary line shows): what that sub-layer's attention saw."""
+    def count(self, kind: str, child: Optional[str] = None, why: str = "") -> None:
+        """Count this block in the call's statistics, once per call and only for the sub-layer its summary line
+        shows, as its ``kind`` sub-layer ran with its match; or, given ``child``, as that one ran on all its
+        tokens because of ``why``."""
         plan = self.plan
         if plan.level is not None and kind == shown_sublayer(plan.matches):
-            self.state.ledger.count(plan.level, plan.matches[kind])
-            self.plan = replace(plan, level=None)
-
-    def passed(self, kind: str, child: str, why: str) -> None:
-        """Count this block apart in the call's statistics: its ``kind`` sub-layer ``child``, matched, ran on all
-        its tokens because of ``why``."""
-        plan = self.plan
-        if plan.level is not None and kind == shown_sublayer(plan.matches):
-            self.state.ledger.passed(plan.level, child, why, plan.matches[kind].tokens)
+            if child is None:
+                self.state.ledger.count(plan.level, plan.matches[kind])
+            else:
+                self.state.ledger.passed(plan.level, child, why, plan.matches[kind].tokens)
             self.plan = replace(plan, level=None)
 
     def end(self, module, args, kwargs, output):
@@ -500,7 +445,7 @@ class SublayerHooks:
             f"ToMe on {run.where}: {type(run.block).__name__}.{child} {why.removeprefix('it ')}; it runs on all its "
             "tokens (its block's other sub-layers still merge) in such calls"
         )
-        run.passed(self.sublayer.kind, f"{type(run.block).__name__}.{child}", why)
+        run.count(self.sublayer.kind, f"{type(run.block).__name__}.{child}", why)
         self.passing = True
         return True
 

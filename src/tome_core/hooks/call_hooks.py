@@ -119,20 +119,14 @@ class CallStart:
         return self.state.config.merges_at(timesteps)
 
 
-def _on_host(timestep: Any) -> bool:
-    """Whether a timestep is already on the host: a Python or numpy number, or a numpy array."""
-    return isinstance(timestep, numbers.Number) or type(timestep).__module__ == "numpy"
-
-
 def partition_step(timestep: Any) -> Any:
     """The timestep as the partition hash takes it: a Python number (from a Python or numpy number or array)
     or the first element of a framework array (no host sync)."""
     if timestep is None:
         return 0
-    if _on_host(timestep):
+    if isinstance(timestep, numbers.Number) or type(timestep).__module__ == "numpy":
         return host_timesteps(None, timestep)[0]
-    ops = get_ops(timestep)
-    return ops.reshape(timestep, (-1,))[0]
+    return get_ops(timestep).reshape(timestep, (-1,))[0]
 
 
 def host_timesteps(fw: Optional[Framework], timestep: Any) -> List[float]:
