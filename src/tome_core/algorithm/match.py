@@ -1,17 +1,14 @@
-"""Similarity and choice: bipartite soft matching of sources to destinations.
+"""Similarity and choice: ToMe for SD's bipartite soft matching (arXiv 2303.17604) of sources to destinations.
 
-The result is a :class:`Match`, computed once per transformer block and used by every merge/unmerge in it:
-``rows[b * N + i]`` is the row that original token ``i`` of batch item ``b`` goes to in the merged batch
-flattened to ``[B * (N - r), C]`` (so merge and unmerge are one row scatter and one row gather), and
-``sizes[b, k]`` how many original tokens slot ``k`` stands for. The merged sequence holds the unmerged sources (most
-similar first, as tomesd orders them), then the destinations in grid order. A run finds each block's matches
-through a :class:`Matcher`, ToMe's own (:data:`TOME`) unless its caller plugs in another.
+A :class:`Match` is computed once per block and used by every merge/unmerge in it. The merged sequence holds the
+unmerged sources, most similar first (as tomesd orders them), then the destinations. A run finds each block's
+matches through a :class:`Matcher`, ToMe's own (:data:`TOME`) unless its caller plugs in another.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 from ..config import ToMeConfig
 from .ops import Array, ArrayOps
@@ -20,7 +17,8 @@ from .partition import Band, Draw, Partition, cached, cell_table, partition_grid
 
 @dataclass(frozen=True)
 class Match:
-    """How the tokens of one block are merged. ``merged`` (r) is a Python int, so shapes stay static."""
+    """How the tokens of one block are merged: ``rows`` maps each token to its slot's row in the merged batch, so
+    merge and unmerge are one row scatter and one row gather. ``merged`` (r) is a Python int: shapes stay static."""
 
     ops: ArrayOps
     rows: Optional[Array]  # [B * N] row of each token in the merged batch flattened to [B * (N - r), C]
@@ -58,12 +56,6 @@ def identity_match(ops: ArrayOps, batch: int, tokens: int) -> Match:
     return Match(ops=ops, rows=None, sizes=None, batch=batch, tokens=tokens, merged=0)
 
 
-def _built_once(ops: ArrayOps, like: Array, key: Tuple, build: Callable[[], Match]) -> Match:
-    """A match that depends on shapes only, built once per shape and device in a model's call
-    (:func:`~tome_core.algorithm.partition.cached`)."""
-    return cached(ops, like, ("match",) + key, build)
-
-
 SIMILARITY_BLOCK = 2**24
 """Most entries of one source-by-destination similarity block per batch item (64 MiB in float32); above it
 :func:`best_destinations` takes the sources in chunks. How this size was chosen: ``docs/how-it-works.md``."""
@@ -75,75 +67,60 @@ def best_destinations(
 ) -> Tuple[Array, Array]:
     """Each source's highest cosine similarity to a destination and that destination: ``[B, S]`` twice.
 
-    ``neighbours [S, W]`` (destination indices) restricts each source to those candidates (local matching);
-    ``bands`` (:func:`~tome_core.algorithm.partition.frame_bands`, runs of sources covering them all in order) restricts
-    each run to a contiguous run of destinations (a video's nearby frames); with neither, a source meets every
-    destination. A zero vector has similarity 0 to everything (tomesd would produce NaN there). ``order``: ``src``
-    and ``dst`` end to end, where the caller holds them so (:attr:`Partition.order`): the tokens are then gathered
-    in one operation instead of two.
+    ``neighbours [S, W]`` (destination indices) restricts each source to those candidates (local matching),
+    ``bands`` (:func:`~tome_core.algorithm.partition.frame_bands`) each run of sources to a run of destinations (a
+    video's nearby frames). A zero vector has similarity 0 to everything (tomesd would give NaN). ``order``:
+    ``src`` and ``dst`` end to end (:attr:`Partition.order`), gathered in one operation instead of two.
 
-    Memory stays linear in tokens: compared with every destination, the sources are taken in chunks of equal
-    size whose similarity block holds at most ``block`` entries per batch item (``None``:
-    :data:`SIMILARITY_BLOCK`), and each chunk's maximum and its first index are kept. A full block would be
-    quadratic: at HunyuanVideo's 720p (~119,000 tokens, a quarter of them destinations) it holds ~2.6 billion
-    entries per batch item (9.9 GiB in float32), in every block; chunked, 159 blocks of 16.7 M entries. The
-    chunk count is a Python int from the shapes, so the loop unrolls under ``torch.compile`` and ``jax.jit``;
-    inputs within one block run one product, as before.
-
-    A chunk's similarities are the same dot products as the full product's rows, but a BLAS may round a row
-    differently with a different number of rows (numpy's and torch's CPU products do), so two destinations
-    within rounding of each other may swap, as they may between backends; exact similarities give exactly
-    the one-product result, the first of equal destinations winning (tests/core/test_match_memory.py).
+    Memory stays linear in tokens: the sources go in equal chunks (a Python count, unrolled under compilers) of at
+    most ``block`` similarities per batch item (``None``: :data:`SIMILARITY_BLOCK`; why: ``docs/how-it-works.md``).
+    A BLAS may round a chunk's rows differently from the full product's, so destinations within rounding of each
+    other may swap, as between backends; exact ties go to the first destination (tests/core/test_match_memory.py).
     """
     unit = ops.unit_vectors(metric)
-    num_src = ops.shape(src)[0]
-    if order is not None and neighbours is None:
+    num_src, num_dst = ops.shape(src)[0], ops.shape(dst)[0]
+    if neighbours is not None:  # one candidate per source at a time: no [S, W, C] gather
+        a, b = ops.take(unit, src, axis=1), ops.take(unit, dst, axis=1)
+        best = which = None
+        for k in range(ops.shape(neighbours)[1]):
+            candidate = neighbours[:, k]
+            score = ops.mean(a * ops.take(b, candidate, axis=1), (2,))
+            if best is None:
+                best, which = score, ops.broadcast_to(ops.reshape(candidate, (1, -1)), ops.shape(score))
+            else:
+                better = score > best  # strictly: the first of equal candidates wins, as an argmax
+                best, which = ops.where(better, score, best), ops.where(better, ops.reshape(candidate, (1, -1)), which)
+        return best, which
+    limit = SIMILARITY_BLOCK if block is None else block
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"block must be an int >= 1 (similarity entries per batch item), got {limit!r}")
+    if order is not None:
         both = ops.take(unit, order, axis=1)
         a, b = both[:, :num_src], both[:, num_src:]
     else:
         a, b = None, ops.take(unit, dst, axis=1)
-    if neighbours is None:
-        limit = SIMILARITY_BLOCK if block is None else block
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"block must be an int >= 1 (similarity entries per batch item), got {limit!r}")
-        num_dst = ops.shape(dst)[0]
-        b_t = ops.aligned_columns(ops.matrix_transpose(b))
-        parts = []
-        for first, end, low, high in bands or ((0, num_src, 0, num_dst),):
-            chunks = -(-(end - first) // max(1, limit // max(1, high - low)))  # ceil(sources / rows that fit)
-            rows = -(-(end - first) // chunks)  # equal chunks, the last one shorter
-            for start in range(first, end, rows):
-                whole = rows >= num_src  # one product over every source
-                if a is not None:
-                    sources = a if whole else a[:, start : min(start + rows, end)]
-                else:
-                    sources = ops.take(unit, src if whole else src[start:min(start + rows, end)], axis=1)
-                if (low, high) == (0, num_dst):  # every destination: the aligned product, cut back
-                    best, which = ops.max_argmax(ops.matmul(sources, b_t)[..., :num_dst])
-                else:
-                    best, which = ops.max_argmax(ops.matmul(sources, b_t[..., low:high]))
-                    which = which + low if low else which
-                parts.append((best, which))
-        if len(parts) == 1:
-            return parts[0]
-        return ops.concat([best for best, _ in parts], axis=1), ops.concat([which for _, which in parts], axis=1)
-    a = ops.take(unit, src, axis=1)
-    best = which = None
-    for k in range(ops.shape(neighbours)[1]):  # one candidate per source at a time: no [S, W, C] gather
-        candidate = neighbours[:, k]
-        score = ops.mean(a * ops.take(b, candidate, axis=1), (2,))
-        if best is None:
-            best, which = score, ops.broadcast_to(ops.reshape(candidate, (1, -1)), ops.shape(score))
-        else:
-            better = score > best  # strictly: the first of equal candidates wins, as an argmax
-            best, which = ops.where(better, score, best), ops.where(better, ops.reshape(candidate, (1, -1)), which)
-    return best, which
+    b_t = ops.aligned_columns(ops.matrix_transpose(b))
+    parts = []
+    for first, end, low, high in bands or ((0, num_src, 0, num_dst),):
+        chunks = -(-(end - first) // max(1, limit // max(1, high - low)))  # ceil(sources / rows that fit)
+        rows = -(-(end - first) // chunks)  # equal chunks, the last one shorter
+        for start in range(first, end, rows):
+            whole, cut = rows >= num_src, slice(start, min(start + rows, end))  # whole: one product over every source
+            sources = ops.take(unit, src if whole else src[cut], axis=1) if a is None else a if whole else a[:, cut]
+            if (low, high) == (0, num_dst):  # every destination: the aligned product, cut back
+                best, which = ops.max_argmax(ops.matmul(sources, b_t)[..., :num_dst])
+            else:
+                best, which = ops.max_argmax(ops.matmul(sources, b_t[..., low:high]))
+                which = which + low if low else which
+            parts.append((best, which))
+    if len(parts) == 1:
+        return parts[0]
+    return ops.concat([best for best, _ in parts], axis=1), ops.concat([which for _, which in parts], axis=1)
 
 
 def batch_as_channels(ops: ArrayOps, metric: Array) -> Array:
-    """``[B, N, C] -> [1, N, B*C]``: each token's per-item unit vectors side by side. The cosine similarity of
-    two such tokens is the mean over the batch of their per-item cosine similarities. One item is returned as it
-    is: its cosine similarities are already its own, and :func:`best_destinations` normalises the tokens."""
+    """``[B, N, C] -> [1, N, B*C]``: each token's per-item unit vectors side by side, so that the cosine similarity
+    of two tokens is the mean of their per-item ones. One item is returned as it is."""
     batch, tokens, channels = ops.shape(metric)
     if batch == 1:
         return metric
@@ -159,26 +136,16 @@ def rank_sources(ops: ArrayOps, best: Array) -> Array:
 
 
 def assign(
-    ops: ArrayOps, order: Array, best_dst: Array, src: Array, dst: Array, merged: int, like: Array
+    ops: ArrayOps, order: Array, best_dst: Array, src: Array, dst: Array, merged: int, like: Array,
+    dst_slot: Optional[Array] = None, dst_kept: int = 0, frames: int = 1,
 ) -> Match:
-    """The match that merges the first ``merged`` ranked sources into their best destinations.
-
-    Slots: kept sources in rank order, then the destinations in cell order.
-    """
-    return _assign(ops, order, best_dst, src, dst, None, ops.shape(dst)[0], merged, like)
-
-
-def _assign(
-    ops: ArrayOps, order: Array, best_dst: Array, src: Array, dst: Array, dst_slot: Optional[Array], dst_kept: int,
-    merged: int, like: Array, frames: int = 1,
-) -> Match:
-    """Merge the first ``merged`` ranked sources into their best destinations, where destination ``j`` holds
-    slot ``dst_slot[b, j]`` of ``dst_kept`` destination slots (``None``: its own slot ``j``, and the match
-    records the token each slot stands at). Slots: kept sources in rank order, then the destination slots."""
+    """The match that merges the first ``merged`` ranked sources into their best destinations. Slots: kept sources
+    in rank order, then the destinations in cell order, or with ``dst_slot [B, D]`` destination ``j`` in slot
+    ``dst_slot[b, j]`` of ``dst_kept`` (the match then records no :attr:`Match.representatives`)."""
     batch, num_src = ops.shape(order)
     num_dst = ops.shape(dst)[0]
     tokens = num_src + num_dst
-    kept = num_src - merged + dst_kept
+    kept = num_src - merged + (num_dst if dst_slot is None else dst_kept)
     rank = ops.reshape(ops.arange(num_src, order), (1, num_src))
     dst_of_ranked = ops.take_along_axis(best_dst, order, axis=1)
     dst_tokens = ops.broadcast_to(ops.reshape(dst, (1, num_dst)), (batch, num_dst))
@@ -210,16 +177,10 @@ def bipartite_matches(
     ops: ArrayOps, metric: Array, h: int, w: int, sx: int, sy: int, merged: Sequence[int], offsets: Optional[Array],
     window: int = 0, shared: bool = False,
 ) -> List[Match]:
-    """Match the ``h*w`` tokens of ``metric`` ``[B, N, C]`` once, and return one :class:`Match` per entry
-    of ``merged`` (how many sources each merges into destinations): the similarity and the ranking are
-    shared, only the cut differs.
-
-    ``offsets`` places the destination in each cell (see :func:`tome_core.algorithm.partition.split`); ``window > 0``
-    compares each source only with destinations within ``window`` cells. ``shared`` gives every batch item
-    the same match, chosen by the similarity summed over the batch (each merged token then has one position
-    for the whole batch, as rotary position embeddings need). A count must not exceed the number of sources;
-    a grid with no full cell merges nothing.
-    """
+    """One :class:`Match` of the ``h*w`` tokens of ``metric`` ``[B, N, C]`` per count of ``merged`` sources, from
+    one similarity and ranking. ``offsets``: each cell's destination (:func:`~tome_core.algorithm.partition.split`);
+    ``window > 0``: sources meet only destinations within ``window`` cells; ``shared``: one match for the whole
+    batch, by the similarity summed over it (one position per merged token, as rotary embeddings need)."""
     part = partition_grid(ops, metric, h, w, sx, sy, offsets=offsets, window=window)
     return partition_bipartite(ops, metric, part, merged, shared)
 
@@ -227,9 +188,8 @@ def bipartite_matches(
 def partition_bipartite(
     ops: ArrayOps, metric: Array, part: Partition, merged: Sequence[int], shared: bool = False, represent: bool = True,
 ) -> List[Match]:
-    """:func:`bipartite_matches` on a drawn :class:`~tome_core.algorithm.partition.Partition`. ``represent``: the matches
-    record the token each slot stands at (:attr:`Match.representatives`, what rotary positions and token masks
-    follow); a partition from the tables (:attr:`~tome_core.algorithm.partition.Partition.dst_slot`) skips it otherwise."""
+    """:func:`bipartite_matches` on a drawn :class:`~tome_core.algorithm.partition.Partition`. ``represent=False``
+    lets a partition from the tables skip :attr:`Match.representatives` (what rotary positions and masks follow)."""
     batch, tokens, _ = ops.shape(metric)
     if part.h * part.w != tokens:
         raise ValueError(f"grid {part.h}x{part.w} has {part.h * part.w} tokens but the metric has {tokens}")
@@ -245,17 +205,12 @@ def partition_bipartite(
     )
     order = rank_sources(ops, best)
     if shared and batch > 1:
-        num_src = ops.shape(order)[1]
         order, best_dst = (ops.broadcast_to(a, (batch, num_src)) for a in (order, best_dst))
-    matches: Dict[int, Match] = {}
+    matches: Dict[int, Match] = {0: identity_match(ops, batch, tokens)}  # one per count
     for count in merged:
-        if count in matches:
-            continue
-        if count == 0:
-            matches[count] = identity_match(ops, batch, tokens)
-        elif part.dst_slot is not None:
+        if count not in matches and part.dst_slot is not None:
             matches[count] = _assign_drawn(ops, order, best_dst, part, count, metric, represent)
-        else:
+        elif count not in matches:
             matches[count] = assign(ops, order, best_dst, src, dst, count, metric)
     return [matches[count] for count in merged]
 
@@ -263,10 +218,8 @@ def partition_bipartite(
 def _assign_drawn(
     ops: ArrayOps, order: Array, best_dst: Array, part: Partition, merged: int, like: Array, represent: bool
 ) -> Match:
-    """:func:`assign` on a partition from the tables, in the fewest array operations (an eager GPU call is bound by
-    their launches): each token's row is written at once into the partition's destination slots
-    (:attr:`~tome_core.algorithm.partition.Partition.dst_slot`) by one scatter of the ranked sources' slots, and every
-    array that depends on shapes alone is kept (:func:`~tome_core.algorithm.partition.cached`). Slots as :func:`assign`'s."""
+    """:func:`assign` on a partition from the tables in the fewest launches: one scatter of the ranked sources'
+    slots into the partition's ``dst_slot``, every shape-only array kept (:func:`~tome_core.algorithm.partition.cached`)."""
     batch, num_src = ops.shape(order)
     tokens = part.h * part.w
     kept = tokens - merged
@@ -302,25 +255,19 @@ def chunk_matches(
     ops: ArrayOps, metric: Array, frames: int, reference: Array, h: int, w: int, sx: int, sy: int,
     within: Sequence[int], across: int, offsets: Optional[Array], window: int = 0,
 ) -> List[Match]:
-    """Cross-frame matches (VidToMe's arrangement) of ``metric`` ``[B * K, N, C]``, the ``h*w`` tokens of each
-    of ``K = frames`` consecutive frames of ``B`` chunks, one :class:`Match` per entry of ``within``; each
-    turns a chunk's ``K * N`` tokens into one merged sequence.
+    """Cross-frame matches (VidToMe's arrangement) of ``metric`` ``[B * K, N, C]``, chunks of ``K = frames`` frames
+    of ``h*w`` tokens, one :class:`Match` of a chunk's ``K * N`` tokens per count of ``within``.
 
-    Two choices, both from the input tokens: every token of the chunk's other frames finds its most similar
-    token of the reference frame (frame ``reference``, a Python int or a 1-element index array), and the
-    ``across`` best matched of them merge into it (the rest stay); the reference frame's own tokens are
-    matched as one frame is (:func:`bipartite_matches` with ``within`` merged, ``offsets``, ``window``), and a
-    token merged across frames follows its reference token into that token's slot. Slots: the other frames'
-    kept tokens, most similar first, then the reference frame's slots. A chunk of identical frames with every
-    other-frame token merged (``across = (K - 1) * N``) therefore merges exactly as its one frame alone. A
-    count that merges nothing at all gives the identity match of the frames (each attends on its own).
+    The ``across`` other-frame tokens most similar to a token of frame ``reference`` (an int or a 1-element index
+    array) follow it into its slot; the reference frame is matched as one frame (:func:`bipartite_matches`). Slots:
+    the other frames' kept tokens, most similar first, then the reference frame's (``docs/how-it-works.md``).
     """
     part = partition_grid(ops, metric, h, w, sx, sy, offsets=offsets, window=window, frames=frames, reference=reference)
     return partition_chunks(ops, metric, part, within, across)
 
 
 def partition_chunks(ops: ArrayOps, metric: Array, part: Partition, within: Sequence[int], across: int) -> List[Match]:
-    """:func:`chunk_matches` on a drawn :class:`~tome_core.algorithm.partition.Partition` (its ``frames`` and ``reference``)."""
+    """:func:`chunk_matches` on a drawn :class:`~tome_core.algorithm.partition.Partition`."""
     frames, reference = part.frames, part.reference
     batch_frames, tokens, channels = ops.shape(metric)
     if batch_frames % frames:
@@ -348,16 +295,15 @@ def partition_chunks(ops: ArrayOps, metric: Array, part: Partition, within: Sequ
         order = ops.broadcast_to(ops.reshape(ops.arange(num_src, metric), (1, num_src)), (batch, num_src))
         best_dst = order * 0
     return [
-        _assign(ops, order, best_dst, src, ref, match.slot, match.kept, across, metric, frames)
+        assign(ops, order, best_dst, src, ref, across, metric, match.slot, match.kept, frames)
         if across or match.merged else identity_match(ops, batch_frames, tokens)
         for match in reference_matches
     ]
 
 
 def cell_match(ops: ArrayOps, like: Array, batch: int, h: int, w: int, sx: int, sy: int) -> Match:
-    """Every token of an ``h x w`` grid joins its own ``sx x sy`` cell (average pooling); tokens in leftover
-    rows and columns stay as they are. Slots: the cells in row-major order, then the leftover tokens. A
-    function of the shape only, built once per shape and device in a call."""
+    """Every token of an ``h x w`` grid joins its own ``sx x sy`` cell (average pooling); leftover tokens stay.
+    Slots: the cells in row-major order, then the leftover tokens."""
     return partition_pooled(ops, like, batch, partition_grid(ops, like, h, w, sx, sy, similarity=False, picks=False))
 
 
@@ -365,7 +311,8 @@ def partition_pooled(ops: ArrayOps, like: Array, batch: int, part: Partition) ->
     """:func:`cell_match` on a drawn :class:`~tome_core.algorithm.partition.Partition` (its cells)."""
     if not part.full_cells or part.sx * part.sy == 1:
         return identity_match(ops, batch, part.h * part.w)
-    return _built_once(ops, like, ("cell match", batch, part.h, part.w, part.sx, part.sy), lambda: _pooled(ops, like, batch, part))
+    key = ("match", "cell match", batch, part.h, part.w, part.sx, part.sy)  # shapes only: built once per device
+    return cached(ops, like, key, lambda: _pooled(ops, like, batch, part))
 
 
 def build_cell_match(ops: ArrayOps, like: Array, batch: int, h: int, w: int, sx: int, sy: int) -> Match:
@@ -404,13 +351,8 @@ def _pooled(ops: ArrayOps, like: Array, batch: int, part: Partition) -> Match:
 def sampled_cell_match(
     ops: ArrayOps, like: Array, batch: int, h: int, w: int, sx: int, sy: int, offsets: Optional[Array]
 ) -> Match:
-    """The cells of :func:`cell_match`, each standing as one of its tokens instead of their mean.
-
-    ``offsets [h//sy, w//sx]`` is the picked token's row-major position inside each cell (the same for every
-    batch item); ``None`` picks each cell's first token (strided downsampling). Slots, sizes and unmerge are
-    the cell match's: every token of a cell takes the output of the token that stands for it. Drawn afresh
-    per call, the picks are an unbiased sample of each cell's tokens, where the cell's mean is a fixed bias.
-    """
+    """:func:`cell_match` with each cell standing as one of its tokens (``offsets [h//sy, w//sx]``, its position in
+    the cell; ``None``: the first) instead of their mean: drawn per call, an unbiased sample where a mean is biased."""
     return partition_sampled(ops, like, batch, partition_grid(ops, like, h, w, sx, sy, similarity=False, offsets=offsets))
 
 
@@ -447,13 +389,10 @@ def match_block(
     ops: ArrayOps, metric: Array, part: Optional[Partition], merged: Dict[str, int], *, matching: str = "similarity",
     cell_pool: str = "mean", across: int = 0, shared: bool = False,
 ) -> Dict[str, Match]:
-    """One match per merged sub-layer of a block, ``merged`` telling how many of the image tokens ``metric``
-    ``[B, N, C]`` (``[B * K, N, C]`` in cross-frame chunks of ``K = part.frames``) each merges, on the block's
-    drawn partition ``part``: ``matching="cell"`` pools each cell (``cell_pool="mean"``: :func:`cell_match`;
-    ``"sample"``: :func:`sampled_cell_match`); ``"similarity"`` runs ToMe for SD's bipartite match
-    (:func:`bipartite_matches`, ``shared`` as there), across frames too where the partition has ``frames > 1``
-    (:func:`chunk_matches`, ``across`` other-frame tokens merged). A sub-layer that merges nothing gets the
-    identity match, and every one where there is no partition (``part`` None: nothing merges)."""
+    """One match per sub-layer of ``merged`` (how many tokens of ``metric`` each merges) on the block's partition
+    ``part`` (None: nothing merges): pooled (``matching="cell"``, :func:`cell_match` or with ``cell_pool="sample"``
+    :func:`sampled_cell_match`) or by similarity (:func:`bipartite_matches`, :func:`chunk_matches` where
+    ``part.frames > 1``)."""
     batch, tokens = ops.shape(metric)[:2]
     if part is None:
         identity = identity_match(ops, batch, tokens)
@@ -467,11 +406,9 @@ def match_block(
 
 
 class Matcher(Protocol):
-    """How a run finds each block's matches: the seam where another way of choosing the tokens plugs in
-    (:attr:`Matching.matcher <tome_core.hooks.matching.Matching.matcher>`, set before the hooks are attached). The run
-    decides everything else, the blocks, levels and counts, the arrangement and the statistics; the matcher is
-    called once per block that merges (or, where matches are reused, once per reuse), and its matches are merged
-    and unmerged by the same hooks. :data:`TOME` is ToMe's own."""
+    """How a run finds each block's matches: the seam where another way of choosing tokens plugs in
+    (:attr:`Matching.matcher <tome_core.hooks.matching.Matching.matcher>`). The run decides the rest (blocks, levels,
+    counts, arrangement) and calls it once per merging block; :data:`TOME` is ToMe's own."""
 
     sized: bool  # a slot may stand for several tokens: size-aware attention weighs them (False: never armed)
 
@@ -480,18 +417,14 @@ class Matcher(Protocol):
         merged: Dict[str, int], config: ToMeConfig, draw: Optional[Draw], across: int, shared: bool, frames: int,
         video: Tuple[int, int],
     ) -> Dict[str, Match]:
-        """One match per sub-layer of ``merged``, each merging that many of the image tokens ``metric`` ``[B, N,
-        C]`` (``[B * K, N, C]`` in cross-frame chunks of ``K = frames``, ``across`` other-frame tokens merged too)
-        of a ``grid`` (``(h, w)``; None: nothing merges) of ``cell`` ``(sx, sy)`` cells, under the options
-        ``config``. ``draw``: where this call's partitions are drawn (None: fixed); ``shared``: one match for the
-        whole batch; ``video``: ``(frame_rows, frame_offset)`` of a video whose frames the grid stacks (``(0, 0)``:
-        one frame)."""
+        """One match per sub-layer of ``merged``, each merging that many tokens of ``metric`` on a ``grid`` ``(h, w)``
+        (None: nothing merges) of ``cell`` ``(sx, sy)`` cells; ``draw``: the call's partitions (None: fixed);
+        ``frames``, ``across``: cross-frame chunks; ``video``: ``(frame_rows, frame_offset)`` of stacked frames."""
 
 
 class ToMeMatcher:
-    """ToMe's matching (:class:`Matcher`): the block's partition drawn for this call
-    (:func:`~tome_core.algorithm.partition.partition_grid`), then matched by similarity or pooled by cells
-    (:func:`match_block`)."""
+    """ToMe's :class:`Matcher`: the block's partition drawn for this call
+    (:func:`~tome_core.algorithm.partition.partition_grid`), then :func:`match_block`."""
 
     sized = True
 
