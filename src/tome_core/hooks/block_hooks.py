@@ -310,38 +310,35 @@ def block_problem(block: Any, config: ToMeConfig) -> None:
 
 
 class SublayerHooks:
-    """The hooks of one merged sub-layer of a block run, before and after its call. :meth:`before` (a pre-hook)
-    merges the image tokens of its first input (text tokens stay), gives merged tokens their destination's rotary
-    position, and arms size-aware attention; :meth:`after` (a post-hook) unmerges the image stream of its output
-    (the text part stays). Its :class:`Sublayer` is the family's entry as the block's call now runs it
+    """The hooks of one merged sub-layer of a block run: :meth:`before` merges the image tokens of its first input
+    (text stays), moves rotary positions and masks, and arms size-aware attention; :meth:`after` unmerges the
+    image stream of its output. Its :class:`Sublayer` is the family's entry as the block's call runs it
     (:func:`family_in_call`).
 
-    A self-attention with a ``kv_input`` runs in the configured arrangement: ``tokens`` merges its input,
-    ``kv`` keeps its queries and hands it the merged tokens as keys and values, ``queries`` merges its
-    queries and hands it every token as keys and values. Without one, ``kv`` asked for by name merges the keys
-    and values inside its attention kernel (:class:`KernelKeys`).
-
-    Where an output cache (e.g. diffusers' Pyramid Attention Broadcast) hands back an output it stored in an
-    earlier call, that output was merged by that call's match: the unmerged result of that call is returned
-    instead, which is what the cache gives an unpatched model."""
+    A self-attention with a ``kv_input`` runs in the configured arrangement: ``tokens`` merges its input, ``kv``
+    hands it the merged tokens as keys and values, ``queries`` merges its queries and hands it every token as
+    keys and values; without one, ``kv`` asked for by name merges inside its attention kernel (:class:`KernelKeys`).
+    An output cache (e.g. Pyramid Attention Broadcast) that hands back a stored output gets that call's unmerged
+    result instead, as it would unpatched."""
 
     def __init__(self, fw: Framework, run: BlockRun, sublayer: Sublayer, module: Any):
         self.fw = fw
         self.run = run
         self.index = run.base.sublayers.index(sublayer)
-        # where ``module``'s forward takes the rotary arguments and masks by position (None: by keyword only)
-        self.rotary_at = argument_positions(forward_of(type(module)), *rotary_arguments(run.family))
-        self.masks_at = argument_positions(forward_of(type(module)), "attention_mask", *(name for name, _ in sublayer.masks))
-        self.aligned_at = argument_positions(forward_of(type(module)), *sublayer.aligned)
-        self.counts_at = argument_positions(forward_of(type(module)), *sublayer.counts, *sublayer.log_bases)
+        family = run.family
+        self.rotary = tuple(name for name in (family.rotary, family.key_rotary) if name is not None)
+        # what the attention takes keys and values from (diffusers' encoder_hidden_states, Flax's context)
+        self.kv_name = sublayer.kv_input or "encoder_hidden_states"
+        # where module's forward takes the arguments that move with its tokens by position (None: by keyword only)
+        self.at = argument_positions(
+            forward_of(type(module)), "attention_mask", self.kv_name, *self.rotary, *(name for name, _ in sublayer.masks),
+            *sublayer.aligned, *sublayer.counts, *sublayer.log_bases,
+        )
         self.head = 0  # the head in this call's input (sublayer_head)
         self.inside = Inside(fw, run, sublayer, module) if sublayer.projections else None
         self.slot = len(run.kinds)  # its place in run.kinds
         run.kinds.append(None if self.inside is not None else sublayer.kind)
         self.text_only = attends_text_only(run.block, sublayer)  # its block's flag makes it a cross-attention
-        # what the attention takes keys and values from (diffusers' encoder_hidden_states, Flax's context)
-        self.kv_name = sublayer.kv_input or "encoder_hidden_states"
-        self.kv_at = argument_positions(forward_of(type(module)), self.kv_name)[self.kv_name]
         self.passing = False  # the call in flight runs on all its tokens (_passes)
         self.in_kernel = False  # the call in flight merges keys and values inside its kernel (KernelKeys)
         self.stored: Tuple[Any, Any] = (None, None)  # (raw output, its unmerged form), only under a cache
@@ -356,60 +353,63 @@ class SublayerHooks:
             return None
         if self.inside is not None:
             return self._arm_inside(module, args, kwargs)
-        match = self.run.plan.matches.get(self.sublayer.kind)
+        run, sublayer, at = self.run, self.sublayer, self.at
+        match = run.plan.matches.get(sublayer.kind)
         if match is not None and match.merged == 0:  # it runs on all its tokens, as its match says
-            self.run.count(self.sublayer.kind)
+            run.count(sublayer.kind)
         if match is None or match.merged == 0 or self._passes(args, kwargs):
             return None
-        mode, size_aware = self.run.arrangement(self.sublayer.kind, self.sublayer.attention)
+        mode, size_aware = run.arrangement(sublayer.kind, sublayer.attention)
         self.fw.output_cache(module)  # a cache set after patch is checked here
         x = argument(args, kwargs, "hidden_states", 0)
-        self.head = sublayer_head(self.run, self.sublayer, get_ops(x).shape(x)[1], match.tokens)
-        if mode == "kv" and kv_in_kernel(self.fw, self.sublayer, module):
-            tail, text = self.run.plan.tail, self.sublayer.text
+        tail, text = run.plan.tail, sublayer.text
+        self.head = head = sublayer_head(run, sublayer, get_ops(x).shape(x)[1], match.tokens)
+        if mode == "kv" and kv_in_kernel(self.fw, sublayer, module):
             own = self._own_keys(args, kwargs, x, match.tokens)  # its queries keep every token
-            bias = SizeBias(match, text, x, tail, self.head) if size_aware else None
+            bias = SizeBias(match, text, x, tail, head) if size_aware else None
             self.in_kernel = True
-            return self.fw.kernel_keys(module, args, kwargs, KernelKeys(match, text, tail, self.head, own), bias)
-        merged = around_image(x, match.tokens, self.run.plan.tail, self.sublayer.text, lambda image: merge(image, match), self.head)
+            return self.fw.kernel_keys(module, args, kwargs, KernelKeys(match, text, tail, head, own), bias)
+        change = lambda image: merge(image, match)  # noqa: E731
+        merged = around_image(x, match.tokens, tail, text, change, head)
         if mode != "tokens":
             return self._arrange(module, args, kwargs, x, merged, match, mode, size_aware)
         args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
-        for name in self.sublayer.aligned:
-            other = argument(args, kwargs, name, self.aligned_at[name])
+        for name in sublayer.aligned:
+            other = argument(args, kwargs, name, at[name])
             if other is not None:
-                alike = merged if other is x else around_image(
-                    other, match.tokens, self.run.plan.tail, self.sublayer.text, lambda image: merge(image, match), self.head
-                )
-                args, kwargs = replace_argument(args, kwargs, name, self.aligned_at[name], alike)
-        for name, at in self.rotary_at.items():
-            args, kwargs = self._merge_rotary(args, kwargs, match, name, at)
-        gathered = self._gather_masks(args, kwargs, match)
-        for name, mask in gathered.items():
-            args, kwargs = replace_argument(args, kwargs, name, self.masks_at[name], mask)
-        for name in self.sublayer.counts:
-            if argument(args, kwargs, name, self.counts_at[name]) is not None:
-                args, kwargs = replace_argument(args, kwargs, name, self.counts_at[name], match.kept)
-        for name in self.sublayer.log_bases:
-            base = argument(args, kwargs, name, self.counts_at[name])
+                alike = merged if other is x else around_image(other, match.tokens, tail, text, change, head)
+                args, kwargs = replace_argument(args, kwargs, name, at[name], alike)
+        for name in self.rotary:
+            args, kwargs = self._merge_rotary(args, kwargs, match, name, at[name])
+        for name, axes in sublayer.masks:  # token masks, over [text; merged image; tail]
+            mask = argument(args, kwargs, name, at[name])
+            if mask is not None:
+                for axis in axes:  # none: a mask over the text only, which the processor extends over the image
+                    mask = merge_positions((mask,), match, axis, tail, text_follows(text), head)[0]
+                args, kwargs = replace_argument(args, kwargs, name, at[name], mask)
+        for name in sublayer.counts:
+            if argument(args, kwargs, name, at[name]) is not None:
+                args, kwargs = replace_argument(args, kwargs, name, at[name], match.kept)
+        for name in sublayer.log_bases:
+            base = argument(args, kwargs, name, at[name])
             if base is not None:
                 base = same_logarithm(base, get_ops(x).shape(x)[1], get_ops(merged).shape(merged)[1])
-                args, kwargs = replace_argument(args, kwargs, name, self.counts_at[name], base)
+                args, kwargs = replace_argument(args, kwargs, name, at[name], base)
         if not size_aware:
             return args, kwargs
         # With only_cross_attention, a BasicTransformerBlock's attn1 attends to text: its keys are not merged. (Its
         # own input given again there, Lumina-Next's and OmniGen's, was merged alike: its keys are.)
-        attends_text = self.kv_name not in self.sublayer.aligned and argument(args, kwargs, self.kv_name, self.kv_at) is not None
-        if self.sublayer.text == TEXT_NONE and attends_text:
+        attends_text = self.kv_name not in sublayer.aligned and argument(args, kwargs, self.kv_name, at[self.kv_name]) is not None
+        if text == TEXT_NONE and attends_text:
             return args, kwargs
         return self._size_aware(module, args, kwargs, match, merged)
 
     def _arm_inside(self, module, args, kwargs):
         """Arm the hooks inside an attention that merges at its projections (:class:`Inside`) for this call: a
-        self-attention, or a cross-attention (given keys and values other than its input, with no image among
-        them), which merges its queries as ``crossattn``."""
+        self-attention, or a cross-attention (keys and values other than its input, with no image among them),
+        which merges its queries as ``crossattn``."""
         x = argument(args, kwargs, "hidden_states", 0)
-        kv = argument(args, kwargs, self.kv_name, self.kv_at)
+        kv = argument(args, kwargs, self.kv_name, self.at[self.kv_name])
         cross = (self.sublayer.text == TEXT_NONE and kv is not None and kv is not x) or self.text_only
         kind = "crossattn" if cross else self.sublayer.kind
         match = self.run.plan.matches.get(kind)
@@ -426,19 +426,23 @@ class SublayerHooks:
         return self.fw.size_aware(module, args, kwargs, bias)
 
     def _passes(self, args, kwargs) -> bool:
-        """Whether this call of the sub-layer runs on all its tokens, unmerged: a call after the block's first
-        where the sub-layer runs once on the image and then on other tokens (:attr:`Sublayer.once`), or a
-        self-attention given an ``attention_mask`` over its tokens that the family table does not say how to
-        gather (SkyReels-V2's block-causal mask; a UNet call's ``attention_mask``): merging would mix tokens the
-        mask keeps apart."""
+        """Whether this call of the sub-layer runs on all its tokens: a call after the block's first where it runs
+        once on the image (:attr:`Sublayer.once`), or a self-attention given an ``attention_mask`` over its tokens
+        that the family table does not say how to gather (SkyReels-V2's block-causal mask; a UNet call's), or that
+        is no array of its input's type (a flex-attention ``BlockMask``: Qwen-Image 2.1's): merging would mix tokens the mask keeps
+        apart."""
         run, child = self.run, self.sublayer.child
         if self.sublayer.once and child in run.merged:
             self.passing = True
             return True
         run.merged.add(child)
-        mask = argument(args, kwargs, "attention_mask", self.masks_at["attention_mask"])
-        placed = any(name == "attention_mask" for name, _ in self.sublayer.masks)
-        if mask is None or self.sublayer.kind != "attn" or (placed and gatherable(mask, argument(args, kwargs, "hidden_states", 0))):
+        mask = argument(args, kwargs, "attention_mask", self.at["attention_mask"])
+        if mask is None or self.sublayer.kind != "attn":
+            return False
+        x = argument(args, kwargs, "hidden_states", 0)
+        if any(name == "attention_mask" for name, _ in self.sublayer.masks) and (
+            isinstance(mask, type(x)) or isinstance(x, type(mask))
+        ):
             return False
         why = "it is given an attention_mask over its tokens, which merging cannot follow"
         run.state.ledger.say_once(
@@ -502,18 +506,6 @@ class SublayerHooks:
             image if i == index else unmerge(part, match) if i in extra else part for i, part in enumerate(output)
         )
 
-    def _gather_masks(self, args, kwargs: Dict[str, Any], match: Match) -> Dict[str, Any]:
-        """The sub-layer's token masks (:attr:`Sublayer.masks`) over ``[text; merged image; tail]``."""
-        gathered = {}
-        for name, axes in self.sublayer.masks:
-            mask = argument(args, kwargs, name, self.masks_at[name])
-            if mask is None:
-                continue
-            for axis in axes:  # none: a mask over the text only, which the processor extends over the image
-                mask = merge_positions((mask,), match, axis, self.run.plan.tail, text_follows(self.sublayer.text), self.head)[0]
-            gathered[name] = mask
-        return gathered
-
     def _arrange(self, module, args, kwargs, x, merged, match, mode, size_aware):
         """The ``kv`` or ``queries`` arrangement of a self-attention."""
         name = self.sublayer.kv_input
@@ -549,7 +541,7 @@ class SublayerHooks:
             moved = [next(moved) if i in items else table for i, table in enumerate(rotary)]
         return replace_argument(args, kwargs, name, at, type(rotary)(moved))
 
-    def _size_aware(self, module, args, kwargs, match, merged, masked=False):
+    def _size_aware(self, module, args, kwargs, match, merged):
         own = self._own_keys(args, kwargs, merged, match.kept)
         return self.fw.size_aware(
             module, args, kwargs, SizeBias(match, self.sublayer.text, merged, self.run.plan.tail, self.head, own=own)
@@ -558,8 +550,7 @@ class SublayerHooks:
     def _own_keys(self, args, kwargs, keys_from: Any, queried: int) -> Tuple[int, int]:
         """The fewest ``(queries, keys)`` of this attention's own call: its queries hold the ``queried`` image tokens,
         its keys every token of ``keys_from`` and, for a joint attention given its text apart, at least one text token
-        (a call item by item, as Mochi's, drops an item's padded text; Nucleus-MoE's queries are the image's alone).
-        Its other calls attend to fewer keys: a reference image's tokens alone, an IP-Adapter's image prompt."""
+        (a call item by item, as Mochi's, drops an item's padded text; Nucleus-MoE's queries are the image's alone)."""
         joint = self.sublayer.text in (TEXT_BEFORE, TEXT_AFTER) and argument(args, kwargs, "encoder_hidden_states", None) is not None
         return queried, get_ops(keys_from).shape(keys_from)[1] + joint
 
@@ -621,18 +612,6 @@ class KernelKeys:
         if not self.holds_image(get_ops(mask).shape(mask)[axis]):
             return mask
         return merge_positions((mask,), self.match, axis, self.tail, text_follows(self.text), self.head)[0]
-
-
-def gatherable(mask: Any, x: Any) -> bool:
-    """Whether a token mask can be gathered as a sub-layer's input ``x`` merges: an array of ``x``'s type (not,
-    e.g., a flex-attention ``BlockMask``, which Qwen-Image 2.1's flex processor gets)."""
-    return mask is None or isinstance(mask, type(x)) or isinstance(x, type(mask))
-
-
-def rotary_arguments(family: BlockFamily) -> Tuple[str, ...]:
-    """The arguments of a family's sub-layers that carry rotary tables: ``rotary``, and ``key_rotary`` where the
-    keys' table is given apart."""
-    return tuple(name for name in (family.rotary, family.key_rotary) if name is not None)
 
 
 def same_logarithm(base: float, whole: int, short: int) -> float:
