@@ -1,9 +1,7 @@
-"""How a diffusion transformer's call places its tokens on a grid: one reader per layout, chosen once per model at
-``patch`` (:func:`grid_reader`) and run as each call begins. A reader returns where the call's image tokens sit
-(:class:`Placed`) or why no grid is known (the call then runs unmerged, said once): :class:`LatentGrid` (the
-latent's shape over ``patch_size``, or packed ids: :class:`PackedIds`), :class:`ShapeListGrid` (per-item image
-shapes), :class:`VideoGrid` (a frame-major video sequence), :class:`RolesGrid` (per-token roles). A new layout is a
-new reader here and a line in :func:`grid_reader`. Framework-free."""
+"""How a diffusion transformer's call places its tokens on a grid: one :class:`Reader` per layout, chosen once per
+model at ``patch`` (:func:`grid_reader`) and run as each call begins, returns where the call's image tokens sit
+(:class:`Placed`) or why no grid is known (the call then runs unmerged, said once). A new layout is a new reader
+here and a line in :func:`grid_reader`. Framework-free."""
 
 from __future__ import annotations
 
@@ -60,11 +58,16 @@ class Reader:
     def first(self, call: Call, names: Sequence[str]) -> Any:
         return next((value for value in (self.get(call, name) for name in names) if value is not None), None)
 
-    def read_once(self, what: str, array: Any, read: Callable[[List[float], Tuple[int, ...]], Any]) -> Any:
-        """``read(values, shape)`` of ``array``'s values on the host, read again only for another array."""
+    def read_once(self, what: str, array: Any, read: Callable[[List[List[float]], Tuple[int, ...]], Any]) -> Any:
+        """``read(*self.rows(array))``, read again only for another array."""
         if what not in self._read or self._read[what][0] is not array:
-            self._read[what] = (array, read(self.fw.host_values(array), get_ops(array).shape(array)))
+            self._read[what] = (array, read(*self.rows(array)))
         return self._read[what][1]
+
+    def rows(self, array: Any) -> Tuple[List[List[float]], Tuple[int, ...]]:
+        """``array``'s values on the host as rows along its last axis, and its shape."""
+        values, shape = self.fw.host_values(array), get_ops(array).shape(array)
+        return [values[i : i + shape[-1]] for i in range(0, len(values), shape[-1])], shape
 
     def __call__(self, call: Call) -> Reading:
         raise NotImplementedError
@@ -72,7 +75,7 @@ class Reader:
 
 class PackedIds(Reader):
     """Packed image tokens ``[B, N, C]`` placed by their ids (Flux's ``img_ids``): by the grid their pipeline told
-    (:func:`told_grid`), else read on the host once per ids array."""
+    (:func:`tell_grid`) where it places all of them, else read on the host once per ids array."""
 
     def __init__(self, fw: Framework, model: Any):
         super().__init__(fw, model, *TOKEN_IDS)
@@ -81,16 +84,14 @@ class PackedIds(Reader):
         ids = self.first(call, TOKEN_IDS)
         if ids is None:
             raise ValueError("ToMe needs img_ids to place packed image tokens on their grid")
-        tokens = call.shape[1]
-        told = told_grid(ids, tokens)
-        if told is not None:
+        tokens, told = call.shape[1], getattr(ids, GRID_TAG, None)  # the grid tell_grid gave the ids
+        if told is not None and told[0] * told[1] == tokens and get_ops(ids).shape(ids)[-2] == tokens:
             return Placed(told)
 
-        def read(values: List[float], shape: Tuple[int, ...]) -> Optional[Placed]:
+        def read(rows: List[List[float]], shape: Tuple[int, ...]) -> Optional[Placed]:
             # the output image's raster grid, then reference images' tokens (leading_raster); or the grid last,
             # after them (trailing_raster). Ids of more rows than tokens (Krea 2's position_ids over [text; image])
             # are read from their last rows
-            rows = [values[i : i + shape[-1]] for i in range(0, len(values), shape[-1])]
             rows = rows[-min(tokens, len(rows) // (shape[0] if len(shape) == 3 else 1)):]
             leading = leading_raster(rows)
             if leading is not None:
@@ -123,29 +124,26 @@ class LatentGrid(Reader):
         if len(shape) == 4:
             height, width = spatial_size(call.sample, self.data_format)
             side = patch if isinstance(patch, int) else patch[-1]  # (1, 1): HunyuanImage
+            context = (self.get(call, self.context) or ()) if self.context else ()
             tail = sum(
                 (rows // side) * (cols // side)
-                for rows, cols in (spatial_size(latent, self.data_format) for latent in self._context(call))
+                for rows, cols in (spatial_size(latent, self.data_format) for latent in context)
             )
             return Placed((height // side, width // side), tail, None, self.grid_last)
         if len(shape) == 5 and isinstance(patch, int):
             return Placed((shape[3] // patch, shape[4] // patch), 0, shape[0], self.grid_last)
-        if len(shape) == 5:
-            frames, height, width = (n // p for n, p in zip(shape[2:], patch))
-            return Placed((frames * height, width), 0, None, self.grid_last, frames)
-        if len(shape) == 6:
-            frames, height, width = (n // p for n, p in zip(shape[3:], patch))
-            tail = (shape[1] - 1) * frames * height * width
+        if len(shape) in (5, 6):
+            frames, height, width = (n // p for n, p in zip(shape[-3:], patch))
+            tail = (shape[1] - 1) * frames * height * width if len(shape) == 6 else 0
             return Placed((frames * height, width), tail, None, self.grid_last, frames)
         return self.packed(call)
 
-    def _context(self, call: Call) -> Sequence[Any]:
-        return (self.get(call, self.context) or ()) if self.context else ()
-
 
 class ShapeListGrid(Reader):
-    """Per-item image shapes the call gives (:data:`~tome_core.framework.SHAPE_LISTS`, :func:`shapes_grid`); a call
-    without them is read by ``otherwise``."""
+    """Per-item image shapes the call gives (:data:`~tome_core.framework.SHAPE_LISTS`, Qwen-Image's ``img_shapes``):
+    per batch item the ``(frames, h, w)`` of each image in the sequence (or one tuple), the output's first and the
+    rest with any padding a tail (with ``grid_last``, the output's last and no tail); a call without them is read by
+    ``otherwise``."""
 
     def __init__(self, fw: Framework, model: Any, otherwise: Reader):
         super().__init__(fw, model, *SHAPE_LISTS)
@@ -155,10 +153,14 @@ class ShapeListGrid(Reader):
         shapes = self.first(call, SHAPE_LISTS)
         if shapes is None:
             return self.otherwise(call)
-        found = shapes_grid(shapes, call.shape[1], last=self.grid_last)
-        if found is None:
+        last, tokens = self.grid_last, call.shape[1]
+        outputs = [tuple(item[-1 if last else 0] if isinstance(item[0], (tuple, list)) else item) for item in shapes]
+        if any(output != outputs[0] for output in outputs):
             return mixed_sizes("output images", "its shape list")
-        return Placed(found[:2], found[2], None, self.grid_last)
+        frames, height, width = outputs[0]
+        if frames * height * width > tokens:
+            raise ValueError(f"shapes {outputs[0]} give more than the {tokens} tokens of hidden_states")
+        return Placed((frames * height, width), 0 if last else tokens - frames * height * width, None, last)
 
 
 class VideoGrid(Reader):
@@ -206,8 +208,10 @@ class VideoGrid(Reader):
         if layout.frames_axis is None:
             sizes = [self.get(call, name) for name in layout.sizes]
             if any(size is None for size in sizes):
-                coords = self.get(call, layout.coords) if layout.coords else None
-                found = None if coords is None else self._coords_grid(coords)
+                coords = self.get(call, layout.coords) if layout.coords else None  # [B, 3, N]: item 0's, per token
+                found = None if coords is None else self.read_once(
+                    "coords", coords, lambda rows, shape: trailing_frames([list(c) for c in zip(*rows[: shape[-2]])])
+                )
                 return None if found is None else (*found[:3], True)
         else:
             shape = call.shape
@@ -221,23 +225,13 @@ class VideoGrid(Reader):
         if types is None:
             return 0
 
-        def read(values: List[float], shape: Tuple[int, ...]) -> Optional[int]:
-            rows = [values[i : i + shape[-1]] for i in range(0, len(values), shape[-1])]
+        def read(rows: List[List[float]], shape: Tuple[int, ...]) -> Optional[int]:
             noisy = sum(1 for value in rows[0] if value == 0)
             if not noisy or any(row != rows[0] for row in rows) or any(value != 0 for value in rows[0][:noisy]):
                 return None
             return len(rows[0]) - noisy
 
         return self.read_once("types", types, read)
-
-    def _coords_grid(self, coords: Any) -> Optional[Tuple[int, int, int, int]]:
-        """``(frames, rows, cols, head)`` from item 0's coordinates ``[B, 3, N]`` (:func:`trailing_frames`)."""
-
-        def read(values: List[float], shape: Tuple[int, ...]) -> Optional[Tuple[int, int, int, int]]:
-            axes, tokens = shape[-2], shape[-1]
-            return trailing_frames([[values[axis * tokens + i] for axis in range(axes)] for i in range(tokens)])
-
-        return self.read_once("coords", coords, read)
 
 
 class RolesGrid(Reader):
@@ -269,16 +263,10 @@ class RolesGrid(Reader):
         if any(array is None for array in arrays):
             return None
         if len(arrays) != len(self.last[0]) or any(a is not b for a, b in zip(arrays, self.last[0])):
-            rows = []
-            for name, array in zip(roles.arguments, arrays):
-                values, shape = self.fw.host_values(array), get_ops(array).shape(array)
-                # ids [B, L, k], roles and segments [B, L]; without the batch axis, one layout the batch shares
-                width = shape[-1] if name == roles.ids else 1
-                length = shape[-2] if name == roles.ids else shape[-1]
-                tokens = [values[i : i + width] if name == roles.ids else values[i] for i in range(0, len(values), width)]
-                rows.append([tokens[i : i + length] for i in range(0, len(tokens), length)])
-            indicator, ids = rows[0], rows[1]
-            run = indicated_run(indicator, roles.image, ids, rows[2] if len(rows) > 2 else None)
+            # roles and segments [B, L], ids [B, L, k] (rows of L tokens); without the batch axis, one layout for all
+            (indicator, _), (tokens, shape), *segments = (self.rows(array) for array in arrays)
+            ids = [tokens[i : i + shape[-2]] for i in range(0, len(tokens), shape[-2])]
+            run = indicated_run(indicator, roles.image, ids, segments[0][0] if segments else None)
             self.last = (arrays, None if run is None else (*run, _frames(ids[0][run[2] : run[2] + run[0] * run[1]])))
         return self.last[1]
 
@@ -305,14 +293,6 @@ def tell_grid(ids: Any, rows: Any, cols: Any) -> None:
             pass
 
 
-def told_grid(ids: Any, tokens: int) -> Optional[Tuple[int, int]]:
-    """The grid :func:`tell_grid` gave ``ids``, where it places all of a call's ``tokens`` image tokens; else None."""
-    grid = getattr(ids, GRID_TAG, None)
-    if grid is None or grid[0] * grid[1] != tokens or get_ops(ids).shape(ids)[-2] != tokens:
-        return None
-    return grid
-
-
 def grid_reader(fw: Framework, model: Any) -> Reader:
     """The reader of a diffusion transformer's calls, by its :class:`~tome_core.models.families.ModelLayout`."""
     layout = model_layout(type(model))
@@ -330,16 +310,3 @@ def mixed_sizes(what: str, where: str) -> str:
         f"the items of its batch give their {what} different sizes in {where}, so no one token grid is known; "
         "such calls run unmerged"
     )
-
-
-def shapes_grid(img_shapes: Sequence[Any], tokens: int, last: bool = False) -> Optional[Tuple[int, int, int]]:
-    """``(h, w, tail)`` of ``tokens`` tokens from a shape list (Qwen-Image's ``img_shapes``): per batch item, the
-    ``(frames, h, w)`` of each image in the sequence (or one tuple), the output's first and the rest with any
-    padding the tail; with ``last`` the output's is last and the tail 0. None where the items' outputs differ."""
-    outputs = [tuple(item[-1 if last else 0] if isinstance(item[0], (tuple, list)) else item) for item in img_shapes]
-    if any(output != outputs[0] for output in outputs):
-        return None
-    frames, height, width = outputs[0]
-    if frames * height * width > tokens:
-        raise ValueError(f"shapes {outputs[0]} give more than the {tokens} tokens of hidden_states")
-    return frames * height, width, 0 if last else tokens - frames * height * width
