@@ -45,7 +45,7 @@ def blocks_of(fw: Framework, model: Any) -> List[Tuple[Any, BlockFamily]]:
     out: they never merge and count in no block index, level or statistic."""
     found = []
     skip = temporal_modules(fw, model) | text_only_modules(fw, model)
-    path = unet_path(model)
+    path = model_layout(type(model)).unet
     modules = fw.submodules(model) if path is None else [
         module for name in path.counted if fw.is_module(getattr(model, name, None))
         for module in fw.submodules(getattr(model, name))
@@ -65,7 +65,7 @@ def finest_level(fw: Framework, model: Any, blocks: Optional[Sequence[Tuple[Any,
         id(block) for block, family in (blocks_of(fw, model) if blocks is None else blocks)
         for sublayer in family.sublayers if sublayer.kind == "attn" and fw.is_module(child_at(block, sublayer.child))
     }
-    path = unet_path(model)
+    path = model_layout(type(model)).unet
     if path is not None:
         ids = attending()
         levels = _path_levels(fw, model, path)
@@ -105,7 +105,7 @@ def block_levels(
     if not is_unet_like(model):
         one = is_transformer_model(model) or model_layout(type(model)).grid_source is not None  # one grid: the model's tokens
         return [1 if one and not family.feature_map else None for _, family in blocks]
-    path = unet_path(model)
+    path = model_layout(type(model)).unet
     if path is not None:
         levels = _path_levels(fw, model, path)
         return [levels.get(id(block)) for block, _ in blocks]
@@ -130,8 +130,9 @@ def _path_levels(fw: Framework, model: Any, path: UNetPath) -> Dict[int, int]:
     level: Dict[int, int] = {}
     factor = 1
     for name in path.parts:
-        child = _child(model, name)
-        for part in child if isinstance(child, list) else [child] if fw.is_module(child) else []:
+        child = getattr(model, name, None)  # a module, or a module list of parts
+        listed = type(child).__name__ in ("ModuleList", "LayerList")
+        for part in list(child) if listed else [child] if fw.is_module(child) else []:
             inside = fw.submodules(part)
             for sub in inside:
                 level.setdefault(id(sub), factor)
@@ -142,21 +143,10 @@ def _path_levels(fw: Framework, model: Any, path: UNetPath) -> Dict[int, int]:
     return level
 
 
-def _child(model: Any, name: str) -> Any:
-    """The child ``name`` of ``model``: a module, or its parts (a module list reads as its items)."""
-    child = getattr(model, name, None)
-    return list(child) if type(child).__name__ in ("ModuleList", "LayerList") else child
-
-
-def unet_path(module: Any) -> Optional[UNetPath]:
-    """How ``module``'s levels run where it is a UNet laid out otherwise than diffusers' (the ``ldm`` one), else None."""
-    return model_layout(type(module)).unet
-
-
 def grid_modules(fw: Framework, model: Any) -> List[Any]:
     """The 2-D containers in ``model`` (:data:`~tome_core.models.families.GRID_CONTAINERS` and Flax's channels-last
     ones), whose 4-D input is the grid of their spatial blocks."""
-    path = unet_path(model)
+    path = model_layout(type(model)).unet
     names = GRID_CONTAINERS + CHANNELS_LAST_GRID_CONTAINERS + (path.containers if path is not None else ())
     return [m for m in fw.submodules(model) if type(m).__name__ in names]
 
@@ -184,9 +174,11 @@ def block_metric(family: BlockFamily, block: Any) -> Tuple[str, Optional[int]]:
 
 
 def components(fw: Framework, obj: Any, entry: str = "patch") -> List[Any]:
-    """The modules ``obj`` consists of: a latent-diffusion model's UNet (:func:`held_unet`, checked for ``patch``),
-    itself if it is a module, else a pipeline's module components; anything else raises :func:`not_a_model`."""
-    held = held_unet(obj)
+    """The modules ``obj`` consists of: a latent-diffusion model's UNet (A1111-style UIs' and sdkit's
+    ``LatentDiffusion``, read as ``tomesd.apply_patch`` reads it: ``obj.model.diffusion_model``, checked for
+    ``patch``), itself if it is a module, else a pipeline's module components; anything else raises
+    :func:`not_a_model`."""
+    held = getattr(getattr(obj, "model", None), "diffusion_model", None)
     if held is not None:
         if entry == "patch":
             _check_held(fw, obj, held)
@@ -200,12 +192,6 @@ def components(fw: Framework, obj: Any, entry: str = "patch") -> List[Any]:
             found.extend(item for item in items if fw.is_module(item))
         return found
     raise not_a_model(fw.accepted, obj, entry)
-
-
-def held_unet(obj: Any) -> Any:
-    """The UNet of a latent-diffusion model (A1111-style UIs' and sdkit's ``LatentDiffusion``, read as
-    ``tomesd.apply_patch`` reads it): ``obj.model.diffusion_model``, or None."""
-    return getattr(getattr(obj, "model", None), "diffusion_model", None)
 
 
 def _check_held(fw: Framework, obj: Any, held: Any) -> None:
@@ -280,8 +266,8 @@ def config_value(module: Any, name: str) -> Any:
 
 def is_unet_like(module: Any) -> bool:
     """UNet2DConditionModel, ControlNetModel and their kin: a ``sample`` latent in, down blocks inside; or a UNet
-    of another library whose levels :func:`unet_path` tells (the ``ldm`` UNetModel)."""
-    return (hasattr(module, "down_blocks") and hasattr(module, "conv_in")) or unet_path(module) is not None
+    of another library whose levels its layout tells (:class:`~tome_core.models.families.UNetPath`: ldm's)."""
+    return (hasattr(module, "down_blocks") and hasattr(module, "conv_in")) or model_layout(type(module)).unet is not None
 
 
 def is_transformer_model(module: Any) -> bool:
