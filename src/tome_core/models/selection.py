@@ -1,9 +1,6 @@
-"""Which blocks of a model merge, at which level and ratio: the options checked against one model at ``patch``.
-
-Every option either acts on the model or is refused before anything is attached; valid options that merge no
-token, or act on a kind of sub-layer no merged block has, warn instead (:func:`check_model`). Framework-free: the
-driver gives each block's level and, where it knows them, the kinds of sub-layer each block has.
-"""
+"""Which blocks of a model merge, at which level and ratio: the options checked against one model at ``patch``
+(:func:`check_model`), so that every option either acts on the model or is refused (or warned of) before anything
+is attached. Framework-free: the driver gives each block's level and the kinds of sub-layer each block has."""
 
 from __future__ import annotations
 
@@ -86,7 +83,13 @@ def check_model(config: ToMeConfig, facts: ModelFacts, kinds: Optional[Sequence[
     chosen = selected_blocks(config, count, facts.where)
     ratios = block_ratios(config, count, facts.where)
     deepest = facts.deepest(config)
-    _check_timesteps(config, facts)
+    if config.timestep_range is not None and facts.timesteps is not None:
+        low, high = config.timestep_range
+        if low > facts.timesteps or high < 0:
+            raise ValueError(
+                f"timestep_range={config.timestep_range} never merges on {facts.where}, whose timesteps run from 0 "
+                f"to {facts.timesteps:g} (the units the model receives from its pipeline); give a range within them"
+            )
     if config.max_downsample is not None and config.max_downsample < facts.finest:
         _nothing(facts, f"max_downsample={config.max_downsample} but the finest level with attention is downsampled "
                  f"{facts.finest}x; use max_downsample=None or >= {facts.finest}")
@@ -173,8 +176,8 @@ def _absent(config: ToMeConfig, facts: ModelFacts, have: AbstractSet[str]) -> No
         if kind not in have and given:
             warnings.warn(
                 f"ToMe patch on {facts.where}: {' and '.join(given)} act{'s' if len(given) == 1 else ''} on "
-                f"{KIND_NAMES[kind]}, which no merged block "
-                f"of {facts.where} has, so it changes nothing there; leave it out",
+                f"{KIND_NAMES[kind]}, which no merged block of {facts.where} has, so it changes nothing there; "
+                "leave it out",
                 UserWarning, stacklevel=5,
             )
 
@@ -190,17 +193,6 @@ def _ratio_and_option(config: ToMeConfig, sublayer: str, level: int, block_ratio
     if config.level_ratios is not None and level in config.level_ratios:
         return config.level_ratios[level], f"level_ratios[{level}]"
     return config.ratio, "ratio"
-
-
-def _check_timesteps(config: ToMeConfig, facts: ModelFacts) -> None:
-    if config.timestep_range is None or facts.timesteps is None:
-        return
-    low, high = config.timestep_range
-    if low > facts.timesteps or high < 0:
-        raise ValueError(
-            f"timestep_range={config.timestep_range} never merges on {facts.where}, whose timesteps run from 0 to "
-            f"{facts.timesteps:g} (the units the model receives from its pipeline); give a range within them"
-        )
 
 
 def _nothing(facts: ModelFacts, reason: str) -> None:
