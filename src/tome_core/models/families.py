@@ -148,30 +148,32 @@ def with_text_after(family: BlockFamily) -> BlockFamily:
 _TEXT_AFTER: Dict[BlockFamily, BlockFamily] = {}
 
 
-# diffusers' BasicTransformerBlock: self-attention (keys and values apart from encoder_hidden_states), cross-attention, MLP.
+_FF = Sublayer("ff", "mlp")
+# Self-attention, cross-attention to the text, an MLP (LTX-Video, Hunyuan-DiT, Cosmos, Allegro): diffusers' names.
+_SELF_CROSS_MLP = (Sublayer("attn1", "attn", attention=True), Sublayer("attn2", "crossattn"), _FF)
+# diffusers' BasicTransformerBlock: the same, its self-attention's keys and values apart from encoder_hidden_states.
 _BASIC = (
     Sublayer("attn1", "attn", attention=True, kv_input="encoder_hidden_states", text_if="only_cross_attention"),
-    Sublayer("attn2", "crossattn"),
-    Sublayer("ff", "mlp"),
+    *_SELF_CROSS_MLP[1:],
 )
-# Self-attention, cross-attention to the text, an MLP (LTX-Video, Hunyuan-DiT, Cosmos, Allegro): diffusers' names.
-_SELF_CROSS_MLP = (Sublayer("attn1", "attn", attention=True), Sublayer("attn2", "crossattn"), Sublayer("ff", "mlp"))
 # Wan's block (and AnyFlow's copy): the same sub-layers, its MLP named ffn.
 _WAN = (*_SELF_CROSS_MLP[:2], Sublayer("ffn", "mlp"))
-# FLUX.1's double-stream block: joint attention over [text; image] (image output first), an image MLP.
-_FLUX_DOUBLE = (
-    Sublayer("attn", "attn", text=TEXT_BEFORE, output=0, extra_outputs=(2,), attention=True), Sublayer("ff", "mlp"),
-)
-# FLUX.1's single-stream block: attention and MLP side by side on one normalised [text; image] sequence.
-_FLUX_SINGLE = (Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True), Sublayer("proj_mlp", "mlp", text=TEXT_PREFIX))
+# Joint attention over [text; image] and over [image; text] (the image's output first).
+_JOINT_BEFORE = Sublayer("attn", "attn", text=TEXT_BEFORE, output=0, attention=True)
+_JOINT_AFTER = Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True)
+# Attention and MLP side by side on one [text; image] sequence (AuraFlow's, FLUX.3's and Krea 2's single blocks).
+_PREFIX_ATTN_FF = (Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True), Sublayer("ff", "mlp", text=TEXT_PREFIX))
+# FLUX.1's double-stream block: joint attention over [text; image], an image MLP; its single-stream block: attention
+# and MLP side by side on one normalised [text; image] sequence.
+_FLUX_DOUBLE = (replace(_JOINT_BEFORE, extra_outputs=(2,)), _FF)
+_FLUX_SINGLE = (_PREFIX_ATTN_FF[0], Sublayer("proj_mlp", "mlp", text=TEXT_PREFIX))
 _KEY_MASK = (("attention_mask", (-1,)),)
+_TEXT_MASK = ("attention_mask", ())  # a text-only mask its processor extends over the image tokens
 # HunyuanVideo's double block: joint attention over [image; text] with a key mask over both; an image MLP.
-_HUNYUAN_DOUBLE = (
-    Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True, masks=_KEY_MASK), Sublayer("ff", "mlp"),
-)
+_HUNYUAN_DOUBLE = (replace(_JOINT_AFTER, masks=_KEY_MASK), _FF)
 _HUNYUAN_SINGLE = (_HUNYUAN_DOUBLE[0], Sublayer("proj_mlp", "mlp", text=TEXT_SUFFIX))  # the MLP on [image; text]
-# CogVideoX's, CogView's and EasyAnimate's joint attention over [text; image].
-_COG_JOINT = Sublayer("attn1", "attn", text=TEXT_BEFORE, output=0, attention=True)
+_COG_JOINT = replace(_JOINT_BEFORE, child="attn1")  # CogVideoX's, CogView's and EasyAnimate's
+_JOYIMAGE = (_JOINT_AFTER, Sublayer("img_mlp", "mlp"))
 _PADDED = ("hidden_states_masks", "a non-square latent padded to the largest size, the padding masked")
 _Q_K_V_OUT = ("to_q", "to_k", "to_v", "to_out.0")
 
@@ -200,14 +202,8 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
         "ldm-basic", ("ldm:BasicTransformerBlock",),
         (replace(_BASIC[0], kv_input="context", text_if="disable_self_attn"), *_BASIC[1:]),
     ),
-    BlockFamily(  # SD3 / SD3.5 (attn2: SD3.5's second, image-only self-attention)
-        "mmdit", ("JointTransformerBlock",),
-        (
-            Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True),
-            Sublayer("attn2", "attn", attention=True),
-            Sublayer("ff", "mlp"),
-        ),
-    ),
+    # SD3 / SD3.5 (attn2: SD3.5's second, image-only self-attention)
+    BlockFamily("mmdit", ("JointTransformerBlock",), (_JOINT_AFTER, Sublayer("attn2", "attn", attention=True), _FF)),
     BlockFamily(  # FLUX.1 and the models that copy its blocks: LongCat-Image, Ovis-Image
         "flux-double", ("FluxTransformerBlock", "LongCatImageTransformerBlock", "OvisImageTransformerBlock"),
         _FLUX_DOUBLE, rotary="image_rotary_emb", timesteps=1.0,
@@ -234,7 +230,7 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
         "flux2-double", ("Flux2TransformerBlock",), _FLUX_DOUBLE, rotary="image_rotary_emb", timesteps=1.0,
     ),
     BlockFamily(  # one fused attention + MLP sub-layer
-        "flux2-single", ("Flux2SingleTransformerBlock",), (Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True),),
+        "flux2-single", ("Flux2SingleTransformerBlock",), _PREFIX_ATTN_FF[:1],
         rotary="image_rotary_emb", stream=TEXT_PREFIX, timesteps=1.0,
     ),
     BlockFamily(  # Chroma: FLUX.1's blocks with an attention mask over [text; image] on both token axes
@@ -246,8 +242,7 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
         rotary="image_rotary_emb", stream=TEXT_PREFIX, timesteps=1.0,
     ),
     BlockFamily(  # Qwen-Image (+ Edit, Layered, ControlNet): rotary (image table, text table), complex
-        "qwen-image", ("QwenImageTransformerBlock",),
-        (Sublayer("attn", "attn", text=TEXT_BEFORE, output=0, attention=True), Sublayer("img_mlp", "mlp")),
+        "qwen-image", ("QwenImageTransformerBlock",), (_JOINT_BEFORE, Sublayer("img_mlp", "mlp")),
         rotary="image_rotary_emb", rotary_items=(0,), timesteps=1.0,
     ),
     BlockFamily(
@@ -266,35 +261,22 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
         _HUNYUAN_SINGLE, rotary="image_rotary_emb",
     ),
     BlockFamily(  # HunyuanVideo 1.5: its processor extends the text-only mask over the (merged) image tokens
-        "hunyuan-video-15", ("HunyuanVideo15TransformerBlock",),
-        (
-            Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True, masks=(("attention_mask", ()),)),
-            Sublayer("ff", "mlp"),
-        ),
+        "hunyuan-video-15", ("HunyuanVideo15TransformerBlock",), _masked(_HUNYUAN_DOUBLE, _TEXT_MASK),
         rotary="image_rotary_emb",
     ),
     BlockFamily(  # CogVideoX (1.0, 1.5), ConsisID: joint attention over [text; image], the MLP on [text; image]
-        "cogvideox", ("CogVideoXBlock", "ConsisIDBlock"),
-        (_COG_JOINT, Sublayer("ff", "mlp", text=TEXT_PREFIX)),
-        rotary="image_rotary_emb",
+        "cogvideox", ("CogVideoXBlock", "ConsisIDBlock"), (_COG_JOINT, _PREFIX_ATTN_FF[1]), rotary="image_rotary_emb",
     ),
     BlockFamily(  # LTX-2: video tokens (audio in a second stream, never merged); rotary tables [B, (heads,) tokens, d]
         "ltx2", ("LTX2VideoTransformerBlock",),
-        (
-            Sublayer("attn1", "attn", attention=True),
-            Sublayer("attn2", "crossattn"),
-            Sublayer("audio_to_video_attn", "crossattn"),  # video queries, audio keys
-            Sublayer("ff", "mlp"),
-        ),
+        (*_SELF_CROSS_MLP[:2], Sublayer("audio_to_video_attn", "crossattn"), _FF),  # video queries, audio keys
         rotary="query_rotary_emb", rotary_axis=-2,
     ),
     BlockFamily(  # LTX-Video: rotary tables [B, tokens, dim]
         "ltx", ("LTXVideoTransformerBlock",), _SELF_CROSS_MLP, rotary="image_rotary_emb", rotary_axis=1,
     ),
-    BlockFamily(  # CogView3-Plus: joint attention over [text; image]; the MLP on [text; image]
-        "cogview3plus", ("CogView3PlusTransformerBlock",),
-        (_COG_JOINT, Sublayer("ff", "mlp", text=TEXT_PREFIX)),
-    ),
+    # CogView3-Plus: joint attention over [text; image]; the MLP on [text; image]
+    BlockFamily("cogview3plus", ("CogView3PlusTransformerBlock",), (_COG_JOINT, _PREFIX_ATTN_FF[1])),
     BlockFamily(  # CogView4 (and GLM-Image's blocks): the MLP runs on the image, then on the text
         "cogview4", ("CogView4TransformerBlock", "GlmImageTransformerBlock"),
         (_COG_JOINT, Sublayer("ff", "mlp", once=True)),
@@ -302,15 +284,9 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
     ),
     # Hunyuan-DiT: rotary positions reach the cross-attention's queries too
     BlockFamily("hunyuan-dit", ("HunyuanDiTBlock",), _SELF_CROSS_MLP, rotary="image_rotary_emb"),
-    BlockFamily(
-        "auraflow-joint", ("AuraFlowJointTransformerBlock",),
-        (Sublayer("attn", "attn", text=TEXT_BEFORE, output=0, attention=True), Sublayer("ff", "mlp")),
-        timesteps=1.0,
-    ),
+    BlockFamily("auraflow-joint", ("AuraFlowJointTransformerBlock",), (_JOINT_BEFORE, _FF), timesteps=1.0),
     BlockFamily(  # its model hands it [registers; text; image]
-        "auraflow-single", ("AuraFlowSingleTransformerBlock",),
-        (Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True), Sublayer("ff", "mlp", text=TEXT_PREFIX)),
-        stream=TEXT_PREFIX, timesteps=1.0,
+        "auraflow-single", ("AuraFlowSingleTransformerBlock",), _PREFIX_ATTN_FF, stream=TEXT_PREFIX, timesteps=1.0,
     ),
     # HunyuanImage 2.1: HunyuanVideo's blocks on one frame
     BlockFamily("hunyuan-image-double", ("HunyuanImageTransformerBlock",), _HUNYUAN_DOUBLE, rotary="image_rotary_emb"),
@@ -337,7 +313,7 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
     # is padded to its largest size, with a key mask over the padding (such calls run unmerged)
     BlockFamily(
         "hidream-double", ("HiDreamImageTransformerBlock",),
-        (Sublayer("attn1", "attn", text=TEXT_AFTER, output=0, attention=True), Sublayer("ff_i", "mlp")),
+        (replace(_JOINT_AFTER, child="attn1"), Sublayer("ff_i", "mlp")),
         rotary="image_rotary_emb", rotary_axis=1, unmerged_with=_PADDED,
     ),
     BlockFamily(  # its model hands it [image; text] in one tensor
@@ -346,11 +322,7 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
         rotary="image_rotary_emb", rotary_axis=1, stream=TEXT_SUFFIX, unmerged_with=_PADDED,
     ),
     BlockFamily(  # Mochi: joint attention over [image; text], the text mask extended by its processor
-        "mochi", ("MochiTransformerBlock",),
-        (
-            Sublayer("attn1", "attn", text=TEXT_AFTER, output=0, attention=True, masks=(("attention_mask", ()),)),
-            Sublayer("ff", "mlp"),
-        ),
+        "mochi", ("MochiTransformerBlock",), (replace(_JOINT_AFTER, child="attn1", masks=(_TEXT_MASK,)), _FF),
         rotary="image_rotary_emb",
         timesteps_rise=True,  # its scheduler inverts the sigmas: 1000 * (1 - sigma)
     ),
@@ -393,15 +365,11 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
     ),
     BlockFamily(  # PRX: image queries over [text; image] keys, a text-only mask; its MLP is inline (never merged)
         "prx", ("PRXBlock",),
-        (Sublayer("attention", "attn", text=TEXT_BEFORE, attention=True, masks=(("attention_mask", ()),)),),
+        (Sublayer("attention", "attn", text=TEXT_BEFORE, attention=True, masks=(_TEXT_MASK,)),),
         rotary="image_rotary_emb", rotary_axis=2, timesteps=1.0,
     ),
     BlockFamily(  # Krea 2: its model hands it [text; image] (a key-padding mask over both); ids tell the grid
-        "krea2", ("Krea2TransformerBlock",),
-        (
-            Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True, masks=_KEY_MASK),
-            Sublayer("ff", "mlp", text=TEXT_PREFIX),
-        ),
+        "krea2", ("Krea2TransformerBlock",), _masked(_PREFIX_ATTN_FF, _KEY_MASK[0]),
         rotary="image_rotary_emb", stream=TEXT_PREFIX, timesteps=1.0,
     ),
     BlockFamily(  # AnyFlow: Wan's blocks; rotary tables by name ({"query": ..., "key": ...}) [1, 1, tokens, d/2]
@@ -418,12 +386,10 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
     ),
     BlockFamily(  # FLUX.3's per-mode blocks (the image mode's; attention and MLP side by side on the image)
         "flux3-mode", ("Flux3ModeTransformerBlock",),
-        (Sublayer("attn", "attn", attention=True), Sublayer("ff", "mlp")), rotary="image_rotary_emb", timesteps=1.0,
+        (Sublayer("attn", "attn", attention=True), _FF), rotary="image_rotary_emb", timesteps=1.0,
     ),
     BlockFamily(  # its joint blocks: the block gets [image; references], its sub-layers [text; image; references]
-        "flux3-single", ("Flux3SingleTransformerBlock",),
-        (Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True), Sublayer("ff", "mlp", text=TEXT_PREFIX)),
-        rotary="image_rotary_emb", timesteps=1.0,
+        "flux3-single", ("Flux3SingleTransformerBlock",), _PREFIX_ATTN_FF, rotary="image_rotary_emb", timesteps=1.0,
     ),
     BlockFamily(  # Helios: Wan's blocks on [history at three resolutions; current frames], rotary [B, tokens, d]
         "helios", ("HeliosTransformerBlock",),
@@ -453,17 +419,11 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
     ),
     BlockFamily(  # JoyImage-Edit: image and text streams apart, joint attention over [image; text], an image MLP;
         "joyimage",  # rotary (cos, sin) per stream, the image's first; its edit items follow the target as a tail
-        ("JoyImageTransformerBlock",),
-        (Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True), Sublayer("img_mlp", "mlp")),
-        rotary="image_rotary_emb", rotary_items=(0,),
+        ("JoyImageTransformerBlock",), _JOYIMAGE, rotary="image_rotary_emb", rotary_items=(0,),
     ),
     BlockFamily(  # JoyImage-Edit-Plus: as JoyImage-Edit, with a key mask over [image patches; text] and one rotary
         "joyimage-edit-plus",  # table (cos, sin) [B, patches, d] per batch item, over the image patches only
-        ("JoyImageEditPlusTransformerBlock",),
-        (
-            Sublayer("attn", "attn", text=TEXT_AFTER, output=0, attention=True, masks=_KEY_MASK),
-            Sublayer("img_mlp", "mlp"),
-        ),
+        ("JoyImageEditPlusTransformerBlock",), _masked(_JOYIMAGE, _KEY_MASK[0]),
         rotary="image_rotary_emb", rotary_axis=1,
     ),
     BlockFamily(  # Lumina-Next: attention and cross-attention side by side on the image, their outputs
@@ -537,9 +497,7 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
     ),
     BlockFamily(  # MiniMax-H3: one packed stream [text; condition frames; audio; video] (ModelLayout.roles place the
         "minimax-h3",  # video), modulated per row outside its sub-layers; one rotary table (cos, sin) [tokens, d]
-        ("MiniMaxH3TransformerBlock",),
-        (Sublayer("attn", "attn", text=TEXT_PREFIX, attention=True), Sublayer("ff", "mlp", text=TEXT_PREFIX)),
-        rotary="rotary_emb", stream=TEXT_PREFIX, timesteps=1.0,
+        ("MiniMaxH3TransformerBlock",), _PREFIX_ATTN_FF, rotary="rotary_emb", stream=TEXT_PREFIX, timesteps=1.0,
         timesteps_rise=True,  # its t = 1 - sigma: 1 is clean
     ),
 )
