@@ -26,10 +26,8 @@ from .state import ToMeState
 
 
 class CallStart:
-    """Pre-hook on a patched model: a new call starts, at its timestep, on its latent or token grid.
-
-    Also a documented helper for tools that read a call's grid as a patch would: hooked on an unpatched model with a
-    state of its own, it reads each call's grid into that state and merges nothing."""
+    """Pre-hook on a patched model: a new call starts, at its timestep, on its latent or token grid. Hooked on an
+    unpatched model with a state of its own (tools), it reads each call's grid into that state and merges nothing."""
 
     def __init__(self, fw: Framework, plan: ModelPlan, state: ToMeState):
         model = plan.model
@@ -67,7 +65,9 @@ class CallStart:
             host_timesteps(self.fw, timestep)
             if timestep is not None and (config.timestep_range is not None or config.reuse_steps > 1) else None
         )
-        step, merging = partition_step(timestep), self._merges_at(values)
+        if config.timestep_range is not None and values is None:
+            raise ValueError(f"timestep_range={config.timestep_range} needs the model's timestep, and this call gave none")
+        step, merging = partition_step(timestep), config.timestep_range is None or config.merges_at(values)
         if config.reuse_steps > 1 and values is not None:  # matches live within one generation
             matching = self.state.matching
             matching.follow_generation(-min(values) if self.rising else max(values), generation(matching.pipeline))
@@ -109,19 +109,10 @@ class CallStart:
         self.state.ledger.say_once(f"ToMe on {self.model}: {why}")
         self.state.begin_call(CallFacts(None, step, merging=False, why=why))
 
-    def _merges_at(self, timesteps: Optional[List[float]]) -> bool:
-        """Whether this call, at ``timesteps`` (read on the host where an option needs them), merges under
-        ``timestep_range``."""
-        if self.state.config.timestep_range is None:
-            return True
-        if timesteps is None:
-            raise ValueError(f"timestep_range={self.state.config.timestep_range} needs the model's timestep, and this call gave none")
-        return self.state.config.merges_at(timesteps)
-
 
 def partition_step(timestep: Any) -> Any:
-    """The timestep as the partition hash takes it: a Python number (from a Python or numpy number or array)
-    or the first element of a framework array (no host sync)."""
+    """The timestep as the partition hash takes it: a Python number, or a framework array's first element (no
+    host sync)."""
     if timestep is None:
         return 0
     if isinstance(timestep, numbers.Number) or type(timestep).__module__ == "numpy":
@@ -130,8 +121,7 @@ def partition_step(timestep: Any) -> Any:
 
 
 def host_timesteps(fw: Optional[Framework], timestep: Any) -> List[float]:
-    """Every timestep of a call as Python numbers (0-d and 1-d, Python, numpy or framework arrays; the last
-    read on the host through ``fw``)."""
+    """Every timestep of a call as Python numbers (a framework array's read on the host through ``fw``)."""
     if isinstance(timestep, numbers.Number):
         return [timestep.item() if hasattr(timestep, "item") else timestep]
     if type(timestep).__module__ == "numpy":
@@ -140,12 +130,10 @@ def host_timesteps(fw: Optional[Framework], timestep: Any) -> List[float]:
 
 
 def call_ends(state: ToMeState, module: Any, args: Any, kwargs: Any, output: Any) -> None:
-    """Post-hook on a patched model: its call has returned, so a block of it that runs now is run by another
-    model that borrowed it (:attr:`ToMeState.in_call`). The call's choice of partitions is let go (a block
-    recomputed in backward, gradient checkpointing, chooses the same ones again from the call's seed and step);
-    the index tables that depend on shapes and the seed alone stay for the next call, until ``remove``
-    (:func:`~tome_core.algorithm.partition.cached`). Matches kept for the next calls (``reuse_steps``) or for the call's
-    other blocks (``reuse_blocks``) stay (:class:`~tome_core.hooks.matching.Matching`)."""
+    """Post-hook on a patched model: its call has returned, so a block of it that runs now is run by a model that
+    borrowed it (:attr:`ToMeState.in_call`). The call's drawn partitions are let go (a block recomputed in backward
+    draws them again from the call's seed and step); index tables of shapes and seed alone, and matches that
+    ``reuse_steps`` or ``reuse_blocks`` keep, stay."""
     state.in_call = False
     state.matching.drawn = {}
     if state.detach_after_call:  # remove() was called inside this call (driver._detach_after_call)
@@ -153,8 +141,8 @@ def call_ends(state: ToMeState, module: Any, args: Any, kwargs: Any, output: Any
 
 
 def grid_output(state: ToMeState, data_format: str, module: Any, args: Any, kwargs: Any, output: Any) -> None:
-    """Post-hook on a model's ``grid_source`` child (:class:`~tome_core.models.families.ModelLayout`): its 4-D output is the grid of the
-    blocks the model runs after it on that map's flattened pixels."""
+    """Post-hook on a model's ``grid_source`` child (:class:`~tome_core.models.families.ModelLayout`): its 4-D
+    output is the grid of the blocks run after it."""
     if len(get_ops(output).shape(output)) == 4:
         state.enter_grid(spatial_size(output, data_format))
 
@@ -175,10 +163,9 @@ class GridHook:
 
 
 def grid_hooks(fw: Framework, model: Any, state: ToMeState, blocks: Optional[Set[int]] = None) -> List[Any]:
-    """Hook the modules of ``model`` that tell ``state`` its blocks' grid where its call's input does not: the 2-D
-    containers of a UNet-style model (their 4-D input; only those holding one of ``blocks``, ids of the hooked
-    blocks, where given) and its ``grid_source`` child (:class:`~tome_core.models.families.ModelLayout`) (its 4-D output); returns the
-    handles."""
+    """Hook the modules of ``model`` that tell ``state`` its blocks' grid where its call's input does not (the 2-D
+    containers of a UNet-style model holding one of ``blocks``, ids of the hooked blocks, where given; its
+    ``grid_source`` child); returns the handles."""
     data_format = getattr(model, "data_format", "NCHW")
     handles = []
     if not is_transformer_model(model):
@@ -199,11 +186,9 @@ _COUNTERS = itertools.count()
 
 
 class Generations:
-    """What a patched pipeline's scheduler runs as its ``set_timesteps`` (an attribute of that scheduler object;
-    its class is untouched): it counts the calls, then runs the scheduler's own. Every diffusers and ppdiffusers
-    pipeline calls ``set_timesteps`` once as a generation starts, so a change of the count tells a patched model
-    of the pipeline that a new generation began, however its timesteps run (one-step generations all run at
-    one timestep). It holds nothing of the models, so the scheduler copies and pickles as before."""
+    """A patched pipeline's scheduler's ``set_timesteps`` (an attribute of that object, its class untouched): it
+    counts the calls, then runs the scheduler's own. Pipelines call it once as a generation starts, so the count
+    tells a patched model a new generation began, however its timesteps run; it holds nothing of the models."""
 
     def __init__(self, scheduler: Any, before: Optional[Callable[..., Any]]):
         self.scheduler = scheduler
@@ -218,9 +203,8 @@ class Generations:
 
 
 def generations(pipeline: Any) -> Optional[Generations]:
-    """The counter of generations on ``pipeline``'s scheduler, put there if it has none yet (at ``patch``, or at
-    the first model call after the scheduler was swapped); None: the pipeline has no scheduler with
-    ``set_timesteps``."""
+    """The counter of generations on ``pipeline``'s scheduler, put there if it has none yet; None: the pipeline
+    has no scheduler with ``set_timesteps``."""
     scheduler = getattr(pipeline, "scheduler", None)
     if not callable(getattr(scheduler, "set_timesteps", None)) or not hasattr(scheduler, "__dict__"):
         return None
@@ -232,27 +216,20 @@ def generations(pipeline: Any) -> Optional[Generations]:
 
 def forget_generations(pipeline: Any) -> None:
     """Take what ``patch`` put on ``pipeline`` off again (at ``remove``): the counter of :func:`generations` on its
-    scheduler, and the grid tellers of :func:`tell_grids` on the pipeline."""
-    scheduler = getattr(pipeline, "scheduler", None)
-    counter = getattr(scheduler, "__dict__", {}).get("set_timesteps")
-    if isinstance(counter, Generations):
-        if counter.before is None:
-            del scheduler.__dict__["set_timesteps"]
-        else:
-            scheduler.__dict__["set_timesteps"] = counter.before
-    for maker in IDS_MAKERS:
-        teller = getattr(pipeline, "__dict__", {}).get(maker.method)
-        if isinstance(teller, GridTeller):
-            if teller.before is None:
-                del pipeline.__dict__[maker.method]
+    scheduler, and the grid tellers of :func:`tell_grids` on the pipeline, each giving back what it stood for."""
+    put = [(getattr(pipeline, "scheduler", None), "set_timesteps", Generations)]
+    for obj, name, kind in put + [(pipeline, maker.method, GridTeller) for maker in IDS_MAKERS]:
+        held = getattr(obj, "__dict__", {}).get(name)
+        if isinstance(held, kind):
+            if held.before is None:
+                del obj.__dict__[name]
             else:
-                pipeline.__dict__[maker.method] = teller.before
+                obj.__dict__[name] = held.before
 
 
 class PipelineWatch:
-    """The pipeline a model was patched in, held weakly by the model's state: each call of the model reads the
-    pipeline's count of generations (:func:`generation`). A deep copy of the pipeline watches the copy; a
-    copy or pickle of the model alone watches none (it then tells generations by their timesteps)."""
+    """The pipeline a model was patched in, held weakly by its state for :func:`generation`. A deep copy of the
+    pipeline watches the copy; a copy or pickle of the model alone watches none (it then goes by timesteps)."""
 
     def __init__(self, pipeline: Any):
         self.pipeline = weakref.ref(pipeline)
@@ -270,8 +247,8 @@ def _no_watch() -> None:
 
 
 def generation(watch: Optional[PipelineWatch]) -> Optional[Tuple[int, int]]:
-    """Which generation of its pipeline a model call belongs to: ``(counter, count)`` of the pipeline's
-    scheduler (:class:`Generations`); None: the model was patched without its pipeline, or the pipeline is gone."""
+    """Which generation of its pipeline a model call belongs to (:class:`Generations`' serial and count); None:
+    the model was patched without its pipeline, or the pipeline is gone."""
     pipeline = watch.pipeline() if watch is not None else None
     counter = generations(pipeline) if pipeline is not None else None
     return None if counter is None else (counter.serial, counter.count)
@@ -281,11 +258,9 @@ def generation(watch: Optional[PipelineWatch]) -> Optional[Tuple[int, int]]:
 
 
 class GridTeller:
-    """What a patched pipeline runs as one of its ids makers (:data:`~tome_core.models.families.IDS_MAKERS`; an attribute
-    of that pipeline object, its class untouched): the pipeline's own method, whose ids it then tags with the grid
-    they place (:func:`~tome_core.models.grid_readers.tell_grid`), from the height and width the pipeline passed. A
-    patched model called with those very ids places its tokens by that grid, with no host read of the ids, so
-    ``torch.compile(transformer, fullgraph=True)`` traces each generation's new ids."""
+    """One of a patched pipeline's ids makers (:data:`~tome_core.models.families.IDS_MAKERS`, an attribute of the
+    object): the pipeline's own method, whose ids it tags with the grid of the height and width passed
+    (:func:`~tome_core.models.grid_readers.tell_grid`), so a model given them reads no ids on the host."""
 
     def __init__(self, pipeline: Any, maker: IdsMaker, before: Optional[Callable[..., Any]]):
         self.pipeline = pipeline
@@ -306,9 +281,8 @@ def _class_method(obj: Any, name: str) -> Callable[..., Any]:
 
 
 def tell_grids(fw: Framework, pipeline: Any) -> None:
-    """Put a :class:`GridTeller` on each ids maker ``pipeline`` has (at ``patch``; a model patched alone has none:
-    its ids are read on the host once per ids array). A maker without the arguments its
-    :class:`~tome_core.models.families.IdsMaker` names is left as it is."""
+    """Put a :class:`GridTeller` on each ids maker ``pipeline`` has that takes the arguments its
+    :class:`~tome_core.models.families.IdsMaker` names (at ``patch``)."""
     if fw.is_module(pipeline) or not hasattr(pipeline, "__dict__"):
         return
     for maker in IDS_MAKERS:
