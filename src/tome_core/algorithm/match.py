@@ -1,9 +1,6 @@
-"""Similarity and choice: ToMe for SD's bipartite soft matching (arXiv 2303.17604) of sources to destinations.
-
-A :class:`Match` is computed once per block and used by every merge/unmerge in it. The merged sequence holds the
-unmerged sources, most similar first (as tomesd orders them), then the destinations. A run finds each block's
-matches through a :class:`Matcher`, ToMe's own (:data:`TOME`) unless its caller plugs in another.
-"""
+"""Similarity and choice: ToMe for SD's bipartite soft matching (arXiv 2303.17604) of sources to destinations, one
+:class:`Match` per block for all its merges and unmerges. A run finds its matches through a :class:`Matcher`, ToMe's
+own (:data:`TOME`) unless its caller plugs in another."""
 
 from __future__ import annotations
 
@@ -65,17 +62,14 @@ def best_destinations(
     ops: ArrayOps, metric: Array, src: Array, dst: Array, neighbours: Optional[Array] = None,
     block: Optional[int] = None, bands: Optional[Sequence[Band]] = None, order: Optional[Array] = None,
 ) -> Tuple[Array, Array]:
-    """Each source's highest cosine similarity to a destination and that destination: ``[B, S]`` twice.
+    """Each source's highest cosine similarity to a destination and that destination, ``[B, S]`` twice (a zero vector:
+    0 to everything, where tomesd gives NaN). ``neighbours [S, W]`` limits each source to those destinations (local
+    matching), ``bands`` (:func:`~tome_core.algorithm.partition.frame_bands`) each run of sources to a run of
+    destinations; ``order``: ``src`` and ``dst`` end to end (:attr:`Partition.order`), gathered at once.
 
-    ``neighbours [S, W]`` (destination indices) restricts each source to those candidates (local matching),
-    ``bands`` (:func:`~tome_core.algorithm.partition.frame_bands`) each run of sources to a run of destinations (a
-    video's nearby frames). A zero vector has similarity 0 to everything (tomesd would give NaN). ``order``:
-    ``src`` and ``dst`` end to end (:attr:`Partition.order`), gathered in one operation instead of two.
-
-    Memory stays linear in tokens: the sources go in equal chunks (a Python count, unrolled under compilers) of at
-    most ``block`` similarities per batch item (``None``: :data:`SIMILARITY_BLOCK`; why: ``docs/how-it-works.md``).
-    A BLAS may round a chunk's rows differently from the full product's, so destinations within rounding of each
-    other may swap, as between backends; exact ties go to the first destination (tests/core/test_match_memory.py).
+    Sources go in equal chunks (a Python count, unrolled under compilers) of at most ``block`` similarities per batch
+    item (``None``: :data:`SIMILARITY_BLOCK`), so memory stays linear in tokens. A BLAS may round a chunk's rows unlike
+    the full product's: destinations within rounding may swap, as between backends; exact ties go to the first.
     """
     unit = ops.unit_vectors(metric)
     num_src, num_dst = ops.shape(src)[0], ops.shape(dst)[0]
@@ -219,7 +213,7 @@ def _assign_drawn(
     ops: ArrayOps, order: Array, best_dst: Array, part: Partition, merged: int, like: Array, represent: bool
 ) -> Match:
     """:func:`assign` on a partition from the tables in the fewest launches: one scatter of the ranked sources'
-    slots into the partition's ``dst_slot``, every shape-only array kept (:func:`~tome_core.algorithm.partition.cached`)."""
+    slots into its ``dst_slot``, every shape-only array kept (:func:`~tome_core.algorithm.partition.cached`)."""
     batch, num_src = ops.shape(order)
     tokens = part.h * part.w
     kept = tokens - merged
@@ -255,13 +249,10 @@ def chunk_matches(
     ops: ArrayOps, metric: Array, frames: int, reference: Array, h: int, w: int, sx: int, sy: int,
     within: Sequence[int], across: int, offsets: Optional[Array], window: int = 0,
 ) -> List[Match]:
-    """Cross-frame matches (VidToMe's arrangement) of ``metric`` ``[B * K, N, C]``, chunks of ``K = frames`` frames
-    of ``h*w`` tokens, one :class:`Match` of a chunk's ``K * N`` tokens per count of ``within``.
-
-    The ``across`` other-frame tokens most similar to a token of frame ``reference`` (an int or a 1-element index
-    array) follow it into its slot; the reference frame is matched as one frame (:func:`bipartite_matches`). Slots:
-    the other frames' kept tokens, most similar first, then the reference frame's (``docs/how-it-works.md``).
-    """
+    """Cross-frame matches (VidToMe's arrangement) of ``metric`` ``[B * K, N, C]`` in chunks of ``K = frames`` frames,
+    one per count of ``within``: the ``across`` other-frame tokens most similar to a token of frame ``reference`` (an
+    int or a 1-element index array) join its slot, and the reference frame is matched as one frame
+    (:func:`bipartite_matches`). Slots: the other frames' kept tokens, most similar first, then the reference's."""
     part = partition_grid(ops, metric, h, w, sx, sy, offsets=offsets, window=window, frames=frames, reference=reference)
     return partition_chunks(ops, metric, part, within, across)
 
@@ -274,21 +265,20 @@ def partition_chunks(ops: ArrayOps, metric: Array, part: Partition, within: Sequ
         raise ValueError(f"a batch of {batch_frames} frames does not split into chunks of {frames}")
     if across > (frames - 1) * tokens:
         raise ValueError(f"cannot merge {across} of the {(frames - 1) * tokens} tokens of the other frames")
-    batch = batch_frames // frames
+    batch, num_src = batch_frames // frames, (frames - 1) * tokens
     chunk = ops.reshape(metric, (batch, frames * tokens, channels))
     position = ops.arange(tokens, metric)
     ref = position + reference * tokens
     other_frame = ops.arange(frames - 1, metric)
     other_frame = other_frame + ops.as_index(other_frame >= reference)
-    src = ops.reshape(ops.reshape(other_frame * tokens, (frames - 1, 1)) + ops.reshape(position, (1, tokens)), ((frames - 1) * tokens,))
+    src = ops.reshape(ops.reshape(other_frame * tokens, (frames - 1, 1)) + ops.reshape(position, (1, tokens)), (num_src,))
     reference_matches = partition_bipartite(ops, ops.take(chunk, ref, axis=1), part, within)
-    num_src = (frames - 1) * tokens
     if across:
         near = None
-        if part.window:
-            table = part.nearby
-            width = ops.shape(table)[1]
-            near = ops.reshape(ops.broadcast_to(ops.reshape(table, (1, tokens, width)), (frames - 1, tokens, width)), (num_src, width))
+        if part.window:  # each reference token's nearby tokens, for every other frame
+            width = ops.shape(part.nearby)[1]
+            near = ops.broadcast_to(ops.reshape(part.nearby, (1, tokens, width)), (frames - 1, tokens, width))
+            near = ops.reshape(near, (num_src, width))
         best, best_dst = best_destinations(ops, chunk, src, ref, near)
         order = rank_sources(ops, best)
     else:  # nothing crosses frames: every other-frame token keeps its own slot
@@ -317,17 +307,14 @@ def partition_pooled(ops: ArrayOps, like: Array, batch: int, part: Partition) ->
 
 def build_cell_match(ops: ArrayOps, like: Array, batch: int, h: int, w: int, sx: int, sy: int) -> Match:
     """:func:`cell_match` without its cache: the match built anew, as on a call's first meeting of its shape."""
-    cells, leftover = cell_table(ops, like, h, w, sx, sy)
-    return _pooled(ops, like, batch, Partition(h, w, sx, sy, cells, leftover))
+    return _pooled(ops, like, batch, Partition(h, w, sx, sy, *cell_table(ops, like, h, w, sx, sy)))
 
 
 def _pooled(ops: ArrayOps, like: Array, batch: int, part: Partition) -> Match:
-    h, w, sx, sy = part.h, part.w, part.sx, part.sy
     cells, leftover = part.cells, part.leftover
     num_cells, per_cell = ops.shape(cells)
     num_left = 0 if leftover is None else ops.shape(leftover)[0]
-    kept = num_cells + num_left
-    tokens = h * w
+    kept, tokens = num_cells + num_left, part.h * part.w
     cell_of = ops.reshape(ops.broadcast_to(ops.reshape(ops.arange(num_cells, cells), (num_cells, 1)), (num_cells, per_cell)), (tokens - num_left,))
     token, slot = ops.reshape(cells, (tokens - num_left,)), cell_of
     representatives = ops.reshape(ops.take(cells, ops.zeros((1,), cells), axis=1), (num_cells,))
@@ -344,7 +331,7 @@ def _pooled(ops: ArrayOps, like: Array, batch: int, part: Partition) -> Match:
     return Match(
         ops=ops, rows=rows, sizes=sizes, batch=batch, tokens=tokens, merged=tokens - kept,
         representatives=ops.broadcast_to(ops.reshape(representatives, (1, kept)), (batch, kept)),
-        pool=(h, w, sx, sy) if leftover is None else None,
+        pool=(part.h, part.w, part.sx, part.sy) if leftover is None else None,
     )
 
 
@@ -433,15 +420,12 @@ class ToMeMatcher:
         merged: Dict[str, int], config: ToMeConfig, draw: Optional[Draw], across: int, shared: bool, frames: int,
         video: Tuple[int, int],
     ) -> Dict[str, Match]:
-        part = None
-        if grid is not None:
-            similarity = config.matching == "similarity"
-            part = partition_grid(
-                ops, metric, *grid, *cell, draw, similarity=similarity,
-                picks=similarity or config.cell_pool == "sample", window=config.local_window,
-                frames=frames if similarity else 1, frame_rows=video[0], frame_offset=video[1],
-                frame_window=config.frame_window,
-            )
+        similarity = config.matching == "similarity"
+        part = None if grid is None else partition_grid(
+            ops, metric, *grid, *cell, draw, similarity=similarity, picks=similarity or config.cell_pool == "sample",
+            window=config.local_window, frames=frames if similarity else 1, frame_rows=video[0],
+            frame_offset=video[1], frame_window=config.frame_window,
+        )
         return match_block(
             ops, metric, part, merged, matching=config.matching, cell_pool=config.cell_pool, across=across,
             shared=shared,

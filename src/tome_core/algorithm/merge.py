@@ -1,9 +1,6 @@
-"""Merge and unmerge: move a ``[B, N, C]`` sequence to the ``N - r`` slots of a :class:`Match` and back.
-
-Merge is a scatter-add over slots divided by the slot sizes (each destination the mean of itself and its
-sources), unmerge a gather (every token takes its slot's value); both on the batch flattened into rows, several
-times faster than along axis 1. Trailing feature axes (``[B, N, heads, d]``) are carried as one ``C``.
-"""
+"""Merge and unmerge: move a ``[B, N, C]`` sequence to the ``N - r`` slots of a :class:`Match` and back: a scatter-add
+divided by the slot sizes (each slot the mean of its tokens) and a gather, both on the batch flattened into rows
+(several times faster than along axis 1). Trailing feature axes (``[B, N, heads, d]``) are carried as one ``C``."""
 
 from __future__ import annotations
 
@@ -14,14 +11,14 @@ from .match import Match
 from .ops import Array
 
 
-def _features(x: Array, match: Match, moved: Callable[[Array], Array]) -> Array:
-    """``moved`` on ``x`` ``[B, N, *features]`` seen as ``[B, N, C]`` (C: the product of the features), its result
-    given ``x``'s feature axes back; ``[B, N, C]`` passes straight through."""
+def _features(x: Array, match: Match, moved: Callable[[Array, Match], Array]) -> Array:
+    """``moved(x, match)`` on ``x`` ``[B, N, *features]`` seen as ``[B, N, C]`` (C: the product of the features), its
+    result given ``x``'s feature axes back; ``[B, N, C]`` passes straight through."""
     ops = match.ops
     shape = ops.shape(x)
     if len(shape) == 3:
-        return moved(x)
-    out = moved(ops.reshape(x, (shape[0], shape[1], math.prod(shape[2:]))))
+        return moved(x, match)
+    out = moved(ops.reshape(x, (shape[0], shape[1], math.prod(shape[2:]))), match)
     rows, tokens = ops.shape(out)[:2]
     return ops.reshape(out, (rows, tokens, *shape[2:]))
 
@@ -29,9 +26,7 @@ def _features(x: Array, match: Match, moved: Callable[[Array], Array]) -> Array:
 def merge(x: Array, match: Match) -> Array:
     """``[B, N, C] -> [B, N - r, C]``; the identity when nothing merges. A cross-frame match (``frames = K``)
     takes ``[B * K, N / K, C]``: each chunk of ``K`` consecutive items is one sequence."""
-    if match.merged == 0:
-        return x
-    return _features(x, match, lambda flat: _merge(flat, match))
+    return x if match.merged == 0 else _features(x, match, _merge)
 
 
 def _merge(x: Array, match: Match) -> Array:
@@ -53,9 +48,7 @@ def _merge(x: Array, match: Match) -> Array:
 def unmerge(x: Array, match: Match) -> Array:
     """``[B, N - r, C] -> [B, N, C]`` (``[B * K, N / K, C]`` for a cross-frame match); the identity when
     nothing merges."""
-    if match.merged == 0:
-        return x
-    return _features(x, match, lambda flat: _unmerge(flat, match))
+    return x if match.merged == 0 else _features(x, match, _unmerge)
 
 
 def _unmerge(x: Array, match: Match) -> Array:

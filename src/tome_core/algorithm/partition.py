@@ -1,10 +1,6 @@
-"""Partition: which tokens of an h x w grid are destinations (one per sy x sx cell) and which are sources.
-
-Built by index arithmetic, never by sorting, so every backend produces the same split. Cells tile the
-grid row-major; tokens in the rows and columns left over when h or w is not a multiple of sy or sx are
-always sources. A video searched within a frame window is tiled frame by frame (a :data:`Tiling`), so that no
-cell spans two frames.
-"""
+"""Partition: which tokens of an h x w grid are destinations (one per full sy x sx cell, row-major) and which are
+sources (the rest, leftover rows and columns included). Index arithmetic only, never a sort: every backend produces
+the same split. A video searched within a frame window is tiled frame by frame (a :data:`Tiling`)."""
 
 from __future__ import annotations
 
@@ -36,14 +32,12 @@ def random_offsets(
     stream: Union[int, Array],
 ) -> Array:
     """Destination position inside each cell, in ``[0, sx*sy)``, shape ``[h//sy, w//sx]`` (``[S, h//sy, w//sx]``
-    for an array of ``S`` streams). A counter-based hash of (seed, step, stream, cell): no generator state, the same
-    partition on every backend and run, and ``step`` (the timestep, integer or fractional) may be a traced or
-    on-device number, read without a host sync; steps at least 1/1000 apart give different partitions."""
+    for an array of ``S`` streams): a counter-based hash of (seed, step, stream, cell), the same on every backend;
+    ``step`` may be a traced or on-device number (read without a host sync), steps 1/1000 apart differ."""
     hsy, wsx = h // sy, w // sx
     cell = ops.arange(hsy * wsx, like)
-    key = (seed % _PRIME) * _MIX[0] % _PRIME
     several = not isinstance(stream, int)
-    key = (stream % _PRIME + key) * _MIX[1] % _PRIME
+    key = (stream % _PRIME + (seed % _PRIME) * _MIX[0] % _PRIME) * _MIX[1] % _PRIME
     if several:  # an array of streams: one row of cells each
         key = ops.reshape(key, (-1, 1))
     # Flow-matching transformers (Flux) pass fractional timesteps in [0, 1]: the hash takes floor(1000 * t).
@@ -72,9 +66,8 @@ def _scramble(x: Array) -> Array:
 def cell_table(
     ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, tiling: Optional[Tiling] = None
 ) -> Tuple[Array, Optional[Array]]:
-    """Token index of every position of every cell ``[cells, sx*sy]`` (row-major inside the cell), and the
-    leftover tokens outside the full cells (its leftover columns, then rows; ``None`` when the grid is tiled
-    exactly), band by band for a ``tiling``. Depends on shapes only."""
+    """Token index of every position of every cell ``[cells, sx*sy]`` (row-major inside the cell), and the tokens
+    outside the full cells (leftover columns, then rows; ``None``: none), band by band for a ``tiling``."""
     tiles, first = [], 0
     for rows in tiling or (h,):
         tiles.append(_tile(ops, like, rows, w, sx, sy, first * w))
@@ -103,14 +96,12 @@ def _tile(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, start: i
         pieces.append(ops.reshape(right, ((hsy * sy) * (w - wsx * sx),)))
     if hsy * sy < h:
         pieces.append(ops.arange((h - hsy * sy) * w, like) + (hsy * sy * w + start))
-    leftover = None if not pieces else pieces[0] if len(pieces) == 1 else ops.concat(pieces, axis=0)
-    return cells, leftover
+    return cells, None if not pieces else pieces[0] if len(pieces) == 1 else ops.concat(pieces, axis=0)
 
 
 def cached(ops: ArrayOps, like: Array, key: Tuple, build: Callable[[], Any]) -> Any:
-    """``build()``, kept per backend and device where the backend allows it: index arrays that depend on shapes and
-    the seed alone, built once, so that a call launches only the kernels of its own arithmetic. At most
-    :data:`_CACHE_SIZE`, the oldest dropped first (what they hold: ``docs/results/launches.md``)."""
+    """``build()``, kept per backend and device where the backend allows it (the :data:`_CACHE_SIZE` newest): index
+    arrays of shapes and seed alone, so that a call launches only its own arithmetic (``docs/results/launches.md``)."""
     device = ops.cache_key(like)
     if device is None:
         return build()
@@ -132,9 +123,8 @@ def split(
     ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, offsets: Optional[Array],
     tiling: Optional[Tiling] = None,
 ) -> Tuple[Array, Array]:
-    """Flat token indices ``(dst [D], src [N - D])`` for an ``h x w`` grid: ``offsets[i, j]`` is the destination's
-    row-major position inside cell ``(i, j)`` (``None``: its first). Destinations in cell order, sources cell by
-    cell, then the leftover tokens (:func:`cell_table`)."""
+    """Flat token indices ``(dst [D], src [N - D])``: ``offsets[i, j]`` is the destination's row-major position in
+    cell ``(i, j)`` (``None``: its first). Destinations in cell order, sources cell by cell, then the leftovers."""
     if offsets is None:  # the fixed partition: the one row of its table
         order = split_table(ops, like, h, w, sx, sy, None, tiling)[0][0]
         sources = h * w - num_cells(h, w, sx, sy, tiling)
@@ -151,12 +141,16 @@ def _cells(
     return cached(ops, like, ("cells", h, w, sx, sy, tiling), lambda: cell_table(ops, like, h, w, sx, sy, tiling))
 
 
-def _destinations(ops: ArrayOps, cells: Array, offsets: Array) -> Array:
-    """``[R, cells]``: the token at ``offsets [R, cells, 1]`` inside each cell of :func:`cell_table`'s ``cells``."""
+def _destinations(ops: ArrayOps, cells: Array, offsets: Array, skip: bool = False) -> Array:
+    """``[R, cells]``: the token at ``offsets [R, cells, 1]`` inside each cell of :func:`cell_table`'s ``cells``;
+    ``skip``: ``[R, cells * (sx*sy - 1)]``, every other token of each cell instead."""
     rows = ops.shape(offsets)[0]
     count, per_cell = ops.shape(cells)
     table = ops.broadcast_to(ops.reshape(cells, (1, count, per_cell)), (rows, count, per_cell))
-    return ops.reshape(ops.take_along_axis(table, offsets, axis=2), (rows, count))
+    if skip:
+        k = ops.reshape(ops.arange(per_cell - 1, cells), (1, 1, per_cell - 1))
+        offsets = k + ops.as_index(k >= offsets)
+    return ops.reshape(ops.take_along_axis(table, offsets, axis=2), (rows, count * ops.shape(offsets)[2]))
 
 
 def _with_leftover(ops: ArrayOps, tokens: Array, leftover: Optional[Array]) -> Array:
@@ -169,31 +163,22 @@ def _with_leftover(ops: ArrayOps, tokens: Array, leftover: Optional[Array]) -> A
 
 def _split_rows(ops: ArrayOps, cells: Array, leftover: Optional[Array], offsets: Array) -> Tuple[Array, Array]:
     """:func:`split` for ``R`` rows of ``offsets [R, cells, 1]`` at once: ``(dst [R, D], src [R, N - D])``."""
-    rows = ops.shape(offsets)[0]
-    count, per_cell = ops.shape(cells)
-    table = ops.broadcast_to(ops.reshape(cells, (1, count, per_cell)), (rows, count, per_cell))
-    k = ops.reshape(ops.arange(per_cell - 1, cells), (1, 1, per_cell - 1))
-    src = ops.reshape(ops.take_along_axis(table, k + ops.as_index(k >= offsets), axis=2), (rows, count * (per_cell - 1)))
-    return _destinations(ops, cells, offsets), _with_leftover(ops, src, leftover)
+    return _destinations(ops, cells, offsets), _with_leftover(ops, _destinations(ops, cells, offsets, True), leftover)
 
 
 def neighbour_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, window: int) -> Array:
-    """For local matching: ``[S, (2*window+1)**2]`` indices of the destinations whose cells lie within
-    ``window`` cells of each source's cell (clamped at the borders, so some repeat), in :func:`split`'s
-    source order. A leftover token counts as being in its nearest cell. Depends on shapes only."""
-    return cached(ops, like, ("neighbours", h, w, sx, sy, window), lambda: _neighbours(ops, like, h, w, sx, sy, window))
-
-
-def _neighbours(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, window: int) -> Array:
-    hsy, wsx = h // sy, w // sx
-    per_cell = sx * sy - 1
-    cell = ops.arange(hsy * wsx * per_cell, like) // per_cell
-    row, col = cell // wsx, cell % wsx
-    _, leftover = cell_table(ops, like, h, w, sx, sy)
-    if leftover is not None:
-        row = ops.concat([row, _clamp(ops, leftover // w // sy, hsy - 1)], axis=0)
-        col = ops.concat([col, _clamp(ops, leftover % w // sx, wsx - 1)], axis=0)
-    return _within(ops, like, row, col, hsy, wsx, window)
+    """For local matching: ``[S, (2*window+1)**2]`` the destinations within ``window`` cells of each source's cell
+    (its nearest for a leftover token; clamped at the borders, so some repeat), in :func:`split`'s source order."""
+    def build() -> Array:
+        hsy, wsx = h // sy, w // sx
+        cell = ops.arange(hsy * wsx * (sx * sy - 1), like) // (sx * sy - 1)
+        row, col = cell // wsx, cell % wsx
+        _, leftover = cell_table(ops, like, h, w, sx, sy)
+        if leftover is not None:
+            row = ops.concat([row, _clamp(ops, leftover // w // sy, hsy - 1)], axis=0)
+            col = ops.concat([col, _clamp(ops, leftover % w // sx, wsx - 1)], axis=0)
+        return _within(ops, like, row, col, hsy, wsx, window)
+    return cached(ops, like, ("neighbours", h, w, sx, sy, window), build)
 
 
 Band = Tuple[int, int, int, int]  # (first source, end of sources, first destination, end of destinations)
@@ -233,13 +218,10 @@ class FrameSearch(NamedTuple):
 def frame_search(
     h: int, w: int, sx: int, sy: int, frame_rows: int, window: Optional[int], offset: int = 0
 ) -> Optional[FrameSearch]:
-    """For a video whose frames of ``frame_rows`` token rows are stacked in the ``h x w`` grid's rows (the first
-    row being row ``offset`` of its frame): the grid tiled frame by frame, so that no cell spans two frames, and
-    the destinations each run of sources meets: those of the frames within ``window`` frames of its own (the
-    similarity then costs linear, not quadratic, in frames). A frame's leftover tokens meet what its cells meet; a
-    frame (or a process's piece of one) thinner than a cell is grouped with the next frames until the group holds
-    ``sy`` rows (a short last group joins the one before). None where every source meets every destination (no
-    frames, ``window`` None or spanning the video, no full cell). Depends on shapes only (Python ints)."""
+    """For frames of ``frame_rows`` rows stacked in an ``h x w`` grid (its first row: row ``offset`` of a frame): the
+    grid tiled frame by frame, frames thinner than a cell grouped until a group holds ``sy`` rows, and each run of
+    sources meeting the destinations of the frames within ``window`` of its own (``docs/how-it-works.md``). None
+    where every source meets every destination. Python ints only."""
     key = (h, w, sx, sy, frame_rows, window, offset)
     if key not in _BANDS:
         if len(_BANDS) >= 256:
@@ -266,17 +248,15 @@ def _frame_search(
     pieces = frame_pieces(h, frame_rows, offset)
     if not window_limits(len(pieces), window) or h < sy or w < sx:
         return None
-    groups: List[List[int]] = []  # [rows, first frame, last frame]
+    groups: List[Tuple[int, int, int]] = []  # (rows, first frame, last frame)
     for frame, rows in enumerate(pieces):
-        if groups and groups[-1][0] < sy:
-            groups[-1][0] += rows
-            groups[-1][2] = frame
+        if groups and groups[-1][0] < sy:  # thinner than a cell: takes the next frame
+            groups[-1] = (groups[-1][0] + rows, groups[-1][1], frame)
         else:
-            groups.append([rows, frame, frame])
-    if len(groups) > 1 and groups[-1][0] < sy:
+            groups.append((rows, frame, frame))
+    if len(groups) > 1 and groups[-1][0] < sy:  # a short last group joins the one before
         rows, _, last = groups.pop()
-        groups[-1][0] += rows
-        groups[-1][2] = last
+        groups[-1] = (groups[-1][0] + rows, groups[-1][1], last)
     if len(groups) == 1:
         return None
     wsx, per_cell = w // sx, sx * sy - 1
@@ -349,9 +329,8 @@ def _drawn_offsets(
 def split_table(
     ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: Optional[int], tiling: Optional[Tiling] = None
 ) -> Tuple[Array, Array]:
-    """``(order [R, N], dst_slot [R, N])`` for the grid's ``R = DRAWS`` drawn partitions (``seed`` None: the fixed
-    one, ``R = 1``): ``order`` is :func:`split`'s sources then destinations, ``dst_slot`` each destination token's
-    place among the destinations (0 at sources). Kept (:func:`cached`)."""
+    """Kept ``(order [R, N], dst_slot [R, N])`` of the ``R = DRAWS`` drawn partitions (``seed`` None: the fixed one):
+    :func:`split`'s sources then destinations, and each destination token's place among them (0 at sources)."""
     def build():
         cells, leftover = _cells(ops, like, h, w, sx, sy, tiling)
         dst, src = _split_rows(ops, cells, leftover, _drawn_offsets(ops, like, h, w, sx, sy, seed, tiling))
@@ -362,8 +341,8 @@ def split_table(
 
 
 def pick_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: Optional[int]) -> Array:
-    """``[R, cells + leftover]``: the token standing for each cell in each drawn partition (as :func:`split_table`),
-    then the leftover tokens. Built once per shape and seed and kept (:func:`cached`)."""
+    """Kept ``[R, cells + leftover]``: the token standing for each cell in each drawn partition (as
+    :func:`split_table`), then the leftover tokens."""
     def build():
         cells, leftover = _cells(ops, like, h, w, sx, sy)
         return _with_leftover(ops, _destinations(ops, cells, _drawn_offsets(ops, like, h, w, sx, sy, seed, None)), leftover)
@@ -371,9 +350,8 @@ def pick_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, see
 
 
 class Draw(NamedTuple):
-    """Which drawn partition each block stream uses in one call: the step's thousandths plus the stream's own
-    offset, modulo :data:`DRAWS`; one gather per grid for every stream at once, nothing read on the host. The
-    block's ``stream`` among the model's ``streams``; ``drawn``: the call's arrays by grid and seed."""
+    """Which drawn partition the block ``stream`` of ``streams`` uses in one call (the step's thousandths plus its
+    own offset, modulo :data:`DRAWS`), nothing read on the host; ``drawn``: the call's arrays by grid and seed."""
 
     seed: int
     step: Union[int, Array]
@@ -395,8 +373,7 @@ class Draw(NamedTuple):
         return rows
 
     def row(self, ops: ArrayOps, like: Array, key: Tuple, table: Array) -> Array:
-        """This stream's row of ``table`` (kept drawn partitions, one per row, named by ``key``) in this call: every
-        stream's rows are taken at once, once per call and table."""
+        """This stream's row of ``table`` (kept drawn partitions named by ``key``), taken for every stream at once."""
         chosen = self.drawn.get(key)
         if chosen is None:
             chosen = self.drawn[key] = ops.take(table, self.rows(ops, like), axis=0)
@@ -408,10 +385,9 @@ _STREAM_SPREAD = 7  # consecutive blocks land 7 draws apart (coprime with DRAWS:
 
 @dataclass(frozen=True)
 class Partition:
-    """One block's ``h x w`` grid split for one call, all its match reads of the grid (:func:`partition_grid`):
-    ``cells``, ``leftover`` (:func:`cell_table`), ``dst``, ``src`` (:func:`split`), ``neighbours``
-    (:func:`neighbour_table`) and ``nearby`` (:func:`window_table`) for local matching, the ``reference`` frame of
-    a chunk of ``frames`` (an int or a 1-element index array), ``bands`` and ``tiling`` (:func:`frame_search`)."""
+    """One block's ``h x w`` grid split for one call (:func:`partition_grid`), all its match reads: ``cells``,
+    ``leftover`` (:func:`cell_table`), ``dst``, ``src`` (:func:`split`), ``neighbours`` (:func:`neighbour_table`),
+    ``nearby`` (:func:`window_table`), ``bands``, ``tiling`` (:func:`frame_search`), a chunk's ``reference`` frame."""
 
     h: int
     w: int
@@ -453,8 +429,6 @@ def partition_grid(
     tiling = None if search is None else search.tiling
     cells, leftover = _cells(ops, like, h, w, sx, sy, tiling)
     count = num_cells(h, w, sx, sy, tiling)
-    full = count > 0
-    tabled = offsets is None  # drawn (draw) or fixed: from the tables; explicit offsets: split here
     seed = draw.seed if draw is not None else None
     if draw is not None and frames > 1:  # each chunk's reference: a destination in a 1 x K cell, the next seed
         table = draw_table(ops, like, 1, frames, frames, 1, seed + 1)
@@ -462,7 +436,7 @@ def partition_grid(
     if frames > 1 and reference is None:
         reference = frames // 2
     dst = src = neighbours = nearby = bands = order = dst_slot = picked = None
-    if full and picks and tabled:
+    if count and picks and offsets is None:  # drawn or fixed: from the tables; explicit offsets: split here
 
         def row(name: str, table: Array) -> Array:  # fixed: the table's one row; drawn: this stream's in this call
             return table[0] if draw is None else draw.row(ops, like, (name, h, w, sx, sy, seed, tiling), table)
@@ -471,7 +445,7 @@ def partition_grid(
             order, dst_slot = row("order", order), row("slots", dst_slot)
         else:
             picked = row("picks", pick_table(ops, like, h, w, sx, sy, seed))
-    if similarity and full:
+    if similarity and count:
         if order is not None:
             src, dst = order[: h * w - count], order[h * w - count :]
         else:
