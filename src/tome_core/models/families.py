@@ -216,8 +216,7 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
     # Bria: FLUX.1's blocks; its pipelines pass the scheduler's timesteps (0-1000)
     BlockFamily("bria-double", ("BriaTransformerBlock",), _FLUX_DOUBLE, rotary="image_rotary_emb"),
     BlockFamily("bria-single", ("BriaSingleTransformerBlock",), _FLUX_SINGLE, rotary="image_rotary_emb"),
-    # Bria-FIBO: a key-padding mask over [text; image] at every attention; its model hands its single blocks
-    # [text; image]
+    # Bria-FIBO: a key-padding mask over [text; image] at every attention; its single blocks are handed [text; image]
     BlockFamily(
         "bria-fibo-double", ("BriaFiboTransformerBlock",), _masked(_FLUX_DOUBLE, _KEY_MASK[0]),
         rotary="image_rotary_emb",
@@ -279,8 +278,7 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
     BlockFamily("cogview3plus", ("CogView3PlusTransformerBlock",), (_COG_JOINT, _PREFIX_ATTN_FF[1])),
     BlockFamily(  # CogView4 (and GLM-Image's blocks): the MLP runs on the image, then on the text
         "cogview4", ("CogView4TransformerBlock", "GlmImageTransformerBlock"),
-        (_COG_JOINT, Sublayer("ff", "mlp", once=True)),
-        rotary="image_rotary_emb",
+        (_COG_JOINT, Sublayer("ff", "mlp", once=True)), rotary="image_rotary_emb",
     ),
     # Hunyuan-DiT: rotary positions reach the cross-attention's queries too
     BlockFamily("hunyuan-dit", ("HunyuanDiTBlock",), _SELF_CROSS_MLP, rotary="image_rotary_emb"),
@@ -332,8 +330,7 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
     ),
     BlockFamily(  # EasyAnimate: joint attention over [text; image]; blocks past its MMDiT ones run ff on the text too
         "easyanimate", ("EasyAnimateTransformerBlock",),
-        (_COG_JOINT, Sublayer("ff", "mlp", once=True)),
-        rotary="image_rotary_emb",
+        (_COG_JOINT, Sublayer("ff", "mlp", once=True)), rotary="image_rotary_emb",
     ),
     BlockFamily(  # Nucleus-MoE-Image: image queries over [image; text] keys; its MoE routes on unmodulated tokens
         "nucleus-moe", ("NucleusMoEImageTransformerBlock",),
@@ -513,10 +510,8 @@ for _family in BLOCK_FAMILIES:
 
 @dataclass(frozen=True)
 class Temporal:
-    """A module class whose blocks attend across frames (one sequence per pixel): ToMe never hooks them.
-
-    children: the attributes holding its temporal blocks where it also holds spatial ones (SVD's); empty: all of it.
-    """
+    """A module class whose blocks attend across frames (one sequence per pixel): ToMe never hooks them; ``children``:
+    the attributes holding its temporal blocks where it also holds spatial ones (SVD's), empty: all of it."""
 
     name: str
     children: Tuple[str, ...] = ()

@@ -22,11 +22,6 @@ def temporal_modules(fw: Framework, model: Any) -> set:
     ))
 
 
-def text_only_modules(fw: Framework, model: Any) -> set:
-    """The ids of the modules under a model's ``text_only`` children (``ModelLayout``)."""
-    return _held(fw, model, lambda module: model_layout(type(module)).text_only or None)
-
-
 def _held(fw: Framework, model: Any, paths: Callable[[Any], Optional[Tuple[str, ...]]]) -> set:
     """The ids of everything under the children ``paths(module)`` names (``""``: the module itself) of each module
     inside ``model`` for which it names any."""
@@ -44,7 +39,7 @@ def blocks_of(fw: Framework, model: Any) -> List[Tuple[Any, BlockFamily]]:
     ``ldm`` UNet, :attr:`~tome_core.models.families.UNetPath.counted`'s). Temporal and text-only blocks are left
     out: they never merge and count in no block index, level or statistic."""
     found = []
-    skip = temporal_modules(fw, model) | text_only_modules(fw, model)
+    skip = temporal_modules(fw, model) | _held(fw, model, lambda module: model_layout(type(module)).text_only or None)
     path = model_layout(type(model)).unet
     modules = fw.submodules(model) if path is None else [
         module for name in path.counted if fw.is_module(getattr(model, name, None))
