@@ -1,6 +1,5 @@
 """The hooks on each transformer block and its sub-layers: the block decides its :class:`BlockPlan` as it
-starts; each merged sub-layer merges its input (and moves rotary positions and masks, and arms size-aware
-attention with a :class:`~tome_core.hooks.attention_bias.SizeBias`) and unmerges its output. Framework-free."""
+starts; each merged sub-layer merges its input and unmerges its output. Framework-free."""
 
 from __future__ import annotations
 
@@ -165,7 +164,9 @@ class BlockRun:
         deciding = call.merging and unmerged_by is None
         if call.merging and unmerged_by is not None:  # the call runs this block unmerged: said once
             name, why = family.unmerged_with
-            state.ledger.say_once(f"ToMe on {self.where}: calls whose blocks get {name} ({why}) run unmerged in those blocks")
+            state.ledger.say_once(
+                f"ToMe on {self.where}: calls whose blocks get {name} ({why}) run unmerged in those blocks"
+            )
             state.ledger.hold(f"they got {name} ({why})")
         config, fallback = self._arrangement(state.active) if deciding else (None, None)
         settled = self.settled
@@ -206,17 +207,16 @@ class BlockRun:
         return BlockPlan(config, matches, head, tail, level)
 
     def _ran_on(self, x: Any) -> Optional[Tuple[Any, BlockPlan]]:
-        """What an earlier run of this block on ``x`` used, if this is a recomputation of it: on ``x`` itself
-        (non-reentrant checkpointing), or on a tensor whose data ``x`` shares (reentrant checkpointing
-        recomputes from a detached copy); the earlier input is alive, so its memory holds no other tensor."""
+        """What an earlier run of this block on ``x`` used, if this recomputes it: on ``x`` itself (non-reentrant
+        checkpointing) or on a live tensor whose data ``x`` shares (reentrant: a detached copy)."""
         earlier = self.ran.get(id(x))
         if earlier is not None and earlier[0]() is x:
             return earlier
         return next((entry for entry in self.ran.values() if self.fw.same_data(entry[0](), x)), None)
 
     def _own_piece(self, ops: ArrayOps, x: Any) -> Any:
-        """This process's piece of a block input that context parallelism splits inside the block's own call
-        (:attr:`Shards.split_inside`); ``x`` itself otherwise."""
+        """This process's piece of an input that context parallelism splits inside the block
+        (:attr:`Shards.split_inside`)."""
         shards = self.state.call.shards
         if shards is None or id(self.block) not in shards.split_inside:
             return x
@@ -269,21 +269,20 @@ class BlockRun:
 
 
 def family_argument_position(family: BlockFamily, block: Any) -> Optional[int]:
-    """Where ``block``'s forward takes its family's ``text_after_with`` argument by position (None: by keyword
-    only, or the family has none)."""
+    """Where ``block``'s forward takes its family's ``text_after_with`` argument by position (None: none)."""
     return _named_position(block, family.text_after_with)[1]
 
 
 def family_in_call(family: BlockFamily, at: Optional[int], args, kwargs) -> BlockFamily:
-    """``family`` as a block call with these arguments runs it: with its text after the image where the call gives
-    its ``text_after_with`` argument (at position ``at``, :func:`~tome_core.models.families.with_text_after`)."""
+    """``family`` as a block call runs it: :func:`~tome_core.models.families.with_text_after` where the call gives
+    its ``text_after_with`` argument (at position ``at``)."""
     if family.text_after_with is None or argument(args, kwargs, family.text_after_with, at) is None:
         return family
     return with_text_after(family)
 
 
 def _named_position(block: Any, name: Optional[str]) -> Tuple[Optional[str], Optional[int]]:
-    """``(name, its position in block's forward)``; ``(None, None)`` for no name (a call reads None there)."""
+    """``(name, its position in block's forward)``; ``(None, None)`` for no name."""
     return (name, argument_positions(forward_of(type(block)), name)[name]) if name else (None, None)
 
 
@@ -331,8 +330,8 @@ class SublayerHooks:
         self.kv_name = sublayer.kv_input or "encoder_hidden_states"
         # where module's forward takes the arguments that move with its tokens by position (None: by keyword only)
         self.at = argument_positions(
-            forward_of(type(module)), "attention_mask", self.kv_name, *self.rotary, *(name for name, _ in sublayer.masks),
-            *sublayer.aligned, *sublayer.counts, *sublayer.log_bases,
+            forward_of(type(module)), "attention_mask", self.kv_name, *self.rotary,
+            *(name for name, _ in sublayer.masks), *sublayer.aligned, *sublayer.counts, *sublayer.log_bases,
         )
         self.head = 0  # the head in this call's input (sublayer_head)
         self.inside = Inside(fw, run, sublayer, module) if sublayer.projections else None
@@ -371,8 +370,12 @@ class SublayerHooks:
             return self.fw.kernel_keys(module, args, kwargs, KernelKeys(match, text, tail, head, own), bias)
         change = lambda image: merge(image, match)  # noqa: E731
         merged = around_image(x, match.tokens, tail, text, change, head)
-        if mode != "tokens":
-            return self._arrange(module, args, kwargs, x, merged, match, mode, size_aware)
+        if mode == "queries":  # a self-attention's queries merged, every token its keys and values
+            args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
+            return args, {**kwargs, sublayer.kv_input: x}
+        if mode != "tokens":  # kv: its queries kept, the merged tokens its keys and values
+            kwargs = {**kwargs, sublayer.kv_input: merged}
+            return self._size_aware(module, args, kwargs, match, merged) if size_aware else (args, kwargs)
         args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
         for name in sublayer.aligned:
             other = argument(args, kwargs, name, at[name])
@@ -427,10 +430,9 @@ class SublayerHooks:
 
     def _passes(self, args, kwargs) -> bool:
         """Whether this call of the sub-layer runs on all its tokens: a call after the block's first where it runs
-        once on the image (:attr:`Sublayer.once`), or a self-attention given an ``attention_mask`` over its tokens
-        that the family table does not say how to gather (SkyReels-V2's block-causal mask; a UNet call's), or that
-        is no array of its input's type (a flex-attention ``BlockMask``: Qwen-Image 2.1's): merging would mix tokens the mask keeps
-        apart."""
+        once on the image (:attr:`Sublayer.once`), or a self-attention given an ``attention_mask`` that the family
+        table does not gather (SkyReels-V2's block-causal mask; a UNet call's) or that is no array of its input's
+        type (Qwen-Image 2.1's flex ``BlockMask``): merging would mix tokens the mask keeps apart."""
         run, child = self.run, self.sublayer.child
         if self.sublayer.once and child in run.merged:
             self.passing = True
@@ -490,32 +492,15 @@ class SublayerHooks:
         if output is None or match is None or match.merged == 0 or mode == "kv":
             self.stored = (None, None)
             return None
-        result = self._unmerge(output, match)
-        self.stored = (output, result) if cached else (None, None)
-        return result
-
-    def _unmerge(self, output: Any, match: Match) -> Any:
-        index = self.sublayer.output
+        index, extra = self.sublayer.output, self.sublayer.extra_outputs
         image = output if index is None else output[index]
         head = sublayer_head(self.run, self.sublayer, get_ops(image).shape(image)[1], match.kept)
         image = around_image(image, match.kept, self.run.plan.tail, self.sublayer.text, lambda x: unmerge(x, match), head)
-        if index is None:
-            return image
-        extra = self.sublayer.extra_outputs
-        return type(output)(
+        result = image if index is None else type(output)(
             image if i == index else unmerge(part, match) if i in extra else part for i, part in enumerate(output)
         )
-
-    def _arrange(self, module, args, kwargs, x, merged, match, mode, size_aware):
-        """The ``kv`` or ``queries`` arrangement of a self-attention."""
-        name = self.sublayer.kv_input
-        if mode == "queries":
-            args, kwargs = replace_argument(args, kwargs, "hidden_states", 0, merged)
-            return args, {**kwargs, name: x}
-        kwargs = {**kwargs, name: merged}
-        if size_aware:
-            return self._size_aware(module, args, kwargs, match, merged)
-        return args, kwargs
+        self.stored = (output, result) if cached else (None, None)
+        return result
 
     def _merge_rotary(self, args, kwargs, match, name: str, at: Optional[int]):
         """The sub-layer's rotary argument ``name`` (at position ``at``) moved to the merged tokens."""
@@ -556,11 +541,9 @@ class SublayerHooks:
 
 
 class KernelKeys:
-    """The ``kv`` arrangement inside an attention kernel, for a self-attention that computes its keys and values
-    itself from every token (joint attention over text and image, rotary keys: no ``kv_input`` to hand merged
-    tokens to): each call of the kernel gets its image keys and values, after the processor's projections, norms
-    and rotary positions, merged by the block's match; its queries keep every token, so nothing unmerges. The
-    adapter calls :meth:`reduce` on ``[B, K, C]`` keys and values laid out as :class:`SizeBias` reads them."""
+    """The ``kv`` arrangement inside the attention kernel of a self-attention that computes its keys and values
+    itself (no ``kv_input``): the adapter calls :meth:`reduce` on each kernel call's ``[B, K, C]`` keys and values,
+    after the processor's projections, norms and rotary positions; the queries keep every token."""
 
     def __init__(self, match: Match, text: str, tail: int = 0, head: int = 0, own: Tuple[int, int] = (0, 0)):
         self.match = match
@@ -570,8 +553,8 @@ class KernelKeys:
         self.head = head
 
     def reduce(self, x: Any, first: int = 0) -> Any:
-        """``[B, K, C]`` keys (or values) of one kernel call -> ``[B, K - r, C]``: the image part merged. A call over
-        part of the batch (Mochi attends item by item) holds the items from ``first`` on."""
+        """``[B, K, C]`` keys (or values) -> ``[B, K - r, C]``, the image part merged; a call over part of the batch
+        (Mochi's, item by item) holds the items from ``first`` on."""
         match = self.match
         batch, keys = get_ops(x).shape(x)[:2]
         if not self.holds_image(keys):
@@ -588,7 +571,7 @@ class KernelKeys:
         return around_image(x, match.tokens, self.tail, layout, change, self.head)
 
     def _part(self, image: Any, first: int) -> Any:
-        """Image tokens of the items from ``first`` on, merged: placed in a whole batch of zeros to merge."""
+        """Image tokens of the items from ``first`` on, merged within a whole batch of zeros."""
         ops, match = get_ops(image), self.match
         batch, tokens, channels = ops.shape(image)
         zeros = lambda count: [ops.zeros((count, tokens, channels), image)] if count else []  # noqa: E731
@@ -596,28 +579,24 @@ class KernelKeys:
         return merge(whole, match)[first : first + batch]
 
     def holds_image(self, keys: int) -> bool:
-        """Whether a kernel call over ``keys`` keys can attend to the block's image tokens. One over fewer attends
-        to other tokens, which pass as they are: the leading head tokens alone (Flux.2 Klein KV's extract step,
-        Qwen-Image 2.1's prefix segments), an IP-Adapter's image prompt (:meth:`SizeBias.holds_image`)."""
+        """Whether a kernel call over ``keys`` keys can attend to the block's image tokens; fewer pass as they are
+        (the head alone: Flux.2 Klein KV's extract step; an IP-Adapter's image prompt)."""
         return keys >= self.head + self.match.tokens + self.tail
 
     def own_call(self, queries: int, keys: int) -> bool:
-        """Whether a kernel call of ``queries`` queries over ``keys`` keys is the attention's own
-        (:func:`~tome_core.hooks.attention_bias.own_call`)."""
+        """:func:`~tome_core.hooks.attention_bias.own_call` of a kernel call."""
         return own_call(self.own, self.holds_image(keys), queries, keys)
 
     def reduce_mask(self, mask: Any, axis: int) -> Any:
-        """An attention mask whose ``axis`` runs over the kernel call's keys, moved to the merged keys (each
-        merged key takes its destination's entry); one broadcast over the keys serves as it is."""
+        """An attention mask whose ``axis`` runs over the kernel call's keys, moved to the merged keys."""
         if not self.holds_image(get_ops(mask).shape(mask)[axis]):
             return mask
         return merge_positions((mask,), self.match, axis, self.tail, text_follows(self.text), self.head)[0]
 
 
 def same_logarithm(base: float, whole: int, short: int) -> float:
-    """The base under which the logarithm of ``short`` is that of ``whole`` under ``base``
-    (:attr:`~tome_core.models.families.Sublayer.log_bases`): ``base ** (ln short / ln whole)``. ``base`` itself where no
-    base can hold it (fewer than two tokens)."""
+    """``base ** (ln short / ln whole)``: the base under which ``log(short)`` is ``log(whole)`` under ``base``
+    (:attr:`~tome_core.models.families.Sublayer.log_bases`); ``base`` itself below two tokens."""
     if short < 2 or whole < 2 or short == whole:
         return base
     return float(base) ** (math.log(short) / math.log(whole))
@@ -625,16 +604,15 @@ def same_logarithm(base: float, whole: int, short: int) -> float:
 
 def sublayer_head(run: "BlockRun", sublayer: Sublayer, length: int, tokens: int) -> int:
     """The block's head in a sub-layer's input (or output) of ``length`` tokens around ``tokens`` image tokens:
-    where no text shares the tensor, a sub-layer may run on the grid alone (Helios' cross-attention gets the
-    current frames without their history), and then it has none."""
+    none where a sub-layer without text runs on the grid alone (Helios' cross-attention)."""
     if sublayer.text in (TEXT_PREFIX, TEXT_SUFFIX) or length == run.plan.head + tokens + run.plan.tail:
         return run.plan.head
     return 0
 
 
 def around_image(x: Any, tokens: int, tail: int, text: str, change: Callable[[Any], Any], head: int = 0) -> Any:
-    """``x`` ``[B, L, C]`` with its ``tokens`` image tokens replaced by ``change(image)``: ``x`` is ``[head; image;
-    tail]``, or with the rest of ``L`` text in front (``text == TEXT_PREFIX``) or behind (``TEXT_SUFFIX``)."""
+    """``x`` ``[B, L, C]``, ``[head; image; tail]`` with the rest text in front (``TEXT_PREFIX``) or behind
+    (``TEXT_SUFFIX``), with its ``tokens`` image tokens replaced by ``change(image)``."""
     ops = get_ops(x)
     length = ops.shape(x)[1]
     words = length - head - tokens - tail if text in (TEXT_PREFIX, TEXT_SUFFIX) else 0
@@ -652,13 +630,11 @@ def merge_positions(
     rotary: Any, match: Match, axis: int = 0, tail: int = 0, text_after: bool = False, head: int = 0,
     memo: Optional[Dict[Any, Any]] = None,
 ) -> Any:
-    """Tables ``(cos, sin)`` (rotary positions, token masks) over ``[text; head; image; tail]`` tokens along
-    ``axis`` (``[head; image; tail; text]`` with ``text_after``) moved to the merged tokens: each merged token takes the entry
-    of the token it stands at (its destination). The match is shared by the batch, so batch item 0 tells every
-    item's positions. A table of one entry along ``axis`` gives every token that entry (it broadcasts, as the
-    rotary tables of diffusers' HunyuanDiT model test do): it serves the merged tokens as it is. ``memo``: the
-    call's arrays (:attr:`Matching.drawn <tome_core.hooks.matching.Matching.drawn>`), where tables of one shape that every block of the call gets (a
-    model's rotary positions) are stacked once, so that each block moves them in one gather instead of one each."""
+    """Tables (rotary positions, token masks) over ``[text; head; image; tail]`` along ``axis`` (``[head; image;
+    tail; text]`` with ``text_after``) moved to the merged tokens: each takes its destination's entry, batch item
+    0's (the match is shared by the batch); a table of one entry broadcasts and stays. ``memo``: the call's arrays
+    (:attr:`Matching.drawn <tome_core.hooks.matching.Matching.drawn>`), where tables that every block gets are
+    stacked once, so that each block moves them in one gather."""
     if match.representatives is None:
         return rotary
     tables = tuple(rotary)
@@ -676,8 +652,8 @@ def merge_positions(
 
 
 def _stacked(tables: Tuple[Any, ...], axis: int, memo: Dict[Any, Any]) -> Any:
-    """``tables`` stacked along a new first axis, once per call (``memo``), where there are several of one type and
-    shape, longer than one entry along ``axis``; else None."""
+    """Several ``tables`` of one type and shape (longer than one along ``axis``) stacked along a new first axis,
+    once per call (``memo``); else None."""
     if len(tables) < 2 or any(isinstance(table, (tuple, list)) for table in tables):
         return None
     ops = get_ops(tables[0])
@@ -723,9 +699,8 @@ def _along(axis: int, start: int, stop: int) -> Tuple[slice, ...]:
 
 class Inside:
     """ToMe inside an attention that keeps its norm and residual to itself (:attr:`Sublayer.projections`): while a
-    call of it armed by :meth:`SublayerHooks.before` runs, pre-hooks on its query, key and value projections merge their
-    inputs (``[B, N, C]`` tokens, after its norm) and a post-hook on its output projection unmerges that one's
-    output (before its residual), as the call's arrangement says."""
+    call armed by :meth:`SublayerHooks.before` runs, its query, key and value projections merge their inputs and
+    its output projection unmerges its output, as the call's arrangement says."""
 
     def __init__(self, fw: Framework, run: BlockRun, sublayer: Sublayer, module: Any):
         self.fw = fw
@@ -755,8 +730,8 @@ class Inside:
         self.acted = False
 
     def done(self, module: Any, output: Any) -> Optional[str]:
-        """The armed attention returned (``output`` None: it raised): disarm, and refuse a call whose processor
-        passed by the projections. Returns the sub-layer kind that ran merged (None: none did)."""
+        """The armed attention returned (``output`` None: it raised): disarm, refuse a processor that passed by
+        the projections, and return the sub-layer kind that ran merged (None: none did)."""
         armed, acted = self.armed, self.acted
         self.armed, self.query, self.keys = None, (None, None), (None, None)
         if armed is None:
@@ -805,7 +780,7 @@ class Inside:
         return (self.keys[1],) + tuple(args[1:]), kwargs
 
     def _live(self) -> bool:
-        """Whether a call armed this attention in its block's present run (not one that an interrupt cut short)."""
+        """Whether a call armed this attention in its block's present run (not an interrupted one)."""
         return self.armed is not None and self.plan is self.run.plan
 
     def _output(self, module, args, kwargs, output):

@@ -268,16 +268,12 @@ class GridTeller:
         self.before = before  # a maker the object itself held before this one (None: its class's)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        own = self.before or _class_method(self.pipeline, self.maker.method)
+        cls = type(self.pipeline)  # its own method as its class defines it (a static method as its function):
+        own = self.before or inspect.getattr_static(cls, self.maker.method).__get__(self.pipeline, cls)
         ids = own(*args, **kwargs)
         given = inspect.signature(own).bind(*args, **kwargs).arguments
         tell_grid(ids, given.get(self.maker.rows), given.get(self.maker.cols))
         return ids
-
-
-def _class_method(obj: Any, name: str) -> Callable[..., Any]:
-    """``obj``'s method ``name`` as its class defines it (a static method as its function)."""
-    return inspect.getattr_static(type(obj), name).__get__(obj, type(obj))
 
 
 def tell_grids(fw: Framework, pipeline: Any) -> None:
