@@ -502,7 +502,7 @@ def measure_block(case: Case, turns: Turns, call: Callable[[], torch.Tensor], de
     seen: Dict[str, Any] = {}
 
     def reach(module, args, kwargs):
-        seen.update(args=args, kwargs=kwargs, grid=state.grid_hw, call=state.call._replace(execution=None))
+        seen.update(args=args, kwargs=kwargs, grid=state.grid_hw, call=state.call._replace(execution=None, key=None))
         raise _Reached
 
     handle = block.register_forward_pre_hook(reach, with_kwargs=True)

@@ -70,7 +70,7 @@ def test_an_eager_call_that_merges_nothing_adds_few_python_calls(name):
     assert "blocks unmerged" in summary and "->" not in summary
     # Before the hooks' host time was cut: +10% on both (16 hooked blocks of SD 1.5 deciding from their sizes at
     # every call, 70 of SDXL); now only the finest level's blocks are hooked, and they repeat the last call's decision.
-    assert patched - unpatched <= 0.03 * unpatched, (patched, unpatched)
+    assert patched - unpatched <= 0.03 * unpatched, (patched, unpatched, (patched - unpatched) / unpatched)
 
 
 def _keys_seen(unet, side):

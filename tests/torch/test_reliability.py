@@ -274,7 +274,7 @@ def test_two_models_with_different_options_share_no_state_across_threads(unet):
             for got, want in zip(results[name], alone[name]):
                 torch.testing.assert_close(got, want, rtol=0, atol=0)
     states = {name: tome.patched_models(model)[0][1] for name, model in models.items()}
-    assert states["a"].latent_hw == (16, 16) and states["b"].latent_hw == (10, 22)
+    assert states["a"].call.latent_hw == (16, 16) and states["b"].call.latent_hw == (10, 22)
     assert states["a"].config.ratio == 0.5 and states["b"].config.ratio == 0.3
 
 

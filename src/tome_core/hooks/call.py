@@ -16,7 +16,7 @@ class CallFacts(NamedTuple):
     after the grid's in every block's image stream, never merged, or before it where ``grid_last`` (FramePack's
     history); ``shards``, how context parallelism splits its tokens (``latent_hw`` is then this process's piece);
     ``execution``, its device and execution (``Framework.execution``; None: read by its first block); and
-    ``frame_rows``, the rows of each video frame its latent stacks (0: one frame)."""
+    ``frame_rows``, the rows of each video frame its latent stacks (0: one frame); ``key``: :meth:`eager`."""
 
     latent_hw: Optional[Tuple[int, int]] = None
     step: Any = 0
@@ -28,13 +28,15 @@ class CallFacts(NamedTuple):
     shards: Optional[Shards] = None
     execution: Optional[Tuple[str, str]] = None
     frame_rows: int = 0
+    key: Any = None  # what an eager call's blocks decide their sizes from (:meth:`eager`; None: not eager)
 
-    @property
-    def key(self) -> Any:
-        """What an eager call's blocks decide their sizes from: a call with the same key repeats their decisions
-        (:class:`~tome_core.hooks.block_hooks.BlockRun`); None where the call is not eager."""
-        eager = self.execution is not None and self.execution[1] == "eager" and self.shards is None
-        return self._replace(step=None, why=None) if eager else None
+    def eager(self) -> CallFacts:
+        """These facts with their :attr:`key`: a call with the same key repeats its blocks' size decisions
+        (:class:`~tome_core.hooks.block_hooks.BlockRun`); only in an eager call (read once, as the call starts)."""
+        execution = self.execution
+        if execution is None or execution[1] != "eager" or self.shards is not None:
+            return self
+        return self._replace(key=(self.latent_hw, self.videos, self.merging, self.tail, self.grid_last, execution, self.frame_rows))
 
     def frames(self, grid: Optional[Tuple[int, int]]) -> Tuple[int, int]:
         """``(frame_rows, offset)``: a block on ``grid`` sees a video whose frames of ``frame_rows`` rows are stacked

@@ -106,7 +106,7 @@ class ToMeState:
         self.matching.start_call(self.config.reuse_steps)
         self.ledger.start_call()
         self.in_call = True
-        self.call, self.grid_hw = call, None
+        self.call, self.grid_hw = call.eager(), None
         if call.merging and not call.frame_rows and self.config.frame_window != DEFAULT_FRAME_WINDOW:
             self.ledger.say_once(
                 f"ToMe on {self.ledger.where}: frame_window={self.config.frame_window!r} sets how many frames the "
