@@ -124,8 +124,7 @@ def batch_as_channels(ops: ArrayOps, metric: Array) -> Array:
 
 
 def rank_sources(ops: ArrayOps, best: Array) -> Array:
-    """Source indices ``[B, S]``, best matched first; a stable sort, so ties break by source order
-    identically on every backend."""
+    """Source indices ``[B, S]``, best matched first: a stable sort, so ties break by source order on every backend."""
     return ops.argsort_desc(best)
 
 
@@ -189,8 +188,7 @@ def partition_bipartite(
         raise ValueError(f"grid {part.h}x{part.w} has {part.h * part.w} tokens but the metric has {tokens}")
     if not any(merged) or not part.full_cells:
         return [identity_match(ops, batch, tokens) for _ in merged]
-    dst, src = part.dst, part.src
-    num_src = ops.shape(src)[0]
+    dst, src, num_src = part.dst, part.src, ops.shape(part.src)[0]
     if max(merged) > num_src:
         raise ValueError(f"cannot merge {max(merged)} of {num_src} source tokens")
     best, best_dst = best_destinations(
@@ -315,8 +313,7 @@ def _pooled(ops: ArrayOps, like: Array, batch: int, part: Partition) -> Match:
     num_cells, per_cell = ops.shape(cells)
     num_left = 0 if leftover is None else ops.shape(leftover)[0]
     kept, tokens = num_cells + num_left, part.h * part.w
-    cell_of = ops.reshape(ops.broadcast_to(ops.reshape(ops.arange(num_cells, cells), (num_cells, 1)), (num_cells, per_cell)), (tokens - num_left,))
-    token, slot = ops.reshape(cells, (tokens - num_left,)), cell_of
+    token, slot = ops.reshape(cells, (tokens - num_left,)), ops.arange(tokens - num_left, cells) // per_cell
     representatives = ops.reshape(ops.take(cells, ops.zeros((1,), cells), axis=1), (num_cells,))
     sizes = ops.ones((num_cells,), like) * per_cell
     if leftover is not None:
@@ -382,8 +379,7 @@ def match_block(
     ``part.frames > 1``)."""
     batch, tokens = ops.shape(metric)[:2]
     if part is None:
-        identity = identity_match(ops, batch, tokens)
-        return {sublayer: identity for sublayer in merged}
+        return dict.fromkeys(merged, identity_match(ops, batch, tokens))
     if matching == "cell":
         found = (partition_sampled if cell_pool == "sample" else partition_pooled)(ops, metric, batch, part)
         return {sublayer: found if count else identity_match(ops, batch, tokens) for sublayer, count in merged.items()}
@@ -410,8 +406,7 @@ class Matcher(Protocol):
 
 
 class ToMeMatcher:
-    """ToMe's :class:`Matcher`: the block's partition drawn for this call
-    (:func:`~tome_core.algorithm.partition.partition_grid`), then :func:`match_block`."""
+    """ToMe's :class:`Matcher`: :func:`~tome_core.algorithm.partition.partition_grid`, then :func:`match_block`."""
 
     sized = True
 

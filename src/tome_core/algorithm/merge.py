@@ -12,8 +12,7 @@ from .ops import Array
 
 
 def _features(x: Array, match: Match, moved: Callable[[Array, Match], Array]) -> Array:
-    """``moved(x, match)`` on ``x`` ``[B, N, *features]`` seen as ``[B, N, C]`` (C: the product of the features), its
-    result given ``x``'s feature axes back; ``[B, N, C]`` passes straight through."""
+    """``moved(x, match)`` on ``x`` ``[B, N, *features]`` seen as ``[B, N, C]``, its result given the features back."""
     ops = match.ops
     shape = ops.shape(x)
     if len(shape) == 3:
@@ -46,8 +45,7 @@ def _merge(x: Array, match: Match) -> Array:
 
 
 def unmerge(x: Array, match: Match) -> Array:
-    """``[B, N - r, C] -> [B, N, C]`` (``[B * K, N / K, C]`` for a cross-frame match); the identity when
-    nothing merges."""
+    """``[B, N - r, C] -> [B, N, C]`` (``[B * K, N / K, C]`` for a cross-frame match); identity when nothing merges."""
     return x if match.merged == 0 else _features(x, match, _unmerge)
 
 

@@ -4,6 +4,7 @@ the same split. A video searched within a frame window is tiled frame by frame (
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -35,7 +36,6 @@ def random_offsets(
     for an array of ``S`` streams): a counter-based hash of (seed, step, stream, cell), the same on every backend;
     ``step`` may be a traced or on-device number (read without a host sync), steps 1/1000 apart differ."""
     hsy, wsx = h // sy, w // sx
-    cell = ops.arange(hsy * wsx, like)
     several = not isinstance(stream, int)
     key = (stream % _PRIME + (seed % _PRIME) * _MIX[0] % _PRIME) * _MIX[1] % _PRIME
     if several:  # an array of streams: one row of cells each
@@ -46,7 +46,7 @@ def random_offsets(
     whole = floor(step)
     step = ((whole % _PRIME) * 1000 + floor((step - whole) * 1000)) % _PRIME
     x = (step + key) * _MIX[2] % _PRIME
-    x = _scramble((x + cell) % _PRIME)
+    x = _scramble((x + ops.arange(hsy * wsx, like)) % _PRIME)  # one hash per cell
     # The seed's higher digits in base p, each mixed in by a further round (none for seeds below p), so that
     # distinct seeds give distinct partitions far beyond p (every seed below p**3 > 2**45 has its own digits).
     high = seed // _PRIME
@@ -207,8 +207,7 @@ def window_limits(frames: int, window: Optional[int]) -> bool:
 
 
 class FrameSearch(NamedTuple):
-    """:func:`frame_search`'s answer: the rows of each group of frames (``tiling``), each group's first and last
-    frame (``frames``), and the runs of sources, in :func:`split`'s order, with the destinations each meets."""
+    """:func:`frame_search`'s answer: each group of frames' rows and first and last frame, and the runs of sources."""
 
     tiling: Tiling
     frames: Tuple[Tuple[int, int], ...]
@@ -260,9 +259,7 @@ def _frame_search(
     if len(groups) == 1:
         return None
     wsx, per_cell = w // sx, sx * sy - 1
-    first_cell = [0]  # each group's first cell, and the end of the last
-    for rows, _, _ in groups:
-        first_cell.append(first_cell[-1] + rows // sy * wsx)
+    first_cell = [0, *itertools.accumulate(rows // sy * wsx for rows, _, _ in groups)]  # each group's, then the end
     reaches = []
     for _, first, last in groups:  # the groups whose frames all lie within the window of this group's
         low = next(j for j, group in enumerate(groups) if group[1] >= first - window)
@@ -280,8 +277,7 @@ def _frame_search(
 
 
 def window_table(ops: ArrayOps, like: Array, h: int, w: int, window: int) -> Array:
-    """``[h*w, (2*window+1)**2]``: for each token of an ``h x w`` grid, the tokens within ``window`` rows and
-    columns of it (clamped at the borders, so some repeat). Depends on shapes only."""
+    """Kept ``[h*w, (2*window+1)**2]``: the tokens within ``window`` rows and columns of each (clamped: some repeat)."""
     return cached(ops, like, ("window", h, w, window), lambda: _within(
         ops, like, ops.arange(h * w, like) // w, ops.arange(h * w, like) % w, h, w, window
     ))
@@ -307,8 +303,7 @@ draws): a call's step picks one for each block stream (:class:`Draw`), for ``2 *
 
 
 def draw_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: int) -> Array:
-    """``[DRAWS, h//sy, w//sx]``: each cell's destination position in each drawn partition under ``seed`` (row
-    ``i``: :func:`random_offsets` of stream ``i`` at step 0), kept (:func:`cached`)."""
+    """Kept ``[DRAWS, h//sy, w//sx]``: row ``i`` is :func:`random_offsets` of stream ``i`` at step 0 under ``seed``."""
     return cached(ops, like, ("draws", h, w, sx, sy, seed), lambda: random_offsets(
         ops, like, h, w, sx, sy, seed, 0, ops.arange(DRAWS, like)
     ))
@@ -359,25 +354,19 @@ class Draw(NamedTuple):
     streams: int
     drawn: Dict[Tuple, Any]
 
-    def rows(self, ops: ArrayOps, like: Array) -> Array:
-        """``[streams]``: the drawn partition of every stream in this call (computed once per call)."""
-        streams = max(self.streams, self.stream + 1)
-        key = ("rows", self.seed, streams)
-        rows = self.drawn.get(key)
-        if rows is None:
-            offsets = cached(ops, like, ("stream offsets", self.seed, streams), lambda: (
-                ops.arange(streams, like) * _STREAM_SPREAD + (self.seed % _PRIME) * _MIX[0]
-            ) % DRAWS)
-            floor = math.floor if isinstance(self.step, (int, float)) else ops.as_index
-            rows = self.drawn[key] = (offsets + floor(self.step * 1000)) % DRAWS
-        return rows
-
     def row(self, ops: ArrayOps, like: Array, key: Tuple, table: Array) -> Array:
         """This stream's row of ``table`` (kept drawn partitions named by ``key``), taken for every stream at once."""
-        chosen = self.drawn.get(key)
-        if chosen is None:
-            chosen = self.drawn[key] = ops.take(table, self.rows(ops, like), axis=0)
-        return chosen[self.stream]
+        if key not in self.drawn:
+            streams = max(self.streams, self.stream + 1)
+            every = ("rows", self.seed, streams)  # every stream's draw in this call, for all its tables
+            if every not in self.drawn:
+                offsets = cached(ops, like, ("stream offsets", self.seed, streams), lambda: (
+                    ops.arange(streams, like) * _STREAM_SPREAD + (self.seed % _PRIME) * _MIX[0]
+                ) % DRAWS)
+                floor = math.floor if isinstance(self.step, (int, float)) else ops.as_index
+                self.drawn[every] = (offsets + floor(self.step * 1000)) % DRAWS
+            self.drawn[key] = ops.take(table, self.drawn[every], axis=0)
+        return self.drawn[key][self.stream]
 
 
 _STREAM_SPREAD = 7  # consecutive blocks land 7 draws apart (coprime with DRAWS: all distinct up to DRAWS streams)
