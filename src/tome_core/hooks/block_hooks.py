@@ -180,9 +180,18 @@ class BlockRun:
         if family.feature_map:  # its grid is its input's (B, C, H, W), entered as the state decides
             grid = own_grid = tuple(ops.shape(metric)[2:])
             metric = pixels(ops, metric)
-        metric = self._own_piece(ops, _batch_first(ops, metric) if family.sequence_first else metric)
+        metric = _batch_first(ops, metric) if family.sequence_first else metric
+        shards = call.shards
+        if shards is not None and id(self.block) in shards.split_inside:  # context parallelism splits it in the block
+            if family.stream != TEXT_NONE:
+                raise ValueError(
+                    f"ToMe cannot merge {self.where} {CONTEXT_PARALLEL}: its {type(self.block).__name__} splits its "
+                    "input of text and image tokens together, so a process's piece mixes both"
+                )
+            length = ops.shape(metric)[1] // shards.count
+            metric = metric[:, shards.rank * length : (shards.rank + 1) * length]  # this process's piece
         head, tail = around_grid(ops, metric, family.stream, grid, call.tail, call.grid_last)
-        if head + tail > call.tail and call.shards is not None:
+        if head + tail > call.tail and shards is not None:
             raise ValueError(
                 f"ToMe cannot merge {self.where} {CONTEXT_PARALLEL}: its {type(self.block).__name__}s get "
                 f"{head + tail - call.tail} tokens of other images beside the output's grid, which the split divides "
@@ -213,20 +222,6 @@ class BlockRun:
         if earlier is not None and earlier[0]() is x:
             return earlier
         return next((entry for entry in self.ran.values() if self.fw.same_data(entry[0](), x)), None)
-
-    def _own_piece(self, ops: ArrayOps, x: Any) -> Any:
-        """This process's piece of an input that context parallelism splits inside the block
-        (:attr:`Shards.split_inside`)."""
-        shards = self.state.call.shards
-        if shards is None or id(self.block) not in shards.split_inside:
-            return x
-        if self.family.stream != TEXT_NONE:
-            raise ValueError(
-                f"ToMe cannot merge {self.where} {CONTEXT_PARALLEL}: its {type(self.block).__name__} splits its "
-                "input of text and image tokens together, so a process's piece mixes both"
-            )
-        length = ops.shape(x)[1] // shards.count
-        return x[:, shards.rank * length : (shards.rank + 1) * length]
 
     def _arrangement(self, config: ToMeConfig) -> Tuple[ToMeConfig, Optional[str]]:
         """The options this block runs with now, and why they are a fallback (None: they are not): ``config``,
@@ -309,16 +304,11 @@ def block_problem(block: Any, config: ToMeConfig) -> None:
 
 
 class SublayerHooks:
-    """The hooks of one merged sub-layer of a block run: :meth:`before` merges the image tokens of its first input
-    (text stays), moves rotary positions and masks, and arms size-aware attention; :meth:`after` unmerges the
-    image stream of its output. Its :class:`Sublayer` is the family's entry as the block's call runs it
-    (:func:`family_in_call`).
-
-    A self-attention with a ``kv_input`` runs in the configured arrangement: ``tokens`` merges its input, ``kv``
-    hands it the merged tokens as keys and values, ``queries`` merges its queries and hands it every token as
-    keys and values; without one, ``kv`` asked for by name merges inside its attention kernel (:class:`KernelKeys`).
-    An output cache (e.g. Pyramid Attention Broadcast) that hands back a stored output gets that call's unmerged
-    result instead, as it would unpatched."""
+    """The hooks of one merged sub-layer (its :class:`Sublayer` as the block's call runs it, :func:`family_in_call`):
+    :meth:`before` merges the image tokens of its first input, moves rotary positions and masks, and arms
+    size-aware attention, or the ``kv``/``queries`` arrangement (inside the attention kernel without a
+    ``kv_input``: :class:`KernelKeys`); :meth:`after` unmerges the image stream of its output. An output cache
+    (e.g. Pyramid Attention Broadcast) that hands back a stored output gets that call's unmerged result."""
 
     def __init__(self, fw: Framework, run: BlockRun, sublayer: Sublayer, module: Any):
         self.fw = fw
@@ -350,18 +340,26 @@ class SublayerHooks:
         self.passing = self.in_kernel = False
         if self.run.plan is self.run.idle:  # its block runs unmerged in this call
             return None
-        if self.inside is not None:
-            return self._arm_inside(module, args, kwargs)
-        run, sublayer, at = self.run, self.sublayer, self.at
-        match = run.plan.matches.get(sublayer.kind)
-        if match is not None and match.merged == 0:  # it runs on all its tokens, as its match says
-            run.count(sublayer.kind)
-        if match is None or match.merged == 0 or self._passes(args, kwargs):
-            return None
-        mode, size_aware = run.arrangement(sublayer.kind, sublayer.attention)
-        self.fw.output_cache(module)  # a cache set after patch is checked here
+        run, sublayer, at, inside = self.run, self.sublayer, self.at, self.inside
         x = argument(args, kwargs, "hidden_states", 0)
+        # one that merges at its projections (Inside) given keys and values other than its input, with no image
+        # among them, is a cross-attention: it merges its queries as crossattn
+        kv = argument(args, kwargs, self.kv_name, at[self.kv_name]) if inside is not None else None
+        cross = inside is not None and (self.text_only or (sublayer.text == TEXT_NONE and kv is not None and kv is not x))
+        kind = "crossattn" if cross else sublayer.kind
+        match = run.plan.matches.get(kind)
+        if match is not None and match.merged == 0:  # it runs on all its tokens, as its match says
+            run.count(kind)
+        # a cross-attention's attention_mask is over the text's keys (Kandinsky 3's), which merging never touches
+        if match is None or match.merged == 0 or (not cross and self._passes(args, kwargs)):
+            return None
+        mode, size_aware = run.arrangement(kind, sublayer.attention and not cross)
         tail, text = run.plan.tail, sublayer.text
+        if inside is not None:
+            inside.arm(match, mode, cross, size_aware)
+            bias = SizeBias(match, text, x, tail, whole_mask=False) if size_aware else None
+            return None if bias is None else self.fw.size_aware(module, args, kwargs, bias)
+        self.fw.output_cache(module)  # a cache set after patch is checked here
         self.head = head = sublayer_head(run, sublayer, get_ops(x).shape(x)[1], match.tokens)
         if mode == "kv" and kv_in_kernel(self.fw, sublayer, module):
             own = self._own_keys(args, kwargs, x, match.tokens)  # its queries keep every token
@@ -406,27 +404,6 @@ class SublayerHooks:
         if text == TEXT_NONE and attends_text:
             return args, kwargs
         return self._size_aware(module, args, kwargs, match, merged)
-
-    def _arm_inside(self, module, args, kwargs):
-        """Arm the hooks inside an attention that merges at its projections (:class:`Inside`) for this call: a
-        self-attention, or a cross-attention (keys and values other than its input, with no image among them),
-        which merges its queries as ``crossattn``."""
-        x = argument(args, kwargs, "hidden_states", 0)
-        kv = argument(args, kwargs, self.kv_name, self.at[self.kv_name])
-        cross = (self.sublayer.text == TEXT_NONE and kv is not None and kv is not x) or self.text_only
-        kind = "crossattn" if cross else self.sublayer.kind
-        match = self.run.plan.matches.get(kind)
-        if match is not None and match.merged == 0:  # it runs on all its tokens, as its match says
-            self.run.count(kind)
-        # a cross-attention's attention_mask is over the text's keys (Kandinsky 3's), which merging never touches
-        if match is None or match.merged == 0 or (not cross and self._passes(args, kwargs)):
-            return None
-        mode, size_aware = self.run.arrangement(kind, self.sublayer.attention and not cross)
-        self.inside.arm(match, mode, cross, size_aware)
-        if not size_aware:
-            return None
-        bias = SizeBias(match, self.sublayer.text, x, self.run.plan.tail, whole_mask=False)
-        return self.fw.size_aware(module, args, kwargs, bias)
 
     def _passes(self, args, kwargs) -> bool:
         """Whether this call of the sub-layer runs on all its tokens: a call after the block's first where it runs
