@@ -43,10 +43,9 @@ class BlockPlan:
 def around_grid(
     ops: ArrayOps, x: Any, stream: str, grid: Optional[Tuple[int, int]], tail: int, grid_last: bool
 ) -> Tuple[int, int]:
-    """``(head, tail)``: the tokens before and after the grid's in a block's image stream ``x`` ``[B, L, C]``: the
-    call's ``tail``, and in a stream of image tokens alone (:data:`~tome_core.models.families.TEXT_NONE`) every
-    token past the grid too (FLUX.3's joint blocks get reference images' tokens after the output's); the head
-    instead where the call's grid comes last (``grid_last``: FramePack)."""
+    """``(head, tail)``: the tokens around the grid's in a block's image stream ``x`` ``[B, L, C]``: the call's
+    ``tail``, and in a stream of image tokens alone every token past the grid too (FLUX.3's reference images),
+    the head instead where the call's grid comes last (``grid_last``: FramePack)."""
     if stream != TEXT_NONE or grid is None:
         return 0, tail
     extra = max(ops.shape(x)[1] - grid[0] * grid[1] - tail, 0)
@@ -67,9 +66,9 @@ def image_tokens(ops: ArrayOps, x: Any, stream: str, grid: Optional[Tuple[int, i
 
 
 class Settled(NamedTuple):
-    """What a block ran unmerged for its size in an eager call: a call with the same ``key``
-    (:attr:`CallFacts.key <tome_core.hooks.call.CallFacts.key>`), input ``shape``, ``family`` and ``config`` runs it
-    so again, counted as ``unpaid`` (``(level, why, tokens)``; None: not counted)."""
+    """A block that ran unmerged for its size in an eager call: one with the same :attr:`CallFacts.key
+    <tome_core.hooks.call.CallFacts.key>`, input ``shape``, ``family`` and ``config`` runs so again, counted as
+    ``unpaid`` (``(level, why, tokens)``; None: not counted)."""
 
     key: Any
     shape: Any
@@ -79,11 +78,9 @@ class Settled(NamedTuple):
 
 
 class BlockRun:
-    """The matches of one transformer block while it runs, shared by the hooks of its sub-layers.
-
-    A block that gradient checkpointing runs again in backward gets its input back, but the state may by then be
-    another call's: so a forward that records gradients remembers, per input tensor (while it lives), the plan it
-    ran with, and a run on the same tensor takes it back instead of matching again."""
+    """The plan of one transformer block while it runs, shared by its sub-layers' hooks. A forward that records
+    gradients remembers its plan per input tensor (while it lives): a recomputation in backward (gradient
+    checkpointing), when the state may be another call's, takes it back instead of matching again."""
 
     def __init__(
         self, fw: Framework, state: ToMeState, family: BlockFamily, stream: int, block: Any, ratio: Optional[float],
@@ -100,7 +97,6 @@ class BlockRun:
         self.merged: set = set()  # sub-layers (children) merged in this run of the block
         self.masks = any(sublayer.masks for sublayer in family.sublayers)  # gathered like rotary positions
         self.text_after = with_text_after(family) if family.text_after_with else None  # family_in_call's variant
-        # what begin reads of the block's call: its metric, the text_after_with and the unmerged_with argument
         self.reads = (
             block_metric(family, block), _named_position(block, family.text_after_with),
             _named_position(block, family.unmerged_with[0] if family.unmerged_with else None),
@@ -108,9 +104,8 @@ class BlockRun:
         self.lent = False  # another model may run this block in its own call (ModelLayout.lent)
         self.idle = BlockPlan(state.active)  # the plan of a run that merges nothing (its options are not read)
         self.plan = self.idle
-        # the kind of each hooked sub-layer (None: an Inside one), and the slots whose merge is still to come
-        self.kinds: List[Optional[str]] = []
-        self.unfinished: Optional[Set[int]] = None
+        self.kinds: List[Optional[str]] = []  # the kind of each hooked sub-layer (None: an Inside one)
+        self.unfinished: Optional[Set[int]] = None  # the slots whose merge is still to come in this run
         self.ran: Dict[int, Tuple[Any, BlockPlan]] = {}  # id(input): (weakref to it, the plan it ran with)
         self.settled: Optional[Settled] = None  # the last eager call in which it ran unmerged for its size
 
@@ -147,9 +142,8 @@ class BlockRun:
         self.unfinished = None if None in kinds else {slot for slot, kind in enumerate(kinds) if kind in plan.matches}
 
     def finished(self, slot: int) -> None:
-        """The hooked sub-layer ``slot`` has run. Once every sub-layer that merges in this call has, the block lets
-        go of its matches: what runs after them (the feed-forward, where a DiT block peaks) holds no more memory
-        than unpatched. A block with an :class:`Inside` sub-layer keeps them to its end."""
+        """The hooked sub-layer ``slot`` has run; after the last that merges, the block lets go of its matches, so
+        what follows (a DiT block's peak, its feed-forward) holds no more memory than unpatched (Inside: at its end)."""
         unfinished = self.unfinished
         if unfinished is None:
             return
@@ -316,8 +310,7 @@ class SublayerHooks:
         self.index = run.base.sublayers.index(sublayer)
         family = run.family
         self.rotary = tuple(name for name in (family.rotary, family.key_rotary) if name is not None)
-        # what the attention takes keys and values from (diffusers' encoder_hidden_states, Flax's context)
-        self.kv_name = sublayer.kv_input or "encoder_hidden_states"
+        self.kv_name = sublayer.kv_input or "encoder_hidden_states"  # where its keys and values come from
         # where module's forward takes the arguments that move with its tokens by position (None: by keyword only)
         self.at = argument_positions(
             forward_of(type(module)), "attention_mask", self.kv_name, *self.rotary,
@@ -406,10 +399,9 @@ class SublayerHooks:
         return self._size_aware(module, args, kwargs, match, merged)
 
     def _passes(self, args, kwargs) -> bool:
-        """Whether this call of the sub-layer runs on all its tokens: a call after the block's first where it runs
-        once on the image (:attr:`Sublayer.once`), or a self-attention given an ``attention_mask`` that the family
-        table does not gather (SkyReels-V2's block-causal mask; a UNet call's) or that is no array of its input's
-        type (Qwen-Image 2.1's flex ``BlockMask``): merging would mix tokens the mask keeps apart."""
+        """Whether this call runs on all its tokens: a call after the block's first of a :attr:`Sublayer.once`, or
+        a self-attention given an ``attention_mask`` that the family table does not gather (SkyReels-V2's; a UNet
+        call's) or that is no array (Qwen-Image 2.1's flex ``BlockMask``): merging would mix tokens it keeps apart."""
         run, child = self.run, self.sublayer.child
         if self.sublayer.once and child in run.merged:
             self.passing = True
@@ -510,9 +502,8 @@ class SublayerHooks:
         )
 
     def _own_keys(self, args, kwargs, keys_from: Any, queried: int) -> Tuple[int, int]:
-        """The fewest ``(queries, keys)`` of this attention's own call: its queries hold the ``queried`` image tokens,
-        its keys every token of ``keys_from`` and, for a joint attention given its text apart, at least one text token
-        (a call item by item, as Mochi's, drops an item's padded text; Nucleus-MoE's queries are the image's alone)."""
+        """The fewest ``(queries, keys)`` of this attention's own call: ``queried`` image tokens, and the tokens of
+        ``keys_from`` with at least one of the text a joint attention is given apart (Mochi's drops padded text)."""
         joint = self.sublayer.text in (TEXT_BEFORE, TEXT_AFTER) and argument(args, kwargs, "encoder_hidden_states", None) is not None
         return queried, get_ops(keys_from).shape(keys_from)[1] + joint
 
@@ -608,10 +599,9 @@ def merge_positions(
     memo: Optional[Dict[Any, Any]] = None,
 ) -> Any:
     """Tables (rotary positions, token masks) over ``[text; head; image; tail]`` along ``axis`` (``[head; image;
-    tail; text]`` with ``text_after``) moved to the merged tokens: each takes its destination's entry, batch item
-    0's (the match is shared by the batch); a table of one entry broadcasts and stays. ``memo``: the call's arrays
-    (:attr:`Matching.drawn <tome_core.hooks.matching.Matching.drawn>`), where tables that every block gets are
-    stacked once, so that each block moves them in one gather."""
+    tail; text]`` with ``text_after``) moved to the merged tokens: each takes its destination's entry (batch item
+    0's: the match is shared); one of one entry broadcasts and stays. ``memo``: the call's arrays (:attr:`Matching.drawn
+    <tome_core.hooks.matching.Matching.drawn>`), where tables every block gets are stacked once for one gather."""
     if match.representatives is None:
         return rotary
     tables = tuple(rotary)

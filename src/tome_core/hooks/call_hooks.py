@@ -1,7 +1,6 @@
-"""The hooks on a patched model: :class:`CallStart` begins each call (its timestep, its latent or token
-grid as the model's :mod:`~tome_core.models.grid_readers` reader places it, context parallelism), the grid hooks tell
-blocks their grid where the model's input does not; on a patched pipeline, :class:`Generations` counts its
-generations and :class:`GridTeller` tags the ids it makes with their grid. Framework-free."""
+"""The hooks on a patched model: :class:`CallStart` begins each call (its timestep, its grid, context
+parallelism), the grid hooks tell blocks their grid where the model's input does not; on a patched pipeline,
+:class:`Generations` counts its generations and :class:`GridTeller` tags its ids with their grid. Framework-free."""
 
 from __future__ import annotations
 
