@@ -124,7 +124,7 @@ def assert_patched_agree(torch_model, paddle_model, run_torch, run_paddle, optio
                 assert relative_error(ours_torch, plain) > 1e-3  # merging really changed the output
             assert relative_error(ours_paddle, ours_torch) < 1e-5
         (_, torch_state), (_, paddle_state) = tome_torch.patched_models(torch_model)[0], tome_paddle.patched_models(paddle_model)[0]
-        assert torch_state.stats == paddle_state.stats and torch_state.stats
+        assert torch_state.ledger.stats == paddle_state.ledger.stats and torch_state.ledger.stats
     finally:
         tome_torch.remove(torch_model)
         tome_paddle.remove(paddle_model)
@@ -323,7 +323,7 @@ def test_training_step_gradients_agree(pair, arrangement):
         loss_torch, grads_torch = torch_training_step(pair, target)
         loss_paddle, grads_paddle = paddle_training_step(pair, target)
         (_, torch_state), (_, paddle_state) = tome_torch.patched_models(pair.torch_unet)[0], tome_paddle.patched_models(pair.paddle_unet)[0]
-        assert torch_state.stats == paddle_state.stats and torch_state.stats
+        assert torch_state.ledger.stats == paddle_state.ledger.stats and torch_state.ledger.stats
     finally:
         tome_torch.remove(pair.torch_unet)
         tome_paddle.remove(pair.paddle_unet)
