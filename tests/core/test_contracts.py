@@ -150,7 +150,7 @@ def test_a_grid_smaller_than_one_cell_says_so_once_and_merges_nothing():
     # summary() counts no block as merged there (attention sees all 8 tokens) and says why
     assert matches["attn"].merged == 0 and not state.ledger.stats
     assert "1/1 scale: no block merged: a 8x1 token grid is smaller than one 2x2 cell" in state.summary()
-    assert state.level(8, matches) is None  # not counted as a block that ran merged
+    assert state.decide(metric, 0, False, None, state.active, None)[1] is None  # not counted as a block that ran merged
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         state.begin_call(CallFacts((8, 1), 400))

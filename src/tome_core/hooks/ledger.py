@@ -48,7 +48,6 @@ class Ledger:
     started: bool = False  # a call has begun since patch
 
     def start_call(self) -> None:
-        """A call begins: the statistics start again."""
         self.started = True
         self.stats, self.fallbacks, self.unpaid, self.too_small, self.passes, self.held = ({} for _ in range(6))
 
@@ -62,8 +61,7 @@ class Ledger:
         stats.frames = match.frames
 
     def passed(self, level: Level, sublayer: str, why: str, tokens: int) -> None:
-        """Count a block at ``level`` whose matched ``sublayer`` ran on all its ``tokens`` image tokens, because of
-        ``why``."""
+        """Count a block at ``level`` whose matched ``sublayer`` ran on all its ``tokens`` tokens, because of ``why``."""
         stats = self.passes.setdefault((level[0], sublayer, why), LevelStats())
         stats.blocks += 1
         stats.tokens = stats.kept = tokens
@@ -73,8 +71,7 @@ class Ledger:
         self.held[why] = self.held.get(why, 0) + 1
 
     def unpaid_block(self, factor: int, why: str, tokens: int) -> None:
-        """Count a block of ``tokens`` tokens at level ``factor`` that runs unmerged because merging would not pay
-        there (``why``)."""
+        """Count a block of ``tokens`` tokens at level ``factor`` that runs unmerged: merging would not pay (``why``)."""
         if factor not in self.unpaid:
             self.unpaid[factor] = (LevelStats(), why)
         level = self.unpaid[factor][0]
@@ -88,9 +85,8 @@ class Ledger:
             warnings.warn(message, UserWarning, stacklevel=3)
 
     def tell_unpaid(self, factor: int, why: str, min_tokens: Optional[int]) -> None:
-        """Tell the user once per patch (:attr:`inform`) that blocks at level ``factor`` run unmerged because merging
-        would not pay there (``why``), and how to merge anyway: otherwise a patch that merges nothing looks like one
-        that merges, unless its user reads ``summary()``."""
+        """Tell the user once per patch (:attr:`inform`) that blocks at level ``factor`` run unmerged (``why``), and how
+        to merge anyway: otherwise a patch that merges nothing looks like one that merges."""
         if UNPAID in self.said:
             return
         self.said.add(UNPAID)

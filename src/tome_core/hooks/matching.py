@@ -40,12 +40,10 @@ class Matching:
         self.drawn = {}
 
     def follow_generation(self, timestep: float, generation: Any = None) -> None:
-        """With ``reuse_steps > 1``, called before each call with its (largest) timestep and, for a model patched
-        in its pipeline, the pipeline's generation (:func:`~tome_core.hooks.call_hooks.generation`). A new
-        generation drops the matches and restarts the count of calls, so that the same seed gives the same image in
-        every generation. Without the pipeline a new generation is a timestep above the previous call's (sampling
-        runs from high noise to low); repeated calls at one timestep (conditional and unconditional halves run
-        apart) stay in one generation, and so do one-step generations, which only the pipeline tells apart."""
+        """With ``reuse_steps > 1``, before each call: its (largest) timestep and its pipeline's ``generation``, if any.
+        A new generation drops the matches and counts calls from 0, so a seed gives the same image in every one.
+        Without the pipeline, a timestep above the previous call's starts one (sampling runs from high noise to
+        low); calls at one timestep (conditional and unconditional halves) stay in one."""
         if generation is not None:
             if generation != self.generation:
                 self.calls = 0

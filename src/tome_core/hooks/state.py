@@ -129,7 +129,8 @@ class ToMeState:
         fallback: Optional[str], grid: Optional[Tuple[int, int]] = None,
     ) -> Tuple[Optional[Dict[str, Match]], Optional[Level], Optional[Tuple[int, str, int]]]:
         """What a block does with its image tokens ``image`` ``[B, N, C]`` in this merging call, read in one pass:
-        ``(matches, level, None)`` where it merges (:meth:`block_matches`, counted at ``level``: :meth:`level`);
+        ``(matches, level, None)`` where it merges (:meth:`block_matches`; ``level``: where it is counted, None
+        where it merges nothing);
         ``(None, None, unpaid)`` where it runs unmerged for its size: at a level above ``max_downsample`` (``unpaid``
         None: not counted), or where merging would not pay (:mod:`tome_core.models.cost`; ``unpaid``: ``(level, why,
         tokens)``, counted for :meth:`summary`). ``grid``: the block's own grid, entered first (a block whose input
@@ -195,12 +196,6 @@ class ToMeState:
             ops, metric, place, config, merged, cell, frames, self.call.frames(place.grid), self.call.step, stream,
             shared, block_ratio, reuse,
         )
-
-    def level(self, tokens: int, matches: Dict[str, Match], *, fallback: Optional[str] = None) -> Optional[Level]:
-        """Where a block of ``tokens`` image tokens, given ``matches`` by :meth:`block_matches` (``fallback``: why
-        its options were :meth:`fallback`'s), is counted in this call's statistics; None: it merges nothing at its
-        level (above ``max_downsample``, at ratio 0, or in a grid too small), and is not counted."""
-        return self._level(block_place(self._latent(), tokens, self.grid_hw), matches, fallback)
 
     def _level(self, place: Place, matches: Dict[str, Match], fallback: Optional[str]) -> Optional[Level]:
         if place.factor in self.ledger.too_small or not any(match.merged for match in matches.values()):
