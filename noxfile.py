@@ -65,9 +65,9 @@ PARALLEL = ["-n", "2", "--dist", "worksteal"]
 CI_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HYPOTHESIS_PROFILE": "ci"}
 
 
-def run_tests(session, backends, *folders, env=None):
+def run_tests(session, backends, *folders, env=None, core=True):
     session.run(
-        "pytest", *PARALLEL, "tests/core", *folders, *session.posargs,
+        "pytest", *PARALLEL, *(["tests/core"] if core else []), *folders, *session.posargs,
         env={"TOME_TEST_BACKENDS": backends, **CI_ENV, **(env or {})},
     )
 
@@ -114,7 +114,8 @@ def tests_paddle_torch(session):
     session.install(*TEST, *PADDLE, "torch==2.13.0", "diffusers==0.32.2")
     session.install("--no-deps", *PADDLE_NO_DEPS)
     session.install(".")
-    run_tests(session, "numpy,paddle,torch", "tests/paddle/test_torch_parity.py")
+    # tests/core ran on each backend in its own session already
+    run_tests(session, "numpy,paddle,torch", "tests/paddle/test_torch_parity.py", core=False)
 
 
 @nox.session(name="tests-jax")
