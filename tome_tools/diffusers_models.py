@@ -97,6 +97,23 @@ def transformer_inputs(model: torch.nn.Module, height: int, width: int, batch: i
     )
 
 
+def add_flux_ip_adapter(model: torch.nn.Module, inputs: Dict[str, Any], scale: float, batch: int) -> None:
+    """Give every attention of a tiny Flux diffusers' ``FluxIPAdapterAttnProcessor`` at ``scale`` (random
+    image-prompt projections, 4 image-prompt tokens, seeded) and ``inputs`` (a call of ``batch`` items) its image
+    prompt."""
+    from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
+
+    width = model.config.num_attention_heads * model.config.attention_head_dim
+    generator = torch.Generator().manual_seed(3)
+    processors = {}
+    for name in model.attn_processors:
+        processor = processors[name] = FluxIPAdapterAttnProcessor(width, 16, num_tokens=(4,), scale=scale)
+        for parameter in processor.parameters():
+            parameter.data = torch.randn(parameter.shape, generator=generator) * 0.1
+    model.set_attn_processor(processors)
+    inputs["joint_attention_kwargs"] = {"ip_hidden_states": [torch.randn(batch, 4, 16, generator=generator)]}
+
+
 def _packed_inputs(model: torch.nn.Module, h: int, w: int, batch: int, text: int, randn: Any) -> Dict[str, Any]:
     """A call of a packed-token transformer on an ``h x w`` token grid: every argument its ``forward`` takes of
     those its kin take (ids with one column per rotary axis, Qwen-Image's ``img_shapes``, Chroma's attention

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import tome_core.torch as tome
-from tome_tools.diffusers_models import build_transformer, build_unet, transformer_inputs
+from tome_tools.diffusers_models import add_flux_ip_adapter, build_transformer, build_unet, transformer_inputs
 
 
 class KeyCounts(TorchFunctionMode):
@@ -83,21 +83,10 @@ def test_a_patched_model_called_inside_a_merged_attention_runs_as_alone():
 
 
 def flux_with_ip_adapter(scale: float):
-    """A tiny Flux whose attentions run diffusers' ``FluxIPAdapterAttnProcessor`` (random image-prompt projections,
-    4 image-prompt tokens), and its call's inputs."""
-    from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
-
+    """A tiny Flux whose attentions run diffusers' ``FluxIPAdapterAttnProcessor``, and its call's inputs."""
     model = build_transformer("tiny-flux")
     inputs = transformer_inputs(model, 16, 12, batch=2, text=7)
-    width = model.config.num_attention_heads * model.config.attention_head_dim
-    generator = torch.Generator().manual_seed(3)
-    processors = {}
-    for name in model.attn_processors:
-        processor = processors[name] = FluxIPAdapterAttnProcessor(width, 16, num_tokens=(4,), scale=scale)
-        for parameter in processor.parameters():
-            parameter.data = torch.randn(parameter.shape, generator=generator) * 0.1
-    model.set_attn_processor(processors)
-    inputs["joint_attention_kwargs"] = {"ip_hidden_states": [torch.randn(2, 4, 16, generator=generator)]}
+    add_flux_ip_adapter(model, inputs, scale, batch=2)
     return model, inputs
 
 

@@ -882,22 +882,14 @@ def _flux_ip_adapter(scale: Optional[float], grid: Tuple[int, int], batch: int) 
     """The tiny Flux with diffusers' ``FluxIPAdapterAttnProcessor`` in every attention (random image-prompt
     projections, 4 image-prompt tokens) at ``scale``, and a call on a ``grid`` of packed tokens with its image
     prompt; ``scale`` None: the plain ``FluxAttnProcessor``, called without one."""
-    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor, FluxIPAdapterAttnProcessor
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
     model = tools.build_transformer("tiny-flux")
     inputs = tools.transformer_inputs(model, 2 * grid[0], 2 * grid[1], batch=batch)
     if scale is None:
         model.set_attn_processor(FluxAttnProcessor())
-        return model, inputs
-    width = model.config.num_attention_heads * model.config.attention_head_dim
-    generator = torch.Generator().manual_seed(3)
-    processors = {}
-    for name in model.attn_processors:
-        processor = processors[name] = FluxIPAdapterAttnProcessor(width, 16, num_tokens=(4,), scale=scale)
-        for parameter in processor.parameters():
-            parameter.data = torch.randn(parameter.shape, generator=generator) * 0.1
-    model.set_attn_processor(processors)
-    inputs["joint_attention_kwargs"] = {"ip_hidden_states": [torch.randn(batch, 4, 16, generator=generator)]}
+    else:
+        tools.add_flux_ip_adapter(model, inputs, scale, batch)
     return model, inputs
 
 
