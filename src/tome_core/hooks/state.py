@@ -129,12 +129,11 @@ class ToMeState:
         fallback: Optional[str], grid: Optional[Tuple[int, int]] = None,
     ) -> Tuple[Optional[Dict[str, Match]], Optional[Level], Optional[Tuple[int, str, int]]]:
         """What a block does with its image tokens ``image`` ``[B, N, C]`` in this merging call, read in one pass:
-        ``(matches, level, None)`` where it merges (:meth:`block_matches`; ``level``: where it is counted, None
-        where it merges nothing);
-        ``(None, None, unpaid)`` where it runs unmerged for its size: at a level above ``max_downsample`` (``unpaid``
-        None: not counted), or where merging would not pay (:mod:`tome_core.models.cost`; ``unpaid``: ``(level, why,
-        tokens)``, counted for :meth:`summary`). ``grid``: the block's own grid, entered first (a block whose input
-        is a feature map); the rest as :meth:`block_matches` takes them."""
+        ``(matches, level, None)`` where it merges (:meth:`block_matches`; ``level``: where it is counted, None where
+        it merges nothing); ``(None, None, unpaid)`` where it runs unmerged for its size: at a level above
+        ``max_downsample`` (``unpaid`` None: not counted), or where merging would not pay (:mod:`tome_core.models.cost`;
+        ``unpaid``: ``(level, why, tokens)``, counted for :meth:`summary`). ``grid``: the block's own grid, entered
+        first (a block whose input is a feature map); the rest as :meth:`block_matches` takes them."""
         if grid is not None:
             self.enter_grid(grid)
         ops, place = found = self._place(image)
