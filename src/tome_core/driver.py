@@ -145,7 +145,7 @@ def patch(fw: Framework, obj: Any, options: Dict[str, Any], undo: Callable[[Any]
         attach(fw, plan)
     tell_grids(fw, obj)  # a pipeline's ids carry their grid: no host read, so fullgraph compiles trace them
     if config.reuse_steps > 1 and not fw.is_module(obj) and generations(obj) is not None:
-        for model in models:  # each call of the pipeline starts a generation (ToMeState.follow_generation)
+        for model in models:  # each call of the pipeline starts a generation (Matching.follow_generation)
             model.__dict__["_tome_patch"].state.matching.pipeline = PipelineWatch(obj)
     return obj
 

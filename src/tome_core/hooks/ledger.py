@@ -100,7 +100,7 @@ class Ledger:
             "each call merged (said once)"
         )
 
-    def summary(self, active: ToMeConfig, fallback: ToMeConfig, notes: List[str]) -> List[str]:
+    def summary(self, active: ToMeConfig, fallback: Optional[ToMeConfig], notes: List[str]) -> List[str]:
         """One line per level of the last call (named by its scale: ``1/2`` is the level at half the latent's
         width): the blocks whose merged sub-layer ran on fewer tokens, tokens before and after (what their attention
         saw), and the arrangement (``active``'s); ``notes`` on them; then the blocks that ran under the ``fallback``

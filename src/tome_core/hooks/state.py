@@ -97,7 +97,8 @@ class ToMeState:
                 notes.append(f"  (a token meets the destinations within {window} frame{'s' * (window != 1)} of its own, of {frames})")
             if call.shards is not None:
                 notes.append(f"  (each of {call.shards.count} processes merges its own piece of the tokens, counted above)")
-        lines = self.ledger.summary(config, self.fallback(True), notes)
+        fallback = self.fallback(True) if self.ledger.fallbacks else None  # built only where blocks ran it
+        lines = self.ledger.summary(config, fallback, notes)
         return "\n".join(lines) if lines else "  no block merged"
 
     def begin_call(self, call: CallFacts) -> None:
