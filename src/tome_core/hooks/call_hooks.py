@@ -96,8 +96,10 @@ class CallStart:
             check_shards(shards, self.size_aware, self.model)
             grid = shard_grid(grid, shards, tail, videos, self.model)
         execution = self.fw.execution(sample[0] if isinstance(sample, (list, tuple)) else sample)
-        frame_rows = placed.grid[0] // frames if frames > 1 else 0
-        self.state.begin_call(CallFacts(grid, step, videos, merging, None, tail, grid_last, shards, execution, frame_rows))
+        self.state.begin_call(CallFacts(
+            grid, step, videos, merging, tail=tail, grid_last=grid_last, shards=shards, execution=execution,
+            frame_rows=placed.grid[0] // frames if frames > 1 else 0,
+        ))
         self.state.enter_grid(grid)
         if shards is not None:
             check_shard_cells(grid, shards, self.state.active, self.model)
