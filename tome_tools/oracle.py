@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 from tome_core import driver
 from tome_core.config import ToMeConfig
 from tome_core.framework import Framework
-from tome_core.algorithm.match import Match, identity_match
+from tome_core.algorithm.match import TOME, Match, identity_match
 from tome_core.algorithm.ops import Array, ArrayOps
 from tome_core.algorithm.partition import Draw, cached, num_cells
 from tome_core.models.plan import plan_model
@@ -43,6 +43,20 @@ def first_tokens_match(ops: ArrayOps, like: Array, batch: int, tokens: int, kept
         )
 
     return cached(ops, like, ("match", "first tokens", batch, tokens, kept), build)
+
+
+class CountedMatcher:
+    """ToMe's own matcher (:data:`~tome_core.algorithm.match.TOME`), recording the grid of each call in ``grids``:
+    how many matches a run computes, through the library's matcher seam."""
+
+    sized = True
+
+    def __init__(self) -> None:
+        self.grids: list = []
+
+    def __call__(self, ops: ArrayOps, metric: Array, grid: Optional[Tuple[int, int]], *rest: Any) -> Dict[str, Match]:
+        self.grids.append(grid)
+        return TOME(ops, metric, grid, *rest)
 
 
 class FirstTokens:

@@ -11,8 +11,8 @@ import pytest
 
 import tome_core.paddle as tome
 from tome_core import bipartite_match, get_ops, merge, unmerge
-from tome_core.algorithm.match import TOME
 from tome_core.algorithm.merge import size_bias
+from tome_tools.oracle import CountedMatcher
 
 
 def token_counts(model, names=("attn1", "attn2", "ff")):
@@ -45,19 +45,10 @@ def test_sublayer_and_level_ratios_set_the_token_counts(unet, inputs, call):
 def test_reuse_level_computes_one_match_per_level(unet, tiny_unet, inputs, call):
     tome.patch(unet, ratio=0.5, max_downsample=2, reuse_level=True)
     [(_, state)] = tome.patched_models(unet)
-    computed = []
-
-    class Counted:  # ToMe's own matcher, counting its calls by grid (the run state's matcher seam)
-        sized = True
-
-        def __call__(self, ops, metric, grid, *rest):
-            computed.append(grid)
-            return TOME(ops, metric, grid, *rest)
-
-    state.matching.matcher = Counted()
+    state.matching.matcher = counted = CountedMatcher()  # ToMe's own, counting its calls by grid
     reused = call(unet, inputs)
     # one per merged level (16x16 and 8x8 tokens), not one per block; the mid block (above max_downsample) none
-    assert sorted(computed) == [(8, 8), (16, 16)]
+    assert sorted(counted.grids) == [(8, 8), (16, 16)]
     assert state.ledger.stats[1].blocks == 3 and state.ledger.stats[2].blocks == 3
     fresh = call(tome.patch(copy.deepcopy(tiny_unet), ratio=0.5, max_downsample=2), inputs)
     assert np.abs(reused - fresh).max() > 1e-6
