@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 from ..config import ToMeConfig
 from .ops import Array, ArrayOps
-from .partition import Band, Draw, Partition, cached, cell_table, partition_grid
+from .partition import Band, Draw, Partition, cached, cell_table, constant, partition_grid
 
 
 @dataclass(frozen=True)
@@ -230,10 +230,8 @@ def _assign_drawn(
     ))
     slots = ops.broadcast_to(ops.reshape(part.dst_slot, (1, tokens)), (batch, tokens))
     rows = ops.reshape(ops.scatter(slots, token, into, axis=1) + first_rows, (batch * tokens,))
-    zeros, ones = cached(ops, like, ("size counts", str(getattr(like, "dtype", "")), batch, tokens, kept), lambda: (
-        ops.zeros((batch * kept,), like), ops.ones((batch * tokens,), like)
-    ))
-    sizes = ops.reshape(ops.scatter_add(zeros, rows, ones, axis=0), (batch, kept, 1))
+    ones = constant(ops, like, 1, (batch * tokens,))
+    sizes = ops.reshape(ops.scatter_add(constant(ops, like, 0, (batch * kept,)), rows, ones, axis=0), (batch, kept, 1))
     representatives = None
     if represent:
         dst = ops.broadcast_to(ops.reshape(part.dst, (1, tokens - num_src)), (batch, tokens - num_src))

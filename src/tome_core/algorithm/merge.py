@@ -9,6 +9,7 @@ from typing import Callable
 
 from .match import Match
 from .ops import Array
+from .partition import constant
 
 
 def _features(x: Array, match: Match, moved: Callable[[Array, Match], Array]) -> Array:
@@ -40,7 +41,7 @@ def _merge(x: Array, match: Match) -> Array:
         return ops.mean(ops.reshape(rows, (batch, match.kept, sx, channels)), (2,))
     index = ops.broadcast_to(ops.reshape(match.rows, (batch * tokens, 1)), (batch * tokens, channels))
     rows = ops.reshape(x, (batch * tokens, channels))
-    summed = ops.scatter_add(ops.zeros((match.batch * match.kept, channels), x), index, rows, axis=0)
+    summed = ops.scatter_add(constant(ops, x, 0, (match.batch * match.kept, channels)), index, rows, axis=0)
     return ops.reshape(summed, (match.batch, match.kept, channels)) / ops.astype_like(match.sizes, x)
 
 

@@ -8,7 +8,7 @@ import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from .ops import Array, ArrayOps
 
@@ -112,6 +112,13 @@ def cached(ops: ArrayOps, like: Array, key: Tuple, build: Callable[[], Any]) -> 
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
     return value
+
+
+def constant(ops: ArrayOps, like: Array, value: int, shape: Sequence[int]) -> Array:
+    """``value`` in ``like``'s dtype as an array of ``shape``: one kept element broadcast (a view), so that nothing is
+    filled in a call (an out-of-place scatter copies its target once anyway)."""
+    key = ("constant", value, str(getattr(like, "dtype", "")))
+    return ops.broadcast_to(cached(ops, like, key, lambda: ops.zeros((1,), like) + value), tuple(shape))
 
 
 def forget_tables() -> None:

@@ -11,7 +11,7 @@ from typing import Any, Collection, Optional, Sequence, Tuple
 from ..algorithm.backend import get_ops
 from ..algorithm.match import Match
 from ..algorithm.merge import size_bias
-from ..algorithm.partition import cached
+from ..algorithm.partition import constant
 from ..models.families import TEXT_NONE, text_follows
 
 
@@ -60,9 +60,7 @@ class SizeBias:
                 f"size-aware attention: the attention has {keys} keys but the merged sequence has "
                 f"{self.head + match.kept + self.tail} tokens; pass proportional_attn=False"
             )
-        zeros = lambda count: [cached(  # noqa: E731
-            ops, like, ("zero bias", str(getattr(like, "dtype", "")), match.batch, count), lambda: ops.zeros((match.batch, 1, count), like)
-        )] if count else []
+        zeros = lambda count: [constant(ops, like, 0, (match.batch, 1, count))] if count else []  # noqa: E731
         # [head; image; tail; text], else [text; head; image; tail]
         before, after = (self.head, self.tail + text) if text_follows(self.text) else (text + self.head, self.tail)
         parts = [*zeros(before), sizes, *zeros(after)]
