@@ -394,3 +394,51 @@ def test_the_oracle_state_keeps_the_first_tokens_as_many_as_tome_keeps(xp, case,
     assert {k: m.merged for k, m in ours.items()} == {k: m.merged for k, m in oracle.items()}
     for match in oracle.values():
         np.testing.assert_array_equal(xp.numpy(merge(metric, match)), xp.numpy(metric)[:, : match.kept])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    case=cases(), data_seed=st.integers(0, 2**32 - 1), before=st.integers(0, 5), after=st.integers(0, 4),
+    shared=st.booleans(),
+)
+def test_a_joined_match_equals_the_grids_match_with_the_tokens_around_kept_apart(
+    xp, case, data_seed, before, after, shared
+):
+    """A match from the tables that carries ``(before, after)`` tokens around the grid's (Flux's text in its
+    single-stream blocks) merges, unmerges, sizes and places ``[before; grid; after]`` exactly as the grid's own
+    match does with the tokens around it concatenated back: the oracle is the concatenation it replaces."""
+    from tome_core.algorithm.match import partition_bipartite
+    from tome_core.algorithm.merge import size_bias
+    from tome_core.algorithm.partition import Draw, partition_grid
+
+    ops, n = xp.ops, case["h"] * case["w"]
+    rng = np.random.default_rng(data_seed)
+    metric = xp.asarray(rng.standard_normal((case["batch"], n, case["channels"])).astype(np.float32))
+    whole = rng.standard_normal((case["batch"], before + n + after, 5)).astype(np.float32)
+    grid = (case["h"], case["w"], case["sx"], case["sy"])
+
+    def match(around):
+        draw = Draw(case["seed"], case["step"], 1, 3, {}) if case["use_rand"] else None
+        return partition_bipartite(ops, metric, partition_grid(ops, metric, *grid, draw, around=around), [case["merged"]], shared)[0]
+
+    own, joined = match((0, 0)), match((before, after))
+    if own.merged == 0:
+        return
+    assert joined.joined == (before, after) and joined.tokens == before + n + after
+    front, back = whole[:, :before], whole[:, before + n :]
+    merged = xp.numpy(merge(xp.asarray(whole), joined))
+    expected = np.concatenate([front, xp.numpy(merge(xp.asarray(whole[:, before : before + n]), own)), back], axis=1)
+    np.testing.assert_array_equal(merged, expected)
+    kept = own.kept
+    expected = np.concatenate(
+        [merged[:, :before], xp.numpy(unmerge(xp.asarray(merged[:, before : before + kept]), own)), merged[:, before + kept :]], axis=1
+    )
+    np.testing.assert_array_equal(xp.numpy(unmerge(xp.asarray(merged), joined)), expected)
+    zeros = lambda count: np.zeros((case["batch"], 1, count), np.float32)  # noqa: E731
+    like = xp.asarray(merged)
+    expected = np.concatenate([zeros(before), xp.numpy(size_bias(own, like)), zeros(after)], axis=2)
+    np.testing.assert_array_equal(xp.numpy(size_bias(joined, like)), expected)
+    if shared:
+        ids = lambda start, count: np.broadcast_to(np.arange(start, start + count), (case["batch"], count))  # noqa: E731
+        expected = np.concatenate([ids(0, before), xp.numpy(own.representatives) + before, ids(before + n, after)], axis=1)
+        np.testing.assert_array_equal(xp.numpy(joined.representatives), expected)

@@ -27,6 +27,9 @@ class Match:
     pool: Optional[Tuple[int, int, int, int]] = None  # (h, w, sx, sy) when the match is exact sx*sy pooling
     frames: int = 1  # K > 1: a cross-frame match; its input [B * K, N / K, C] is read as [B, N, C] chunks
     picked: Optional[Array] = None  # [B * (N - r)] when each slot takes one token's value: the row of that token
+    # (before, after): tokens around the grid's, each its own slot, that N counts: a match over the whole sequence
+    # [before; grid; after] a sub-layer runs on merges and unmerges it with no concatenation
+    joined: Tuple[int, int] = (0, 0)
 
     @property
     def inverse_sizes(self) -> Optional[Array]:
@@ -213,7 +216,8 @@ def _assign_drawn(
     """:func:`assign` on a partition from the tables in the fewest launches: one scatter of the ranked sources'
     slots into its ``dst_slot``, every shape-only array kept (:func:`~tome_core.algorithm.partition.cached`)."""
     batch, num_src = ops.shape(order)
-    tokens = part.h * part.w
+    before, after = part.around
+    tokens = before + part.h * part.w + after
     kept = tokens - merged
     stays = num_src - merged
     # slots counted from the first destination's (so that the merged sources' are their destinations' places),
@@ -224,20 +228,30 @@ def _assign_drawn(
             ops.reshape(ops.arange(stays, order) - stays, (1, stays)), (batch, stays)
         ))
         into = ops.concat([into, kept_slots], axis=1)
-    token = ops.reshape(ops.take(part.src, ops.reshape(order, (batch * num_src,)), axis=0), (batch, num_src))
-    first_rows = cached(ops, order, ("first rows", batch, kept, stays), lambda: ops.reshape(
-        ops.arange(batch, order) * kept + stays, (batch, 1)
-    ))
+    placed = part.order if part.placed is None else part.placed  # sources, then destinations
+    token = ops.reshape(ops.take(placed[:num_src], ops.reshape(order, (batch * num_src,)), axis=0), (batch, num_src))
+
+    def first_rows():  # the tokens before the grid's stay in front, in their own slots
+        item = ops.reshape(ops.arange(batch, order) * kept, (batch, 1))
+        position = ops.reshape(ops.arange(tokens, order), (1, tokens))
+        return item + (ops.where(position < before, position, before + stays) if before else stays)
+    first_rows = cached(ops, order, ("first rows", batch, kept, stays, before), first_rows)
     slots = ops.broadcast_to(ops.reshape(part.dst_slot, (1, tokens)), (batch, tokens))
     rows = ops.reshape(ops.scatter(slots, token, into, axis=1) + first_rows, (batch * tokens,))
     ones = constant(ops, like, 1, (batch * tokens,))
     sizes = ops.reshape(ops.scatter_add(constant(ops, like, 0, (batch * kept,)), rows, ones, axis=0), (batch, kept, 1))
     representatives = None
     if represent:
-        dst = ops.broadcast_to(ops.reshape(part.dst, (1, tokens - num_src)), (batch, tokens - num_src))
-        representatives = ops.concat([token[:, merged:], dst], axis=1)
+        num_dst = part.h * part.w - num_src
+        ids = lambda start, count: [ops.broadcast_to(  # noqa: E731
+            ops.reshape(ops.arange(count, order) + start, (1, count)), (batch, count)
+        )] if count else []
+        front, back = cached(ops, order, ("around", batch, before, tokens, after), lambda: (ids(0, before), ids(tokens - after, after)))
+        dst = ops.broadcast_to(ops.reshape(placed[num_src:], (1, num_dst)), (batch, num_dst))
+        representatives = ops.concat(front + [token[:, merged:], dst] + back, axis=1)
     return Match(
         ops=ops, rows=rows, sizes=sizes, batch=batch, tokens=tokens, merged=merged, representatives=representatives,
+        joined=part.around,
     )
 
 
@@ -396,11 +410,13 @@ class Matcher(Protocol):
     def __call__(
         self, ops: ArrayOps, metric: Array, grid: Optional[Tuple[int, int]], cell: Tuple[int, int],
         merged: Dict[str, int], config: ToMeConfig, draw: Optional[Draw], across: int, shared: bool, frames: int,
-        video: Tuple[int, int],
+        video: Tuple[int, int], around: Tuple[int, int] = (0, 0),
     ) -> Dict[str, Match]:
         """One match per sub-layer of ``merged``, each merging that many tokens of ``metric`` on a ``grid`` ``(h, w)``
         (None: nothing merges) of ``cell`` ``(sx, sy)`` cells; ``draw``: the call's partitions (None: fixed);
-        ``frames``, ``across``: cross-frame chunks; ``video``: ``(frame_rows, frame_offset)`` of stacked frames."""
+        ``frames``, ``across``: cross-frame chunks; ``video``: ``(frame_rows, frame_offset)`` of stacked frames;
+        ``around``: ``(before, after)`` tokens around the grid's in what the sub-layers run on, passed where not
+        ``(0, 0)``: a match may carry them (:attr:`Match.joined`) or cover the grid alone."""
 
 
 class ToMeMatcher:
@@ -411,13 +427,13 @@ class ToMeMatcher:
     def __call__(
         self, ops: ArrayOps, metric: Array, grid: Optional[Tuple[int, int]], cell: Tuple[int, int],
         merged: Dict[str, int], config: ToMeConfig, draw: Optional[Draw], across: int, shared: bool, frames: int,
-        video: Tuple[int, int],
+        video: Tuple[int, int], around: Tuple[int, int] = (0, 0),
     ) -> Dict[str, Match]:
         similarity = config.matching == "similarity"
         part = None if grid is None else partition_grid(
             ops, metric, *grid, *cell, draw, similarity=similarity, picks=similarity or config.cell_pool == "sample",
             window=config.local_window, frames=frames if similarity else 1, frame_rows=video[0],
-            frame_offset=video[1], frame_window=config.frame_window,
+            frame_offset=video[1], frame_window=config.frame_window, around=around,
         )
         return match_block(
             ops, metric, part, merged, matching=config.matching, cell_pool=config.cell_pool, across=across,

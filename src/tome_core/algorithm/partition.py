@@ -342,6 +342,27 @@ def split_table(
     return cached(ops, like, ("split table", h, w, sx, sy, seed, tiling), build)
 
 
+def joined_table(
+    ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: Optional[int], tiling: Optional[Tiling],
+    around: Tuple[int, int],
+) -> Tuple[Array, Array]:
+    """:func:`split_table` for the sequence ``[before; grid; after]`` (``around``) whose other tokens keep their own
+    slots: kept ``(placed [R, N], slots [R, before + N + after])``, the order's tokens at their places in that
+    sequence, and each token's slot as :func:`split_table`'s (the ``i``-th token after the grid: destinations + ``i``;
+    those before get theirs from the match's first rows)."""
+    before, after = around
+
+    def build():
+        order, dst_slot = split_table(ops, like, h, w, sx, sy, seed, tiling)
+        rows, count = ops.shape(order)[0], num_cells(h, w, sx, sy, tiling)
+        pieces = [ops.zeros((rows, before), order)] if before else []
+        pieces.append(dst_slot)
+        if after:
+            pieces.append(ops.broadcast_to(ops.reshape(ops.arange(after, order) + count, (1, after)), (rows, after)))
+        return order + before, ops.concat(pieces, axis=1)
+    return cached(ops, like, ("joined table", h, w, sx, sy, seed, tiling, before, after), build)
+
+
 def pick_table(ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, seed: Optional[int]) -> Array:
     """Kept ``[R, cells + leftover]``: the token standing for each cell in each drawn partition (as
     :func:`split_table`), then the leftover tokens."""
@@ -404,6 +425,8 @@ class Partition:
     dst_slot: Optional[Array] = None  # [N]: each destination token's place among the destinations (split_table)
     picked: Optional[Array] = None  # [cells + leftover]: the token standing for each cell, then the leftovers
     tiling: Optional[Tiling] = None
+    around: Tuple[int, int] = (0, 0)  # tokens before and after the grid's that its matches carry (joined_table)
+    placed: Optional[Array] = None  # [N]: ``order`` at its places among them; ``dst_slot`` then runs over all
 
     @property
     def full_cells(self) -> int:
@@ -415,12 +438,15 @@ def partition_grid(
     ops: ArrayOps, like: Array, h: int, w: int, sx: int, sy: int, draw: Optional[Draw] = None, *,
     similarity: bool = True, picks: bool = True, window: int = 0, frames: int = 1, offsets: Optional[Array] = None,
     reference: Any = None, frame_rows: int = 0, frame_window: Optional[int] = None, frame_offset: int = 0,
+    around: Tuple[int, int] = (0, 0),
 ) -> Partition:
     """The :class:`Partition` of an ``h x w`` grid of ``sx x sy`` cells. ``draw`` places the destinations (and a
     chunk's reference frame) pseudo-randomly where the match ``picks`` a token per cell, else ``offsets`` (None:
     each cell's first token) and ``reference`` (None: the middle frame). ``similarity``: sources are compared with
     destinations (within ``window`` cells when > 0); ``frames``: in chunks of that many frames; ``frame_rows``,
-    ``frame_window``, ``frame_offset``: :func:`frame_search` (not with ``window``, already local)."""
+    ``frame_window``, ``frame_offset``: :func:`frame_search` (not with ``window``, already local); ``around``:
+    ``(before, after)`` tokens around the grid's that a similarity match of one frame from the tables carries
+    (:func:`joined_table`), so that it merges the whole sequence a sub-layer runs on."""
     search = frame_search(h, w, sx, sy, frame_rows, frame_window, frame_offset) if similarity and not window else None
     tiling = None if search is None else search.tiling
     cells, leftover = _cells(ops, like, h, w, sx, sy, tiling)
@@ -431,14 +457,18 @@ def partition_grid(
         reference = ops.reshape(draw.row(ops, like, ("offsets", 1, frames, frames, 1, seed + 1), table), (1,))
     if frames > 1 and reference is None:
         reference = frames // 2
-    dst = src = neighbours = nearby = bands = order = dst_slot = picked = None
+    dst = src = neighbours = nearby = bands = order = dst_slot = picked = placed = None
+    around = around if similarity and frames == 1 and count and picks and offsets is None else (0, 0)
     if count and picks and offsets is None:  # drawn or fixed: from the tables; explicit offsets: split here
 
-        def row(name: str, table: Array) -> Array:  # fixed: the table's one row; drawn: this stream's in this call
+        def row(name: Any, table: Array) -> Array:  # fixed: the table's one row; drawn: this stream's in this call
             return table[0] if draw is None else draw.row(ops, like, (name, h, w, sx, sy, seed, tiling), table)
         if similarity:
             order, dst_slot = split_table(ops, like, h, w, sx, sy, seed, tiling)
-            order, dst_slot = row("order", order), row("slots", dst_slot)
+            if any(around):
+                placed, dst_slot = joined_table(ops, like, h, w, sx, sy, seed, tiling, around)
+                placed = row(("placed", *around), placed)
+            order, dst_slot = row("order", order), row(("slots", *around), dst_slot)
         else:
             picked = row("picks", pick_table(ops, like, h, w, sx, sy, seed))
     if similarity and count:
@@ -451,5 +481,5 @@ def partition_grid(
         bands = None if search is None else search.bands
     return Partition(
         h, w, sx, sy, cells, leftover, offsets, dst, src, window, neighbours, nearby, frames, reference, bands, order,
-        dst_slot, picked, tiling,
+        dst_slot, picked, tiling, around, placed,
     )

@@ -17,7 +17,7 @@ from ..framework import Framework, REUSED, argument, argument_positions, argumen
 from ..models.arrangement_rules import arrangement_error, arrangement_problem, kv_in_kernel
 from ..models.families import (
     BlockFamily, Sublayer, TEXT_AFTER, TEXT_BEFORE, TEXT_NONE, TEXT_PREFIX, TEXT_SUFFIX, attends_text_only, child_at,
-    text_follows, with_text_after,
+    joined_text, text_follows, with_text_after,
 )
 from ..models.model_tree import block_metric
 from ..shards import CONTEXT_PARALLEL
@@ -100,7 +100,10 @@ class BlockRun:
         self.reads = (
             block_metric(family, block), _named_position(block, family.text_after_with),
             _named_position(block, family.unmerged_with[0] if family.unmerged_with else None),
+            _named_position(block, family.text_input),
         )
+        # where text sits in what all its sub-layers run on, for the base family and its text-after variant
+        self.joins = {variant: joined_text(variant) for variant in (family, self.text_after) if variant is not None}
         self.lent = False  # another model may run this block in its own call (ModelLayout.lent)
         self.idle = BlockPlan(state.active)  # the plan of a run that merges nothing (its options are not read)
         self.plan = self.idle
@@ -116,7 +119,7 @@ class BlockRun:
             block_problem(self.block, self.state.config)
         if self.merged:  # what an interrupted call left (a BaseException skips post-hooks)
             self.merged.clear()
-        whole, text_after, unmerged_by = arguments(args, kwargs, self.reads)
+        whole, text_after, unmerged_by, text = arguments(args, kwargs, self.reads)
         self.family = self.base if text_after is None else self.text_after
         earlier = self._ran_on(whole) if self.ran else None
         if earlier is not None:  # a recomputation (checkpointing): as it ran then, counted then
@@ -125,7 +128,7 @@ class BlockRun:
         if self.lent and not self.state.in_call:  # another model runs this block (it borrowed it): unmerged
             self.plan, self.unfinished = self.idle, None
             return None
-        plan = self._decide(get_ops(whole), whole, unmerged_by)
+        plan = self._decide(get_ops(whole), whole, unmerged_by, text)
         if plan is self.idle:  # most blocks of an eager call: no more host time than this
             self.plan, self.unfinished = plan, None
         else:
@@ -151,9 +154,10 @@ class BlockRun:
         if not unfinished:
             self.plan, self.unfinished = self.idle, None
 
-    def _decide(self, ops: ArrayOps, whole: Any, unmerged_by: Any) -> BlockPlan:
+    def _decide(self, ops: ArrayOps, whole: Any, unmerged_by: Any, text: Any) -> BlockPlan:
         """The plan of this call: the block's image tokens read off its input ``whole``, then what
-        :meth:`ToMeState.decide` makes of them. ``unmerged_by``: its call's ``unmerged_with`` argument."""
+        :meth:`ToMeState.decide` makes of them. ``unmerged_by``, ``text``: its call's ``unmerged_with`` and
+        ``text_input`` arguments."""
         state, family, call = self.state, self.family, self.state.call
         deciding = call.merging and unmerged_by is None
         if call.merging and unmerged_by is not None:  # the call runs this block unmerged: said once
@@ -199,7 +203,12 @@ class BlockRun:
         if call.execution is None:  # its device and execution, where the call's start did not read them
             state.call = call._replace(execution=self.fw.execution(image))
         shared = family.rotary is not None or self.masks
-        matches, level, unpaid = state.decide(image, self.stream, shared, self.ratio, config, fallback, own_grid)
+        # keys and values merged apart (kv, queries) may meet keys the processor adds itself (Flux.2 Klein KV's cache)
+        join, around = self.joins[family], (0, 0)
+        if join is not None and shards is None and config.mode not in ("kv", "queries") and (family.stream == join or text is not None):
+            words = ops.shape(metric)[1] - ops.shape(image)[1] - head - tail if family.stream == join else ops.shape(text)[1]
+            around = (words + head, tail) if join == TEXT_PREFIX else (head, tail + words)
+        matches, level, unpaid = state.decide(image, self.stream, shared, self.ratio, config, fallback, own_grid, around)
         if matches is None:  # it runs unmerged for its size: a level above max_downsample, or merging would not pay
             # remembered for the next call in an eager one, unless the block reads its grid itself or may be lent
             key = state.call.key
@@ -207,6 +216,8 @@ class BlockRun:
             self.settled = Settled(key, ops.shape(whole), family, config, unpaid) if remember else None
             return self.idle
         self.settled = None
+        if any(any(match.joined) for match in matches.values()):  # its matches run on the whole sequence
+            head = tail = 0
         return BlockPlan(config, matches, head, tail, level)
 
     def _ran_on(self, x: Any) -> Optional[Tuple[Any, BlockPlan]]:
@@ -248,7 +259,8 @@ class BlockRun:
             if child is None:
                 self.state.ledger.count(plan.level, plan.matches[kind])
             else:
-                self.state.ledger.passed(plan.level, child, why, plan.matches[kind].tokens)
+                match = plan.matches[kind]
+                self.state.ledger.passed(plan.level, child, why, match.tokens - sum(match.joined))
             self.plan = replace(plan, level=None)
 
     def end(self, module, args, kwargs, output):

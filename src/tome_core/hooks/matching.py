@@ -57,13 +57,14 @@ class Matching:
     def find(
         self, ops: ArrayOps, metric: Any, place: Place, config: ToMeConfig, merged: Dict[str, int], cell: Tuple[int, int],
         frames: int, video: Tuple[int, int], step: Any, stream: int, shared: bool, block_ratio: Optional[float],
-        reuse: bool,
+        reuse: bool, around: Tuple[int, int] = (0, 0),
     ) -> Dict[str, Match]:
         """The matches of a block ``stream`` whose image tokens ``metric`` ``[B, N, C]`` lie at ``place``, merging
         ``merged`` tokens per sub-layer in ``cell`` cells, under ``config`` at ``step``; ``frames``: frames per
         cross-frame chunk; ``video``: ``(frame_rows, offset)`` of the frames its grid stacks; ``shared``: one match
         for the whole batch; ``reuse``: the options keep matches, looked up here first. A match is reused only where
-        its partition would be drawn alike: the same grid (not just as many tokens), cells and frames."""
+        its partition would be drawn alike: the same grid (not just as many tokens), cells and frames; so a kept
+        one covers the grid alone, where a fresh one may carry the ``around`` tokens (``(before, after)``) too."""
         batch, tokens = ops.shape(metric)[:2]
         first = stream - stream % config.reuse_blocks  # the block whose match a run of reuse_blocks shares
         key = (place.factor if config.reuse_level else ("block", first), batch, tokens, place.grid, cell, video, shared, block_ratio, frames)
@@ -72,7 +73,8 @@ class Matching:
             across = int((frames - 1) * place.tokens * config.across_frames)
             grid = grid_of(place) if any(merged.values()) or across else None  # None: no partition, nothing merges
             draw = Draw(config.seed, step, first, self.streams, self.drawn) if config.use_rand and grid is not None else None
-            matches = self.matcher(ops, metric, grid, cell, merged, config, draw, across, shared, frames, video)
+            joined = {"around": around} if any(around) and not reuse else {}
+            matches = self.matcher(ops, metric, grid, cell, merged, config, draw, across, shared, frames, video, **joined)
             if reuse:
                 self.cache[key] = matches
         return matches

@@ -127,7 +127,7 @@ class ToMeState:
 
     def decide(
         self, image: Any, stream: int, shared: bool, block_ratio: Optional[float], config: ToMeConfig,
-        fallback: Optional[str], grid: Optional[Tuple[int, int]] = None,
+        fallback: Optional[str], grid: Optional[Tuple[int, int]] = None, around: Tuple[int, int] = (0, 0),
     ) -> Tuple[Optional[Dict[str, Match]], Optional[Level], Optional[Tuple[int, str, int]]]:
         """What a block does with its image tokens ``image`` ``[B, N, C]`` in this merging call, read in one pass:
         ``(matches, level, None)`` where it merges (:meth:`block_matches`; ``level``: where it is counted, None where
@@ -146,7 +146,7 @@ class ToMeState:
             if self.call.execution[1] != "compiled":  # a compiler's trace cannot log (dynamo refuses it in a fullgraph trace)
                 self.ledger.tell_unpaid(place.factor, why, self.config.min_tokens)
             return None, None, (place.factor, why, place.tokens)
-        matches = self.block_matches(image, stream, shared, block_ratio, config, fallback, place=found)
+        matches = self.block_matches(image, stream, shared, block_ratio, config, fallback, place=found, around=around)
         return matches, self._level(place, matches, fallback), None
 
     def _unpaid(self, place: Place, config: ToMeConfig) -> Optional[str]:
@@ -165,7 +165,7 @@ class ToMeState:
     def block_matches(
         self, metric: Any, stream: int, shared: bool = False, block_ratio: Optional[float] = None,
         config: Optional[ToMeConfig] = None, fallback: Optional[str] = None,
-        place: Optional[Tuple[ArrayOps, Place]] = None,
+        place: Optional[Tuple[ArrayOps, Place]] = None, around: Tuple[int, int] = (0, 0),
     ) -> Dict[str, Match]:
         """One match per merged sub-layer for a block's input ``metric`` ``[B, N, C]`` (:meth:`Matching.find
         <tome_core.hooks.matching.Matching.find>`): as many tokens merge as its level's ratios ask, where its grid
@@ -173,7 +173,7 @@ class ToMeState:
         reuse); ``shared``: one match for the whole batch (blocks whose tokens carry rotary positions);
         ``block_ratio``: this block's entry of ``block_ratios``; ``config``: its options (default :attr:`active`),
         ``fallback``: why they are :meth:`fallback`'s; ``place``: the metric's backend and place, where
-        :meth:`decide` read them. Nothing is counted here: the block's hooks count it when its merged sub-layer
+        :meth:`decide` read them; ``around``: the tokens before and after the grid's in what its sub-layers run on. Nothing is counted here: the block's hooks count it when its merged sub-layer
         has run."""
         if not self.call.merging:
             return {}
@@ -194,7 +194,7 @@ class ToMeState:
         reuse = small is None and (config.reuse_level or config.reuse_steps > 1 or config.reuse_blocks > 1)
         return self.matching.find(
             ops, metric, place, config, merged, cell, frames, self.call.frames(place.grid), self.call.step, stream,
-            shared, block_ratio, reuse,
+            shared, block_ratio, reuse, around,
         )
 
     def _level(self, place: Place, matches: Dict[str, Match], fallback: Optional[str]) -> Optional[Level]:

@@ -112,6 +112,9 @@ class BlockFamily:
     models: the model classes inside which alone its classes are blocks (diffusers' ``Attention``); empty: everywhere.
     metric: the block argument the match is computed from where its first input is not the grid's stream (Z-Image's
         ControlNet blocks: ``x``); None: the first input.
+    text_input: the block argument whose tokens the block itself puts beside its image stream in what its sub-layers
+        run on (FLUX.1's single-stream block joins its ``encoder_hidden_states`` in front): with them counted, its
+        matches carry them (:func:`joined_text`).
     """
 
     name: str
@@ -130,6 +133,22 @@ class BlockFamily:
     feature_map: bool = False
     models: Tuple[str, ...] = ()
     metric: Optional[str] = None
+    text_input: Optional[str] = None
+
+
+def joined_text(family: BlockFamily) -> Optional[str]:
+    """Where text sits (``TEXT_PREFIX`` or ``TEXT_SUFFIX``) in what every sub-layer of ``family`` runs on, if they all
+    run on one sequence of text and image tokens, its block's input or (:attr:`BlockFamily.text_input`) the block's
+    join of text and input: then a match may carry the text (:attr:`~tome_core.algorithm.match.Match.joined`), so
+    that merge, unmerge, size bias and rotary positions run on the whole sequence with no concatenation. None
+    elsewhere (and where a sub-layer also reads counts or other arguments of its tokens, or merges inside itself)."""
+    texts = {sublayer.text for sublayer in family.sublayers}
+    text = texts.pop() if len(texts) == 1 else None
+    if text not in (TEXT_PREFIX, TEXT_SUFFIX) or (family.stream != text and family.text_input is None) or any(
+        sublayer.counts or sublayer.aligned or sublayer.projections or sublayer.once for sublayer in family.sublayers
+    ):
+        return None
+    return text
 
 
 def with_text_after(family: BlockFamily) -> BlockFamily:
@@ -211,11 +230,14 @@ BLOCK_FAMILIES: Tuple[BlockFamily, ...] = (
     BlockFamily(
         "flux-single",
         ("FluxSingleTransformerBlock", "LongCatImageSingleTransformerBlock", "OvisImageSingleTransformerBlock"),
-        _FLUX_SINGLE, rotary="image_rotary_emb", timesteps=1.0,
+        _FLUX_SINGLE, rotary="image_rotary_emb", timesteps=1.0, text_input="encoder_hidden_states",
     ),
     # Bria: FLUX.1's blocks; its pipelines pass the scheduler's timesteps (0-1000)
     BlockFamily("bria-double", ("BriaTransformerBlock",), _FLUX_DOUBLE, rotary="image_rotary_emb"),
-    BlockFamily("bria-single", ("BriaSingleTransformerBlock",), _FLUX_SINGLE, rotary="image_rotary_emb"),
+    BlockFamily(
+        "bria-single", ("BriaSingleTransformerBlock",), _FLUX_SINGLE, rotary="image_rotary_emb",
+        text_input="encoder_hidden_states",
+    ),
     # Bria-FIBO: a key-padding mask over [text; image] at every attention; its single blocks are handed [text; image]
     BlockFamily(
         "bria-fibo-double", ("BriaFiboTransformerBlock",), _masked(_FLUX_DOUBLE, _KEY_MASK[0]),
