@@ -32,11 +32,6 @@ class Match:
     joined: Tuple[int, int] = (0, 0)
 
     @property
-    def inverse_sizes(self) -> Optional[Array]:
-        """``1 / sizes``."""
-        return None if self.sizes is None else 1 / self.sizes
-
-    @property
     def kept(self) -> int:
         """Length of the merged sequence, N - r."""
         return self.tokens - self.merged
