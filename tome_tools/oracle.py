@@ -54,22 +54,23 @@ class CountedMatcher:
     def __init__(self) -> None:
         self.grids: list = []
 
-    def __call__(self, ops: ArrayOps, metric: Array, grid: Optional[Tuple[int, int]], *rest: Any) -> Dict[str, Match]:
+    def __call__(self, ops: ArrayOps, metric: Array, grid: Optional[Tuple[int, int]], *rest: Any, **options: Any) -> Dict[str, Match]:
         self.grids.append(grid)
-        return TOME(ops, metric, grid, *rest)
+        return TOME(ops, metric, grid, *rest, **options)
 
 
 class FirstTokens:
     """A :class:`~tome_core.algorithm.match.Matcher` whose every match keeps the first tokens, as many as ToMe's keeps there
     (similarity: the counts; cells: one token per full cell and the leftovers; no full cell: every token). Its
-    kept tokens each stand for themselves, so no size-aware attention is armed (``sized``)."""
+    kept tokens each stand for themselves, so no size-aware attention is armed (``sized``). Its matches cover the
+    grid alone (``around`` is not carried: the block keeps the tokens around the grid apart)."""
 
     sized = False
 
     def __call__(
         self, ops: ArrayOps, metric: Array, grid: Optional[Tuple[int, int]], cell: Tuple[int, int],
         merged: Dict[str, int], config: ToMeConfig, draw: Optional[Draw], across: int, shared: bool, frames: int,
-        video: Tuple[int, int],
+        video: Tuple[int, int], around: Tuple[int, int] = (0, 0),
     ) -> Dict[str, Match]:
         if frames > 1:
             raise ValueError(_CHUNKS.format(frames=frames))
