@@ -367,7 +367,7 @@ class SublayerHooks:
         self.fw.output_cache(module)  # a cache set after patch is checked here
         self.head = head = sublayer_head(run, sublayer, get_ops(x).shape(x)[1], match.tokens)
         if mode == "kv" and kv_in_kernel(self.fw, sublayer, module):
-            own = self._own_keys(args, kwargs, x, match.tokens)  # its queries keep every token
+            own = self._own_keys(args, kwargs, x, match.tokens - sum(match.joined))  # its queries keep every token
             bias = SizeBias(match, text, x, tail, head) if size_aware else None
             self.in_kernel = True
             return self.fw.kernel_keys(module, args, kwargs, KernelKeys(match, text, tail, head, own), bias)
@@ -508,14 +508,15 @@ class SublayerHooks:
         return replace_argument(args, kwargs, name, at, type(rotary)(moved))
 
     def _size_aware(self, module, args, kwargs, match, merged):
-        own = self._own_keys(args, kwargs, merged, match.kept)
+        own = self._own_keys(args, kwargs, merged, match.kept - sum(match.joined))
         return self.fw.size_aware(
             module, args, kwargs, SizeBias(match, self.sublayer.text, merged, self.run.plan.tail, self.head, own=own)
         )
 
     def _own_keys(self, args, kwargs, keys_from: Any, queried: int) -> Tuple[int, int]:
-        """The fewest ``(queries, keys)`` of this attention's own call: ``queried`` image tokens, and the tokens of
-        ``keys_from`` with at least one of the text a joint attention is given apart (Mochi's drops padded text)."""
+        """The fewest ``(queries, keys)`` of this attention's own call: ``queried`` image tokens (a processor may
+        attend with its text and other tokens apart: Flux.2 Klein KV's references), and the tokens of ``keys_from``
+        with at least one of the text a joint attention is given apart (Mochi's drops padded text)."""
         joint = self.sublayer.text in (TEXT_BEFORE, TEXT_AFTER) and argument(args, kwargs, "encoder_hidden_states", None) is not None
         return queried, get_ops(keys_from).shape(keys_from)[1] + joint
 
