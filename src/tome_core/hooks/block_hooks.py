@@ -203,10 +203,12 @@ class BlockRun:
         if call.execution is None:  # its device and execution, where the call's start did not read them
             state.call = call._replace(execution=self.fw.execution(image))
         shared = family.rotary is not None or self.masks
-        # keys and values merged apart (kv, queries) may meet keys the processor adds itself (Flux.2 Klein KV's cache)
+        # the text (and head and tail) its sub-layers run on, for its match to carry; not where keys and values
+        # merge apart (kv, queries), which may meet keys the processor adds itself (Flux.2 Klein KV's cache)
         join, around = self.joins[family], (0, 0)
-        if join is not None and shards is None and config.mode not in ("kv", "queries") and (family.stream == join or text is not None):
-            words = ops.shape(metric)[1] - ops.shape(image)[1] - head - tail if family.stream == join else ops.shape(text)[1]
+        in_stream = family.stream == join
+        if join is not None and shards is None and config.mode not in ("kv", "queries") and (in_stream or text is not None):
+            words = ops.shape(metric)[1] - ops.shape(image)[1] - head - tail if in_stream else ops.shape(text)[1]
             around = (words + head, tail) if join == TEXT_PREFIX else (head, tail + words)
         matches, level, unpaid = state.decide(image, self.stream, shared, self.ratio, config, fallback, own_grid, around)
         if matches is None:  # it runs unmerged for its size: a level above max_downsample, or merging would not pay
