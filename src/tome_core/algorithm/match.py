@@ -37,6 +37,12 @@ class Match:
         return self.tokens - self.merged
 
     @property
+    def grid_tokens(self) -> Tuple[int, int]:
+        """``(tokens, kept)`` of the grid's alone: without the :attr:`joined` tokens around it."""
+        around = sum(self.joined)
+        return self.tokens - around, self.kept - around
+
+    @property
     def slot(self) -> Optional[Array]:
         """``[B, N]``: each token's position in its own merged sequence."""
         if self.rows is None:

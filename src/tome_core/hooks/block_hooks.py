@@ -261,8 +261,7 @@ class BlockRun:
             if child is None:
                 self.state.ledger.count(plan.level, plan.matches[kind])
             else:
-                match = plan.matches[kind]
-                self.state.ledger.passed(plan.level, child, why, match.tokens - sum(match.joined))
+                self.state.ledger.passed(plan.level, child, why, plan.matches[kind].grid_tokens[0])
             self.plan = replace(plan, level=None)
 
     def end(self, module, args, kwargs, output):
@@ -369,7 +368,7 @@ class SublayerHooks:
         self.fw.output_cache(module)  # a cache set after patch is checked here
         self.head = head = sublayer_head(run, sublayer, get_ops(x).shape(x)[1], match.tokens)
         if mode == "kv" and kv_in_kernel(self.fw, sublayer, module):
-            own = self._own_keys(args, kwargs, x, match.tokens - sum(match.joined))  # its queries keep every token
+            own = self._own_keys(args, kwargs, x, match.grid_tokens[0])  # its queries keep every token
             bias = SizeBias(match, text, x, tail, head) if size_aware else None
             self.in_kernel = True
             return self.fw.kernel_keys(module, args, kwargs, KernelKeys(match, text, tail, head, own), bias)
@@ -510,7 +509,7 @@ class SublayerHooks:
         return replace_argument(args, kwargs, name, at, type(rotary)(moved))
 
     def _size_aware(self, module, args, kwargs, match, merged):
-        own = self._own_keys(args, kwargs, merged, match.kept - sum(match.joined))
+        own = self._own_keys(args, kwargs, merged, match.grid_tokens[1])
         return self.fw.size_aware(
             module, args, kwargs, SizeBias(match, self.sublayer.text, merged, self.run.plan.tail, self.head, own=own)
         )

@@ -56,8 +56,7 @@ class Ledger:
         factor, fallback = level
         stats = self.stats.setdefault(factor, LevelStats()) if fallback is None else self.fallbacks.setdefault(level, LevelStats())
         stats.blocks += 1
-        stats.tokens = match.tokens - sum(match.joined)  # the grid's
-        stats.kept = match.kept - sum(match.joined)
+        stats.tokens, stats.kept = match.grid_tokens
         stats.frames = match.frames
 
     def passed(self, level: Level, sublayer: str, why: str, tokens: int) -> None:

@@ -173,8 +173,8 @@ class ToMeState:
         reuse); ``shared``: one match for the whole batch (blocks whose tokens carry rotary positions);
         ``block_ratio``: this block's entry of ``block_ratios``; ``config``: its options (default :attr:`active`),
         ``fallback``: why they are :meth:`fallback`'s; ``place``: the metric's backend and place, where
-        :meth:`decide` read them; ``around``: the tokens before and after the grid's in what its sub-layers run on. Nothing is counted here: the block's hooks count it when its merged sub-layer
-        has run."""
+        :meth:`decide` read them; ``around``: the tokens before and after the grid's in what its sub-layers run
+        on. Nothing is counted here: the block's hooks count it when its merged sub-layer has run."""
         if not self.call.merging:
             return {}
         ops, place = place or self._place(metric)
